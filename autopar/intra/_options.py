@@ -1,0 +1,43 @@
+"""Options of the intra-operator planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ShardMethod = Literal["shard", "data", "zero2", "zero3"]
+SolverName = Literal["auto", "highs", "cbc"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardOptions:
+    """How the intra-operator ILP is built and solved.
+
+    **Arguments:**
+    - `method`: "shard" searches freely; "data" keeps parameters and optimizer state
+      replicated and splits the batch; "zero2" also shards optimizer state (and so
+      gradients); "zero3" shards parameters too.
+    - `memory_budget`: bytes per device; None uses the cluster's device memory.
+    - `time_limit`: seconds for one ILP solve.
+    - `solver`: "auto" uses HiGHS when installed, else CBC.
+    - `num_memory_points`: program points whose live bytes are constrained.
+    - `merge_followers`: let elementwise-like ops share their producer's choice.
+    """
+
+    method: ShardMethod = "shard"
+    memory_budget: float | None = None
+    time_limit: float = 60.0
+    solver: SolverName = "auto"
+    num_memory_points: int = 4
+    merge_followers: bool = True
+
+    def __post_init__(self):
+        if self.method not in ("shard", "data", "zero2", "zero3"):
+            raise ValueError(
+                f"unknown sharding method {self.method!r}; use one of "
+                "'shard', 'data', 'zero2', 'zero3'"
+            )
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
+            )

@@ -1,0 +1,167 @@
+"""The intra-operator planner: an `OpGraph` and a device set in, a `ShardingPlan` out.
+
+For each candidate logical mesh shape of the devices ((8,), (2, 4), (4, 2), ...), build
+the ILP (`_problem.py`), solve it (`_ilp.py`), and keep the plan with the least predicted
+step time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from autopar.cluster._mesh import LogicalMesh, replicated
+from autopar.graph import OpGraph, Role
+from autopar.intra._ilp import MemoryBudgetError, peak_memory, solve
+from autopar.intra._options import ShardOptions
+from autopar.intra._problem import BuiltProblem, build_problem
+from autopar.intra._reshard import reshard_collectives
+from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
+
+log = logging.getLogger("autopar")
+DEFAULT_OPTIONS = ShardOptions()
+
+
+def mesh_shapes(num_devices: int) -> list[tuple[int, ...]]:
+    """Logical mesh shapes to try: (n,) and every 2-D factorisation with both sides > 1."""
+    shapes: list[tuple[int, ...]] = [(num_devices,)]
+    for a in range(2, num_devices):
+        if num_devices % a == 0 and num_devices // a > 1:
+            shapes.append((a, num_devices // a))
+    return shapes
+
+
+def plan_on_mesh(
+    graph: OpGraph,
+    cluster,
+    mesh: LogicalMesh,
+    options: ShardOptions = DEFAULT_OPTIONS,
+    tied: Sequence[tuple[int, int]] = (),
+) -> ShardingPlan:
+    """Solve the sharding ILP of `graph` on one logical mesh."""
+    start = time.perf_counter()
+    built = build_problem(graph, mesh, cluster, options, tied)
+    build_time = time.perf_counter() - start
+    solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
+    plan = _to_plan(graph, mesh, cluster, built, solution.choices)
+    stats = dict(plan.stats)
+    stats.update(
+        build_time=build_time,
+        solve_time=solution.stats.solve_time,
+        objective=solution.objective,
+        status=solution.status,
+        num_ilp_nodes=solution.stats.num_nodes,
+        num_ilp_nodes_after_merge=solution.stats.num_nodes_after_merge,
+        num_variables_before_merge=solution.stats.num_variables_before_merge,
+        num_variables=solution.stats.num_variables,
+        solver=solution.stats.solver,
+    )
+    object.__setattr__(plan, "stats", stats)
+    return plan
+
+
+def plan_sharding(
+    graph: OpGraph,
+    cluster,
+    device_ids: Sequence[int] | None = None,
+    options: ShardOptions = DEFAULT_OPTIONS,
+    tied: Sequence[tuple[int, int]] = (),
+    mesh_shape: tuple[int, ...] | None = None,
+) -> ShardingPlan:
+    """Plan `graph` on `device_ids`, trying each logical mesh shape; the cheapest wins.
+
+    **Arguments:**
+    - `device_ids`: cluster device ids (default: all of the cluster's devices).
+    - `mesh_shape`: try only this logical shape.
+
+    **Returns:** the `ShardingPlan` with the least predicted step time. Raises
+    `MemoryBudgetError` when no mesh shape fits the budget, naming the least memory per
+    device that would.
+    """
+    if device_ids is None:
+        device_ids = range(cluster.num_devices)
+    device_ids = tuple(device_ids)
+    shapes = [tuple(mesh_shape)] if mesh_shape is not None else mesh_shapes(len(device_ids))
+    best: ShardingPlan | None = None
+    errors: list[MemoryBudgetError] = []
+    for shape in shapes:
+        mesh = LogicalMesh.create(shape, device_ids)
+        try:
+            plan = plan_on_mesh(graph, cluster, mesh, options, tied)
+        except MemoryBudgetError as err:
+            errors.append(err)
+            continue
+        log.info(
+            "mesh %s: predicted %.4g s (compute %.3g, comm %.3g, reshard %.3g)",
+            shape, plan.cost.total, plan.cost.compute, plan.cost.communication,
+            plan.cost.resharding,
+        )
+        if best is None or plan.cost.total < best.cost.total:
+            best = plan
+    if best is None:
+        least = min(errors, key=lambda e: getattr(e, "least_memory", float("inf")))
+        raise least
+    return best
+
+
+def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices) -> ShardingPlan:
+    chosen = [n.strategies[c] for n, c in zip(built.ilp_nodes, choices)]
+    var_specs: list = [None] * len(graph.vars)
+    for v, (index, k) in built.source_of.items():
+        var_specs[v] = chosen[index].out_specs[k]
+    node_strategies = [""] * len(graph.nodes)
+    for ilp_node, strategy in zip(built.ilp_nodes, chosen):
+        if ilp_node.node is not None:
+            node_strategies[ilp_node.node] = strategy.name
+
+    compute = sum(s.compute_cost for s in chosen)
+    communication = sum(s.comm_cost for s in chosen)
+    collectives: dict[str, list] = {}
+
+    def add(c):
+        entry = collectives.setdefault(c.kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += c.nbytes
+
+    for s in chosen:
+        for c in s.collectives:
+            add(c)
+    resharding = 0.0
+    problem = built.problem
+    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+        resharding += float(matrix[choices[u], choices[v]])
+    # Collectives of spec changes along edges, for the fidelity check against compiled HLO.
+    for ilp_node, strategy in zip(built.ilp_nodes, chosen):
+        if ilp_node.node is None:
+            continue
+        node = graph.nodes[ilp_node.node]
+        for p, v in enumerate(node.inputs):
+            var = graph.vars[v]
+            if var.role is Role.CONST:
+                continue
+            dst = strategy.in_specs[p] or replicated(len(var.shape))
+            for c in reshard_collectives(var.shape, var.dtype, var_specs[v], dst, mesh):
+                add(c)
+    constrained = tuple(
+        v
+        for node in graph.nodes
+        for v in node.outputs
+        if len(graph.vars[v].shape) > 0
+    )
+    cost = PredictedCost(
+        compute=compute,
+        communication=communication,
+        resharding=resharding,
+        memory_per_device=float(peak_memory(problem, choices)),
+        collectives={k: (n, b) for k, (n, b) in collectives.items()},
+    )
+    return ShardingPlan(
+        mesh=mesh,
+        var_specs=tuple(var_specs),
+        node_strategies=tuple(node_strategies),
+        constrained=constrained,
+        cost=cost,
+        graph_fingerprint=graph_fingerprint(graph),
+        warnings=tuple(built.warnings),
+    )

@@ -1,0 +1,229 @@
+"""From an `OpGraph` on one logical mesh to the numbers the ILP solver sees.
+
+Every non-constant graph input is an ILP node whose strategies are its possible specs;
+every graph node is an ILP node whose strategies come from its sharding rule. Edges carry
+resharding costs from the producer's result spec to the consumer's operand spec. Nodes that
+only follow their operand become solver followers. Donated state outputs are tied back to
+their inputs by an edge, so that the state keeps one layout across steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
+from autopar.graph import OpGraph, Role
+from autopar.intra._ilp import ShardingProblem
+from autopar.intra._options import ShardOptions
+from autopar.intra._reshard import reshard_time
+from autopar.intra._strategies import (
+    CostContext,
+    Strategy,
+    follow_strategies,
+    input_strategies,
+    is_follower_signature,
+    node_signature,
+    node_strategies,
+    replicated_signature,
+)
+
+
+@dataclass
+class IlpNode:
+    """One decision of the ILP: a graph input (`var`) or a graph node (`node`)."""
+
+    name: str
+    strategies: list[Strategy]
+    var: int | None = None
+    node: int | None = None
+
+
+@dataclass
+class BuiltProblem:
+    problem: ShardingProblem
+    ilp_nodes: list[IlpNode]
+    source_of: dict[int, tuple[int, int]]  # var id -> (ilp node index, result index)
+    warnings: list[str] = field(default_factory=list)
+
+
+def build_problem(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    cluster,
+    options: ShardOptions,
+    tied: Sequence[tuple[int, int]] = (),
+) -> BuiltProblem:
+    """Build the ILP for `graph` on `mesh`.
+
+    **Arguments:**
+    - `tied`: (output var, input var) pairs of state that must keep its layout across steps.
+    """
+    ctx = CostContext(cluster, mesh)
+    ilp_nodes: list[IlpNode] = []
+    source_of: dict[int, tuple[int, int]] = {}
+    followers: dict[int, tuple[int, np.ndarray]] = {}
+    warnings: list[str] = []
+    missing: dict[str, int] = {}
+
+    for v in graph.invars:
+        var = graph.vars[v]
+        if var.role is Role.CONST or v in source_of:
+            continue
+        strategies = _restrict_input(var, input_strategies(var, ctx), mesh, options)
+        source_of[v] = (len(ilp_nodes), 0)
+        ilp_nodes.append(IlpNode(var.path or f"input {v}", strategies, var=v))
+
+    for node in graph.nodes:
+        sig = node_signature(node, graph)
+        if sig is None:
+            missing[node.primitive] = missing.get(node.primitive, 0) + 1
+            sig = replicated_signature(node, graph)
+        index = len(ilp_nodes)
+        strategies = None
+        main = is_follower_signature(node, graph, sig) if options.merge_followers else None
+        if main is not None:
+            leader = source_of.get(node.inputs[main])
+            if leader is not None and ilp_nodes[leader[0]].node is not None:
+                leader_node = ilp_nodes[leader[0]]
+                specs = [s.out_specs[leader[1]] for s in leader_node.strategies]
+                strategies = follow_strategies(node, graph, sig, specs, ctx)
+                if strategies is not None:
+                    followers[index] = (leader[0], np.arange(len(specs)))
+        if strategies is None:
+            strategies = node_strategies(node, graph, sig, ctx)
+        for k, v in enumerate(node.outputs):
+            source_of[v] = (index, k)
+        ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", strategies, node=node.id))
+
+    for prim, count in sorted(missing.items()):
+        warnings.append(
+            f"no sharding rule for primitive '{prim}' ({count} node(s)): planned as replicated"
+        )
+
+    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster)
+    node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
+    node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
+    groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
+    budget = options.memory_budget
+    if budget is None:
+        budget = float(cluster.device_memory)
+    problem = ShardingProblem(
+        node_costs=node_costs,
+        edges=tuple(edges),
+        edge_costs=tuple(edge_costs),
+        node_memory=node_memory,
+        memory_groups=groups,
+        memory_budget=budget,
+        followers=followers,
+        names=tuple(n.name for n in ilp_nodes),
+    )
+    return BuiltProblem(problem, ilp_nodes, source_of, warnings)
+
+
+def _restrict_input(var, strategies: list[Strategy], mesh: LogicalMesh, options: ShardOptions):
+    """Apply the method's constraints to the specs a graph input may take."""
+    method = options.method
+    if method == "shard":
+        return strategies
+    all_axes = {a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1}
+
+    def full(s: Strategy) -> bool:
+        return set(spec_axes(s.out_specs[0])) == all_axes
+
+    if var.role is Role.BATCH:
+        data = [
+            s for s in strategies
+            if full(s) and all(not axes for axes in s.out_specs[0][1:])
+            and s.out_specs[0] and list(s.out_specs[0][0]) == [a for a in mesh.axis_names
+                                                                 if a in all_axes]
+        ]
+        return data or strategies[:1]
+    sharded_roles = {"data": (), "zero2": (Role.OPT_STATE,), "zero3": (Role.OPT_STATE, Role.PARAM)}
+    if var.role in sharded_roles[method]:
+        fully = [s for s in strategies if full(s)]
+        return fully or strategies
+    return strategies[:1]  # replicated
+
+
+def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
+    cache: dict = {}
+    edges: list[tuple[int, int]] = []
+    costs: list[np.ndarray] = []
+
+    def matrix(var, src_specs: list[Spec], dst_specs: list[Spec]) -> np.ndarray:
+        src_unique = list(dict.fromkeys(src_specs))
+        dst_unique = list(dict.fromkeys(dst_specs))
+        small = np.array(
+            [
+                [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache) for b in dst_unique]
+                for a in src_unique
+            ]
+        )
+        rows = [src_unique.index(s) for s in src_specs]
+        cols = [dst_unique.index(s) for s in dst_specs]
+        return small[np.ix_(rows, cols)]
+
+    for index, ilp_node in enumerate(ilp_nodes):
+        if ilp_node.node is None:
+            continue
+        node = graph.nodes[ilp_node.node]
+        for p, v in enumerate(node.inputs):
+            var = graph.vars[v]
+            if var.role is Role.CONST:
+                continue
+            u, k = source_of[v]
+            src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
+            dst = [s.in_specs[p] or replicated(len(var.shape)) for s in ilp_node.strategies]
+            edges.append((u, index))
+            costs.append(matrix(var, src, dst))
+    for out_var, in_var in tied:
+        if out_var not in source_of or in_var not in source_of:
+            continue
+        u, k = source_of[out_var]
+        w, _ = source_of[in_var]
+        if u == w:
+            continue
+        var = graph.vars[out_var]
+        src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
+        dst = [s.out_specs[0] for s in ilp_nodes[w].strategies]
+        edges.append((u, w))
+        costs.append(matrix(var, src, dst))
+    return edges, costs
+
+
+def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):
+    """Groups of ILP nodes live together at the program points with the most live bytes.
+
+    Graph inputs are live throughout; an activation is live from its producer to its last
+    consumer (a liveness estimate in program order).
+    """
+    if num_points <= 0:
+        return ()
+    last_use = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            last_use[v] = node.id
+    for v in graph.outvars:
+        last_use[v] = len(graph.nodes)
+    inputs = tuple(sorted({source_of[v][0] for v in graph.invars if v in source_of}))
+    live: dict[int, int] = {}  # var -> ilp node
+    live_bytes = 0
+    points: list[tuple[float, int, tuple[int, ...]]] = []
+    for node in graph.nodes:
+        for v in node.outputs:
+            if v in last_use:
+                live[v] = source_of[v][0]
+                live_bytes += graph.vars[v].nbytes
+        points.append((live_bytes, node.id, tuple(sorted(set(live.values())))))
+        for v in set(node.inputs) | set(node.outputs):
+            if v in live and last_use.get(v, -1) <= node.id:
+                del live[v]
+                live_bytes -= graph.vars[v].nbytes
+    points.sort(key=lambda p: (-p[0], p[1]))
+    groups = []
+    for _, _, members in points[:num_points]:
+        groups.append(tuple(sorted(set(inputs) | set(members))))
+    return tuple(dict.fromkeys(groups)) or (inputs,)

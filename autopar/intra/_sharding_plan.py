@@ -1,0 +1,139 @@
+"""`ShardingPlan`: the intra-operator planner's answer for one graph on one mesh.
+
+Plain data with a JSON round trip: a spec for every variable, the chosen strategy of every
+node, the variables the lowering pins with `with_sharding_constraint`, and the predicted
+costs. Specs are tuples of mesh-axis-name tuples (see `autopar.cluster.Spec`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.graph import OpGraph, Role
+
+
+@dataclass(frozen=True)
+class PredictedCost:
+    """Predicted time per step (seconds) and peak memory per device (bytes)."""
+
+    compute: float
+    communication: float  # collectives issued by nodes (partial-sum reductions)
+    resharding: float  # collectives between nodes (spec changes on edges)
+    memory_per_device: float
+    collectives: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (n, bytes)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.resharding
+
+    def to_json(self) -> dict:
+        return {
+            "compute": self.compute,
+            "communication": self.communication,
+            "resharding": self.resharding,
+            "memory_per_device": self.memory_per_device,
+            "collectives": {k: list(v) for k, v in sorted(self.collectives.items())},
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> PredictedCost:
+        return PredictedCost(
+            d["compute"],
+            d["communication"],
+            d["resharding"],
+            d["memory_per_device"],
+            {k: (int(v[0]), float(v[1])) for k, v in d.get("collectives", {}).items()},
+        )
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    mesh: LogicalMesh
+    var_specs: tuple[Spec | None, ...]  # by variable id; None for constants
+    node_strategies: tuple[str, ...]  # by node id
+    constrained: tuple[int, ...]  # variable ids pinned in the lowering
+    cost: PredictedCost
+    graph_fingerprint: str
+    warnings: tuple[str, ...] = ()
+    stats: dict = field(default_factory=dict)
+
+    def input_specs(self, graph: OpGraph) -> list[Spec | None]:
+        return [self.var_specs[v] for v in graph.invars]
+
+    def output_specs(self, graph: OpGraph) -> list[Spec | None]:
+        return [self.var_specs[v] for v in graph.outvars]
+
+    def specs_by_path(self, graph: OpGraph) -> dict[str, Spec]:
+        """Spec of every named graph input, keyed by its pytree path."""
+        return {
+            graph.vars[v].path: self.var_specs[v]
+            for v in graph.invars
+            if graph.vars[v].path is not None and self.var_specs[v] is not None
+        }
+
+    def check_graph(self, graph: OpGraph) -> None:
+        """Raise ValueError if this plan was made for a different graph."""
+        found = graph_fingerprint(graph)
+        if found != self.graph_fingerprint:
+            raise ValueError(
+                "this sharding plan was made for a different program: "
+                f"{_describe_mismatch(self, graph)}. Plan again for this function and these "
+                "argument shapes, or load the plan that was saved for them."
+            )
+
+    def to_json(self) -> dict:
+        return {
+            "mesh": self.mesh.to_json(),
+            "var_specs": [None if s is None else [list(d) for d in s] for s in self.var_specs],
+            "node_strategies": list(self.node_strategies),
+            "constrained": list(self.constrained),
+            "cost": self.cost.to_json(),
+            "graph_fingerprint": self.graph_fingerprint,
+            "num_vars": len(self.var_specs),
+            "warnings": list(self.warnings),
+            "stats": self.stats,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> ShardingPlan:
+        return ShardingPlan(
+            mesh=LogicalMesh.from_json(d["mesh"]),
+            var_specs=tuple(
+                None if s is None else tuple(tuple(dim) for dim in s) for s in d["var_specs"]
+            ),
+            node_strategies=tuple(d["node_strategies"]),
+            constrained=tuple(d["constrained"]),
+            cost=PredictedCost.from_json(d["cost"]),
+            graph_fingerprint=d["graph_fingerprint"],
+            warnings=tuple(d.get("warnings", ())),
+            stats=d.get("stats", {}),
+        )
+
+
+def graph_fingerprint(graph: OpGraph) -> str:
+    """A hash of the graph's structure: primitives, shapes, dtypes, roles and wiring."""
+    h = hashlib.sha256()
+    for v in graph.invars:
+        var = graph.vars[v]
+        h.update(f"in {var.shape} {var.dtype} {var.role.value} {var.path};".encode())
+    for node in graph.nodes:
+        shapes = [(graph.vars[v].shape, graph.vars[v].dtype) for v in node.outputs]
+        h.update(f"{node.primitive} {node.inputs} {shapes};".encode())
+    h.update(f"out {graph.outvars}".encode())
+    return h.hexdigest()[:16]
+
+
+def _describe_mismatch(plan: ShardingPlan, graph: OpGraph) -> str:
+    if len(plan.var_specs) != len(graph.vars):
+        return (
+            f"the plan covers {len(plan.var_specs)} variables, the traced program has "
+            f"{len(graph.vars)}"
+        )
+    for v in graph.invars:
+        var = graph.vars[v]
+        spec = plan.var_specs[v]
+        if var.role is not Role.CONST and spec is not None and len(spec) != len(var.shape):
+            return f"input {var.path or v} has shape {var.shape} but the plan has spec {spec}"
+    return "the operator graphs differ (different model code or shapes)"

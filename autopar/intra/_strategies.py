@@ -1,0 +1,266 @@
+"""Strategies: the concrete ways to run one node on a logical mesh, with their costs.
+
+A strategy fixes the spec of every operand and result, the compute time per device, and
+the collectives the node itself must issue (reducing partial sums). All times come from
+`autopar.cost`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
+from autopar.cost import bytes_per_device, collective_time, compute_time
+from autopar.graph import Node, OpGraph, Role
+from autopar.intra._rules import OpInfo, signature_of
+from autopar.intra._signature import (
+    Signature,
+    enumerate_assignments,
+    reduced_axes,
+    spec_for,
+)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A predicted collective: kind, mesh axes, and bytes as `collective_time` takes them."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node. `in_specs[i]` is None for constant operands."""
+
+    name: str
+    in_specs: tuple[Spec | None, ...]
+    out_specs: tuple[Spec, ...]
+    compute_cost: float
+    comm_cost: float
+    out_bytes: float  # bytes per device of all results
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def cost(self) -> float:
+        return self.compute_cost + self.comm_cost
+
+
+@dataclass(frozen=True)
+class CostContext:
+    cluster: object
+    mesh: LogicalMesh
+
+
+def _assignment_name(assignment: dict[str, tuple[str, ...]]) -> str:
+    if not assignment:
+        return "replicated"
+    return " ".join(f"{label}:{''.join(axes)}" for label, axes in sorted(assignment.items()))
+
+
+def op_info(node: Node, graph: OpGraph) -> OpInfo:
+    return OpInfo(
+        primitive=node.primitive,
+        params=node.params,
+        in_shapes=tuple(graph.vars[v].shape for v in node.inputs),
+        out_shapes=tuple(graph.vars[v].shape for v in node.outputs),
+        in_const=tuple(graph.vars[v].role is Role.CONST for v in node.inputs),
+    )
+
+
+def node_signature(node: Node, graph: OpGraph) -> Signature | None:
+    """The node's signature; None when no rule covers its primitive."""
+    return signature_of(op_info(node, graph))
+
+
+def replicated_signature(node: Node, graph: OpGraph) -> Signature:
+    return Signature(
+        tuple(None for _ in node.inputs),
+        tuple((None,) * len(graph.vars[v].shape) for v in node.outputs),
+    )
+
+
+def node_strategies(
+    node: Node, graph: OpGraph, sig: Signature, ctx: CostContext
+) -> list[Strategy]:
+    """Every strategy of `node` under `sig` on `ctx.mesh`, replicated first."""
+    in_vars = [graph.vars[v] for v in node.inputs]
+    out_vars = [graph.vars[v] for v in node.outputs]
+    mesh = ctx.mesh
+    assignments = enumerate_assignments(
+        sig, [v.shape for v in in_vars], [v.shape for v in out_vars], mesh
+    )
+    strategies = []
+    for assignment in assignments:
+        in_specs = tuple(
+            None if var.role is Role.CONST else spec_for(labels, len(var.shape), assignment)
+            for labels, var in zip(sig.inputs, in_vars)
+        )
+        out_specs = tuple(
+            spec_for(labels, len(var.shape), assignment)
+            for labels, var in zip(sig.outputs, out_vars)
+        )
+        used_axes = {a for axes in assignment.values() for a in axes}
+        parallelism = math.prod(mesh.axis_size(a) for a in used_axes) if used_axes else 1
+        in_bytes = sum(
+            bytes_per_device(v.shape, v.dtype, s, mesh)
+            for v, s in zip(in_vars, in_specs)
+            if s is not None
+        )
+        out_bytes = sum(
+            bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
+        )
+        dtype = out_vars[0].dtype if out_vars else "float32"
+        compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
+        name = _assignment_name(assignment)
+        partial = reduced_axes(sig, assignment)
+        if not partial:
+            strategies.append(Strategy(name, in_specs, out_specs, compute, 0.0, out_bytes))
+            continue
+        # Partial results: reduce them with an all-reduce, or (one summed result) with a
+        # reduce-scatter that leaves the result split along a free dimension.
+        reduce = tuple(
+            Collective("all_reduce", axes, out_bytes) for axes in partial.values()
+        )
+        comm = sum(collective_time(c.kind, c.nbytes, ctx.cluster, mesh, c.axes) for c in reduce)
+        strategies.append(
+            Strategy(name, in_specs, out_specs, compute, comm, out_bytes, reduce)
+        )
+        if len(out_vars) == 1 and set(partial) == {"sum"}:
+            strategies.extend(
+                _reduce_scatter_variants(
+                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], compute, ctx
+                )
+            )
+    return strategies
+
+
+def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, compute, ctx):
+    mesh = ctx.mesh
+    split = mesh.axis_size(axes)
+    full_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
+    for dim, (size, dim_axes) in enumerate(zip(out_var.shape, out_spec)):
+        if dim_axes or (size // max(1, math.prod(mesh.axis_size(a) for a in dim_axes))) % split:
+            continue
+        new_spec = tuple(tuple(axes) if d == dim else s for d, s in enumerate(out_spec))
+        collective = Collective("reduce_scatter", tuple(axes), full_bytes)
+        comm = collective_time(collective.kind, full_bytes, ctx.cluster, mesh, collective.axes)
+        yield Strategy(
+            f"{name} rs:{dim}",
+            in_specs,
+            (new_spec,),
+            compute,
+            comm,
+            full_bytes / split,
+            (collective,),
+        )
+
+
+def input_strategies(var, ctx: CostContext) -> list[Strategy]:
+    """Strategies of a graph input: every legal spec, free, memory = its bytes per device."""
+    labels = tuple(f"d{d}" for d in range(len(var.shape)))
+    sig = Signature((), (labels,))
+    strategies = []
+    for assignment in enumerate_assignments(sig, (), (var.shape,), ctx.mesh):
+        spec = spec_for(labels, len(var.shape), assignment)
+        nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
+        strategies.append(
+            Strategy(_assignment_name(assignment), (), (spec,), 0.0, 0.0, nbytes)
+        )
+    return strategies
+
+
+def follow_strategies(
+    node: Node, graph: OpGraph, sig: Signature, leader_specs: Sequence[Spec], ctx: CostContext
+) -> list[Strategy] | None:
+    """Strategies of a node that only follows its one array operand.
+
+    For each spec the operand may arrive with (one per leader strategy), the node keeps
+    that split. Returns None when some spec cannot be carried through (then the node is
+    planned on its own).
+    """
+    main = _main_input(node, graph)
+    assert main is not None
+    labels = sig.inputs[main]
+    out_vars = [graph.vars[v] for v in node.outputs]
+    in_vars = [graph.vars[v] for v in node.inputs]
+    result = []
+    cache: dict[Spec, Strategy] = {}
+    for spec in leader_specs:
+        if spec in cache:
+            result.append(cache[spec])
+            continue
+        assignment: dict[str, tuple[str, ...]] = {}
+        for label, axes in zip(labels, spec):
+            if axes and label is None:
+                return None
+            if axes:
+                assignment[label] = axes
+        in_specs = tuple(
+            spec if i == main else (None if v.role is Role.CONST else ((),) * len(v.shape))
+            for i, v in enumerate(in_vars)
+        )
+        out_specs = tuple(
+            spec_for(out_labels, len(v.shape), assignment)
+            for out_labels, v in zip(sig.outputs, out_vars)
+        )
+        if not all(_divisible(v.shape, s, ctx.mesh) for v, s in zip(out_vars, out_specs)):
+            return None
+        used = set(spec_axes(spec))
+        parallelism = math.prod(ctx.mesh.axis_size(a) for a in used) if used else 1
+        out_bytes = sum(
+            bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
+        )
+        in_bytes = bytes_per_device(in_vars[main].shape, in_vars[main].dtype, spec, ctx.mesh)
+        dtype = out_vars[0].dtype
+        compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
+        strategy = Strategy(
+            _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
+        )
+        cache[spec] = strategy
+        result.append(strategy)
+    return result
+
+
+def _divisible(shape, spec: Spec, mesh: LogicalMesh) -> bool:
+    return all(size % mesh.axis_size(axes) == 0 for size, axes in zip(shape, spec) if axes)
+
+
+def _main_input(node: Node, graph: OpGraph) -> int | None:
+    """Index of the single non-constant array operand, if the node has exactly one."""
+    found = None
+    for i, v in enumerate(node.inputs):
+        var = graph.vars[v]
+        if var.role is Role.CONST or len(var.shape) == 0:
+            continue
+        if found is not None:
+            return None
+        found = i
+    return found
+
+
+def is_follower_signature(node: Node, graph: OpGraph, sig: Signature) -> int | None:
+    """The operand index a node can follow, or None.
+
+    A follower has one array operand, no reductions, and carries every labelled operand
+    dimension to its results (elementwise ops, converts, transposes, legal reshapes).
+    """
+    if sig.reductions or len(node.outputs) != 1:
+        return None
+    main = _main_input(node, graph)
+    if main is None or sig.inputs[main] is None:
+        return None
+    in_labels = [lab for lab in sig.inputs[main] if lab is not None]
+    out_labels = {lab for lab in sig.outputs[0] if lab is not None}
+    if set(in_labels) != out_labels:
+        return None
+    return main
+
+
+def strategy_costs(strategies: Sequence[Strategy]) -> np.ndarray:
+    return np.array([s.cost for s in strategies], dtype=np.float64)

@@ -1,0 +1,87 @@
+"""Lower a `ShardingPlan` to one `jax.jit` program on its mesh.
+
+The graph is re-run by `OpGraph.evaluate` inside `jax.jit`; arguments and results get the
+plan's shardings, and every result the plan pins gets a `with_sharding_constraint`. XLA's
+SPMD partitioner then inserts the collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
+from autopar.graph import OpGraph
+
+
+def local_devices() -> list:
+    """All devices, ordered as cluster device ids: by process, then by device id."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def jax_mesh(mesh: LogicalMesh, devices: Sequence | None = None) -> Mesh:
+    """The `jax.sharding.Mesh` of a logical mesh; `devices[i]` is cluster device `i`."""
+    devices = local_devices() if devices is None else list(devices)
+    if max(mesh.device_ids) >= len(devices):
+        raise ValueError(
+            f"the plan uses device ids up to {max(mesh.device_ids)} but only "
+            f"{len(devices)} devices are present; plan for this cluster, or run on the "
+            "cluster the plan was made for"
+        )
+    grid = np.array([devices[i] for i in mesh.device_ids], dtype=object).reshape(mesh.shape)
+    return Mesh(grid, mesh.axis_names)
+
+
+def named_shardings(specs, graph_vars, mesh: Mesh) -> list[NamedSharding]:
+    return [
+        NamedSharding(mesh, to_partition_spec(replicated(len(v.shape)) if s is None else s))
+        for s, v in zip(specs, graph_vars)
+    ]
+
+
+def lower_sharding_plan(
+    graph: OpGraph,
+    plan,
+    devices: Sequence | None = None,
+    donate_flat: Sequence[int] = (),
+):
+    """A jitted function of the flat arguments that runs `graph` as `plan` says.
+
+    **Arguments:**
+    - `plan`: a `ShardingPlan` for `graph`.
+    - `devices`: cluster device id -> jax device (default `local_devices()`).
+    - `donate_flat`: flat argument indices whose buffers may be reused.
+
+    **Returns:** `(fn, in_shardings, out_shardings)`.
+    """
+    plan.check_graph(graph)
+    mesh = jax_mesh(plan.mesh, devices)
+    in_vars = [graph.vars[v] for v in graph.invars]
+    out_vars = [graph.vars[v] for v in graph.outvars]
+    in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
+    out_shardings = named_shardings([plan.var_specs[v] for v in graph.outvars], out_vars, mesh)
+    pinned = {
+        v: NamedSharding(mesh, to_partition_spec(plan.var_specs[v]))
+        for v in plan.constrained
+        if plan.var_specs[v] is not None
+    }
+
+    def on_output(node, outs):
+        return [
+            jax.lax.with_sharding_constraint(x, pinned[v]) if v in pinned else x
+            for v, x in zip(node.outputs, outs)
+        ]
+
+    def run(*flat_args):
+        return graph.evaluate(flat_args, on_output)
+
+    fn = jax.jit(
+        run,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=tuple(donate_flat),
+    )
+    return fn, in_shardings, out_shardings
