@@ -1,0 +1,592 @@
+"""Alpa's stage DP: slice L layers into pipeline stages and give each stage a submesh.
+
+In: the number of layers, the cluster shape, the submesh shapes, the number of microbatches
+B and a callback ``stage_cost(start, end, submesh_index) -> StageCost`` giving the
+per-microbatch latency (forward + backward) of layers ``[start, end)`` on a submesh, with
+the best logical mesh (the callback picks it). Out: a `StagePlan`. Numbers only, no JAX.
+
+With B microbatches the pipeline latency is ``sum_i t_i + (B - 1) * max_j t_j`` (Alpa,
+REFERENCES.md). For a bound t_max on every stage, F(k, d) is the least sum of stage
+latencies slicing layers k..L onto exactly d devices with every stage <= t_max; the answer
+is the min over the candidate t_max (the distinct feasible stage latencies) of
+``F(0, N) + (B - 1) * t_max``.
+
+Search order. Alpa visits the candidates in increasing order and stops once
+``B * t_max >= best``. We visit them in decreasing order instead, which gives the same
+answer with far fewer DP runs: the DP at t_max returns a plan whose actual largest stage t'
+may be below t_max; every candidate in [t', t_max] has the same F, so only t' matters, and
+the next candidate worth solving is the largest one below ``min(t', best / B)`` (the second
+term is Alpa's pruning rule). We stop when no candidate is left, when the DP finds no plan,
+or when ``F + (B - 1) * t_low >= best``, t_low being a lower bound on any plan's largest
+stage (F only grows as t_max falls). The DP runs once per point of the (largest stage,
+sum of stages) Pareto front that can still win.
+
+Stage count. Alpa's F also indexes the number of stages because its memory check depends
+on it; here the callback has already checked memory, so the count is only tracked when
+`num_stages` or `max_stages` constrain it.
+
+Packing. When the host-local submesh sizes are powers of two dividing `devices_per_host`
+(always so for Alpa's shapes with a power-of-two `devices_per_host`), every plan that uses
+all devices packs onto the cluster (`assign_devices`), and the answer is exact. Otherwise
+(e.g. 1x4 submeshes on hosts of 6) a plan that does not pack is skipped and the search goes
+on with smaller t_max, and a second, exact search runs on the submeshes that always pack;
+the better of the two is returned, which may miss a packable optimum that mixes in the
+other sizes (brute_force_stages finds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What the cost callback says about layers ``[start, end)`` on one submesh.
+
+    **Arguments:**
+    - `latency`: seconds per microbatch, forward plus backward, with the best logical mesh.
+    - `feasible`: False if the stage does not fit (memory) or cannot be sharded.
+    - `memory`: bytes per device the stage needs; used to explain infeasible plans.
+    - `detail`: anything the caller wants back for the chosen stages (e.g. the mesh).
+    """
+
+    latency: float
+    feasible: bool
+    memory: float = 0.0
+    detail: Any = None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The chosen pipeline stages.
+
+    **Arguments:**
+    - `stages`: ``(start, end, submesh_index)`` per stage, in pipeline order, covering
+      layers ``[0, num_layers)``; `submesh_index` indexes the submesh list the DP was given.
+    - `latency`: ``sum_stage_latency + (B - 1) * max_stage_latency``.
+    - `max_stage_latency`, `sum_stage_latency`: over the chosen stages.
+    - `num_evaluations`: calls made to the cost callback.
+    - `solve_time`: seconds spent in the search, not counting the callback.
+    - `stage_costs`: the callback's answer for each chosen stage (carries its `detail`).
+    - `device_ids`: each stage's device ids from `assign_devices`.
+    - `num_dp_runs`: DP passes, one per candidate t_max actually solved.
+    """
+
+    stages: tuple[tuple[int, int, int], ...]
+    latency: float
+    max_stage_latency: float
+    sum_stage_latency: float
+    num_evaluations: int
+    solve_time: float
+    stage_costs: tuple[StageCost, ...] = ()
+    device_ids: tuple[tuple[int, ...], ...] = ()
+    num_dp_runs: int = 0
+
+
+StageCostFn = Callable[[int, int, int], StageCost]
+
+# When the submeshes do not always pack (see "Packing" above), give up the search over all
+# of them after this many plans that do not pack, each of which costs a DP pass; the exact
+# search over the submeshes that always pack still runs.
+MAX_UNPACKABLE_PLANS = 32
+StageKey = tuple[int, int, int]  # (start, end, submesh_index)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Validated inputs shared by the DP and the brute-force reference."""
+
+    num_layers: int
+    num_hosts: int
+    devices_per_host: int
+    num_microbatches: int
+    submeshes: tuple[SubmeshShape, ...]
+    allowed: tuple[int, ...]
+    num_stages: int | None
+    max_stages: int | None
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    def stage_count_range(self) -> tuple[int, int]:
+        """Fewest and most stages a plan may have."""
+        if self.num_stages is not None:
+            return self.num_stages, self.num_stages
+        most = min(self.num_layers, self.num_devices)
+        return 1, (most if self.max_stages is None else min(most, self.max_stages))
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _prepare(num_layers, num_hosts, devices_per_host, stage_cost, num_microbatches, **options):
+    """Check the arguments of `plan_stages` / `brute_force_stages`; returns a `_Problem`."""
+    num_layers = _positive_int("num_layers", num_layers)
+    num_hosts = _positive_int("num_hosts", num_hosts)
+    devices_per_host = _positive_int("devices_per_host", devices_per_host)
+    if not callable(stage_cost):
+        raise TypeError(
+            "stage_cost must be callable as stage_cost(start, end, submesh_index), got "
+            f"{type(stage_cost).__name__}"
+        )
+    submeshes = options["submeshes"]
+    submeshes = tuple(
+        submesh_shapes(num_hosts, devices_per_host) if submeshes is None else submeshes
+    )
+    for sub in submeshes:
+        if not isinstance(sub, SubmeshShape):
+            raise TypeError(f"submeshes must be SubmeshShape, got {type(sub).__name__}")
+        _check_fits(sub, num_hosts, devices_per_host)
+    allowed = options["allowed_submeshes"]
+    allowed = range(len(submeshes)) if allowed is None else allowed
+    allowed = tuple(sorted({_submesh_index(i, len(submeshes)) for i in allowed}))
+    if not allowed:
+        raise ValueError("allowed_submeshes is empty; allow at least one submesh index")
+    num_stages, max_stages = _check_stage_counts(
+        num_layers, num_hosts * devices_per_host, options["num_stages"], options["max_stages"]
+    )
+    return _Problem(
+        num_layers=num_layers,
+        num_hosts=num_hosts,
+        devices_per_host=devices_per_host,
+        num_microbatches=_positive_int("num_microbatches", num_microbatches),
+        submeshes=submeshes,
+        allowed=allowed,
+        num_stages=num_stages,
+        max_stages=max_stages,
+    )
+
+
+def _check_stage_counts(num_layers, num_devices, num_stages, max_stages):
+    if num_stages is not None:
+        num_stages = _positive_int("num_stages", num_stages)
+        if num_stages > num_layers:
+            raise ValueError(
+                f"cannot slice {num_layers} layers into {num_stages} stages: every stage "
+                f"needs at least one layer; ask for num_stages <= {num_layers} or cluster "
+                "the model into more layers"
+            )
+        if num_stages > num_devices:
+            raise ValueError(
+                f"cannot run {num_stages} stages on {num_devices} devices: every stage "
+                f"needs at least one device; ask for num_stages <= {num_devices}"
+            )
+    if max_stages is not None:
+        max_stages = _positive_int("max_stages", max_stages)
+        if num_stages is not None and num_stages > max_stages:
+            raise ValueError(
+                f"num_stages={num_stages} exceeds max_stages={max_stages}; drop one of them"
+            )
+    return num_stages, max_stages
+
+
+def _submesh_index(index: Any, num_submeshes: int) -> int:
+    if not isinstance(index, (int, np.integer)) or not 0 <= index < num_submeshes:
+        raise ValueError(
+            f"allowed_submeshes holds {index!r}, which is not an index into the "
+            f"{num_submeshes} submeshes; pass indices 0..{num_submeshes - 1}"
+        )
+    return int(index)
+
+
+def _call_cost(stage_cost: StageCostFn, key: StageKey) -> StageCost:
+    cost = stage_cost(*key)
+    if not isinstance(cost, StageCost):
+        raise TypeError(f"stage_cost{key} returned {type(cost).__name__}, expected StageCost")
+    if cost.feasible and not (math.isfinite(cost.latency) and cost.latency >= 0):
+        raise ValueError(
+            f"stage_cost{key} says the stage is feasible but its latency is {cost.latency!r}; "
+            "a feasible stage needs a finite latency >= 0 (return feasible=False instead)"
+        )
+    return cost
+
+
+def _evaluate(problem: _Problem, stage_cost: StageCostFn) -> dict[StageKey, StageCost]:
+    """Call the callback once for every (layer range, submesh) a plan could use."""
+    fewest, _ = problem.stage_count_range()
+    longest = problem.num_layers - fewest + 1  # the other stages need a layer each
+    most_devices = problem.num_devices - fewest + 1  # ... and a device each
+    costs = {}
+    for index in problem.allowed:
+        if problem.submeshes[index].num_devices > most_devices:
+            continue
+        for start in range(problem.num_layers):
+            for end in range(start + 1, min(problem.num_layers, start + longest) + 1):
+                costs[(start, end, index)] = _call_cost(stage_cost, (start, end, index))
+    return costs
+
+
+def _group_latency(problem: _Problem, costs: dict[StageKey, StageCost]):
+    """Best latency per (start, end, device count); inf where no feasible stage.
+
+    **Returns:**
+    ``(latency[start, end, group], submesh[start, end, group], device_counts[group])``:
+    submeshes with the same number of devices form one group, which keeps the cheapest.
+    """
+    num_layers = problem.num_layers
+    device_counts = sorted({problem.submeshes[i].num_devices for i in problem.allowed})
+    group_of = {count: g for g, count in enumerate(device_counts)}
+    latency = np.full((num_layers, num_layers + 1, len(device_counts)), np.inf)
+    submesh = np.full(latency.shape, -1, dtype=np.int64)
+    for (start, end, index), cost in costs.items():
+        g = group_of.get(problem.submeshes[index].num_devices)
+        if (
+            g is not None
+            and index in problem.allowed
+            and cost.feasible
+            and cost.latency < latency[start, end, g]
+        ):
+            latency[start, end, g] = cost.latency
+            submesh[start, end, g] = index
+    return latency, submesh, np.asarray(device_counts, dtype=np.int64)
+
+
+def _store_shifted(shifted, total, row, device_counts) -> None:
+    """shifted[g, s, row, d] = total[s, row, d - device_counts[g]] (inf below 0)."""
+    num_columns = total.shape[2]
+    for g, count in enumerate(device_counts):
+        shifted[g, :, row, count:] = total[:, row, : num_columns - count]
+
+
+def _bounded_dp(latency, device_counts, num_devices, t_max, count_range):
+    """The DP for one t_max: least total latency with every stage <= t_max.
+
+    **Arguments:**
+    - `latency`: ``[start, end, group]`` stage latencies (inf = infeasible).
+    - `device_counts`: devices of each group.
+    - `num_devices`: devices the plan must use in total.
+    - `t_max`: the bound on every stage.
+    - `count_range`: ``(fewest, most)`` stages, or None when the count is free.
+
+    **Returns:**
+    ``[(start, end, group), ...]`` of the best plan, or None if there is none.
+    """
+    num_layers = latency.shape[0]
+    num_groups = len(device_counts)
+    counting = count_range is not None
+    num_buckets = count_range[1] + 1 if counting else 1  # bucket = stages used so far
+    cost = np.where(latency <= t_max, latency, np.inf)
+    total = np.full((num_buckets, num_layers + 1, num_devices + 1), np.inf)
+    total[0, num_layers, 0] = 0.0
+    choice = np.full(total.shape, -1, dtype=np.int64)
+    shifted = np.full((num_groups,) + total.shape, np.inf)
+    _store_shifted(shifted, total, num_layers, device_counts)
+    for start in range(num_layers - 1, -1, -1):
+        num_ends = num_layers - start
+        if counting:
+            top = min(num_buckets - 1, num_ends)  # at most one stage per layer
+            source, targets = shifted[:, :top, start + 1 :], slice(1, top + 1)
+        else:
+            source, targets = shifted[:, :, start + 1 :], slice(0, 1)
+        stage = cost[start, start + 1 :, :].T  # [group, end]
+        candidates = stage[:, None, :, None] + source  # [group, bucket, end, devices]
+        flat = candidates.transpose(1, 3, 0, 2).reshape(source.shape[1], num_devices + 1, -1)
+        best = flat.argmin(axis=2)  # encodes group * num_ends + (end - start - 1)
+        total[targets, start] = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
+        choice[targets, start] = best
+        _store_shifted(shifted, total, start, device_counts)
+    if counting:
+        fewest, most = count_range
+        bucket = fewest + int(np.argmin(total[fewest : most + 1, 0, num_devices]))
+    else:
+        bucket = 0
+    if not np.isfinite(total[bucket, 0, num_devices]):
+        return None
+    return _reconstruct(choice, device_counts, bucket, counting)
+
+
+def _reconstruct(choice, device_counts, bucket, counting) -> list[tuple[int, int, int]]:
+    num_layers = choice.shape[1] - 1
+    devices = choice.shape[2] - 1
+    stages, start = [], 0
+    while start < num_layers:
+        code = int(choice[bucket, start, devices])
+        assert code >= 0, f"DP state (stages={bucket}, layer={start}) has no recorded choice"
+        group, offset = divmod(code, num_layers - start)
+        end = start + 1 + offset
+        stages.append((start, end, group))
+        devices -= int(device_counts[group])
+        start = end
+        bucket -= 1 if counting else 0
+    assert devices == 0, f"DP plan leaves {devices} devices unused"
+    return stages
+
+
+def _largest_stage_lower_bound(latency) -> float:
+    """max over layers of the cheapest feasible stage containing it: every plan's largest
+    stage is at least this."""
+    cheapest = latency.min(axis=2)
+    num_layers = latency.shape[0]
+    return max(float(cheapest[: i + 1, i + 1 :].min()) for i in range(num_layers))
+
+
+def _is_packable(problem: _Problem, stages: Sequence[StageKey]) -> bool:
+    try:
+        assign_devices(
+            [problem.submeshes[j] for _, _, j in stages],
+            problem.num_hosts,
+            problem.devices_per_host,
+        )
+    except ValueError:
+        return False
+    return True
+
+
+def _chain_submeshes(problem: _Problem) -> tuple[int, ...]:
+    """The allowed submeshes that always pack: whole hosts, and host-local ones whose sizes
+    are powers of two dividing `devices_per_host` (each divides the next, so filling hosts
+    largest first leaves no gap)."""
+    devices_per_host = problem.devices_per_host
+    return tuple(
+        i
+        for i in problem.allowed
+        if problem.submeshes[i].devices_per_host == devices_per_host
+        or (
+            devices_per_host % problem.submeshes[i].num_devices == 0
+            and problem.submeshes[i].num_devices.bit_count() == 1
+        )
+    )
+
+
+def _best_packable(problem: _Problem, costs: dict[StageKey, StageCost]):
+    """`_search`, made exact for submesh sets that always pack; for other sets also the
+    search restricted to the subset that does (see "Packing" in the module docstring).
+
+    **Returns:**
+    ``(stages, num_dp_runs)`` as `_search`.
+    """
+    stages, num_runs = _search(problem, costs)
+    chain = _chain_submeshes(problem)
+    if chain == problem.allowed or not chain:
+        return stages, num_runs
+    restricted, more_runs = _search(dataclasses.replace(problem, allowed=chain), costs)
+    if stages is None or (
+        restricted is not None
+        and _plan_latency(problem, restricted, costs) < _plan_latency(problem, stages, costs)
+    ):
+        stages = restricted
+    return stages, num_runs + more_runs
+
+
+def _plan_latency(problem: _Problem, stages: Sequence[StageKey], costs) -> float:
+    latencies = [costs[key].latency for key in stages]
+    return sum(latencies) + (problem.num_microbatches - 1) * max(latencies)
+
+
+def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
+    """Visit candidate t_max from the largest down (see the module docstring).
+
+    **Returns:**
+    ``(stages, num_dp_runs)``: the best plan as ``(start, end, submesh_index)`` tuples
+    (None if there is none) and the number of DP passes.
+    """
+    latency, submesh, device_counts = _group_latency(problem, costs)
+    candidates = np.unique(latency[np.isfinite(latency)])
+    counted = problem.num_stages is not None or problem.max_stages is not None
+    count_range = problem.stage_count_range() if counted else None
+    extra = problem.num_microbatches - 1
+    t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
+    best, best_latency, num_runs, num_unpackable = None, math.inf, 0, 0
+    index = candidates.size - 1
+    while index >= 0:
+        t_max = candidates[index]
+        groups = _bounded_dp(latency, device_counts, problem.num_devices, t_max, count_range)
+        num_runs += 1
+        if groups is None:
+            break
+        stages = [(s, e, int(submesh[s, e, g])) for s, e, g in groups]
+        stage_latencies = [float(latency[s, e, g]) for s, e, g in groups]
+        total, largest = sum(stage_latencies), max(stage_latencies)
+        if _is_packable(problem, stages):
+            if total + extra * largest < best_latency:
+                best, best_latency = stages, total + extra * largest
+            limit = min(largest, best_latency / problem.num_microbatches)
+        elif num_unpackable < MAX_UNPACKABLE_PLANS:
+            num_unpackable, limit = num_unpackable + 1, t_max
+        else:
+            break
+        if total + (extra * t_low if extra else 0.0) >= best_latency:
+            break
+        index = int(np.searchsorted(candidates, limit, side="left")) - 1
+    return best, num_runs
+
+
+def _format_bytes(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB" if abs(num_bytes) >= 2**20 else f"{num_bytes:.4g} B"
+
+
+def _memory_note(problem: _Problem, costs, memory_budget: float | None) -> str:
+    short = [(c.memory, key) for key, c in costs.items() if not c.feasible and c.memory > 0]
+    if not short:
+        return ""
+    memory, (start, end, index) = min(short)
+    where = f"layers [{start}, {end}) on submesh {problem.submeshes[index]}"
+    if memory_budget is None:
+        return (
+            f" The least memory an infeasible stage needs is {_format_bytes(memory)} per "
+            f"device ({where})."
+        )
+    return (
+        f" The smallest memory shortfall is {_format_bytes(memory - memory_budget)} per "
+        f"device: {where} needs {_format_bytes(memory)} against a budget of "
+        f"{_format_bytes(memory_budget)}."
+    )
+
+
+def _no_plan_error(problem: _Problem, costs, memory_budget) -> ValueError:
+    num_feasible = sum(c.feasible for c in costs.values())
+    note = _memory_note(problem, costs, memory_budget)
+    fix = "Use more devices or a larger memory budget, smaller microbatches, or rematerialisation"
+    if num_feasible == 0:
+        return ValueError(
+            f"no feasible pipeline stage: the cost callback rejected all {len(costs)} "
+            f"(layer range, submesh) candidates for {problem.num_layers} layers on "
+            f"{problem.num_hosts}x{problem.devices_per_host} devices.{note} {fix}."
+        )
+    fewest, most = problem.stage_count_range()
+    subs = ", ".join(str(problem.submeshes[i]) for i in problem.allowed)
+    return ValueError(
+        f"no plan slices {problem.num_layers} layers into {fewest}..{most} stages of "
+        f"feasible stages that together use all {problem.num_devices} devices of the "
+        f"{problem.num_hosts}x{problem.devices_per_host} cluster ({num_feasible} of "
+        f"{len(costs)} candidates are feasible; submeshes allowed: {subs}).{note} {fix}, "
+        "or allow more submesh shapes and stage counts."
+    )
+
+
+def _make_plan(problem, stages, costs, num_evaluations, solve_time, num_runs) -> StagePlan:
+    stage_costs = tuple(costs[key] for key in stages)
+    latencies = [c.latency for c in stage_costs]
+    total, largest = float(sum(latencies)), float(max(latencies))
+    device_ids = assign_devices(
+        [problem.submeshes[j] for _, _, j in stages], problem.num_hosts, problem.devices_per_host
+    )
+    return StagePlan(
+        stages=tuple(stages),
+        latency=total + (problem.num_microbatches - 1) * largest,
+        max_stage_latency=largest,
+        sum_stage_latency=total,
+        num_evaluations=num_evaluations,
+        solve_time=solve_time,
+        stage_costs=stage_costs,
+        device_ids=tuple(device_ids),
+        num_dp_runs=num_runs,
+    )
+
+
+def plan_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    stage_cost: StageCostFn,
+    num_microbatches: int,
+    *,
+    submeshes: Sequence[SubmeshShape] | None = None,
+    num_stages: int | None = None,
+    max_stages: int | None = None,
+    allowed_submeshes: Collection[int] | None = None,
+    memory_budget: float | None = None,
+) -> StagePlan:
+    """Slice layers into pipeline stages on submeshes, minimising the pipeline latency.
+
+    **Arguments:**
+    - `num_layers`: L; stages are ranges ``[start, end)`` of ``range(L)``.
+    - `num_hosts`, `devices_per_host`: the cluster; the plan uses every device.
+    - `stage_cost`: ``stage_cost(start, end, submesh_index) -> StageCost``; called at most
+      once per argument triple (add your own cache for identical layers).
+    - `num_microbatches`: B.
+    - `submeshes`: the shapes `submesh_index` refers to; default `submesh_shapes(...)`.
+    - `num_stages`: fix the number of stages; `max_stages`: bound it.
+    - `allowed_submeshes`: indices into `submeshes` a stage may use; default all.
+    - `memory_budget`: bytes per device, only to explain infeasibility in errors.
+
+    **Returns:**
+    The `StagePlan` minimising ``sum_i t_i + (B - 1) * max_j t_j``.
+
+    Raises `ValueError` when the request cannot be met or no feasible plan exists.
+    """
+    problem = _prepare(
+        num_layers,
+        num_hosts,
+        devices_per_host,
+        stage_cost,
+        num_microbatches,
+        submeshes=submeshes,
+        num_stages=num_stages,
+        max_stages=max_stages,
+        allowed_submeshes=allowed_submeshes,
+    )
+    costs = _evaluate(problem, stage_cost)
+    started = time.perf_counter()
+    stages, num_runs = _best_packable(problem, costs)
+    if stages is None:
+        raise _no_plan_error(problem, costs, memory_budget)
+    solve_time = time.perf_counter() - started
+    return _make_plan(problem, stages, costs, len(costs), solve_time, num_runs)
+
+
+def brute_force_stages(
+    num_layers: int,
+    num_hosts: int,
+    devices_per_host: int,
+    stage_cost: StageCostFn,
+    num_microbatches: int,
+    *,
+    submeshes: Sequence[SubmeshShape] | None = None,
+    num_stages: int | None = None,
+    max_stages: int | None = None,
+    allowed_submeshes: Collection[int] | None = None,
+) -> StagePlan:
+    """The slow reference for `plan_stages`: try every slicing and every submesh choice.
+
+    Same arguments and result; exponential in `num_layers`, for tests on small instances.
+    Only plans that use every device and pack (`assign_devices`) count.
+    """
+    problem = _prepare(
+        num_layers,
+        num_hosts,
+        devices_per_host,
+        stage_cost,
+        num_microbatches,
+        submeshes=submeshes,
+        num_stages=num_stages,
+        max_stages=max_stages,
+        allowed_submeshes=allowed_submeshes,
+    )
+    started = time.perf_counter()
+    costs: dict[StageKey, StageCost] = {}
+    fewest, most = problem.stage_count_range()
+    best, best_latency = None, math.inf
+    for count in range(fewest, most + 1):
+        for cuts in itertools.combinations(range(1, problem.num_layers), count - 1):
+            bounds = (0, *cuts, problem.num_layers)
+            for choice in itertools.product(problem.allowed, repeat=count):
+                if sum(problem.submeshes[j].num_devices for j in choice) != problem.num_devices:
+                    continue
+                stages = [(bounds[i], bounds[i + 1], j) for i, j in enumerate(choice)]
+                for key in stages:
+                    if key not in costs:
+                        costs[key] = _call_cost(stage_cost, key)
+                if not all(costs[key].feasible for key in stages):
+                    continue
+                latencies = [costs[key].latency for key in stages]
+                latency = sum(latencies) + (problem.num_microbatches - 1) * max(latencies)
+                if latency < best_latency and _is_packable(problem, stages):
+                    best, best_latency = stages, latency
+    if best is None:
+        raise _no_plan_error(problem, costs, None)
+    return _make_plan(problem, best, costs, len(costs), time.perf_counter() - started, 0)

@@ -1,0 +1,272 @@
+"""The stage DP against brute force, submesh shapes and their packing onto hosts."""
+
+import collections
+import math
+import random
+
+import pytest
+
+from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
+from autopar.inter._submesh import (
+    SubmeshShape,
+    assign_devices,
+    logical_mesh_shapes,
+    submesh_shapes,
+)
+
+SMALL_CLUSTERS = [(1, 2), (1, 4), (1, 8), (2, 4), (2, 2)]
+
+
+def check_assignment(ids_per_stage, submeshes, num_hosts, devices_per_host):
+    """Disjoint ids on the cluster; host-local submeshes inside one host, whole-host ones on
+    whole hosts."""
+    flat = [d for ids in ids_per_stage for d in ids]
+    assert len(flat) == len(set(flat)), f"device ids overlap: {ids_per_stage}"
+    assert all(0 <= d < num_hosts * devices_per_host for d in flat)
+    for ids, sub in zip(ids_per_stage, submeshes, strict=True):
+        assert len(ids) == sub.num_devices
+        hosts = sorted({d // devices_per_host for d in ids})
+        assert len(hosts) == sub.num_hosts, f"{sub} placed on hosts {hosts}"
+        if sub.num_hosts > 1:
+            assert sorted(ids) == [
+                h * devices_per_host + i for h in hosts for i in range(devices_per_host)
+            ]
+
+
+def test_submesh_shapes_follow_alpa():
+    assert [str(s) for s in submesh_shapes(2, 4)] == ["1x1", "1x2", "1x4", "2x4"]
+    assert [str(s) for s in submesh_shapes(3, 8)] == ["1x1", "1x2", "1x4", "1x8", "2x8", "3x8"]
+    assert [str(s) for s in submesh_shapes(1, 6)] == ["1x1", "1x2", "1x4", "1x6"]
+    assert [str(s) for s in submesh_shapes(1, 1)] == ["1x1"]
+    with pytest.raises(ValueError, match="num_hosts must be a positive int"):
+        submesh_shapes(0, 4)
+
+
+def test_logical_mesh_shapes():
+    assert logical_mesh_shapes(SubmeshShape(1, 8)) == [(8,), (2, 4), (4, 2)]
+    assert logical_mesh_shapes(SubmeshShape(4, 2)) == [(8,), (4, 2), (2, 4)]
+    assert logical_mesh_shapes(SubmeshShape(2, 4)) == [(8,), (2, 4), (4, 2)]
+    assert logical_mesh_shapes(SubmeshShape(1, 1)) == [(1,)]
+    assert logical_mesh_shapes(SubmeshShape(1, 2)) == [(2,)]
+    assert logical_mesh_shapes(SubmeshShape(3, 4)) == [(12,), (3, 4), (2, 6), (4, 3), (6, 2)]
+
+
+def test_assign_devices_packs_largest_first_on_hosts():
+    # (1, 4) on hosts of 4 is a whole host, like (2, 4): they take hosts 0-2 in stage order.
+    subs = [SubmeshShape(1, 2), SubmeshShape(2, 4), SubmeshShape(1, 4), SubmeshShape(1, 2)]
+    ids = assign_devices(subs, 4, 4)
+    assert ids == [(12, 13), (0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11), (14, 15)]
+    check_assignment(ids, subs, 4, 4)
+    subs = [SubmeshShape(1, 1), SubmeshShape(1, 2), SubmeshShape(1, 1), SubmeshShape(1, 4)]
+    ids = assign_devices(subs, 2, 4)
+    assert ids == [(6,), (4, 5), (7,), (0, 1, 2, 3)]
+
+
+def test_assign_devices_rejects_what_does_not_fit():
+    with pytest.raises(ValueError, match="cannot be packed"):
+        assign_devices([SubmeshShape(1, 4)] * 3, 2, 4)
+    with pytest.raises(ValueError, match="straddling"):  # 3 x 4 devices on 2 hosts of 6
+        assign_devices([SubmeshShape(1, 4)] * 3, 2, 6)
+    with pytest.raises(ValueError, match="must take whole hosts"):
+        assign_devices([SubmeshShape(2, 2)], 2, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        assign_devices([SubmeshShape(1, 8)], 2, 4)
+
+
+def exact_covers(sizes, target):
+    """All multisets (non-increasing tuples) of `sizes` summing to `target`."""
+    if target == 0:
+        yield ()
+        return
+    for i, size in enumerate(sizes):
+        if size <= target:
+            for rest in exact_covers(sizes[i:], target - size):
+                yield (size, *rest)
+
+
+@pytest.mark.parametrize("cluster", SMALL_CLUSTERS + [(4, 8), (3, 4)])
+def test_every_exact_cover_of_alpa_shapes_packs(cluster):
+    """Alpa's claim: submeshes (1, 2^k) and (n, M) that add up to the cluster always pack."""
+    num_hosts, devices_per_host = cluster
+    shapes = sorted(submesh_shapes(*cluster), key=lambda s: -s.num_devices)
+    by_size = {s.num_devices: s for s in shapes}
+    rng = random.Random(0)
+    num_covers = 0
+    for cover in exact_covers([s.num_devices for s in shapes], num_hosts * devices_per_host):
+        subs = [by_size[size] for size in cover]
+        rng.shuffle(subs)
+        check_assignment(assign_devices(subs, *cluster), subs, *cluster)
+        num_covers += 1
+    assert num_covers > 1
+
+
+def random_cost_table(rng, num_layers, submeshes, infeasible_fraction):
+    """A stage cost callback with random latencies that grow with the number of layers."""
+    table = {}
+    for start in range(num_layers):
+        for end in range(start + 1, num_layers + 1):
+            for index, sub in enumerate(submeshes):
+                work = sum(rng.uniform(0.5, 2.0) for _ in range(end - start))
+                latency = work / sub.num_devices ** rng.uniform(0.5, 1.0) + rng.uniform(0, 0.3)
+                feasible = rng.random() >= infeasible_fraction
+                table[(start, end, index)] = StageCost(round(latency, 3), feasible, memory=1.0)
+    return table
+
+
+def counting_callback(table):
+    calls = collections.Counter()
+
+    def stage_cost(start, end, index):
+        calls[(start, end, index)] += 1
+        return table[(start, end, index)]
+
+    return stage_cost, calls
+
+
+def random_case(seed):
+    rng = random.Random(seed)
+    cluster = SMALL_CLUSTERS[seed % len(SMALL_CLUSTERS)]
+    num_layers = rng.randint(1, 6)
+    num_microbatches = [1, 2, 4, 8][(seed // len(SMALL_CLUSTERS)) % 4]
+    options = {}
+    pick = rng.random()
+    if pick < 0.2:
+        options["num_stages"] = rng.randint(1, min(num_layers, math.prod(cluster)))
+    elif pick < 0.35:
+        options["max_stages"] = rng.randint(1, num_layers)
+    table = random_cost_table(rng, num_layers, submesh_shapes(*cluster), rng.choice([0, 0.3]))
+    return cluster, num_layers, num_microbatches, options, table
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_equals_brute_force(seed):
+    cluster, num_layers, num_microbatches, options, table = random_case(seed)
+    stage_cost, calls = counting_callback(table)
+    try:
+        plan = plan_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+    except ValueError as error:
+        with pytest.raises(ValueError):
+            brute_force_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+        assert "no plan" in str(error) or "no feasible" in str(error)
+        return
+    assert max(calls.values()) == 1, "the DP must call stage_cost once per (start, end, mesh)"
+    reference = brute_force_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+    assert plan.latency == pytest.approx(reference.latency, rel=1e-12)
+    # The plan covers the layers in order, uses every device and matches its own numbers.
+    assert [s for s, _, _ in plan.stages] == [0] + [e for _, e, _ in plan.stages[:-1]]
+    assert plan.stages[-1][1] == num_layers
+    subs = submesh_shapes(*cluster)
+    assert sum(subs[j].num_devices for _, _, j in plan.stages) == math.prod(cluster)
+    latencies = [table[key].latency for key in plan.stages]
+    assert all(table[key].feasible for key in plan.stages)
+    assert plan.latency == pytest.approx(sum(latencies) + (num_microbatches - 1) * max(latencies))
+    assert plan.stage_costs == tuple(table[key] for key in plan.stages)
+    check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
+    if "num_stages" in options:
+        assert len(plan.stages) == options["num_stages"]
+    if "max_stages" in options:
+        assert len(plan.stages) <= options["max_stages"]
+
+
+def test_microbatches_decide_between_pipeline_and_data_parallel():
+    """Hand-computed: two layers on 1x2 devices. One layer per device costs 1.0 per stage;
+    both layers on both devices cost 1.5. B = 1: 1 + 1 = 2 > 1.5, so one stage wins.
+    B = 4: 2 + 3 * 1 = 5 < 1.5 + 3 * 1.5 = 6, so the two-stage pipeline wins."""
+    costs = {(0, 1, 0): 1.0, (1, 2, 0): 1.0, (0, 2, 1): 1.5}
+
+    def stage_cost(start, end, index):
+        latency = costs.get((start, end, index))
+        return StageCost(latency or 0.0, latency is not None)
+
+    single = plan_stages(2, 1, 2, stage_cost, 1)
+    assert single.stages == ((0, 2, 1),) and single.latency == pytest.approx(1.5)
+    pipeline = plan_stages(2, 1, 2, stage_cost, 4)
+    assert pipeline.stages == ((0, 1, 0), (1, 2, 0)) and pipeline.latency == pytest.approx(5.0)
+    assert pipeline.device_ids in (((0,), (1,)), ((1,), (0,)))
+
+
+def test_evaluates_each_candidate_once_and_restricts_submeshes():
+    num_layers, cluster = 5, (2, 4)
+    subs = submesh_shapes(*cluster)
+    table = random_cost_table(random.Random(7), num_layers, subs, 0.0)
+    stage_cost, calls = counting_callback(table)
+    plan = plan_stages(num_layers, *cluster, stage_cost, 4)
+    assert plan.num_evaluations == len(calls) == num_layers * (num_layers + 1) // 2 * len(subs)
+    assert set(calls.values()) == {1}
+    stage_cost, calls = counting_callback(table)
+    restricted = plan_stages(num_layers, *cluster, stage_cost, 4, allowed_submeshes=[2])
+    assert {j for _, _, j in calls} == {2}
+    assert [j for _, _, j in restricted.stages] == [2, 2]  # two 1x4 stages fill 2x4
+    assert restricted.latency >= plan.latency
+
+
+def test_non_power_of_two_hosts_give_packable_plans():
+    """On hosts of 6 devices (shapes 1, 2, 4, 6), three 4-device stages, the cheapest plan
+    by the numbers, do not pack. The DP must still return a packable plan, no better than
+    the brute-force optimum (1x4 + 1x2 on each host, 0.3 for B = 1) and no worse than the
+    best plan on the always-packing shapes 1, 2, 6, 12 (one 2x6 stage, 0.333)."""
+    cluster, num_layers = (2, 6), 4
+    subs = submesh_shapes(*cluster)
+    speed = {1: 1.0, 2: 10.0, 4: 20.0, 6: 6.0, 12: 12.0}
+
+    def stage_cost(start, end, index):
+        return StageCost((end - start) / speed[subs[index].num_devices], True)
+
+    plan = plan_stages(num_layers, *cluster, stage_cost, 1)
+    reference = brute_force_stages(num_layers, *cluster, stage_cost, 1)
+    check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
+    assert reference.latency == pytest.approx(0.3)
+    assert reference.latency <= plan.latency <= 1 / 3 + 1e-12
+
+
+def test_more_stages_than_layers_is_an_error():
+    ok = lambda start, end, index: StageCost(1.0, True)
+    with pytest.raises(ValueError, match="cannot slice 3 layers into 4 stages"):
+        plan_stages(3, 1, 8, ok, 2, num_stages=4)
+    with pytest.raises(ValueError, match="cannot run 3 stages on 2 devices"):
+        plan_stages(4, 1, 2, ok, 2, num_stages=3)
+    with pytest.raises(ValueError, match="not an index into the 3 submeshes"):
+        plan_stages(4, 1, 4, ok, 2, allowed_submeshes=[3])
+
+
+def test_no_feasible_stage_reports_the_memory_shortfall():
+    def too_big(start, end, index):
+        return StageCost(1.0, False, memory=(end - start) * 3e9 / 2**index)
+
+    with pytest.raises(ValueError, match=r"no feasible pipeline stage.*smallest memory "
+                       r"shortfall is 0\.198 GiB.*layers \[0, 1\) on submesh 1x4"):
+        plan_stages(3, 1, 4, too_big, 2, memory_budget=2**29)
+    with pytest.raises(ValueError, match=r"least memory an infeasible stage needs"):
+        plan_stages(3, 1, 4, too_big, 2)
+
+
+def test_no_covering_plan_is_an_error():
+    only_one_device = lambda start, end, index: StageCost(1.0, index == 0)
+    with pytest.raises(ValueError, match=r"no plan slices 2 layers into 1\.\.2 stages"):
+        plan_stages(2, 1, 4, only_one_device, 2)
+
+
+def test_bad_callback_results_are_errors():
+    with pytest.raises(TypeError, match="expected StageCost"):
+        plan_stages(2, 1, 2, lambda s, e, i: 1.0, 2)
+    with pytest.raises(ValueError, match="latency is nan"):
+        plan_stages(2, 1, 2, lambda s, e, i: StageCost(float("nan"), True), 2)
+
+
+def test_medium_instance_is_fast_and_uses_few_dp_runs():
+    """24 layers on 4 hosts x 8 devices (benchmarks/stage_dp_scaling.py goes larger)."""
+    num_layers, cluster = 24, (4, 8)
+    subs = submesh_shapes(*cluster)
+
+    def stage_cost(start, end, index):
+        sub = subs[index]
+        cross_host = 4.0 if sub.num_hosts > 1 else 1.0
+        comm = 0.02 * math.log2(sub.num_devices) * cross_host
+        return StageCost((end - start) * (1.0 / sub.num_devices + comm), True)
+
+    plan = plan_stages(num_layers, *cluster, stage_cost, 16)
+    assert plan.num_evaluations == num_layers * (num_layers + 1) // 2 * len(subs)
+    assert plan.solve_time < 5.0
+    assert plan.num_dp_runs < 30
+    assert len(plan.stages) > 1  # with 16 microbatches a pipeline beats pure sharding
+    check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
