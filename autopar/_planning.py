@@ -59,11 +59,10 @@ def tied_state(graph: OpGraph, donate_argnums: Sequence[int]) -> list[tuple[int,
     """(output var, input var) pairs where the step returns its updated state.
 
     The first output (the new state) is matched leaf by leaf, by pytree path, shape and
-    dtype, to the first donated argument (the old state).
+    dtype, to the first donated argument (the old state), or to argument 0 when nothing is
+    donated.
     """
-    if not donate_argnums:
-        return []
-    state_arg = donate_argnums[0]
+    state_arg = donate_argnums[0] if donate_argnums else 0
     by_path = {
         path[1:]: v
         for v, path in zip(graph.invars, _leaf_paths(graph.in_tree))

@@ -44,7 +44,7 @@ def plan_on_mesh(
     built = build_problem(graph, mesh, cluster, options, tied)
     build_time = time.perf_counter() - start
     solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
-    plan = _to_plan(graph, mesh, cluster, built, solution.choices)
+    plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
     stats = dict(plan.stats)
     stats.update(
         build_time=build_time,
@@ -105,7 +105,7 @@ def plan_sharding(
     return best
 
 
-def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices) -> ShardingPlan:
+def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
     chosen = [n.strategies[c] for n, c in zip(built.ilp_nodes, choices)]
     var_specs: list = [None] * len(graph.vars)
     for v, (index, k) in built.source_of.items():
@@ -143,6 +143,15 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices) -> Sha
             dst = strategy.in_specs[p] or replicated(len(var.shape))
             for c in reshard_collectives(var.shape, var.dtype, var_specs[v], dst, mesh):
                 add(c)
+    # Returned state takes its input's layout, so that the next step needs no resharding;
+    # the ILP charged this move on the tie edge.
+    for out_var, in_var in tied:
+        var = graph.vars[out_var]
+        for c in reshard_collectives(
+            var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh
+        ):
+            add(c)
+    output_specs = {out_var: var_specs[in_var] for out_var, in_var in tied}
     constrained = tuple(
         v
         for node in graph.nodes
@@ -159,6 +168,7 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices) -> Sha
     return ShardingPlan(
         mesh=mesh,
         var_specs=tuple(var_specs),
+        output_overrides=tuple(sorted(output_specs.items())),
         node_strategies=tuple(node_strategies),
         constrained=constrained,
         cost=cost,

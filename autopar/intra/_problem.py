@@ -23,12 +23,15 @@ from autopar.intra._strategies import (
     CostContext,
     Strategy,
     follow_strategies,
+    follower_candidates,
     input_strategies,
-    is_follower_signature,
     node_signature,
     node_strategies,
     replicated_signature,
 )
+
+# Identity primitives that take no decision of their own: results alias operands.
+TRANSPARENT = frozenset({"layer_boundary", "grad_boundary"})
 
 
 @dataclass
@@ -77,21 +80,21 @@ def build_problem(
         ilp_nodes.append(IlpNode(var.path or f"input {v}", strategies, var=v))
 
     for node in graph.nodes:
+        if node.primitive in TRANSPARENT:
+            # Identity markers: each result is its operand, with the operand's layout.
+            for v_in, v_out in zip(node.inputs, node.outputs):
+                if v_in in source_of:
+                    source_of[v_out] = source_of[v_in]
+            if all(v in source_of for v in node.outputs):
+                continue
         sig = node_signature(node, graph)
         if sig is None:
             missing[node.primitive] = missing.get(node.primitive, 0) + 1
             sig = replicated_signature(node, graph)
         index = len(ilp_nodes)
         strategies = None
-        main = is_follower_signature(node, graph, sig) if options.merge_followers else None
-        if main is not None:
-            leader = source_of.get(node.inputs[main])
-            if leader is not None and ilp_nodes[leader[0]].node is not None:
-                leader_node = ilp_nodes[leader[0]]
-                specs = [s.out_specs[leader[1]] for s in leader_node.strategies]
-                strategies = follow_strategies(node, graph, sig, specs, ctx)
-                if strategies is not None:
-                    followers[index] = (leader[0], np.arange(len(specs)))
+        if options.merge_followers:
+            strategies = _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index)
         if strategies is None:
             strategies = node_strategies(node, graph, sig, ctx)
         for k, v in enumerate(node.outputs):
@@ -121,6 +124,30 @@ def build_problem(
         names=tuple(n.name for n in ilp_nodes),
     )
     return BuiltProblem(problem, ilp_nodes, source_of, warnings)
+
+
+def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
+    """Make `node` a follower of one operand's producer if it can be; else None.
+
+    Among the operands that fix the whole node, follow the largest one computed by
+    another node (graph inputs keep their own decision).
+    """
+    best = None
+    for i in follower_candidates(node, graph, sig):
+        leader = source_of.get(node.inputs[i])
+        if leader is None or ilp_nodes[leader[0]].node is None:
+            continue
+        nbytes = graph.vars[node.inputs[i]].nbytes
+        if best is None or nbytes > best[0]:
+            best = (nbytes, i, leader)
+    if best is None:
+        return None
+    _, main, (u, k) = best
+    specs = [s.out_specs[k] for s in ilp_nodes[u].strategies]
+    strategies = follow_strategies(node, graph, sig, main, specs, ctx)
+    if strategies is not None:
+        followers[index] = (u, np.arange(len(specs)))
+    return strategies
 
 
 def _restrict_input(var, strategies: list[Strategy], mesh: LogicalMesh, options: ShardOptions):

@@ -325,8 +325,6 @@ def _gather(op: OpInfo) -> Signature:
     slice_sizes = op.params["slice_sizes"]
     operand_shape, indices_shape = op.in_shapes
     out_nd = len(op.out_shapes[0])
-    if getattr(dn, "operand_batching_dims", ()):
-        return None
     operand: list[str | None] = [None] * len(operand_shape)
     indices: list[str | None] = [None] * len(indices_shape)
     out: list[str | None] = [None] * out_nd
@@ -336,8 +334,17 @@ def _gather(op: OpInfo) -> Signature:
     batch_out = [d for d in range(out_nd) if d not in dn.offset_dims]
     for i, (idx_dim, out_dim) in enumerate(zip(range(len(indices_shape) - 1), batch_out)):
         indices[idx_dim] = out[out_dim] = f"b{i}"
+    # Batching dimensions (take_along_axis): operand and indices share the batch.
+    operand_batching = getattr(dn, "operand_batching_dims", ())
+    indices_batching = getattr(dn, "start_indices_batching_dims", ())
+    for op_dim, idx_dim in zip(operand_batching, indices_batching):
+        operand[op_dim] = indices[idx_dim]
     # Offset dimensions: operand dimensions kept whole by the slice pass through.
-    kept = [d for d in range(len(operand_shape)) if d not in dn.collapsed_slice_dims]
+    kept = [
+        d
+        for d in range(len(operand_shape))
+        if d not in dn.collapsed_slice_dims and d not in operand_batching
+    ]
     for d, out_dim in zip(kept, dn.offset_dims):
         if slice_sizes[d] == operand_shape[d]:
             operand[d] = out[out_dim] = f"o{d}"
@@ -355,8 +362,8 @@ def _gather(op: OpInfo) -> Signature:
 def _scatter_add(op: OpInfo) -> Signature:
     dn = op.params["dimension_numbers"]
     operand_shape, indices_shape, updates_shape = op.in_shapes
-    if getattr(dn, "operand_batching_dims", ()):
-        return None
+    operand_batching = getattr(dn, "operand_batching_dims", ())
+    indices_batching = getattr(dn, "scatter_indices_batching_dims", ())
     operand: list[str | None] = [None] * len(operand_shape)
     indices: list[str | None] = [None] * len(indices_shape)
     updates: list[str | None] = [None] * len(updates_shape)
@@ -366,8 +373,16 @@ def _scatter_add(op: OpInfo) -> Signature:
     scatter_dims = [d for d in range(len(updates_shape)) if d not in dn.update_window_dims]
     for i, (upd_dim, idx_dim) in enumerate(zip(scatter_dims, range(len(indices_shape) - 1))):
         updates[upd_dim] = indices[idx_dim] = f"b{i}"
-        reductions[f"b{i}"] = "sum"
-    window_operand = [d for d in range(len(operand_shape)) if d not in dn.inserted_window_dims]
+        if idx_dim in indices_batching:
+            # a batching dimension: each batch element writes its own operand slice
+            operand[operand_batching[indices_batching.index(idx_dim)]] = f"b{i}"
+        else:
+            reductions[f"b{i}"] = "sum"
+    window_operand = [
+        d
+        for d in range(len(operand_shape))
+        if d not in dn.inserted_window_dims and d not in operand_batching
+    ]
     for d, upd_dim in zip(window_operand, dn.update_window_dims):
         if updates_shape[upd_dim] == operand_shape[d]:
             operand[d] = updates[upd_dim] = f"o{d}"

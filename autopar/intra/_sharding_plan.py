@@ -56,6 +56,9 @@ class ShardingPlan:
     constrained: tuple[int, ...]  # variable ids pinned in the lowering
     cost: PredictedCost
     graph_fingerprint: str
+    # (output var, spec): results returned with another layout than computed (state that
+    # keeps its input layout across steps)
+    output_overrides: tuple[tuple[int, Spec], ...] = ()
     warnings: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict)
 
@@ -63,7 +66,8 @@ class ShardingPlan:
         return [self.var_specs[v] for v in graph.invars]
 
     def output_specs(self, graph: OpGraph) -> list[Spec | None]:
-        return [self.var_specs[v] for v in graph.outvars]
+        overrides = dict(self.output_overrides)
+        return [overrides.get(v, self.var_specs[v]) for v in graph.outvars]
 
     def specs_by_path(self, graph: OpGraph) -> dict[str, Spec]:
         """Spec of every named graph input, keyed by its pytree path."""
@@ -89,6 +93,7 @@ class ShardingPlan:
             "var_specs": [None if s is None else [list(d) for d in s] for s in self.var_specs],
             "node_strategies": list(self.node_strategies),
             "constrained": list(self.constrained),
+            "output_overrides": [[v, [list(d) for d in s]] for v, s in self.output_overrides],
             "cost": self.cost.to_json(),
             "graph_fingerprint": self.graph_fingerprint,
             "num_vars": len(self.var_specs),
@@ -105,6 +110,9 @@ class ShardingPlan:
             ),
             node_strategies=tuple(d["node_strategies"]),
             constrained=tuple(d["constrained"]),
+            output_overrides=tuple(
+                (int(v), tuple(tuple(dim) for dim in s)) for v, s in d.get("output_overrides", ())
+            ),
             cost=PredictedCost.from_json(d["cost"]),
             graph_fingerprint=d["graph_fingerprint"],
             warnings=tuple(d.get("warnings", ())),

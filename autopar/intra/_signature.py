@@ -98,12 +98,11 @@ def enumerate_assignments(
         for axis, label in zip(axes, choice):
             if label is not None:
                 grouped.setdefault(label, []).append(axis)
-        orders = [
-            [(label, perm) for perm in itertools.permutations(group)]
-            for label, group in grouped.items()
-        ]
-        for combo in itertools.product(*orders):
-            assignment = dict(combo)
+        # A label that takes several axes takes them in mesh order only: the other
+        # orders give the same split with devices permuted, which a mesh shape of its
+        # own already covers.
+        assignment = {label: tuple(group) for label, group in grouped.items()}
+        if True:
             if all(
                 all(d % math.prod(sizes[a] for a in ax) == 0 for d in dims[label])
                 for label, ax in assignment.items()

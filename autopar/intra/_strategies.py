@@ -137,15 +137,27 @@ def node_strategies(
                     name, in_specs, out_specs[0], out_vars[0], partial["sum"], compute, ctx
                 )
             )
-    return strategies
+    return _dedupe(strategies)
+
+
+def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
+    """Keep the cheapest strategy for each combination of operand and result specs."""
+    best: dict[tuple, Strategy] = {}
+    for s in strategies:
+        key = (s.in_specs, s.out_specs)
+        if key not in best or s.cost < best[key].cost:
+            best[key] = s
+    return list(best.values())
 
 
 def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, compute, ctx):
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
     full_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
+    # One variant: scatter onto the first free dimension that divides evenly (for a
+    # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
     for dim, (size, dim_axes) in enumerate(zip(out_var.shape, out_spec)):
-        if dim_axes or (size // max(1, math.prod(mesh.axis_size(a) for a in dim_axes))) % split:
+        if dim_axes or size % split:
             continue
         new_spec = tuple(tuple(axes) if d == dim else s for d, s in enumerate(out_spec))
         collective = Collective("reduce_scatter", tuple(axes), full_bytes)
@@ -159,6 +171,7 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, compute, c
             full_bytes / split,
             (collective,),
         )
+        return
 
 
 def input_strategies(var, ctx: CostContext) -> list[Strategy]:
@@ -176,16 +189,20 @@ def input_strategies(var, ctx: CostContext) -> list[Strategy]:
 
 
 def follow_strategies(
-    node: Node, graph: OpGraph, sig: Signature, leader_specs: Sequence[Spec], ctx: CostContext
+    node: Node,
+    graph: OpGraph,
+    sig: Signature,
+    main: int,
+    leader_specs: Sequence[Spec],
+    ctx: CostContext,
 ) -> list[Strategy] | None:
-    """Strategies of a node that only follows its one array operand.
+    """Strategies of a node that follows its operand `main`.
 
     For each spec the operand may arrive with (one per leader strategy), the node keeps
-    that split. Returns None when some spec cannot be carried through (then the node is
-    planned on its own).
+    that split; other operands are asked for the matching split (the ILP charges their
+    resharding on their edges). Returns None when some spec cannot be carried through
+    (then the node is planned on its own).
     """
-    main = _main_input(node, graph)
-    assert main is not None
     labels = sig.inputs[main]
     out_vars = [graph.vars[v] for v in node.outputs]
     in_vars = [graph.vars[v] for v in node.inputs]
@@ -202,21 +219,26 @@ def follow_strategies(
             if axes:
                 assignment[label] = axes
         in_specs = tuple(
-            spec if i == main else (None if v.role is Role.CONST else ((),) * len(v.shape))
-            for i, v in enumerate(in_vars)
+            None if v.role is Role.CONST else spec_for(lab, len(v.shape), assignment)
+            for lab, v in zip(sig.inputs, in_vars)
         )
         out_specs = tuple(
             spec_for(out_labels, len(v.shape), assignment)
             for out_labels, v in zip(sig.outputs, out_vars)
         )
-        if not all(_divisible(v.shape, s, ctx.mesh) for v, s in zip(out_vars, out_specs)):
+        tensors = [*zip(in_vars, in_specs), *zip(out_vars, out_specs)]
+        if not all(s is None or _divisible(v.shape, s, ctx.mesh) for v, s in tensors):
             return None
         used = set(spec_axes(spec))
         parallelism = math.prod(ctx.mesh.axis_size(a) for a in used) if used else 1
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
         )
-        in_bytes = bytes_per_device(in_vars[main].shape, in_vars[main].dtype, spec, ctx.mesh)
+        in_bytes = sum(
+            bytes_per_device(v.shape, v.dtype, s, ctx.mesh)
+            for v, s in zip(in_vars, in_specs)
+            if s is not None
+        )
         dtype = out_vars[0].dtype
         compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
         strategy = Strategy(
@@ -231,35 +253,25 @@ def _divisible(shape, spec: Spec, mesh: LogicalMesh) -> bool:
     return all(size % mesh.axis_size(axes) == 0 for size, axes in zip(shape, spec) if axes)
 
 
-def _main_input(node: Node, graph: OpGraph) -> int | None:
-    """Index of the single non-constant array operand, if the node has exactly one."""
-    found = None
-    for i, v in enumerate(node.inputs):
-        var = graph.vars[v]
-        if var.role is Role.CONST or len(var.shape) == 0:
-            continue
-        if found is not None:
-            return None
-        found = i
-    return found
+def follower_candidates(node: Node, graph: OpGraph, sig: Signature) -> list[int]:
+    """Operand indices a node could follow (empty if it must be planned on its own).
 
-
-def is_follower_signature(node: Node, graph: OpGraph, sig: Signature) -> int | None:
-    """The operand index a node can follow, or None.
-
-    A follower has one array operand, no reductions, and carries every labelled operand
-    dimension to its results (elementwise ops, converts, transposes, legal reshapes).
+    A follower has no reductions and one result, and some array operand carries exactly
+    the result's labelled dimensions (elementwise ops, converts, transposes, legal
+    reshapes). Its split then fixes the whole node.
     """
     if sig.reductions or len(node.outputs) != 1:
-        return None
-    main = _main_input(node, graph)
-    if main is None or sig.inputs[main] is None:
-        return None
-    in_labels = [lab for lab in sig.inputs[main] if lab is not None]
+        return []
     out_labels = {lab for lab in sig.outputs[0] if lab is not None}
-    if set(in_labels) != out_labels:
-        return None
-    return main
+    candidates = []
+    for i, v in enumerate(node.inputs):
+        var = graph.vars[v]
+        labels = sig.inputs[i]
+        if var.role is Role.CONST or len(var.shape) == 0 or labels is None:
+            continue
+        if {lab for lab in labels if lab is not None} == out_labels:
+            candidates.append(i)
+    return candidates
 
 
 def strategy_costs(strategies: Sequence[Strategy]) -> np.ndarray:

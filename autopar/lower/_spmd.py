@@ -62,7 +62,7 @@ def lower_sharding_plan(
     in_vars = [graph.vars[v] for v in graph.invars]
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
-    out_shardings = named_shardings([plan.var_specs[v] for v in graph.outvars], out_vars, mesh)
+    out_shardings = named_shardings(plan.output_specs(graph), out_vars, mesh)
     pinned = {
         v: NamedSharding(mesh, to_partition_spec(plan.var_specs[v]))
         for v in plan.constrained
