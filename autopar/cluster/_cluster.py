@@ -1,0 +1,420 @@
+"""Clusters as plain data: hosts × devices, memory, peak FLOP/s and per-level links.
+
+A `Cluster` comes from a cost profile (a JSON file, schema in ``cost_profiles/README.md``),
+from the local devices (`Cluster.local`), or is built by hand. It holds no JAX objects, so
+planning for a virtual cluster needs no devices.
+
+Device ids: device ``host * devices_per_host + local_index``; `local_devices` lists the JAX
+devices of this machine (or of all processes under ``jax.distributed``) in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Where `Cluster.local` and `autopar profile` keep the measured profile of this machine.
+LOCAL_PROFILE_ENV = "AUTOPAR_PROFILE"
+DEFAULT_LOCAL_PROFILE = Path("~/.cache/autopar/local-profile.json")
+
+PROFILE_DIR_NAME = "cost_profiles"
+
+# Built-in profile used by `Cluster.local` when no measured profile was saved, chosen by a
+# substring of the JAX `device_kind`; anything else gets "cpu-local".
+DEFAULT_PROFILE_BY_DEVICE_KIND = {
+    "A100": "dgx-a100-80g",
+    "H100": "dgx-h100",
+    "V100": "p3.16xlarge-v100",
+}
+FALLBACK_LOCAL_PROFILE = "cpu-local"
+
+# JSON keys a profile may carry besides the `Cluster` fields: free text, per-field sources,
+# and the raw data of a measured profile. They are documentation; loading ignores them.
+INFORMATIONAL_KEYS = ("note", "sources", "measured")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the interconnect in the alpha-beta model.
+
+    **Arguments:**
+    - `bandwidth`: bytes/s per device in one direction, with every device of the level
+      communicating at once (the SPMD case).
+    - `latency`: seconds per message step (alpha).
+    """
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link.bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"Link.latency must be >= 0 seconds, got {self.latency!r}")
+
+    def to_json(self) -> dict:
+        return {"bandwidth": self.bandwidth, "latency": self.latency}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous cluster: `num_hosts` hosts of `devices_per_host` devices each.
+
+    **Arguments:**
+    - `name`: the profile name, e.g. ``"dgx-a100-80g"``.
+    - `num_hosts`, `devices_per_host`: the shape; device ids run host-major.
+    - `device_kind`: as JAX reports it, e.g. ``"NVIDIA A100-SXM4-80GB"`` or ``"cpu"``.
+    - `device_memory`: bytes of memory per device.
+    - `peak_flops`: FLOP/s per device by dtype name (``"float32"`` is required).
+    - `matmul_efficiency`: the fraction of peak a large matmul achieves, in (0, 1].
+    - `hbm_bandwidth`: device memory bandwidth in bytes/s.
+    - `intra_host`, `inter_host`: the `Link` inside a host and between hosts.
+
+    **Example:**
+    ```python
+    cluster = Cluster.from_profile("dgx-a100-80g", num_hosts=2)
+    cluster.num_devices        # 16
+    cluster.host_of(9)         # 1
+    ```
+    """
+
+    name: str
+    num_hosts: int
+    devices_per_host: int
+    device_kind: str
+    device_memory: float
+    peak_flops: Mapping[str, float]
+    matmul_efficiency: float
+    hbm_bandwidth: float
+    intra_host: Link
+    inter_host: Link
+
+    def __post_init__(self):
+        # A private copy, so that the frozen cluster cannot change through the caller's dict.
+        object.__setattr__(self, "peak_flops", dict(sorted(self.peak_flops.items())))
+        _check_cluster(self)
+
+    def __hash__(self) -> int:
+        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return hash(tuple(tuple(v.items()) if isinstance(v, dict) else v for v in values))
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    def host_of(self, device_id: int) -> int:
+        """The host of cluster device `device_id`."""
+        if not 0 <= device_id < self.num_devices:
+            raise ValueError(
+                f"device id {device_id} is not in cluster {self.name!r}, which has devices "
+                f"0..{self.num_devices - 1} ({self.num_hosts} hosts × {self.devices_per_host})"
+            )
+        return device_id // self.devices_per_host
+
+    def devices_of_host(self, host: int) -> tuple[int, ...]:
+        """The device ids of host `host`."""
+        if not 0 <= host < self.num_hosts:
+            raise ValueError(
+                f"host {host} is not in cluster {self.name!r}, which has hosts "
+                f"0..{self.num_hosts - 1}"
+            )
+        first = host * self.devices_per_host
+        return tuple(range(first, first + self.devices_per_host))
+
+    def with_shape(self, num_hosts: int, devices_per_host: int) -> Cluster:
+        """The same hardware with another number of hosts and devices per host."""
+        return dataclasses.replace(self, num_hosts=num_hosts, devices_per_host=devices_per_host)
+
+    def flops(self, dtype: Any = "float32") -> float:
+        """Achievable FLOP/s per device for `dtype`: peak × `matmul_efficiency`.
+
+        A dtype the profile does not list (e.g. an integer type) uses the float32 figure.
+        """
+        peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
+        return peak * self.matmul_efficiency
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict in the profile schema (``cost_profiles/README.md``)."""
+        return {
+            "name": self.name,
+            "num_hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "device_kind": self.device_kind,
+            "device_memory": self.device_memory,
+            "peak_flops": dict(self.peak_flops),
+            "matmul_efficiency": self.matmul_efficiency,
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "intra_host": self.intra_host.to_json(),
+            "inter_host": self.inter_host.to_json(),
+        }
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any], source: str = "<dict>") -> Cluster:
+        """Parse a profile dict; `source` names it in error messages."""
+        return _parse_profile(data, source)
+
+    def save(self, path: str | os.PathLike, **informational: Any) -> None:
+        """Write the profile JSON; `informational` adds keys such as ``note`` or ``sources``."""
+        unknown = set(informational) - set(INFORMATIONAL_KEYS)
+        assert not unknown, f"informational keys must be among {INFORMATIONAL_KEYS}: {unknown}"
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps({**self.to_json(), **informational}, indent=2) + "\n")
+        os.replace(partial, path)  # atomic: processes sharing a folder never see half a file
+
+    @staticmethod
+    def from_profile(
+        name_or_path: str | os.PathLike,
+        num_hosts: int | None = None,
+        devices_per_host: int | None = None,
+    ) -> Cluster:
+        """Load a cost profile by name (see `available_profiles`) or from a JSON file path.
+
+        **Arguments:**
+        - `name_or_path`: ``"dgx-a100-80g"``, ``"dgx-h100"``, ``"p3.16xlarge-v100"``,
+          ``"cpu-local"``, or a path to a profile JSON (e.g. one `autopar profile` wrote).
+        - `num_hosts`, `devices_per_host`: override the profile's default shape.
+
+        **Returns:** the `Cluster`.
+        """
+        path = _resolve_profile(name_or_path)
+        cluster = _parse_profile(_read_json(path), str(path))
+        return cluster.with_shape(
+            num_hosts if num_hosts is not None else cluster.num_hosts,
+            devices_per_host if devices_per_host is not None else cluster.devices_per_host,
+        )
+
+    @staticmethod
+    def local() -> Cluster:
+        """The cluster of the JAX devices this process sees.
+
+        Hosts are JAX processes (`process_index`), so this also works under
+        ``jax.distributed``. The figures come from the measured profile at ``$AUTOPAR_PROFILE``
+        or ``~/.cache/autopar/local-profile.json`` (written by ``autopar profile``) if it was
+        measured on the same kind of device, else from a built-in profile for the device kind
+        (``cpu-local`` for unknown kinds). Shape and kind always come from the real devices.
+        """
+        devices = local_devices()
+        per_host = Counter(d.process_index for d in devices)
+        if len(set(per_host.values())) != 1:
+            raise ValueError(
+                f"processes own different numbers of devices {dict(per_host)}; autopar needs "
+                "the same number of devices on every host. Start every process with the "
+                "same devices visible."
+            )
+        kind = devices[0].device_kind
+        base = _local_base_profile(kind)
+        stats = devices[0].memory_stats() or {}
+        return dataclasses.replace(
+            base,
+            name=f"local ({base.name})",
+            num_hosts=len(per_host),
+            devices_per_host=next(iter(per_host.values())),
+            device_kind=kind,
+            device_memory=stats.get("bytes_limit", base.device_memory),
+        )
+
+
+def local_devices() -> list:
+    """All JAX devices in cluster device id order: by process (host), then device id."""
+    import jax
+
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def local_profile_path() -> Path:
+    """Where the measured profile of this machine lives: ``$AUTOPAR_PROFILE`` or the cache."""
+    return Path(os.environ.get(LOCAL_PROFILE_ENV) or DEFAULT_LOCAL_PROFILE).expanduser()
+
+
+def profile_dirs() -> list[Path]:
+    """Folders searched for profiles by name, first match wins.
+
+    ``autopar/cost_profiles`` (package data, if a build installs it there), then
+    ``cost_profiles`` at the root of the source checkout, which an editable install uses.
+    """
+    package_dir = Path(__file__).resolve().parent.parent
+    candidates = [package_dir / PROFILE_DIR_NAME, package_dir.parent / PROFILE_DIR_NAME]
+    return [d for d in candidates if d.is_dir()]
+
+
+def available_profiles() -> list[str]:
+    """Names of the built-in profiles."""
+    return sorted({p.stem for d in profile_dirs() for p in d.glob("*.json")})
+
+
+def _local_base_profile(device_kind: str) -> Cluster:
+    path = local_profile_path()
+    if path.is_file():
+        measured = Cluster.from_profile(path)
+        if measured.device_kind == device_kind:
+            return measured
+        warnings.warn(
+            f"the profile at {path} was measured on {measured.device_kind!r} devices but "
+            f"this process has {device_kind!r} devices; using built-in figures instead. "
+            f"Run `autopar profile --out {path}` to measure these devices.",
+            stacklevel=3,
+        )
+    elif os.environ.get(LOCAL_PROFILE_ENV):
+        warnings.warn(
+            f"${LOCAL_PROFILE_ENV} is {path}, which does not exist; using built-in figures. "
+            f"Run `autopar profile --out {path}` to measure this machine.",
+            stacklevel=3,
+        )
+    matches = [n for k, n in DEFAULT_PROFILE_BY_DEVICE_KIND.items() if k in device_kind]
+    return Cluster.from_profile(matches[0] if matches else FALLBACK_LOCAL_PROFILE)
+
+
+def _resolve_profile(name_or_path: str | os.PathLike) -> Path:
+    text = os.fspath(name_or_path)
+    looks_like_path = text.endswith(".json") or os.sep in text or "/" in text
+    if isinstance(name_or_path, os.PathLike) or looks_like_path:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"cost profile file {path} does not exist")
+        return path
+    for folder in profile_dirs():
+        if (folder / f"{text}.json").is_file():
+            return folder / f"{text}.json"
+    raise ValueError(
+        f"unknown cost profile {text!r}; available profiles: "
+        f"{', '.join(available_profiles()) or '(none found)'}. A path to a profile JSON file "
+        "(e.g. one written by `autopar profile --out FILE.json`) works too."
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"cost profile {path} is not valid JSON ({e}); fix the file or measure a new one "
+            "with `autopar profile --out FILE.json`"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"cost profile {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
+    fields = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = set(data) - fields - set(INFORMATIONAL_KEYS)
+    if unknown:
+        raise ValueError(
+            f"cost profile {source}: unknown field(s) {sorted(unknown)}; the fields are "
+            f"{sorted(fields)} plus optional {list(INFORMATIONAL_KEYS)} "
+            "(schema: cost_profiles/README.md)"
+        )
+    read = _FieldReader(data, source)
+    flops = read.field("peak_flops", dict)
+    try:
+        return Cluster(
+            name=read.field("name", str),
+            num_hosts=read.field("num_hosts", int),
+            devices_per_host=read.field("devices_per_host", int),
+            device_kind=read.field("device_kind", str),
+            device_memory=read.number("device_memory"),
+            peak_flops={k: read.number(f"peak_flops.{k}", flops[k]) for k in flops},
+            matmul_efficiency=read.number("matmul_efficiency"),
+            hbm_bandwidth=read.number("hbm_bandwidth"),
+            intra_host=read.link("intra_host"),
+            inter_host=read.link("inter_host"),
+        )
+    except ValueError as e:
+        if str(e).startswith("cost profile"):
+            raise
+        raise ValueError(f"cost profile {source}: {e}. Schema: cost_profiles/README.md") from None
+
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _FieldReader:
+    """Reads typed fields of a profile dict, with errors that name the file and field."""
+
+    data: Mapping[str, Any]
+    source: str
+
+    def field(self, name: str, kind: type | tuple[type, ...], value: Any = _MISSING) -> Any:
+        """The value of field `name` (dotted for nested ones, then pass `value`)."""
+        help_text = _FIELD_HELP[name.split(".")[0]]
+        if value is _MISSING:
+            if name not in self.data:
+                self.fail(name, f"is missing; add it ({help_text})")
+            value = self.data[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            self.fail(name, f"must be {help_text}, got {value!r}")
+        return value
+
+    def number(self, name: str, value: Any = _MISSING) -> float:
+        number = self.field(name, (int, float), value)
+        if not (np.isfinite(number) and number >= 0):
+            self.fail(name, f"must be a finite number >= 0, got {number!r}")
+        return float(number)
+
+    def link(self, name: str) -> Link:
+        link = self.field(name, dict)
+        for key in ("bandwidth", "latency"):
+            if key not in link:
+                self.fail(f"{name}.{key}", f"is missing; add it ({_FIELD_HELP[name]})")
+        bandwidth = self.number(f"{name}.bandwidth", link["bandwidth"])
+        if bandwidth == 0:
+            self.fail(f"{name}.bandwidth", "must be > 0 bytes/s")
+        return Link(bandwidth, self.number(f"{name}.latency", link["latency"]))
+
+    def fail(self, name: str, problem: str):
+        raise ValueError(
+            f"cost profile {self.source}: field {name!r} {problem}. "
+            "Schema: cost_profiles/README.md"
+        )
+
+
+_FIELD_HELP = {
+    "name": "a string: the profile name",
+    "num_hosts": "an integer: the default number of hosts",
+    "devices_per_host": "an integer: the default number of devices per host",
+    "device_kind": "a string: the JAX device_kind",
+    "device_memory": "a number: bytes of memory per device",
+    "peak_flops": 'an object of numbers: FLOP/s per device by dtype, e.g. {"float32": 1.95e13}',
+    "matmul_efficiency": "a number: the achieved fraction of peak for large matmuls, in (0, 1]",
+    "hbm_bandwidth": "a number: device memory bandwidth in bytes/s",
+    "intra_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
+    "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
+}
+
+
+def _check_cluster(cluster: Cluster) -> None:
+    problems = []
+    for name in ("num_hosts", "devices_per_host"):
+        value = getattr(cluster, name)
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            problems.append(f"{name} must be an integer >= 1, got {value!r}")
+    if "float32" not in cluster.peak_flops:
+        problems.append(f"peak_flops must list 'float32', got {sorted(cluster.peak_flops)}")
+    if not all(v > 0 for v in cluster.peak_flops.values()):
+        problems.append(f"peak_flops must be > 0, got {dict(cluster.peak_flops)}")
+    if not 0 < cluster.matmul_efficiency <= 1:
+        problems.append(f"matmul_efficiency must be in (0, 1], got {cluster.matmul_efficiency}")
+    for name in ("device_memory", "hbm_bandwidth"):
+        if not getattr(cluster, name) > 0:
+            problems.append(f"{name} must be > 0, got {getattr(cluster, name)!r}")
+    for name in ("intra_host", "inter_host"):
+        if not isinstance(getattr(cluster, name), Link):
+            problems.append(f"{name} must be a Link, got {getattr(cluster, name)!r}")
+    if problems:
+        raise ValueError(f"invalid cluster {cluster.name!r}: " + "; ".join(problems))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name

@@ -1,0 +1,343 @@
+"""Measuring the local devices into a cost profile (``autopar profile``).
+
+In: the JAX devices of this process (or of all processes under ``jax.distributed``). Out: a
+`ProfileResult` whose `cluster` holds the measured figures and whose `save` writes a profile
+JSON that `Cluster.from_profile` loads.
+
+Measured: large-matmul FLOP/s per dtype and memory bandwidth (an elementwise op), each on
+all devices at once, as they run in a sharded step; all-reduce, all-gather,
+reduce-scatter, all-to-all (``jax.shard_map`` with ``lax.psum``, ``all_gather``,
+``psum_scatter``, ``all_to_all``) and send/recv (``lax.ppermute`` around a ring) over a
+range of message sizes on 2..N devices. Every function is compiled once, warmed up, and
+timed as the median of repeats with ``block_until_ready``. Latency and bandwidth per link
+level are a least-squares fit of the alpha-beta formulas (`autopar.cost.fit_link`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.cluster._cluster import Cluster, Link, local_devices
+from autopar.cost._fit import CollectiveSample, fit_link
+from autopar.cost._formulas import COLLECTIVE_KINDS, CollectiveKind
+
+AXIS = "d"
+KiB, MiB = 2**10, 2**20
+COLLECTIVE_DTYPE = jnp.float32
+MATMUL_DTYPES = ("float32", "bfloat16")
+# GPUs and TPUs reach their peak only on far larger matrices than CPUs (4096 and up), so on
+# an accelerator the `ProfileOptions.matmul_sizes` are scaled by this factor.
+ACCELERATOR_MATMUL_SCALE = 8
+
+# Group sizes for collectives on N devices: 2, 4, 8, ... and N; or just 2 and N.
+DeviceCountPolicy = Literal["powers_of_two", "two_and_all"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """What `measure_profile` measures.
+
+    **Arguments:**
+    - `message_sizes`: collective message sizes in bytes (rounded so they split evenly).
+    - `device_counts`: group sizes for collectives, or a `DeviceCountPolicy`.
+    - `repeats`, `warmup`: timed and untimed calls per compiled function.
+    - `matmul_sizes`: square matmul sizes per device on CPU (times
+      `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak.
+    - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
+    """
+
+    message_sizes: tuple[int, ...]
+    device_counts: tuple[int, ...] | DeviceCountPolicy = "powers_of_two"
+    repeats: int = 7
+    warmup: int = 2
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    bandwidth_bytes: int = 16 * MiB
+
+
+FULL = ProfileOptions(message_sizes=tuple(4**k * 4 * KiB for k in range(7)))  # 4 KiB..16 MiB
+QUICK = ProfileOptions(
+    message_sizes=(16 * KiB, 256 * KiB, 4 * MiB),
+    device_counts="two_and_all",
+    repeats=5,
+    warmup=1,
+    matmul_sizes=(256, 512),
+    bandwidth_bytes=8 * MiB,
+)
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """A measured profile: the `cluster`, a `note` on how it was measured, and `measured`,
+    the JSON-ready raw data (timings, fits per collective kind, matmul rates)."""
+
+    cluster: Cluster
+    note: str
+    measured: Mapping[str, Any]
+
+    def to_json(self) -> dict:
+        return {**self.cluster.to_json(), "note": self.note, "measured": dict(self.measured)}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> ProfileResult:
+        cluster = {k: v for k, v in data.items() if k not in ("note", "measured")}
+        return ProfileResult(Cluster.from_json(cluster), data["note"], data["measured"])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the profile JSON that `Cluster.from_profile(path)` loads."""
+        self.cluster.save(path, note=self.note, measured=dict(self.measured))
+
+
+def measure_profile(
+    options: ProfileOptions = FULL,
+    devices: Sequence | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ProfileResult:
+    """Measure the devices and fit a `Cluster`.
+
+    Under ``jax.distributed`` every process must call this; each measures its own devices,
+    then all of them together (one device per process) for the inter-host level, and every
+    process returns the figures of process 0, so that all derive the same plans.
+
+    **Arguments:**
+    - `options`: `FULL` (default, under 2 minutes on 8 virtual CPU devices), `QUICK`, or
+      your own `ProfileOptions`.
+    - `devices`: the JAX devices to measure, the same number on every process; default all
+      (`local_devices`).
+    - `log`: called with one progress line per measurement group; default: stderr.
+
+    **Returns:** a `ProfileResult`; ``result.save(path)`` writes the profile JSON.
+    """
+    log = log or _log_to_stderr
+    start = time.perf_counter()
+    devices = list(devices) if devices is not None else local_devices()
+    hosts = sorted({d.process_index for d in devices})
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    if len(mine) < 2 and len(hosts) < 2:
+        raise ValueError(
+            f"profiling needs >= 2 devices (or >= 2 processes), got {len(mine)}; run "
+            "`autopar profile --devices 8`, or on CPU set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
+        )
+    flops = {dtype: measure_matmul(dtype, mine, options, log) for dtype in MATMUL_DTYPES}
+    hbm = measure_bandwidth(mine, options, log)
+    intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
+    inter = []
+    if len(hosts) >= 2:  # one device per host: the inter-host level (best effort)
+        leaders = [next(d for d in devices if d.process_index == h) for h in hosts]
+        across = dataclasses.replace(options, device_counts=(len(leaders),))
+        inter = measure_collectives(leaders, across, log, "inter-host")
+    intra_link = fit_link(intra or inter)
+    inter_link = fit_link(inter) if inter else intra_link
+    cluster = Cluster(
+        name="local-measured",
+        num_hosts=len(hosts),
+        devices_per_host=len(mine),
+        device_kind=mine[0].device_kind,
+        device_memory=_device_memory(mine),
+        peak_flops={dtype: max(by_size.values()) for dtype, by_size in flops.items()},
+        matmul_efficiency=1.0,
+        hbm_bandwidth=hbm,
+        intra_host=intra_link,
+        inter_host=inter_link,
+    )
+    for level, link in (("intra_host", intra_link), ("inter_host", inter_link)):
+        log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
+            f"bandwidth {link.bandwidth / 1e9:.3f} GB/s per device")
+    measured = {"seconds": round(time.perf_counter() - start, 2),
+                "matmul_flops_per_device": flops}
+    for level, samples, link in (("intra_host", intra, intra_link),
+                                 ("inter_host", inter, inter_link)):
+        if samples:
+            measured[level] = _samples_json(samples, link)
+    result = ProfileResult(cluster, _note(len(hosts), bool(inter)), measured)
+    return ProfileResult.from_json(_from_process_zero(result.to_json()))
+
+
+def measure_collectives(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None], level: str
+) -> list[CollectiveSample]:
+    """Time every collective kind at every message size on groups of the first n devices."""
+    samples = []
+    for n in _device_counts(options.device_counts, len(devices)):
+        if not 2 <= n <= len(devices):
+            raise ValueError(f"device count {n} is not in 2..{len(devices)} (devices measured)")
+        for kind in COLLECTIVE_KINDS:
+            group_start = time.perf_counter()
+            group = [time_collective(kind, size, devices[:n], options)
+                     for size in options.message_sizes]
+            samples += group
+            times = [s.seconds for s in group]
+            log(f"{level} {kind:<14} on {n} devices, {_size_str(group[0].nbytes)}.."
+                f"{_size_str(group[-1].nbytes)}: {min(times) * 1e3:.3f}..{max(times) * 1e3:.3f}"
+                f" ms ({time.perf_counter() - group_start:.1f} s)")
+    return samples
+
+
+def time_collective(
+    kind: CollectiveKind, nbytes: int, devices: Sequence, options: ProfileOptions
+) -> CollectiveSample:
+    """Median time of one collective of `nbytes` (as `collective_time` counts) on `devices`."""
+    n = len(devices)
+    itemsize = jnp.dtype(COLLECTIVE_DTYPE).itemsize
+    elements = max(n, round(nbytes / itemsize / n) * n)  # so that every split is even
+    local_shape, body = _collective_body(kind, elements, n)
+    mesh = Mesh(np.array(devices), (AXIS,))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(AXIS),
+                       out_specs=PartitionSpec(AXIS), check_vma=False)
+    x = _filled((n * local_shape[0], *local_shape[1:]), COLLECTIVE_DTYPE, mesh)
+    seconds = _median_seconds(fn, (x,), options)
+    return CollectiveSample(kind, n, float(elements * itemsize), seconds)
+
+
+def measure_matmul(
+    dtype: str, devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> dict[int, float]:
+    """FLOP/s per device of square matmuls run on all `devices` at once, by size."""
+    mesh = Mesh(np.array(devices), (AXIS,))
+    spec = PartitionSpec(AXIS)
+    fn = jax.shard_map(jnp.matmul, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    scale = 1 if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SCALE
+    by_size = {}
+    for size in (scale * size for size in options.matmul_sizes):
+        a = _filled((len(devices) * size, size), dtype, mesh)
+        by_size[size] = 2 * size**3 / _median_seconds(fn, (a, a), options)
+    best = max(by_size, key=by_size.get)
+    log(f"matmul {dtype:<9} on {len(devices)} devices: {by_size[best] / 1e9:.2f} GFLOP/s "
+        f"per device (best at {best}x{best}, sizes {list(by_size)})")
+    return by_size
+
+
+def measure_bandwidth(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> float:
+    """Memory bandwidth per device: bytes read + written by ``x * 2 + 1`` per second."""
+    mesh = Mesh(np.array(devices), (AXIS,))
+    itemsize = jnp.dtype(jnp.float32).itemsize
+    elements = options.bandwidth_bytes // itemsize
+    fn = jax.shard_map(lambda x: x * 2 + 1, mesh=mesh, in_specs=PartitionSpec(AXIS),
+                       out_specs=PartitionSpec(AXIS))
+    x = _filled((len(devices) * elements,), jnp.float32, mesh)
+    bandwidth = 2 * elements * itemsize / _median_seconds(fn, (x,), options)
+    log(f"memory bandwidth on {len(devices)} devices: {bandwidth / 1e9:.2f} GB/s per device")
+    return bandwidth
+
+
+def _collective_body(kind: CollectiveKind, elements: int, n: int):
+    """The per-device input shape and shard_map body of `kind` over `elements` elements."""
+    if kind == "all_reduce":
+        return (elements,), partial(lax.psum, axis_name=AXIS)
+    if kind == "all_gather":
+        return (elements // n,), partial(lax.all_gather, axis_name=AXIS, tiled=True)
+    if kind == "reduce_scatter":
+        return (elements,), partial(lax.psum_scatter, axis_name=AXIS, tiled=True)
+    if kind == "all_to_all":
+        return (n, elements // n), partial(lax.all_to_all, axis_name=AXIS, split_axis=0,
+                                           concat_axis=0, tiled=True)
+    assert kind == "send_recv", f"no measurement for collective {kind!r}"
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    return (elements,), partial(lax.ppermute, axis_name=AXIS, perm=ring)
+
+
+def _filled(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.Array:
+    """Ones of `shape`, split on the first dimension; made on the devices themselves."""
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
+
+
+def _median_seconds(fn: Callable, args: tuple, options: ProfileOptions) -> float:
+    """Compile `fn` once for `args`, warm up, and return the median time of the repeats."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    for _ in range(options.warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(options.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _device_counts(
+    counts: tuple[int, ...] | DeviceCountPolicy, num_devices: int
+) -> tuple[int, ...]:
+    if counts == "two_and_all":
+        return tuple(sorted({2, num_devices}))
+    if counts == "powers_of_two":
+        powers = [2**k for k in range(1, int(math.log2(num_devices)) + 1)]
+        return tuple(sorted(set(powers) | {num_devices}))
+    return tuple(counts)
+
+
+def _device_memory(devices: Sequence) -> float:
+    """Bytes per device: the runtime's limit, else physical memory shared by the devices."""
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return float(stats["bytes_limit"])
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(physical // len(devices))
+
+
+def _note(num_hosts: int, measured_inter: bool) -> str:
+    base = (
+        "Measured by `autopar profile`. peak_flops are the fastest measured matmuls with all "
+        "devices busy, so matmul_efficiency is 1. "
+    )
+    if measured_inter:
+        return base + f"inter_host was measured with one device on each of {num_hosts} hosts."
+    return base + (
+        "One process: only the intra-host level could be measured, so inter_host is a copy "
+        "of intra_host."
+    )
+
+
+def _from_process_zero(data: dict) -> dict:
+    """`data` as process 0 has it, on every process (a JSON round trip)."""
+    if jax.process_count() == 1:
+        return json.loads(json.dumps(data))
+    from jax.experimental import multihost_utils
+
+    payload = np.frombuffer(json.dumps(data).encode(), dtype=np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(payload.size)))
+    buffer = payload if jax.process_index() == 0 else np.zeros(size, np.uint8)
+    buffer = multihost_utils.broadcast_one_to_all(buffer)
+    return json.loads(np.asarray(buffer, dtype=np.uint8).tobytes().decode())
+
+
+def _samples_json(samples: Sequence[CollectiveSample], link: Link) -> dict:
+    ratios = [s.predicted(link) / s.seconds for s in samples]
+    per_kind = {}
+    for kind in COLLECTIVE_KINDS:
+        of_kind = [s for s in samples if s.kind == kind]
+        try:
+            per_kind[kind] = fit_link(of_kind).to_json()
+        except ValueError as e:  # diagnostics only: a kind too noisy to fit on its own
+            per_kind[kind] = {"error": str(e)}
+    return {
+        "fit_predicted_over_measured": {"min": min(ratios), "max": max(ratios)},
+        "fit_per_kind": per_kind,
+        "samples": [[s.kind, s.num_devices, s.nbytes, s.seconds] for s in samples],
+    }
+
+
+def _size_str(nbytes: float) -> str:
+    return f"{nbytes / MiB:g} MiB" if nbytes >= MiB else f"{nbytes / KiB:g} KiB"
+
+
+def _log_to_stderr(line: str) -> None:
+    print(f"[autopar profile] {line}", file=sys.stderr, flush=True)

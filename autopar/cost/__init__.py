@@ -1,0 +1,31 @@
+"""The cost model: pure functions, the single source of truth for every prediction.
+
+In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
+bytes. Collectives use the ring alpha-beta model, compute the roofline model
+(REFERENCES.md). The ILP, the stage DP, the manual-plan scorer and the reports all call
+these functions.
+"""
+
+from autopar.cost._collective import collective_time, link_for, transfer_time
+from autopar.cost._compute import bytes_per_device, compute_time
+from autopar.cost._fit import CollectiveSample, fit_link
+from autopar.cost._formulas import (
+    COLLECTIVE_KINDS,
+    AlphaBetaTerms,
+    CollectiveKind,
+    alpha_beta_terms,
+)
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "AlphaBetaTerms",
+    "CollectiveKind",
+    "CollectiveSample",
+    "alpha_beta_terms",
+    "bytes_per_device",
+    "collective_time",
+    "compute_time",
+    "fit_link",
+    "link_for",
+    "transfer_time",
+]

@@ -1,0 +1,141 @@
+"""`autopar profile`: measure the 8 virtual CPU devices, fit, reload, and predict."""
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main, use_virtual_cpu_devices
+from autopar.cluster import QUICK, Cluster, LogicalMesh
+from autopar.cluster._profile import time_collective
+from autopar.cost import COLLECTIVE_KINDS, collective_time
+
+REPO = Path(__file__).resolve().parent.parent
+UNSEEN_SIZE = 1024 * 1024  # between the QUICK sizes 256 KiB and 4 MiB, so not in the fit
+TOLERANCE = 2.0  # the acceptance bound: prediction within 2x of a fresh measurement
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    """Run ``autopar profile --quick`` in this process; return (path, progress lines)."""
+    path = tmp_path_factory.mktemp("profile") / "local.json"
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr):
+        patch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+        assert main(["profile", "--quick", "--out", str(path)]) == 0
+    return path, stderr.getvalue().splitlines()
+
+
+def test_quick_profile_predicts_unseen_all_reduce(quick_profile, devices):
+    path, _ = quick_profile
+    cluster = Cluster.from_profile(path)
+    assert cluster.num_hosts == 1 and cluster.devices_per_host == len(devices)
+    assert UNSEEN_SIZE not in QUICK.message_sizes
+    fresh = time_collective("all_reduce", UNSEEN_SIZE, devices, replace(QUICK, repeats=9))
+    mesh = LogicalMesh.create((len(devices),), axis_names=("x",))
+    predicted = collective_time("all_reduce", fresh.nbytes, cluster, mesh, ("x",))
+    ratio = predicted / fresh.seconds
+    print(f"all-reduce of 1 MiB on 8 devices: measured {fresh.seconds * 1e3:.3f} ms, "
+          f"predicted {predicted * 1e3:.3f} ms (ratio {ratio:.2f})")
+    assert 1 / TOLERANCE <= ratio <= TOLERANCE, (ratio, cluster.intra_host)
+
+
+def test_quick_profile_contents(quick_profile, devices):
+    path, _ = quick_profile
+    data = json.loads(path.read_text())
+    assert data["device_kind"] == devices[0].device_kind
+    assert set(data["peak_flops"]) == {"float32", "bfloat16"}
+    assert data["inter_host"] == data["intra_host"]
+    assert "inter_host is a copy of intra_host" in data["note"]
+    samples = data["measured"]["intra_host"]["samples"]
+    assert {kind for kind, *_ in samples} == set(COLLECTIVE_KINDS)
+    assert {n for _, n, _, _ in samples} == {2, len(devices)}
+    assert all(seconds > 0 for *_, seconds in samples)
+
+
+def test_progress_is_one_line_per_group(quick_profile):
+    _, lines = quick_profile
+    collective_lines = [line for line in lines if " devices, " in line]
+    assert len(collective_lines) == len(COLLECTIVE_KINDS) * 2  # 2 device counts in QUICK
+    assert sum("matmul" in line for line in lines) == 2
+    assert sum("memory bandwidth" in line for line in lines) == 1
+    assert all(line.startswith("[autopar profile] ") for line in lines)
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(option in text for option in ("--out", "--quick", "--devices"))
+    assert main([]) == 2
+
+
+def test_cli_reports_user_errors(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--devices", "1", "--out", str(tmp_path / "one.json")])
+    assert exit_info.value.code == 2
+    assert "profiling needs >= 2 devices" in capsys.readouterr().err
+    assert not (tmp_path / "one.json").exists()
+
+
+def test_cli_sets_cpu_device_count(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8")
+    use_virtual_cpu_devices(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+
+
+def test_cli_profiles_requested_devices_in_own_process(tmp_path):
+    """A fresh process: the CLI itself makes the 2 virtual CPU devices it measures."""
+    out = tmp_path / "two.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "autopar.cli", "profile", "--quick", "--devices", "2",
+               "--out", str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout
+    cluster = Cluster.from_profile(out)
+    assert cluster.devices_per_host == 2 and cluster.intra_host.bandwidth > 0
+
+
+def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
+    """Two processes under jax.distributed: both levels measured, process 0's figures kept."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env |= {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "autopar.cli", "profile", "--quick", "--devices", "2",
+             "--out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i, out in enumerate(outs)
+    ]
+    try:
+        results = [p.communicate(timeout=300) for p in processes]
+    finally:  # one failing process leaves the other waiting for it: end both
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, (_, stderr) in zip(processes, results):
+        assert process.returncode == 0, stderr
+    assert "inter-host all_reduce     on 2 devices" in results[0][1]
+    data = [json.loads(out.read_text()) for out in outs]
+    assert data[0] == data[1]  # every process writes process 0's figures
+    cluster = Cluster.from_profile(outs[0])
+    assert (cluster.num_hosts, cluster.devices_per_host) == (2, 2)
+    assert "inter_host" in data[0]["measured"]
+    assert "one device on each of 2 hosts" in data[0]["note"]
