@@ -28,6 +28,19 @@ class Role(str, enum.Enum):
     CONST = "const"  # literal or closed-over constant
 
 
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element; typed PRNG keys (``key<fry>``) count as their uint32 data."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        import jax.numpy as jnp
+
+        try:
+            return jnp.dtype(dtype).itemsize
+        except TypeError:
+            return 8  # a threefry key: two uint32 words
+
+
 @dataclass(frozen=True, eq=False)
 class Var:
     """One value of the graph.
@@ -55,7 +68,7 @@ class Var:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * dtype_itemsize(self.dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,11 +187,12 @@ class OpGraph:
         flat_args: Sequence[Any],
         on_output: Callable[[Node, list[Any]], list[Any]] | None = None,
         nodes: Sequence[Node] | None = None,
+        on_input: Callable[[Node, list[Any]], list[Any]] | None = None,
     ) -> list[Any]:
         """Run the graph on flat arguments (arrays or tracers), in the `eval_jaxpr` shape.
 
-        `on_output(node, outs)` may replace a node's outputs (the lowering uses it to add
-        sharding constraints).
+        `on_input(node, ins)` and `on_output(node, outs)` may replace a node's operands and
+        results (the lowering uses them to add sharding constraints).
         """
         env: dict[int, Any] = {}
 
@@ -192,7 +206,10 @@ class OpGraph:
         for v, x in zip(self.invars, flat_args):
             env[v] = x
         for node in self.nodes if nodes is None else nodes:
-            outs = node.prim.bind(*(read(v) for v in node.inputs), **node.params)
+            ins = [read(v) for v in node.inputs]
+            if on_input is not None:
+                ins = on_input(node, ins)
+            outs = node.prim.bind(*ins, **node.params)
             outs = list(outs) if node.prim.multiple_results else [outs]
             if on_output is not None:
                 outs = on_output(node, outs)
