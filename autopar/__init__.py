@@ -1,7 +1,39 @@
-"""autopar: automatic data, operator and pipeline parallelism for JAX train steps."""
+"""autopar: automatic data, operator and pipeline parallelism for JAX train steps.
 
+```python
+@autopar.autoparallel
+def train_step(state, batch):
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
+    ...
+```
+"""
+
+from autopar import cost
+from autopar._autoparallel import AutoParallel, autoparallel
 from autopar._markers import grad, layer_boundary, value_and_grad
+from autopar._planning import plan
+from autopar.cluster import Cluster, Link, LogicalMesh
+from autopar.graph import OpGraph, Role, trace
+from autopar.intra import MemoryBudgetError, ShardingPlan
+from autopar.plan import Plan
 
 __version__ = "0.1.0"
 
-__all__ = ["grad", "layer_boundary", "value_and_grad"]
+__all__ = [
+    "AutoParallel",
+    "Cluster",
+    "Link",
+    "LogicalMesh",
+    "MemoryBudgetError",
+    "OpGraph",
+    "Plan",
+    "Role",
+    "ShardingPlan",
+    "autoparallel",
+    "cost",
+    "grad",
+    "layer_boundary",
+    "plan",
+    "trace",
+    "value_and_grad",
+]

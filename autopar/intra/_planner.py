@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from autopar.cluster._mesh import LogicalMesh, replicated
+from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph, Role
 from autopar.intra._ilp import MemoryBudgetError, peak_memory, solve
 from autopar.intra._options import ShardOptions
@@ -38,10 +38,14 @@ def plan_on_mesh(
     mesh: LogicalMesh,
     options: ShardOptions = DEFAULT_OPTIONS,
     tied: Sequence[tuple[int, int]] = (),
+    fixed: Mapping[int, Spec] | None = None,
 ) -> ShardingPlan:
-    """Solve the sharding ILP of `graph` on one logical mesh."""
+    """Solve the sharding ILP of `graph` on one logical mesh.
+
+    `fixed` pins input variables to specs (see `build_problem`).
+    """
     start = time.perf_counter()
-    built = build_problem(graph, mesh, cluster, options, tied)
+    built = build_problem(graph, mesh, cluster, options, tied, fixed)
     build_time = time.perf_counter() - start
     solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
@@ -68,6 +72,7 @@ def plan_sharding(
     options: ShardOptions = DEFAULT_OPTIONS,
     tied: Sequence[tuple[int, int]] = (),
     mesh_shape: tuple[int, ...] | None = None,
+    fixed: Mapping[int, Spec] | None = None,
 ) -> ShardingPlan:
     """Plan `graph` on `device_ids`, trying each logical mesh shape; the cheapest wins.
 
@@ -88,7 +93,7 @@ def plan_sharding(
     for shape in shapes:
         mesh = LogicalMesh.create(shape, device_ids)
         try:
-            plan = plan_on_mesh(graph, cluster, mesh, options, tied)
+            plan = plan_on_mesh(graph, cluster, mesh, options, tied, fixed)
         except MemoryBudgetError as err:
             errors.append(err)
             continue
@@ -131,7 +136,9 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
     problem = built.problem
     for (u, v), matrix in zip(problem.edges, problem.edge_costs):
         resharding += float(matrix[choices[u], choices[v]])
-    # Collectives of spec changes along edges, for the fidelity check against compiled HLO.
+    # Spec changes along edges: the lowering pins each resharded operand, and their
+    # collectives are predicted for the check against compiled HLO.
+    operand_specs = []
     for ilp_node, strategy in zip(built.ilp_nodes, chosen):
         if ilp_node.node is None:
             continue
@@ -141,6 +148,8 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
             if var.role is Role.CONST:
                 continue
             dst = strategy.in_specs[p] or replicated(len(var.shape))
+            if dst != var_specs[v]:
+                operand_specs.append((node.id, p, dst))
             for c in reshard_collectives(var.shape, var.dtype, var_specs[v], dst, mesh):
                 add(c)
     # Returned state takes its input's layout, so that the next step needs no resharding;
@@ -169,6 +178,7 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
         mesh=mesh,
         var_specs=tuple(var_specs),
         output_overrides=tuple(sorted(output_specs.items())),
+        operand_specs=tuple(operand_specs),
         node_strategies=tuple(node_strategies),
         constrained=constrained,
         cost=cost,

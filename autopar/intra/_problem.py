@@ -9,7 +9,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,12 +58,16 @@ def build_problem(
     cluster,
     options: ShardOptions,
     tied: Sequence[tuple[int, int]] = (),
+    fixed: Mapping[int, Spec] | None = None,
 ) -> BuiltProblem:
     """Build the ILP for `graph` on `mesh`.
 
     **Arguments:**
     - `tied`: (output var, input var) pairs of state that must keep its layout across steps.
+    - `fixed`: input var -> the only spec it may take (hand-written plans pin parameters
+      and the batch this way; the ILP fills in the rest).
     """
+    fixed = dict(fixed or {})
     ctx = CostContext(cluster, mesh)
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}
@@ -75,7 +79,11 @@ def build_problem(
         var = graph.vars[v]
         if var.role is Role.CONST or v in source_of:
             continue
-        strategies = _restrict_input(var, input_strategies(var, ctx), mesh, options)
+        strategies = input_strategies(var, ctx)
+        if v in fixed:
+            strategies = _pin(var, strategies, fixed[v], mesh)
+        else:
+            strategies = _restrict_input(var, strategies, mesh, options)
         source_of[v] = (len(ilp_nodes), 0)
         ilp_nodes.append(IlpNode(var.path or f"input {v}", strategies, var=v))
 
@@ -148,6 +156,19 @@ def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
     if strategies is not None:
         followers[index] = (u, np.arange(len(specs)))
     return strategies
+
+
+def _pin(var, strategies: list[Strategy], spec: Spec, mesh: LogicalMesh) -> list[Strategy]:
+    spec = tuple(tuple(axes) for axes in spec)
+    chosen = [s for s in strategies if s.out_specs[0] == spec]
+    if not chosen:
+        raise ValueError(
+            f"cannot give {var.path or 'input'} of shape {var.shape} the spec {spec} on mesh "
+            f"{dict(zip(mesh.axis_names, mesh.shape))}: every split dimension must be "
+            "divisible by the product of its mesh axis sizes, and each axis used once. "
+            "Choose a spec that divides the shape, or another mesh shape."
+        )
+    return chosen
 
 
 def _restrict_input(var, strategies: list[Strategy], mesh: LogicalMesh, options: ShardOptions):

@@ -22,18 +22,28 @@ def _axis_dims(spec: Spec) -> dict[str, int]:
 def reshard_collectives(
     shape: tuple[int, ...], dtype: str, src: Spec, dst: Spec, mesh: LogicalMesh
 ) -> tuple[Collective, ...]:
-    """The collectives needed to go from `src` to `dst` (empty when free)."""
+    """The collectives needed to go from `src` to `dst` (empty when free).
+
+    On a dimension split over several axes, only a common leading run of axes stays put.
+    An axis after that run which the target keeps on the same dimension must change
+    position in the device order: one collective-permute (send/recv) of the local block,
+    as XLA's partitioner does, before the other axes are gathered or exchanged.
+    """
     if src == dst:
         return ()
     src_dims, dst_dims = _axis_dims(src), _axis_dims(dst)
     current = [list(axes) for axes in src]
     out: list[Collective] = []
-    # Order-only differences on one dimension (('x','y') vs ('y','x')) move data too:
-    # treat the axes involved as leaving and re-entering that dimension.
+    moved: set[str] = set()
     for a, b in zip(src, dst):
-        if a != b and set(a) & set(b) and list(a) != [x for x in b if x in a]:
-            for axis in set(a) & set(b):
-                src_dims.pop(axis, None)
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        permuted = tuple(x for x in a[k:] if x in b[k:])
+        if permuted:
+            per_device = bytes_per_device(shape, dtype, src, mesh)
+            out.append(Collective("send_recv", permuted, per_device))
+            moved.update(permuted)
     for axis in mesh.axis_names:
         if axis in src_dims and axis not in dst_dims:
             full = bytes_per_device(shape, dtype, _spec(current), mesh) * mesh.axis_size(axis)

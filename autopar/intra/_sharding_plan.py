@@ -59,6 +59,9 @@ class ShardingPlan:
     # (output var, spec): results returned with another layout than computed (state that
     # keeps its input layout across steps)
     output_overrides: tuple[tuple[int, Spec], ...] = ()
+    # (node id, operand index, spec): operands the chosen strategy takes in another layout
+    # than they were produced in (the lowering reshards them there)
+    operand_specs: tuple[tuple[int, int, Spec], ...] = ()
     warnings: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict)
 
@@ -94,6 +97,7 @@ class ShardingPlan:
             "node_strategies": list(self.node_strategies),
             "constrained": list(self.constrained),
             "output_overrides": [[v, [list(d) for d in s]] for v, s in self.output_overrides],
+            "operand_specs": [[n, p, [list(d) for d in s]] for n, p, s in self.operand_specs],
             "cost": self.cost.to_json(),
             "graph_fingerprint": self.graph_fingerprint,
             "num_vars": len(self.var_specs),
@@ -112,6 +116,10 @@ class ShardingPlan:
             constrained=tuple(d["constrained"]),
             output_overrides=tuple(
                 (int(v), tuple(tuple(dim) for dim in s)) for v, s in d.get("output_overrides", ())
+            ),
+            operand_specs=tuple(
+                (int(n), int(p), tuple(tuple(dim) for dim in s))
+                for n, p, s in d.get("operand_specs", ())
             ),
             cost=PredictedCost.from_json(d["cost"]),
             graph_fingerprint=d["graph_fingerprint"],

@@ -75,8 +75,21 @@ def lower_sharding_plan(
             for v, x in zip(node.outputs, outs)
         ]
 
+    operands: dict[int, dict[int, NamedSharding]] = {}
+    for node_id, index, spec in plan.operand_specs:
+        operands.setdefault(node_id, {})[index] = NamedSharding(mesh, to_partition_spec(spec))
+
+    def on_input(node, ins):
+        wanted = operands.get(node.id)
+        if not wanted:
+            return ins
+        return [
+            jax.lax.with_sharding_constraint(x, wanted[i]) if i in wanted else x
+            for i, x in enumerate(ins)
+        ]
+
     def run(*flat_args):
-        return graph.evaluate(flat_args, on_output)
+        return graph.evaluate(flat_args, on_output, on_input=on_input)
 
     fn = jax.jit(
         run,

@@ -1,0 +1,26 @@
+"""Intra-operator planning: per-primitive sharding rules, the ILP, the `ShardingPlan`.
+
+In: an `OpGraph`, a `Cluster` and a device set. Out: a `ShardingPlan` with a spec for every
+variable on the cheapest logical mesh.
+"""
+
+from autopar.intra._ilp import MemoryBudgetError, ShardingProblem, Solution, solve
+from autopar.intra._options import ShardOptions
+from autopar.intra._planner import mesh_shapes, plan_on_mesh, plan_sharding
+from autopar.intra._rules import SHARDING_RULES, register
+from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
+
+__all__ = [
+    "SHARDING_RULES",
+    "MemoryBudgetError",
+    "PredictedCost",
+    "ShardOptions",
+    "ShardingPlan",
+    "ShardingProblem",
+    "Solution",
+    "mesh_shapes",
+    "plan_on_mesh",
+    "plan_sharding",
+    "register",
+    "solve",
+]

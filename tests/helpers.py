@@ -1,0 +1,53 @@
+"""Shared test helpers: run a step with autopar and compare with one device."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from autopar.lower import count_collectives
+
+# XLA:CPU has no reduce-scatter: it lowers one as an all-reduce and a dynamic-slice, with
+# the same bytes on the wire as the plan counts for the reduce-scatter.
+EQUIVALENT_KINDS = {"reduce_scatter": {"all_reduce"}}
+
+
+def run_steps(step, state, batch, num_steps=3):
+    """Losses and final state of `num_steps` steps (`step` may be jitted or autopar'd)."""
+    losses = []
+    for _ in range(num_steps):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+def compiled_hlo(fn, *args) -> str:
+    """Optimized HLO text of an autoparallel function for these arguments."""
+    compiled = fn._last
+    leaves = jax.tree.leaves(args)
+    placed = [jax.device_put(x, s) for x, s in zip(leaves, compiled.in_shardings)]
+    return compiled.fn.lower(*placed).compile().as_text()
+
+
+def fidelity(sharding_plan, hlo_text: str) -> tuple[set, float, dict, dict]:
+    """(unexpected kinds, measured/predicted bytes, predicted, measured)."""
+    predicted = dict(sharding_plan.cost.collectives)
+    measured = count_collectives(hlo_text)
+    allowed = set(predicted)
+    for kind in predicted:
+        allowed |= EQUIVALENT_KINDS.get(kind, set())
+    unexpected = set(measured) - allowed
+    pred_bytes = sum(b for _, b in predicted.values())
+    meas_bytes = sum(b for _, b in measured.values())
+    if pred_bytes == 0 and meas_bytes == 0:
+        ratio = 1.0
+    elif pred_bytes == 0:
+        ratio = float("inf")
+    else:
+        ratio = meas_bytes / pred_bytes
+    return unexpected, ratio, predicted, measured
