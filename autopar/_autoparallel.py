@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from autopar._planning import Method, PlanOptions, make_plan, resolve_cluster
-from autopar.graph import OpGraph, trace
+from autopar._planning import (
+    Method,
+    PlanOptions,
+    Schedule,
+    microbatch_args,
+    resolve_cluster,
+    search,
+)
+from autopar.graph import OpGraph, Role, trace
 from autopar.lower import lower_sharding_plan
 from autopar.plan import Plan
 
@@ -65,26 +71,61 @@ class AutoParallel:
     def _compile(self, args) -> _Compiled:
         self.num_traces += 1
         options = self._options
-        start = time.perf_counter()
-        graph = trace(self._fn, *args, batch_argnums=options.batch_argnums)
-        trace_time = time.perf_counter() - start
         if self._fixed_plan is not None:
             plan = self._fixed_plan
+            run_args = args
+            if plan.num_stages > 1:
+                run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
+            graph = trace(self._fn, *run_args, batch_argnums=options.batch_argnums)
             plan.check_graph(graph)
         else:
             cluster = resolve_cluster(self._cluster_arg)
-            plan = make_plan(graph, cluster, options)
-            plan.timings["trace"] = trace_time
-        if plan.num_stages != 1:
-            raise NotImplementedError(
-                f"this plan has {plan.num_stages} pipeline stages; running pipelined plans "
-                "is not supported yet. Use method='shard', 'data', 'zero2' or 'zero3'."
-            )
+            plan, graph = search(self._fn, args, cluster, options)
         donate = _flat_indices(graph.in_tree, options.donate_argnums)
-        fn, in_sh, out_sh = lower_sharding_plan(graph, plan.stages[0].sharding, None, donate)
-        return _Compiled(graph, plan, fn, in_sh, out_sh)
+        if plan.num_stages == 1:
+            fn, in_sh, out_sh = lower_sharding_plan(graph, plan.stages[0].sharding, None, donate)
+            return _Compiled(graph, plan, fn, in_sh, out_sh)
+        return self._compile_pipeline(graph, plan)
 
-    def __call__(self, *args: Any) -> Any:
+    def _compile_pipeline(self, graph: OpGraph, plan: Plan) -> _Compiled:
+        from autopar.inter._layers import assign_layers
+        from autopar.inter._partition import partition
+        from autopar.runtime import PipelineExecutable
+
+        layers = assign_layers(graph)
+        stage_layers = [stage.layers for stage in plan.stages]
+        if stage_layers[-1][1] != layers.num_layers:
+            raise ValueError(
+                f"the plan's stages cover {stage_layers[-1][1]} layers but the traced step "
+                f"has {layers.num_layers}; plan again for this model"
+            )
+        part = partition(graph, layers, stage_layers)
+        stage_plans = [stage.sharding for stage in plan.stages]
+        for sp, sub in zip(stage_plans, part.stage_graphs):
+            sp.check_graph(sub)
+        executable = PipelineExecutable(
+            graph, part, stage_plans, plan.num_microbatches, plan.schedule
+        )
+        self.pipeline = executable
+        # Inputs go to the stage that holds them, in that stage's sharding.
+        in_shardings = []
+        for v in graph.invars:
+            stage = part.home.get(v, 0)
+            sp = stage_plans[stage]
+            mesh = executable.meshes[stage]
+            spec = sp.var_specs[v] if v < len(sp.var_specs) else None
+            in_shardings.append(_named(mesh, spec, graph.vars[v]))
+        return _Compiled(graph, plan, executable, in_shardings, None)
+
+    def record_timeline(self, *args: Any):
+        """Run one step recording every pipeline task's start and end (seconds).
+
+        Returns `(outputs, timeline)`; `timeline` is a list of `TaskRecord`s.
+        """
+        out = self(*args, _record=True)
+        return out, getattr(self, "pipeline", None) and self.pipeline.timeline
+
+    def __call__(self, *args: Any, _record: bool = False) -> Any:
         leaves, treedef = jax.tree.flatten(args)
         key = self._key(leaves, treedef)
         compiled = self._compiled.get(key)
@@ -92,12 +133,31 @@ class AutoParallel:
             compiled = self._compile(args)
             self._compiled[key] = compiled
         self._last = compiled
-        placed = [
-            x if _has_sharding(x, s) else jax.device_put(x, s)
-            for x, s in zip(leaves, compiled.in_shardings)
-        ]
-        out = compiled.fn(*placed)
+        if compiled.plan.num_stages > 1:
+            batch = {
+                i for i, v in enumerate(compiled.graph.invars)
+                if compiled.graph.vars[v].role is Role.BATCH
+            }
+            placed = [
+                x if i in batch or _has_sharding(x, s) else jax.device_put(x, s)
+                for i, (x, s) in enumerate(zip(leaves, compiled.in_shardings))
+            ]
+            out = compiled.fn(placed, record=_record)
+        else:
+            placed = [
+                x if _has_sharding(x, s) else jax.device_put(x, s)
+                for x, s in zip(leaves, compiled.in_shardings)
+            ]
+            out = compiled.fn(*placed)
         return jax.tree.unflatten(compiled.graph.out_tree, out)
+
+
+def _named(mesh, spec, var):
+    from jax.sharding import NamedSharding
+
+    from autopar.cluster._mesh import replicated, to_partition_spec
+
+    return NamedSharding(mesh, to_partition_spec(spec or replicated(len(var.shape))))
 
 
 def _has_sharding(x: Any, sharding) -> bool:
@@ -117,12 +177,15 @@ def autoparallel(
     cluster: Any = None,
     method: Method = "auto",
     num_microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: Schedule = "1f1b",
     memory_budget: float | None = None,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     plan: Plan | str | None = None,
     mesh_shape: tuple[int, ...] | None = None,
+    num_stages: int | None = None,
+    submeshes: Sequence[tuple[int, int]] | None = None,
+    logical_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> Any:
     """Parallelise a single-device train step over the devices it is given.
 
@@ -130,7 +193,9 @@ def autoparallel(
     - `cluster`: a `Cluster`, a profile name or path; None uses the local devices.
     - `method`: "auto" (search), "shard" (operator parallelism on one mesh), "data",
       "zero2", "zero3".
-    - `num_microbatches`, `schedule`: pipeline options (used by pipelined plans).
+    - `num_microbatches` ("auto" or an int dividing the batch), `schedule` ("gpipe" or
+      "1f1b"): pipeline options; `num_stages`, `submeshes` ((hosts, devices per host)
+      pairs a stage may use) and `logical_shapes` fix parts of the pipeline search.
     - `memory_budget`: bytes per device; default from the cluster.
     - `donate_argnums`: arguments whose buffers the step may reuse (the state);
       `batch_argnums`: arguments holding the batch.
@@ -154,8 +219,12 @@ def autoparallel(
         mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
         donate_argnums=tuple(donate_argnums),
         batch_argnums=tuple(batch_argnums),
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        num_stages=num_stages,
+        submeshes=None if submeshes is None else tuple(tuple(s) for s in submeshes),
+        logical_shapes=None if logical_shapes is None else tuple(map(tuple, logical_shapes)),
     )
-    del num_microbatches, schedule  # used once pipelined plans run (see Plan)
 
     def wrap(f: Callable) -> AutoParallel:
         return AutoParallel(f, options, cluster, plan)

@@ -19,6 +19,7 @@ from autopar.plan import InputInfo, Plan, Stage
 log = logging.getLogger("autopar")
 
 Method = Literal["auto", "shard", "data", "zero2", "zero3"]
+Schedule = Literal["gpipe", "1f1b"]
 METHODS = ("auto", "shard", "data", "zero2", "zero3")
 
 
@@ -32,12 +33,25 @@ class PlanOptions:
     donate_argnums: tuple[int, ...] = (0,)
     batch_argnums: tuple[int, ...] = (1,)
     ilp_time_limit: float = 60.0
+    # pipeline options (method="auto")
+    num_microbatches: int | Literal["auto"] = "auto"
+    schedule: Schedule = "1f1b"
+    num_stages: int | None = None
+    submeshes: tuple[tuple[int, int], ...] | None = None  # allowed (hosts, devices per host)
+    logical_shapes: tuple[tuple[int, ...], ...] | None = None  # allowed stage mesh shapes
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}"
             )
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"unknown schedule {self.schedule!r}; use 'gpipe' or '1f1b'")
+        m = self.num_microbatches
+        if m != "auto" and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
 
 
 def resolve_cluster(cluster: Any):
@@ -108,11 +122,6 @@ def make_plan(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
     timings["intra_op_ilp"] = time.perf_counter() - start
     log.info("intra-op planning: %.2f s, mesh %s", timings["intra_op_ilp"], sharding.mesh.shape)
     warnings = list(sharding.warnings)
-    if options.method == "auto":
-        warnings.append(
-            "method='auto' searched operator parallelism on one stage (pipeline stages "
-            "are not searched yet)"
-        )
     return Plan(
         method=options.method,
         cluster=cluster.to_json(),
@@ -144,6 +153,11 @@ def plan(
     mesh_shape: tuple[int, ...] | None = None,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
+    num_microbatches: int | Literal["auto"] = "auto",
+    schedule: Schedule = "1f1b",
+    num_stages: int | None = None,
+    submeshes: Sequence[tuple[int, int]] | None = None,
+    logical_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> Plan:
     """Plan `fn(*args)` on a cluster without running it (a dry run; no devices needed).
 
@@ -151,7 +165,8 @@ def plan(
     - `args`: arrays or `jax.ShapeDtypeStruct` pytrees, as `fn` takes them.
     - `cluster`: a `Cluster`, a profile name or path (`"dgx-a100-80g"`), or None for the
       local devices.
-    - the rest as in `autopar.autoparallel`.
+    - the rest as in `autopar.autoparallel`; `num_stages`, `submeshes` ((hosts, devices per
+      host) pairs a stage may use) and `logical_shapes` fix parts of the pipeline search.
 
     **Returns:** the `Plan`.
 
@@ -169,11 +184,173 @@ def plan(
         mesh_shape=mesh_shape,
         donate_argnums=tuple(donate_argnums),
         batch_argnums=tuple(batch_argnums),
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        num_stages=num_stages,
+        submeshes=None if submeshes is None else tuple(tuple(s) for s in submeshes),
+        logical_shapes=None if logical_shapes is None else tuple(map(tuple, logical_shapes)),
     )
     cluster = resolve_cluster(cluster)
+    result, _ = search(fn, args, cluster, options)
+    return result
+
+
+# ---- the full search: operator parallelism and pipeline stages -----------------------------
+
+MAX_MICROBATCH_CANDIDATES = 4
+
+
+def batch_size(graph: OpGraph) -> int | None:
+    """Rows of the batch (dim 0 of the batch inputs), or None without batch inputs."""
+    sizes = {graph.vars[v].shape[0] for v in graph.invars
+             if graph.vars[v].role is Role.BATCH and graph.vars[v].shape}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"batch inputs have different leading sizes {sorted(sizes)}; every batch leaf "
+            "must have the batch as its first dimension"
+        )
+    return sizes.pop() if sizes else None
+
+
+def microbatch_args(args: Sequence[Any], batch_argnums: Sequence[int], num_microbatches: int):
+    """Abstract arguments with every batch leaf cut to one microbatch."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp_shape(x), x.dtype), tuple(args))
+    out = list(abstract)
+    for i in batch_argnums:
+        if i >= len(out):
+            continue
+
+        def cut(x, i=i):
+            if not x.shape:
+                return x
+            if x.shape[0] % num_microbatches:
+                raise ValueError(
+                    f"the batch argument {i} has {x.shape[0]} rows, which is not divisible "
+                    f"by num_microbatches={num_microbatches}; choose a number of "
+                    f"microbatches that divides {x.shape[0]}"
+                )
+            return jax.ShapeDtypeStruct((x.shape[0] // num_microbatches, *x.shape[1:]), x.dtype)
+
+        out[i] = jax.tree.map(cut, out[i])
+    return tuple(out)
+
+
+def jnp_shape(x) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", ()))
+
+
+def _microbatch_candidates(options: PlanOptions, rows: int | None) -> list[int]:
+    if options.num_microbatches != "auto":
+        if rows is not None and rows % options.num_microbatches:
+            raise ValueError(
+                f"the batch has {rows} rows, which is not divisible by num_microbatches="
+                f"{options.num_microbatches}; choose a number of microbatches that divides "
+                f"{rows}"
+            )
+        return [options.num_microbatches]
+    if rows is None:
+        return [1]
+    candidates = [b for b in (1, 2, 4, 8, 16, 32, 64) if rows % b == 0 and b <= rows]
+    return candidates[-MAX_MICROBATCH_CANDIDATES:]
+
+
+def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
+    """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
+    plan runs at (one microbatch for a pipelined plan, the whole batch otherwise)."""
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._planner import choose_stages
+    from autopar.inter._submesh import SubmeshShape
+
     start = time.perf_counter()
     graph = trace(fn, *args, batch_argnums=options.batch_argnums)
     trace_time = time.perf_counter() - start
-    result = make_plan(graph, cluster, options)
-    result.timings["trace"] = trace_time
-    return result
+    if options.method != "auto":
+        plan = make_plan(graph, cluster, options)
+        plan.timings["trace"] = trace_time
+        return plan, graph
+    has_marks = any(n.primitive == "layer_boundary" for n in graph.nodes)
+    has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
+    if not (has_marks and has_boundary) or cluster.num_devices == 1:
+        plan = make_plan(graph, cluster, options)
+        reason = (
+            "no autopar.layer_boundary marks in the model"
+            if has_boundary
+            else "the step does not use autopar.value_and_grad / autopar.grad"
+        )
+        if cluster.num_devices > 1:
+            plan = _with_warning(plan, f"pipeline stages not searched: {reason}")
+        plan.timings["trace"] = trace_time
+        return plan, graph
+
+    shard_options = ShardOptions(
+        method="shard", memory_budget=options.memory_budget, time_limit=options.ilp_time_limit
+    )
+    submeshes = None
+    if options.submeshes is not None:
+        submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
+    best = None
+    timings = {"trace": trace_time}
+    for num_micro in _microbatch_candidates(options, batch_size(graph)):
+        t = time.perf_counter()
+        mb_graph = trace(
+            fn, *microbatch_args(args, options.batch_argnums, num_micro),
+            batch_argnums=options.batch_argnums,
+        )
+        layers = assign_layers(mb_graph)
+        tied = tied_state(mb_graph, options.donate_argnums)
+        timings["trace"] += time.perf_counter() - t
+        t = time.perf_counter()
+        choice = choose_stages(
+            mb_graph, layers, cluster, num_micro, options.schedule, shard_options, tied,
+            num_stages=options.num_stages, submeshes=submeshes,
+            logical_shapes=options.logical_shapes,
+        )
+        timings["stage_dp_and_ilps"] = timings.get("stage_dp_and_ilps", 0.0) + (
+            time.perf_counter() - t
+        )
+        log.info(
+            "%d microbatch(es): %d stage(s), predicted %.4g s",
+            num_micro, len(choice.stage_layers), choice.latency,
+        )
+        if best is None or choice.latency < best[0].latency:
+            best = (choice, mb_graph, num_micro)
+    choice, mb_graph, num_micro = best
+    if len(choice.stage_layers) == 1 and options.num_stages is None:
+        # One stage: the plain operator-parallel plan of the whole batch.
+        plan = make_plan(graph, cluster, options)
+        plan.timings.update(timings)
+        return plan, graph
+    stages = tuple(
+        Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
+    )
+    part = choice.partition
+    inputs = []
+    for v in mb_graph.invars:
+        var = mb_graph.vars[v]
+        if var.role is Role.CONST:
+            continue
+        sp = choice.stage_plans[part.home.get(v, 0)]
+        spec = sp.var_specs[v] or ((),) * len(var.shape)
+        inputs.append(InputInfo(var.path or f"input{v}", var.shape, var.dtype, var.role.value,
+                                spec))
+    warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
+    from autopar.intra._sharding_plan import graph_fingerprint
+
+    plan = Plan(
+        method="auto",
+        cluster=cluster.to_json(),
+        stages=stages,
+        inputs=tuple(inputs),
+        graph_fingerprint=graph_fingerprint(mb_graph),
+        num_microbatches=num_micro,
+        schedule=options.schedule,
+        warnings=warnings,
+        timings=timings,
+    )
+    return plan, mb_graph
+
+
+def _with_warning(plan: Plan, warning: str) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, warnings=(*plan.warnings, warning))

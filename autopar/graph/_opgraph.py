@@ -182,6 +182,28 @@ class OpGraph:
 
     # ---- interpretation ----------------------------------------------------------------
 
+    def run_nodes(
+        self,
+        env: dict[int, Any],
+        nodes: Sequence[Node],
+        on_input: Callable[[Node, list[Any]], list[Any]] | None = None,
+        on_output: Callable[[Node, list[Any]], list[Any]] | None = None,
+    ) -> None:
+        """Run `nodes` in order, reading and writing values in `env` (var id -> value)."""
+        for node in nodes:
+            ins = [
+                self.vars[v].value if self.vars[v].role is Role.CONST else env[v]
+                for v in node.inputs
+            ]
+            if on_input is not None:
+                ins = on_input(node, ins)
+            outs = node.prim.bind(*ins, **node.params)
+            outs = list(outs) if node.prim.multiple_results else [outs]
+            if on_output is not None:
+                outs = on_output(node, outs)
+            for v, x in zip(node.outputs, outs):
+                env[v] = x
+
     def evaluate(
         self,
         flat_args: Sequence[Any],

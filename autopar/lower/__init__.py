@@ -1,6 +1,19 @@
 """Lowering: a plan and devices in, compiled SPMD executables out."""
 
 from autopar.lower._hlo import count_collectives
-from autopar.lower._spmd import jax_mesh, local_devices, lower_sharding_plan
+from autopar.lower._spmd import (
+    constraint_hooks,
+    jax_mesh,
+    local_devices,
+    lower_segment,
+    lower_sharding_plan,
+)
 
-__all__ = ["count_collectives", "jax_mesh", "local_devices", "lower_sharding_plan"]
+__all__ = [
+    "constraint_hooks",
+    "count_collectives",
+    "jax_mesh",
+    "local_devices",
+    "lower_segment",
+    "lower_sharding_plan",
+]

@@ -63,21 +63,36 @@ def lower_sharding_plan(
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
     out_shardings = named_shardings(plan.output_specs(graph), out_vars, mesh)
+    on_input, on_output = constraint_hooks(plan, mesh)
+
+    def run(*flat_args):
+        return graph.evaluate(flat_args, on_output, on_input=on_input)
+
+    fn = jax.jit(
+        run,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=tuple(donate_flat),
+    )
+    return fn, in_shardings, out_shardings
+
+
+def constraint_hooks(plan, mesh: Mesh):
+    """`on_input`/`on_output` hooks that pin the plan's specs inside a traced program."""
     pinned = {
         v: NamedSharding(mesh, to_partition_spec(plan.var_specs[v]))
         for v in plan.constrained
         if plan.var_specs[v] is not None
     }
+    operands: dict[int, dict[int, NamedSharding]] = {}
+    for node_id, index, spec in plan.operand_specs:
+        operands.setdefault(node_id, {})[index] = NamedSharding(mesh, to_partition_spec(spec))
 
     def on_output(node, outs):
         return [
             jax.lax.with_sharding_constraint(x, pinned[v]) if v in pinned else x
             for v, x in zip(node.outputs, outs)
         ]
-
-    operands: dict[int, dict[int, NamedSharding]] = {}
-    for node_id, index, spec in plan.operand_specs:
-        operands.setdefault(node_id, {})[index] = NamedSharding(mesh, to_partition_spec(spec))
 
     def on_input(node, ins):
         wanted = operands.get(node.id)
@@ -88,13 +103,63 @@ def lower_sharding_plan(
             for i, x in enumerate(ins)
         ]
 
-    def run(*flat_args):
-        return graph.evaluate(flat_args, on_output, on_input=on_input)
+    return on_input, on_output
 
+
+def lower_segment(
+    graph: OpGraph,
+    plan,
+    nodes: Sequence[int],
+    inputs: Sequence[int],
+    outputs: Sequence[int],
+    mesh: Mesh,
+    *,
+    accumulate: Sequence[int] = (),
+    scale: dict[int, float] | None = None,
+    output_specs: dict | None = None,
+):
+    """A jitted function running some nodes of `graph` as `plan` says.
+
+    **Arguments:**
+    - `nodes`: node ids of `graph` to run, in order; `inputs`/`outputs`: variable ids.
+    - `accumulate`: outputs to add to running sums, passed as extra trailing arguments
+      (their buffers are donated).
+    - `scale`: input variable -> factor applied on entry (e.g. 1/microbatches for
+      accumulated gradients).
+    - `output_specs`: output variable -> spec overriding the plan's.
+
+    **Returns:** `(fn, in_shardings, out_shardings)`; `fn(*inputs, *sums) -> outputs`.
+    """
+    scale = scale or {}
+    output_specs = output_specs or {}
+    on_input, on_output = constraint_hooks(plan, mesh)
+    node_list = [graph.nodes[i] for i in nodes]
+    accumulate = [v for v in outputs if v in set(accumulate)]
+
+    def sharding(v, spec=None):
+        spec = plan.var_specs[v] if spec is None else spec
+        if spec is None:
+            spec = replicated(len(graph.vars[v].shape))
+        return NamedSharding(mesh, to_partition_spec(spec))
+
+    in_shardings = [sharding(v) for v in inputs]
+    out_shardings = [sharding(v, output_specs.get(v)) for v in outputs]
+    sum_shardings = [sharding(v) for v in accumulate]
+    num_inputs = len(inputs)
+
+    def run(*args):
+        env = {}
+        for v, x in zip(inputs, args[:num_inputs]):
+            env[v] = x * np.asarray(scale[v], x.dtype) if v in scale else x
+        graph.run_nodes(env, node_list, on_input, on_output)
+        sums = dict(zip(accumulate, args[num_inputs:]))
+        return [env[v] + sums[v] if v in sums else env[v] for v in outputs]
+
+    donate = tuple(range(num_inputs, num_inputs + len(accumulate)))
     fn = jax.jit(
         run,
-        in_shardings=in_shardings,
+        in_shardings=in_shardings + sum_shardings,
         out_shardings=out_shardings,
-        donate_argnums=tuple(donate_flat),
+        donate_argnums=donate,
     )
     return fn, in_shardings, out_shardings

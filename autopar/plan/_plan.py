@@ -90,8 +90,15 @@ class Plan:
         """Predicted seconds per step from the shared cost model."""
         if len(self.stages) == 1:
             return self.stages[0].sharding.cost.total
-        times = [s.sharding.cost.total / self.num_microbatches for s in self.stages]
+        # Each stage's cost is per microbatch; Alpa's pipeline latency (REFERENCES.md).
+        times = [s.sharding.cost.total for s in self.stages]
         return sum(times) + (self.num_microbatches - 1) * max(times)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of a GPipe/1F1B pipeline: (p - 1) / (m + p - 1)."""
+        p, m = len(self.stages), self.num_microbatches
+        return (p - 1) / (m + p - 1)
 
     def specs_by_path(self) -> dict[str, Spec]:
         return {i.path: i.spec for i in self.inputs}

@@ -1,0 +1,312 @@
+"""Cut a differentiated train step into pipeline stages.
+
+In: the step's `OpGraph` (traced at microbatch size), its `LayerAssignment`, and the layer
+range of every stage. Out: a `Partition`: for each stage a sub-graph (the stage's forward,
+backward and optimizer-update nodes, renumbered, sharing the full graph's variables) and
+the segments the runtime runs: per microbatch a forward and a backward segment per stage,
+then, once per step, update fragments.
+
+The grad boundary is not run: its results alias its operands (the accumulated gradients).
+Each optimizer-update node runs on the stage that owns the parameter it updates: nodes
+joined by non-scalar values form groups, and a group belongs to the stage that computes
+the gradient in it. Scalar-only update nodes run on the stage of their first consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from autopar.graph import Node, OpGraph, Role
+from autopar.inter._layers import LayerAssignment
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Nodes of one stage run together: `phase` is "forward", "backward" or "apply"."""
+
+    stage: int
+    phase: str
+    nodes: tuple[int, ...]  # node ids in the stage sub-graph
+    inputs: tuple[int, ...]  # var ids read from outside the segment
+    outputs: tuple[int, ...]  # var ids needed outside the segment
+    round: int = 0  # apply fragments: execution round (rounds run in order)
+
+
+@dataclass
+class Partition:
+    num_stages: int
+    stage_graphs: list[OpGraph]
+    node_stage: list[int | None]  # per full-graph node; None for the grad boundary
+    alias: dict[int, int]  # grad boundary result -> operand
+    grad_vars: tuple[int, ...]  # accumulated over microbatches (grad boundary operands)
+    forward: list[Segment]
+    backward: list[Segment]
+    apply: list[Segment]  # in execution order
+    home: dict[int, int] = field(default_factory=dict)  # graph input var -> stage holding it
+
+    def resolve(self, v: int) -> int:
+        return self.alias.get(v, v)
+
+
+def partition(
+    graph: OpGraph, layers: LayerAssignment, stage_layers: list[tuple[int, int]]
+) -> Partition:
+    """Split `graph` into stages; `stage_layers[i]` = [start, end) layers of stage i."""
+    num_stages = len(stage_layers)
+    layer_stage = {}
+    for s, (start, end) in enumerate(stage_layers):
+        for layer in range(start, end):
+            layer_stage[layer] = s
+    boundary = graph.nodes[layers.grad_boundary]
+    alias = dict(zip(boundary.outputs, boundary.inputs))
+    grad_vars = tuple(dict.fromkeys(boundary.inputs))
+
+    node_stage: list[int | None] = [None] * len(graph.nodes)
+    for node in graph.nodes:
+        if node.id != boundary.id and layers.layer[node.id] is not None:
+            node_stage[node.id] = layer_stage[layers.layer[node.id]]
+    dead = {n.id for n in graph.nodes if layers.phase[n.id] == "dead"}
+    _assign_update_nodes(graph, layers, node_stage, alias, num_stages)
+    for n in dead:
+        node_stage[n] = None
+
+    stage_graphs = []
+    renumber: list[dict[int, int]] = []
+    for s in range(num_stages):
+        sub, ids = _stage_graph(graph, node_stage, s, alias)
+        stage_graphs.append(sub)
+        renumber.append(ids)
+
+    consumers = _outside_consumers(graph, node_stage, alias, layers)
+    forward, backward = [], []
+    for s in range(num_stages):
+        for phase, bucket in (("forward", forward), ("backward", backward)):
+            nodes = [
+                n.id
+                for n in graph.nodes
+                if node_stage[n.id] == s and layers.phase[n.id] == phase
+            ]
+            bucket.append(_segment(graph, s, phase, nodes, renumber[s], consumers, alias))
+    apply = _apply_fragments(graph, layers, node_stage, renumber, alias)
+    home = _homes(graph, node_stage, alias)
+    return Partition(
+        num_stages, stage_graphs, node_stage, alias, grad_vars, forward, backward, apply, home
+    )
+
+
+def _is_array(graph: OpGraph, v: int) -> bool:
+    var = graph.vars[v]
+    return var.role is not Role.CONST and len(var.shape) > 0
+
+
+def _assign_update_nodes(graph, layers, node_stage, alias, num_stages) -> None:
+    """Give each optimizer-update node the stage that computes its gradient."""
+    parent: dict[int, int] = {}
+
+    def find(v: int) -> int:
+        while parent.get(v, v) != v:
+            parent[v] = parent.get(parent[v], parent[v])
+            v = parent[v]
+        return v
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    producer = {v: n.id for n in graph.nodes for v in n.outputs}
+    update = [n for n in graph.nodes if layers.phase[n.id] == "apply"]
+    for node in update:
+        arrays = [alias.get(v, v) for v in (*node.inputs, *node.outputs) if _is_array(graph, v)]
+        for a, b in zip(arrays, arrays[1:]):
+            union(a, b)
+    owner: dict[int, int] = {}
+    for v_in in alias.values():
+        p = producer.get(v_in)
+        if p is not None and node_stage[p] is not None and _is_array(graph, v_in):
+            owner.setdefault(find(v_in), node_stage[p])
+    # A group with no gradient (e.g. a parameter only read) goes where its values are used.
+    for node in graph.nodes:
+        if node_stage[node.id] is None or layers.phase[node.id] == "apply":
+            continue
+        for v in node.inputs:
+            if _is_array(graph, v):
+                owner.setdefault(find(v), node_stage[node.id])
+    for node in update:
+        arrays = [alias.get(v, v) for v in (*node.inputs, *node.outputs) if _is_array(graph, v)]
+        if arrays:
+            node_stage[node.id] = owner.get(find(arrays[0]))
+    # Scalar-only update nodes (and groups owned by nobody): the stage of the first
+    # consumer, in reverse program order, else the stage of an input, else stage 0.
+    users: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            users.setdefault(v, []).append(node.id)
+    for node in reversed(update):
+        if node_stage[node.id] is not None:
+            continue
+        stages = [
+            node_stage[u]
+            for v in node.outputs
+            for u in users.get(v, ())
+            if node_stage[u] is not None
+        ]
+        if not stages:
+            stages = [
+                _stage_of(alias.get(v, v), producer, node_stage)
+                for v in node.inputs
+                if _stage_of(alias.get(v, v), producer, node_stage) is not None
+            ]
+        node_stage[node.id] = min(stages) if stages else 0
+    assert all(
+        s is not None
+        for n, s in zip(graph.nodes, node_stage)
+        if n.primitive != "grad_boundary" and layers.phase[n.id] != "dead"
+    ), "every live node but the grad boundary must have a stage"
+    del num_stages
+
+
+def _stage_of(v, producer, node_stage):
+    p = producer.get(v)
+    return None if p is None else node_stage[p]
+
+
+def _stage_graph(graph: OpGraph, node_stage, s: int, alias) -> tuple[OpGraph, dict[int, int]]:
+    """The sub-graph of stage `s`, nodes renumbered from 0, variables shared."""
+    nodes: list[Node] = []
+    ids: dict[int, int] = {}
+    produced: set[int] = set()
+    invars: dict[int, None] = {}
+    for node in graph.nodes:
+        if node_stage[node.id] != s:
+            continue
+        inputs = tuple(alias.get(v, v) for v in node.inputs)
+        for v in inputs:
+            if v not in produced and graph.vars[v].role is not Role.CONST:
+                invars.setdefault(v)
+        ids[node.id] = len(nodes)
+        nodes.append(dataclasses.replace(node, id=len(nodes), inputs=inputs))
+        produced.update(node.outputs)
+    needed_outside: dict[int, None] = {}
+    for node in graph.nodes:
+        if node_stage[node.id] == s:
+            continue
+        for v in node.inputs:
+            v = alias.get(v, v)
+            if v in produced:
+                needed_outside.setdefault(v)
+    for v in graph.outvars:
+        v = alias.get(v, v)
+        if v in produced:
+            needed_outside.setdefault(v)
+    sub = OpGraph(
+        vars=graph.vars,
+        nodes=nodes,
+        invars=tuple(invars),
+        outvars=tuple(needed_outside),
+        name=f"{graph.name}/stage{s}",
+    )
+    return sub, ids
+
+
+def _outside_consumers(graph, node_stage, alias, layers) -> dict[int, set]:
+    """For every variable, the (stage, phase) places that read it, plus "out" for results."""
+    places: dict[int, set] = {}
+    for node in graph.nodes:
+        if node_stage[node.id] is None:
+            continue
+        for v in node.inputs:
+            place = (node_stage[node.id], layers.phase[node.id])
+            places.setdefault(alias.get(v, v), set()).add(place)
+    for v in graph.outvars:
+        places.setdefault(alias.get(v, v), set()).add("out")
+    for v in alias.values():
+        places.setdefault(v, set()).add("grad")
+    return places
+
+
+def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
+    produced: set[int] = set()
+    inputs: dict[int, None] = {}
+    for n in nodes:
+        for v in graph.nodes[n].inputs:
+            v = alias.get(v, v)
+            if v not in produced and graph.vars[v].role is not Role.CONST:
+                inputs.setdefault(v)
+        produced.update(graph.nodes[n].outputs)
+    here = (stage, phase)
+    outputs = tuple(
+        v
+        for n in nodes
+        for v in graph.nodes[n].outputs
+        if consumers.get(v, set()) - {here}
+    )
+    return Segment(stage, phase, tuple(ids[n] for n in nodes), tuple(inputs), outputs)
+
+
+def _apply_fragments(graph, layers, node_stage, renumber, alias) -> list[Segment]:
+    """Update nodes grouped by stage into rounds: a round waits for values of other stages."""
+    producer_round: dict[int, tuple[int, int]] = {}  # var -> (round, stage)
+    node_round: dict[int, int] = {}
+    for node in graph.nodes:
+        if layers.phase[node.id] != "apply":
+            continue
+        s = node_stage[node.id]
+        r = 0
+        for v in node.inputs:
+            v = alias.get(v, v)
+            if v in producer_round:
+                pr, ps = producer_round[v]
+                r = max(r, pr + (ps != s))
+        node_round[node.id] = r
+        for v in node.outputs:
+            producer_round[v] = (r, s)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for n, r in node_round.items():
+        groups.setdefault((r, node_stage[n]), []).append(n)
+    fragments = []
+    for r, s in sorted(groups):
+        nodes = sorted(groups[(r, s)])
+        fragments.append(_segment_apply(graph, s, r, nodes, renumber[s], alias))
+    return fragments
+
+
+def _segment_apply(graph, stage, round_, nodes, ids, alias) -> Segment:
+    node_set = set(nodes)
+    produced: set[int] = set()
+    inputs: dict[int, None] = {}
+    for n in nodes:
+        for v in graph.nodes[n].inputs:
+            v = alias.get(v, v)
+            if v not in produced and graph.vars[v].role is not Role.CONST:
+                inputs.setdefault(v)
+        produced.update(graph.nodes[n].outputs)
+    users: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            users.setdefault(alias.get(v, v), []).append(node.id)
+    outvars = {alias.get(v, v) for v in graph.outvars}
+    outputs = tuple(
+        v
+        for n in nodes
+        for v in graph.nodes[n].outputs
+        if v in outvars or any(u not in node_set for u in users.get(v, ()))
+    )
+    return Segment(stage, "apply", tuple(ids[n] for n in nodes), tuple(inputs), outputs, round_)
+
+
+def _homes(graph: OpGraph, node_stage, alias) -> dict[int, int]:
+    """The stage that keeps each graph input: its updater if it is state, else first reader."""
+    home: dict[int, int] = {}
+    for node in graph.nodes:
+        s = node_stage[node.id]
+        if s is None:
+            continue
+        for v in node.inputs:
+            if v in graph.invars and graph.vars[v].role is not Role.CONST:
+                if node.primitive != "grad_boundary":
+                    home.setdefault(v, s)
+    for v in graph.invars:
+        home.setdefault(v, 0)
+    return home

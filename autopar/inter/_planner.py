@@ -1,0 +1,214 @@
+"""The inter-operator planner: layers, stage DP, and each stage's intra-op plan.
+
+In: a train step traced at microbatch size (with `layer_boundary` marks), a cluster, and
+options. Out: the chosen stages (layer ranges on submeshes with logical mesh shapes) and
+each stage's `ShardingPlan`.
+
+Stage costs come from the intra-op planner (one cost model for everything): every layer is
+planned on every candidate logical mesh, and a stage's per-microbatch latency is the sum of
+its layers' predicted times on the best common logical mesh. Layers with the same
+structure (same primitives, shapes and wiring, e.g. identical transformer blocks) are
+solved once per mesh, never twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.cluster._mesh import LogicalMesh
+from autopar.graph import OpGraph, Role
+from autopar.inter._layers import LayerAssignment
+from autopar.inter._partition import Partition, partition
+from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
+from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
+from autopar.intra._ilp import MemoryBudgetError
+from autopar.intra._options import ShardOptions
+from autopar.intra._planner import plan_on_mesh
+from autopar.intra._sharding_plan import ShardingPlan
+
+log = logging.getLogger("autopar")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    latency: float  # predicted seconds per microbatch (forward + backward + its update)
+    memory: float  # bytes per device: state plus live activations of one microbatch
+    activation_memory: float  # bytes per device kept from forward to backward
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The stage DP's answer and every stage's plan."""
+
+    stage_layers: tuple[tuple[int, int], ...]
+    submeshes: tuple[SubmeshShape, ...]
+    device_ids: tuple[tuple[int, ...], ...]
+    logical_shapes: tuple[tuple[int, ...], ...]
+    latency: float
+    stage_plans: tuple[ShardingPlan, ...]
+    partition: Partition
+    dp: StagePlan
+    num_layer_ilps: int
+
+
+def structural_fingerprint(graph: OpGraph) -> str:
+    """A hash of a sub-graph up to renaming of its variables."""
+    names: dict[int, int] = {}
+
+    def name(v: int) -> str:
+        var = graph.vars[v]
+        if var.role is Role.CONST:
+            return f"c{var.shape}{var.dtype}"
+        if v not in names:
+            names[v] = len(names)
+        return f"v{names[v]}"
+
+    h = hashlib.sha256()
+    for v in graph.invars:
+        var = graph.vars[v]
+        h.update(f"{name(v)}:{var.shape}{var.dtype}{var.role.value};".encode())
+    for node in graph.nodes:
+        ins = ",".join(name(v) for v in node.inputs)
+        outs = ",".join(f"{name(v)}{graph.vars[v].shape}" for v in node.outputs)
+        params = sorted(map(str, node.params.items()))
+        h.update(f"{node.primitive}{params}({ins})->{outs};".encode())
+    h.update(",".join(name(v) for v in graph.outvars).encode())
+    return h.hexdigest()
+
+
+def _tied_in(graph: OpGraph, tied) -> list[tuple[int, int]]:
+    produced = {v for n in graph.nodes for v in n.outputs}
+    invars = set(graph.invars)
+    return [(o, i) for o, i in tied if o in produced and i in invars]
+
+
+class LayerCostTable:
+    """Predicted cost of every layer on every logical mesh, each structure solved once."""
+
+    def __init__(self, graph, layers: LayerAssignment, cluster, options: ShardOptions, tied):
+        self.cluster = cluster
+        self.options = options
+        self.per_layer = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+        self.tied = tied
+        self.fingerprints = [structural_fingerprint(g) for g in self.per_layer.stage_graphs]
+        self._cache: dict[tuple[str, tuple[int, ...]], LayerCost | None] = {}
+        self.num_ilps = 0
+
+    def cost(self, layer: int, shape: tuple[int, ...]) -> LayerCost | None:
+        """None when the layer cannot fit on that mesh in the memory budget."""
+        key = (self.fingerprints[layer], shape)
+        if key not in self._cache:
+            sub = self.per_layer.stage_graphs[layer]
+            mesh = LogicalMesh.create(shape)
+            self.num_ilps += 1
+            try:
+                plan = plan_on_mesh(sub, self.cluster, mesh, self.options, _tied_in(sub, self.tied))
+            except MemoryBudgetError:
+                self._cache[key] = None
+            else:
+                self._cache[key] = LayerCost(
+                    plan.cost.total, plan.cost.memory_per_device, _activation_bytes(sub, plan)
+                )
+        return self._cache[key]
+
+
+def _activation_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
+    """Bytes per device the layer's forward keeps for its backward (one microbatch)."""
+    from autopar.cost import bytes_per_device
+
+    kept = 0.0
+    forward_outputs = {v for n in sub.nodes for v in n.outputs}
+    readers: dict[int, int] = {}
+    for n in sub.nodes:
+        for v in n.inputs:
+            readers[v] = readers.get(v, 0) + 1
+    for v in forward_outputs:
+        var = sub.vars[v]
+        if readers.get(v, 0) > 1 and plan.var_specs[v] is not None and var.shape:
+            kept += bytes_per_device(var.shape, var.dtype, plan.var_specs[v], plan.mesh)
+    return kept
+
+
+def choose_stages(
+    graph: OpGraph,
+    layers: LayerAssignment,
+    cluster,
+    num_microbatches: int,
+    schedule: str,
+    options: ShardOptions,
+    tied: Sequence[tuple[int, int]],
+    *,
+    num_stages: int | None = None,
+    submeshes: Sequence[SubmeshShape] | None = None,
+    logical_shapes: Sequence[tuple[int, ...]] | None = None,
+) -> PipelineChoice:
+    """Run the stage DP over layer costs, then plan each chosen stage on its submesh."""
+    budget = options.memory_budget or float(cluster.device_memory)
+    table = LayerCostTable(graph, layers, cluster, options, tied)
+    all_submeshes = list(submeshes) if submeshes else submesh_shapes(
+        cluster.num_hosts, cluster.devices_per_host
+    )
+    total_devices = cluster.num_devices
+
+    def stage_cost(start: int, end: int, index: int) -> StageCost:
+        sub = all_submeshes[index]
+        shapes = logical_shapes or logical_mesh_shapes(sub)
+        shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
+        # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
+        # stage, bounded here by the number of stages that could follow on the devices left.
+        later = max(1, total_devices // sub.num_devices)
+        in_flight = num_microbatches if schedule == "gpipe" else min(num_microbatches, later)
+        best = None
+        least_memory = math.inf
+        for shape in shapes:
+            costs = [table.cost(k, tuple(shape)) for k in range(start, end)]
+            if any(c is None for c in costs):
+                continue
+            latency = sum(c.latency for c in costs)
+            memory = sum(c.memory + (in_flight - 1) * c.activation_memory for c in costs)
+            least_memory = min(least_memory, memory)
+            if memory <= budget and (best is None or latency < best.latency):
+                best = StageCost(latency, True, memory, tuple(shape))
+        if best is None:
+            return StageCost(math.inf, False, least_memory, None)
+        return best
+
+    start_time = time.perf_counter()
+    dp = plan_stages(
+        layers.num_layers,
+        cluster.num_hosts,
+        cluster.devices_per_host,
+        stage_cost,
+        num_microbatches,
+        submeshes=all_submeshes,
+        num_stages=num_stages,
+        memory_budget=budget,
+    )
+    log.info(
+        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs, %.2f s",
+        len(dp.stages), dp.latency, table.num_ilps, time.perf_counter() - start_time,
+    )
+    stage_layers = tuple((s, e) for s, e, _ in dp.stages)
+    shapes = tuple(c.detail for c in dp.stage_costs)
+    part = partition(graph, layers, list(stage_layers))
+    plans = []
+    for s, (ids, shape) in enumerate(zip(dp.device_ids, shapes)):
+        sub = part.stage_graphs[s]
+        mesh = LogicalMesh.create(shape, ids)
+        plans.append(plan_on_mesh(sub, cluster, mesh, options, _tied_in(sub, tied)))
+    return PipelineChoice(
+        stage_layers=stage_layers,
+        submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
+        device_ids=tuple(dp.device_ids),
+        logical_shapes=shapes,
+        latency=dp.latency,
+        stage_plans=tuple(plans),
+        partition=part,
+        dp=dp,
+        num_layer_ilps=table.num_ilps,
+    )

@@ -1,0 +1,235 @@
+"""Run a pipelined plan: per-stage jitted segments, microbatches, a schedule.
+
+Per step: the batch is cut into microbatches; for each task of the schedule, the stage's
+forward or backward segment runs on its submesh (its inputs moved there with
+`jax.device_put` into the stage's expected sharding); gradients are summed on the stage
+that computes them; then the update fragments run once, each on its stage, with the
+summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from autopar.graph import OpGraph, Role
+from autopar.inter._partition import Partition, Segment
+from autopar.lower import jax_mesh, lower_segment
+from autopar.runtime._schedule import stage_order
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One executed task: `kind` is "forward", "backward" or "apply"."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class _Compiled:
+    segment: Segment
+    fn: Any
+    fn_sum: Any  # the version that adds into running gradient sums (None if no gradients)
+    in_shardings: list
+    sums: tuple[int, ...]
+
+
+class PipelineExecutable:
+    """A compiled pipelined plan; call it with the step's flat arguments."""
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        partition: Partition,
+        stage_plans: Sequence,
+        num_microbatches: int,
+        schedule: str,
+        devices: Sequence | None = None,
+        output_specs: dict | None = None,
+    ):
+        self.graph = graph
+        self.partition = partition
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.meshes = [jax_mesh(p.mesh, devices) for p in stage_plans]
+        self.stage_plans = list(stage_plans)
+        self.timeline: list[TaskRecord] | None = None
+        grad_set = set(partition.grad_vars)
+        scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
+        self.tasks: dict[tuple[str, int], _Compiled] = {}
+        for phase, segments in (("forward", partition.forward), ("backward", partition.backward)):
+            for seg in segments:
+                self.tasks[(phase, seg.stage)] = self._lower(seg, grad_set, None, output_specs)
+        self.apply = [self._lower(seg, (), scale, output_specs) for seg in partition.apply]
+        self.batch_vars = [v for v in graph.invars if graph.vars[v].role is Role.BATCH]
+
+    def _lower(self, seg: Segment, accumulate, scale, output_specs) -> _Compiled:
+        sub = self.partition.stage_graphs[seg.stage]
+        plan = self.stage_plans[seg.stage]
+        mesh = self.meshes[seg.stage]
+        overrides = dict(plan.output_overrides)
+        overrides.update({v: s for v, s in (output_specs or {}).items() if v in seg.outputs})
+        sums = tuple(v for v in seg.outputs if v in set(accumulate))
+        fn, in_sh, _ = lower_segment(
+            sub, plan, seg.nodes, seg.inputs, seg.outputs, mesh, scale=scale,
+            output_specs=overrides,
+        )
+        fn_sum = None
+        if sums:
+            fn_sum, _, _ = lower_segment(
+                sub, plan, seg.nodes, seg.inputs, seg.outputs, mesh, accumulate=sums,
+                output_specs=overrides,
+            )
+        return _Compiled(seg, fn, fn_sum, in_sh, sums)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def _fetch(self, env: dict, compiled: _Compiled) -> list:
+        args = []
+        for v, sharding in zip(compiled.segment.inputs, compiled.in_shardings):
+            x = env[v]
+            current = getattr(x, "sharding", None)
+            if current is None or not current.is_equivalent_to(sharding, x.ndim):
+                x = jax.device_put(x, sharding)
+                env[v] = x  # later readers on this stage reuse the moved copy
+            args.append(x)
+        return args
+
+    def _split_batch(self, flat_args: dict) -> list[dict]:
+        m = self.num_microbatches
+        parts = [dict() for _ in range(m)]
+        for v in self.batch_vars:
+            x = flat_args[v]
+            size = self.graph.vars[v].shape[0]
+            if x.shape[0] != size * m:
+                raise ValueError(
+                    f"batch input {self.graph.vars[v].path} has {x.shape[0]} rows; with "
+                    f"{m} microbatches of {size} it needs {size * m}"
+                )
+            for i in range(m):
+                parts[i][v] = x[i * size : (i + 1) * size]
+        return parts
+
+    def __call__(self, flat_args: Sequence, record: bool = False) -> list:
+        """Run one step. With `record`, `self.timeline` gets every task's start and end."""
+        graph, part = self.graph, self.partition
+        step_env: dict[int, Any] = dict(zip(graph.invars, flat_args))
+        envs = [{**step_env, **m} for m in self._split_batch(step_env)]
+        num_micro = len(envs)
+        stage_sums: list[dict[int, Any]] = [{} for _ in range(part.num_stages)]
+        records: list[TaskRecord] = []
+        done = {
+            (phase, s, i): threading.Event()
+            for phase in ("forward", "backward")
+            for s in range(part.num_stages)
+            for i in range(num_micro)
+        }
+        errors: list[BaseException] = []
+        t0 = time.perf_counter()
+
+        def run_stage(stage: int) -> None:
+            # One thread per stage: XLA releases the GIL while it computes, so stages run
+            # at the same time on their own devices.
+            try:
+                for phase, _, i in stage_order(self.schedule, stage, part.num_stages, num_micro):
+                    for dep in _dependencies(phase, stage, i, part.num_stages):
+                        while not done[dep].wait(0.1):
+                            if errors:
+                                return
+                    start = time.perf_counter()
+                    self._run_task(phase, stage, envs[i], stage_sums[stage])
+                    end = time.perf_counter()
+                    records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
+                    done[(phase, stage, i)].set()
+            except BaseException as err:  # re-raised by the caller's thread
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=run_stage, args=(s,), daemon=True)
+            for s in range(part.num_stages)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        for sums in stage_sums:
+            step_env.update(sums)
+        for compiled in self.apply:
+            start = time.perf_counter()
+            args = self._fetch(step_env, compiled)
+            outs = compiled.fn(*args)
+            for v, x in zip(compiled.segment.outputs, outs):
+                step_env[v] = x
+            if record:
+                jax.block_until_ready(outs)
+                end = time.perf_counter()
+                stage = compiled.segment.stage
+                records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
+        if record:
+            self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
+        return [self._result(step_env, v) for v in graph.outvars]
+
+    def _run_task(self, phase: str, stage: int, env: dict, sums: dict) -> None:
+        compiled = self.tasks[(phase, stage)]
+        if not compiled.segment.nodes:
+            return
+        args = self._fetch(env, compiled)
+        if compiled.sums and all(v in sums for v in compiled.sums):
+            outs = compiled.fn_sum(*args, *[sums[v] for v in compiled.sums])
+        else:
+            outs = compiled.fn(*args)
+        jax.block_until_ready(outs)
+        for v, x in zip(compiled.segment.outputs, outs):
+            env[v] = x
+            if v in compiled.sums:
+                sums[v] = x
+
+    def _result(self, step_env: dict, v: int):
+        v = self.partition.resolve(v)
+        if v not in step_env:
+            return self.graph.vars[v].value  # a constant result
+        x = step_env[v]
+        if v in set(self.partition.grad_vars) and self.num_microbatches > 1:
+            return x / self.num_microbatches  # a mean over microbatches (e.g. the loss)
+        return x
+
+
+def _dependencies(phase: str, stage: int, i: int, num_stages: int) -> list:
+    if phase == "forward":
+        return [("forward", stage - 1, i)] if stage > 0 else []
+    deps = [("forward", stage, i)]
+    if stage + 1 < num_stages:
+        deps.append(("backward", stage + 1, i))
+    return deps
+
+
+def overlap_fraction(timeline: Sequence[TaskRecord]) -> float:
+    """Fraction of the step (first start to last end) with at least 2 stages busy."""
+    if not timeline:
+        return 0.0
+    events = []
+    for t in timeline:
+        events.append((t.start, 1, t.stage))
+        events.append((t.end, -1, t.stage))
+    events.sort()
+    busy: dict[int, int] = {}
+    overlap = 0.0
+    last = events[0][0]
+    for when, delta, stage in events:
+        if sum(1 for n in busy.values() if n > 0) >= 2:
+            overlap += when - last
+        busy[stage] = busy.get(stage, 0) + delta
+        last = when
+    span = max(t.end for t in timeline) - min(t.start for t in timeline)
+    return overlap / span if span > 0 else 0.0
