@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from autopar._markers import auto_layers
 from autopar._planning import (
     Method,
     PlanOptions,
@@ -74,15 +75,16 @@ class AutoParallel:
         if self._fixed_plan is not None:
             plan = self._fixed_plan
             run_args = args
-            if plan.num_stages > 1:
+            if plan.runtime == "pipeline":
                 run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
-            graph = trace(self._fn, *run_args, batch_argnums=options.batch_argnums)
+            with auto_layers(plan.auto_layers):
+                graph = trace(self._fn, *run_args, batch_argnums=options.batch_argnums)
             plan.check_graph(graph)
         else:
             cluster = resolve_cluster(self._cluster_arg)
             plan, graph = search(self._fn, args, cluster, options)
         donate = _flat_indices(graph.in_tree, options.donate_argnums)
-        if plan.num_stages == 1:
+        if plan.runtime == "spmd":
             fn, in_sh, out_sh = lower_sharding_plan(graph, plan.stages[0].sharding, None, donate)
             return _Compiled(graph, plan, fn, in_sh, out_sh)
         return self._compile_pipeline(graph, plan)
@@ -133,7 +135,7 @@ class AutoParallel:
             compiled = self._compile(args)
             self._compiled[key] = compiled
         self._last = compiled
-        if compiled.plan.num_stages > 1:
+        if compiled.plan.runtime == "pipeline":
             batch = {
                 i for i, v in enumerate(compiled.graph.invars)
                 if compiled.graph.vars[v].role is Role.BATCH

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import jax
 
+from autopar._markers import auto_layers
 from autopar.graph import OpGraph, Role, trace
 from autopar.graph._trace import path_str
 from autopar.intra._options import ShardOptions
@@ -39,6 +40,7 @@ class PlanOptions:
     num_stages: int | None = None
     submeshes: tuple[tuple[int, int], ...] | None = None  # allowed (hosts, devices per host)
     logical_shapes: tuple[tuple[int, ...], ...] | None = None  # allowed stage mesh shapes
+    num_layers: int = 8  # layers cut automatically when the model has no layer marks
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -270,17 +272,17 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         return plan, graph
     has_marks = any(n.primitive == "layer_boundary" for n in graph.nodes)
     has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
-    if not (has_marks and has_boundary) or cluster.num_devices == 1:
+    if not has_boundary or cluster.num_devices == 1:
         plan = make_plan(graph, cluster, options)
-        reason = (
-            "no autopar.layer_boundary marks in the model"
-            if has_boundary
-            else "the step does not use autopar.value_and_grad / autopar.grad"
-        )
         if cluster.num_devices > 1:
-            plan = _with_warning(plan, f"pipeline stages not searched: {reason}")
+            plan = _with_warning(
+                plan,
+                "pipeline stages not searched: the step does not use autopar.value_and_grad "
+                "or autopar.grad, so its gradient boundary is unknown",
+            )
         plan.timings["trace"] = trace_time
         return plan, graph
+    auto = None if has_marks else options.num_layers
 
     shard_options = ShardOptions(
         method="shard", memory_budget=options.memory_budget, time_limit=options.ilp_time_limit
@@ -292,10 +294,11 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
     timings = {"trace": trace_time}
     for num_micro in _microbatch_candidates(options, batch_size(graph)):
         t = time.perf_counter()
-        mb_graph = trace(
-            fn, *microbatch_args(args, options.batch_argnums, num_micro),
-            batch_argnums=options.batch_argnums,
-        )
+        with auto_layers(auto):
+            mb_graph = trace(
+                fn, *microbatch_args(args, options.batch_argnums, num_micro),
+                batch_argnums=options.batch_argnums,
+            )
         layers = assign_layers(mb_graph)
         tied = tied_state(mb_graph, options.donate_argnums)
         timings["trace"] += time.perf_counter() - t
@@ -315,11 +318,17 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         if best is None or choice.latency < best[0].latency:
             best = (choice, mb_graph, num_micro)
     choice, mb_graph, num_micro = best
-    if len(choice.stage_layers) == 1 and options.num_stages is None:
-        # One stage: the plain operator-parallel plan of the whole batch.
-        plan = make_plan(graph, cluster, options)
-        plan.timings.update(timings)
-        return plan, graph
+    if len(choice.stage_layers) == 1 and num_micro > 1 and options.num_stages is None:
+        # One stage: no pipeline, so no microbatches either; plan the whole batch.
+        num_micro = 1
+        with auto_layers(auto):
+            mb_graph = trace(fn, *args, batch_argnums=options.batch_argnums)
+        layers = assign_layers(mb_graph)
+        choice = choose_stages(
+            mb_graph, layers, cluster, 1, options.schedule, shard_options,
+            tied_state(mb_graph, options.donate_argnums), num_stages=1, submeshes=submeshes,
+            logical_shapes=options.logical_shapes,
+        )
     stages = tuple(
         Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
     )
@@ -346,6 +355,8 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         schedule=options.schedule,
         warnings=warnings,
         timings=timings,
+        auto_layers=auto,
+        runtime="pipeline",
     )
     return plan, mb_graph
 

@@ -6,6 +6,13 @@ Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up
 
     autopar profile [--out FILE.json] [--quick] [--devices N]
                     [--coordinator HOST:PORT --num-processes P --process-id I]
+    autopar demo [--out-dir DIR] [--steps N] [--method M] [--mesh-shape 2,4] [--no-pictures]
+    autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
+                 [--method M] [--mesh-shape 2,4] [--out FILE.json] [--layout FILE.png]
+    autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D]
+                    [--batch B] [--configs dp2tp4,dp8tp1] [--no-auto]
+
+Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr.
 """
 
 from __future__ import annotations
@@ -30,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
+    from autopar._progress import show_progress
+
     try:
-        return args.run(args)
+        with show_progress():
+            return args.run(args)
     except ValueError as e:  # a user mistake: the message says what to do
         parser.exit(2, f"autopar: error: {e}\n")
 
@@ -42,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Alpa-style automatic data, operator and pipeline parallelism for JAX.",
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add_command in (_add_profile,):
+    for add_command in (_add_profile, _add_demo, _add_plan, _add_compare):
         add_command(subparsers)
     return parser
 
@@ -143,6 +153,203 @@ def _initialize_distributed(coordinator: str, num_processes: int | None,
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def _add_demo(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="plan and train a small GPT on the local devices, beside one device",
+        description=(
+            "Plan a small GPT (examples/gpt.py) with @autopar.autoparallel on the local "
+            f"devices ({DEFAULT_CPU_DEVICES} virtual CPU devices without an accelerator), "
+            "print the plan, train a few steps beside the same step on one device, and "
+            "write plan.json and plan_layout.png. Exits with 1 if the losses differ by more "
+            "than a float32 tolerance."
+        ),
+    )
+    parser.add_argument("--out-dir", default=".", metavar="DIR",
+                        help="where to write plan.json and the pictures (default: .)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="training steps (default: 5)")
+    parser.add_argument("--method", default="auto", choices=_methods(),
+                        help="the autoparallel method (default: auto)")
+    parser.add_argument("--mesh-shape", type=_mesh_shape, default=None, metavar="2,4",
+                        help="fix the logical mesh shape (default: try every shape)")
+    parser.add_argument("--no-pictures", action="store_true",
+                        help="do not draw plan_layout.png (no matplotlib needed)")
+    parser.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    use_virtual_cpu_devices(DEFAULT_CPU_DEVICES)
+    from autopar._demo import DEFAULT_STEPS, LOSS_TOLERANCE, run_demo
+
+    start = time.perf_counter()
+    result = run_demo(
+        args.out_dir,
+        num_steps=DEFAULT_STEPS if args.steps is None else args.steps,
+        method=args.method,
+        mesh_shape=args.mesh_shape,
+        pictures=not args.no_pictures,
+    )
+    print(f"demo finished in {time.perf_counter() - start:.1f} s")
+    return 0 if result.max_difference <= LOSS_TOLERANCE else 1
+
+
+def _add_plan(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="plan an example model on a virtual cluster (a dry run, no devices needed)",
+        description=(
+            "Plan a named example model on a cluster described by a cost profile, with "
+            "autopar.plan on abstract arguments (nothing is allocated), print the plan and "
+            "write it as JSON. Models are <family>-<size>: gpt, moe, wide_resnet or mlp and a "
+            "size of that example's CONFIGS, e.g. gpt-1.3B, moe-tiny, wide_resnet-250M, "
+            "mlp-tiny. Large models can take long to plan."
+        ),
+    )
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help="e.g. gpt-1.3B, moe-380M, wide_resnet-tiny, mlp-tiny")
+    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
+                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
+    parser.add_argument("--hosts", type=int, default=None, metavar="H",
+                        help="number of hosts (default: the profile's)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
+                        help="devices per host (default: the profile's)")
+    parser.add_argument("--batch", type=int, default=8, metavar="B",
+                        help="global batch size (default: 8)")
+    parser.add_argument("--method", default="auto", choices=_methods(),
+                        help="the planning method (default: auto)")
+    parser.add_argument("--mesh-shape", type=_mesh_shape, default=None, metavar="2,4",
+                        help="fix the logical mesh shape (default: try every shape)")
+    parser.add_argument("--out", default="plan.json", metavar="FILE.json",
+                        help="where to write the plan (default: plan.json)")
+    parser.add_argument("--layout", default=None, metavar="FILE.png",
+                        help="also draw the layout picture there (needs matplotlib)")
+    parser.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from autopar._examples import named_model
+    from autopar._planning import plan
+    from autopar.cluster import Cluster
+
+    for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    model = named_model(args.model, args.batch)
+    cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
+    start = time.perf_counter()
+    result = plan(model.train_step, model.abstract_state, model.abstract_batch,
+                  cluster=cluster, method=args.method, mesh_shape=args.mesh_shape)
+    print(result.explain())
+    result.save(args.out)
+    written = [args.out]
+    if args.layout:
+        from autopar.report import plot_layout
+
+        written.append(str(plot_layout(result, args.layout)))
+    print(f"planned {args.model} on {cluster.num_hosts} x {cluster.devices_per_host} "
+          f"{cluster.name} in {time.perf_counter() - start:.1f} s; wrote {', '.join(written)}")
+    return 0
+
+
+def _methods() -> tuple[str, ...]:
+    from autopar._planning import METHODS
+
+    return METHODS
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    """``"2,4"`` -> ``(2, 4)``, for ``--mesh-shape``."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a mesh shape; write sizes separated by commas, e.g. 2,4"
+        ) from None
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"mesh sizes must be >= 1, got {text!r}")
+    return shape
+
+
+def _add_compare(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="compare the automatic plan with Megatron-style plans of an example model",
+        description=(
+            "Plan a named example model on a virtual cluster automatically and with "
+            "Megatron-LM layouts (dp x tp x pp), and print the plans side by side: predicted "
+            "step time, TFLOP/s per device, memory, communication, pipeline bubble. A dry "
+            "run on abstract arguments; nothing is allocated."
+        ),
+    )
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help="e.g. gpt-1.3B, moe-380M (see `autopar plan --help`)")
+    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
+                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
+    parser.add_argument("--hosts", type=int, default=None, metavar="H",
+                        help="number of hosts (default: the profile's)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
+                        help="devices per host (default: the profile's)")
+    parser.add_argument("--batch", type=int, default=8, metavar="B",
+                        help="global batch size (default: 8)")
+    parser.add_argument("--configs", type=_megatron_configs, default=None,
+                        metavar="dp2tp4,dp8tp1",
+                        help="Megatron configurations dp<D>tp<T>[pp<P>][mb<M>], comma "
+                        "separated (default: every dp x tp with tp <= devices per host)")
+    parser.add_argument("--no-auto", action="store_true",
+                        help="leave out the automatic plan (faster)")
+    parser.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from autopar._examples import named_model
+    from autopar._planning import plan
+    from autopar.cluster import Cluster
+    from autopar.graph import trace
+    from autopar.manual import MegatronConfig, megatron_configs, megatron_plan_for_graph
+    from autopar.report import compare
+
+    model = named_model(args.model, args.batch)
+    cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
+    start = time.perf_counter()
+    abstract = (model.abstract_state, model.abstract_batch)
+    graph = trace(model.train_step, *abstract)
+    degrees = args.configs or [
+        (c.dp, c.tp, c.pp, c.num_microbatches)
+        for c in megatron_configs(cluster.num_devices, cluster.devices_per_host, None)
+    ]
+    plans = [] if args.no_auto else [plan(model.train_step, *abstract, cluster=cluster)]
+    for dp, tp, pp, mb in degrees:
+        config = MegatronConfig(dp=dp, tp=tp, pp=pp, num_microbatches=mb)
+        try:
+            plans.append(megatron_plan_for_graph(graph, cluster, config))
+        except (ValueError, NotImplementedError) as err:
+            print(f"skipped {config.name}: {err}")
+    if not plans:
+        raise ValueError("no plan to compare: every configuration was skipped (see above)")
+    print(compare(plans, flops=graph.total_flops))
+    print(f"compared {len(plans)} plan(s) of {args.model} on {cluster.num_hosts} x "
+          f"{cluster.devices_per_host} {cluster.name} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _megatron_configs(text: str) -> list[tuple[int, int, int, int]]:
+    """``"dp2tp4,dp4tp1pp2mb8"`` -> ``[(2, 4, 1, 1), (4, 1, 2, 8)]`` (dp, tp, pp, mb)."""
+    import re
+
+    configs = []
+    for part in text.split(","):
+        m = re.fullmatch(r"dp(\d+)tp(\d+)(?:pp(\d+))?(?:mb(\d+))?", part.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a Megatron configuration; write dp<D>tp<T>[pp<P>][mb<M>], "
+                "e.g. dp2tp4 or dp2tp2pp2mb8"
+            )
+        dp, tp, pp, mb = (int(g) if g else 1 for g in m.groups())
+        configs.append((dp, tp, pp, mb))
+    return configs
 
 
 def use_virtual_cpu_devices(num_devices: int) -> None:

@@ -44,6 +44,7 @@ class Partition:
     backward: list[Segment]
     apply: list[Segment]  # in execution order
     home: dict[int, int] = field(default_factory=dict)  # graph input var -> stage holding it
+    node_index: list[dict[int, int]] = field(default_factory=list)  # full id -> stage sub id
 
     def resolve(self, v: int) -> int:
         return self.alias.get(v, v)
@@ -91,7 +92,8 @@ def partition(
     apply = _apply_fragments(graph, layers, node_stage, renumber, alias)
     home = _homes(graph, node_stage, alias)
     return Partition(
-        num_stages, stage_graphs, node_stage, alias, grad_vars, forward, backward, apply, home
+        num_stages, stage_graphs, node_stage, alias, grad_vars, forward, backward, apply, home,
+        renumber,
     )
 
 

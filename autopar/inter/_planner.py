@@ -25,6 +25,7 @@ from autopar.graph import OpGraph, Role
 from autopar.inter._layers import LayerAssignment
 from autopar.inter._partition import Partition, partition
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
+from autopar.inter._stitch import stitch
 from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
@@ -97,6 +98,7 @@ class LayerCostTable:
         self.tied = tied
         self.fingerprints = [structural_fingerprint(g) for g in self.per_layer.stage_graphs]
         self._cache: dict[tuple[str, tuple[int, ...]], LayerCost | None] = {}
+        self._plans: dict[tuple[str, tuple[int, ...]], tuple[ShardingPlan, OpGraph]] = {}
         self.num_ilps = 0
 
     def cost(self, layer: int, shape: tuple[int, ...]) -> LayerCost | None:
@@ -114,7 +116,22 @@ class LayerCostTable:
                 self._cache[key] = LayerCost(
                     plan.cost.total, plan.cost.memory_per_device, _activation_bytes(sub, plan)
                 )
+                self._plans[key] = (plan, sub)
         return self._cache[key]
+
+    def stage_plan(self, graph, stage_part, stage: int, layer_range, shape, mesh, tied):
+        """The plan of one stage stitched from its layers' plans on `shape`."""
+        parts = []
+        for k in range(*layer_range):
+            self.cost(k, shape)
+            plan, solved_on = self._plans[(self.fingerprints[k], shape)]
+            sub = self.per_layer.stage_graphs[k]
+            parts.append((sub, self.per_layer.node_index[k], plan, solved_on))
+        stage_graph = stage_part.stage_graphs[stage]
+        return stitch(
+            stage_graph, stage_part.node_index[stage], parts, mesh, self.cluster,
+            _tied_in(stage_graph, self.tied),
+        )
 
 
 def _activation_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
@@ -198,9 +215,8 @@ def choose_stages(
     part = partition(graph, layers, list(stage_layers))
     plans = []
     for s, (ids, shape) in enumerate(zip(dp.device_ids, shapes)):
-        sub = part.stage_graphs[s]
         mesh = LogicalMesh.create(shape, ids)
-        plans.append(plan_on_mesh(sub, cluster, mesh, options, _tied_in(sub, tied)))
+        plans.append(table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied))
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),

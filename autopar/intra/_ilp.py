@@ -6,13 +6,17 @@ of JAX. It follows Alpa's formulation (Zheng et al. 2022, REFERENCES.md): minimi
 sum_v c_v[s_v] + sum_(u,v) R_uv[s_u, s_v] with one strategy per node, the bytes of every
 memory group under the budget, and followers sharing their leader's choice.
 
-Before the ILP is built the problem is reduced, exactly:
-1. followers are merged into their leaders and parallel edges summed (`_merge`);
-2. single-strategy nodes become constants (`_fix_single_strategy_nodes`);
-3. nodes with at most two neighbours and no memory term are eliminated by min-plus
-   products and recovered after the solve (`_eliminate_low_degree`, bucket elimination);
-4. each edge matrix is shifted by its row and column minima (so it is >= 0 with a zero in
+Before the ILP is built the problem is reduced, exactly (`_merge`, `_reduce`):
+1. followers are merged into their leaders and parallel edges summed;
+2. dominated strategies are dropped: b goes when some a is never worse whatever the
+   neighbours pick and needs no more memory (`_undominated`);
+3. single-strategy nodes become constants;
+4. nodes with at most two neighbours and no memory term are eliminated by min-plus
+   products and recovered after the solve (bucket elimination);
+5. each edge matrix is shifted by its row and column minima (so it is >= 0 with a zero in
    every row and column), and all costs are scaled so the largest coefficient is 1.
+Edges are linearised with Alpa's marginal constraints (`_add_marginal_edge`); ties are
+broken towards lower strategy indices (`_prefer_lower_indices`).
 
 The slow reference used by the tests is `autopar.intra._ilp_reference.solve_brute_force`.
 """
@@ -23,6 +27,7 @@ import heapq
 import math
 import time
 import types
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -332,7 +337,7 @@ def peak_memory(problem: ShardingProblem, choices: Sequence[int]) -> float:
 
 
 # --------------------------------------------------------------------------------------
-# Reduction: merge followers, fix single-strategy nodes, eliminate low-degree nodes
+# Reduction: merge followers, drop dominated strategies, fix and eliminate nodes
 # --------------------------------------------------------------------------------------
 
 
@@ -361,6 +366,13 @@ class _CostGraph:
         new = matrix if old is None else old + matrix
         self.adjacent[v][w], self.adjacent[w][v] = new, new.T
 
+    def restrict(self, v: int, keep: np.ndarray) -> None:
+        """Keep only the strategies `keep` (indices) of node v."""
+        self.node_cost[v] = self.node_cost[v][keep]
+        for w, matrix in self.adjacent[v].items():
+            self.adjacent[v][w] = matrix[keep, :]
+            self.adjacent[w][v] = self.adjacent[v][w].T
+
     def remove_node(self, v: int) -> None:
         for w in self.adjacent.pop(v):
             del self.adjacent[w][v]
@@ -381,7 +393,7 @@ class _CostGraph:
         return cost
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _MemoryGroup:
     """A memory group on merged nodes: constant + sum_v terms[v][s_v] bytes, terms >= 0."""
 
@@ -407,8 +419,15 @@ def _merge(p: ShardingProblem, root: np.ndarray, strategy_of) -> _CostGraph:
     return graph
 
 
+def _memory_group(terms: Mapping[int, np.ndarray], constant: float = 0.0) -> _MemoryGroup:
+    """A group from per-node byte vectors: minima go to the constant, all-zero terms away."""
+    constant += math.fsum(float(t.min()) for t in terms.values())
+    shifted = ((v, t - t.min()) for v, t in sorted(terms.items()))
+    return _MemoryGroup(constant, tuple((v, t) for v, t in shifted if t.any()))
+
+
 def _memory_groups(p: ShardingProblem, root, strategy_of) -> list[_MemoryGroup]:
-    """Each memory group on merged nodes, with per-node minima moved into the constant."""
+    """Each memory group on merged nodes."""
     groups = []
     for members in p.memory_groups:
         terms: dict[int, np.ndarray] = {}
@@ -416,14 +435,12 @@ def _memory_groups(p: ShardingProblem, root, strategy_of) -> list[_MemoryGroup]:
             r = int(root[v])
             term = p.node_memory[v][strategy_of[v]]
             terms[r] = term if r not in terms else terms[r] + term
-        constant = math.fsum(float(t.min()) for t in terms.values())
-        shifted = ((r, t - t.min()) for r, t in sorted(terms.items()))
-        groups.append(_MemoryGroup(constant, tuple((r, t) for r, t in shifted if t.any())))
+        groups.append(_memory_group(terms))
     return groups
 
 
 def _binding_groups(groups: list[_MemoryGroup], budget: float) -> list[_MemoryGroup]:
-    """Groups that can exceed `budget`, without duplicates; [] if one can never fit."""
+    """The groups that some choice could push over `budget`, without duplicates."""
     binding, seen = [], set()
     for group in groups:
         key = (group.constant, tuple((r, t.tobytes()) for r, t in group.terms))
@@ -433,9 +450,10 @@ def _binding_groups(groups: list[_MemoryGroup], budget: float) -> list[_MemoryGr
     return binding
 
 
-def _fix_single_strategy_nodes(graph: _CostGraph) -> dict[int, int]:
-    """Remove nodes with one strategy, moving their edges into neighbour costs."""
-    fixed = {v: 0 for v, cost in sorted(graph.node_cost.items()) if len(cost) == 1}
+def _fix_single_strategy_nodes(graph: _CostGraph) -> list[int]:
+    """Remove nodes with one strategy, moving their edges into neighbour costs.
+    **Returns:** the removed nodes."""
+    fixed = [v for v, cost in sorted(graph.node_cost.items()) if len(cost) == 1]
     for v in fixed:
         for w, matrix in sorted(graph.adjacent[v].items()):
             graph.add_node_cost(w, matrix[0, :])
@@ -443,7 +461,70 @@ def _fix_single_strategy_nodes(graph: _CostGraph) -> dict[int, int]:
     return fixed
 
 
-@dataclass(frozen=True)
+def _undominated(graph: _CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarray:
+    """Strategies of v to keep: b goes if a kept a is never worse, whatever v's neighbours
+    pick, and needs no more memory in any group (`memory`: v's byte vectors).
+
+    extra[a, b] = c_v[a] - c_v[b] + sum_w max_j (R_vw[a, j] - R_vw[b, j]) bounds how much
+    switching v from b to a can cost; extra <= 0 means a dominates b. Candidates are
+    dropped from the highest index down, so ties keep the lower index. Dominance is
+    transitive (max of a sum <= sum of maxima), so every removed strategy stays dominated by
+    a kept one and the optimum is unchanged.
+
+    **Returns:** int array of kept strategy indices, ascending.
+    """
+    cost = graph.node_cost[v]
+    extra = cost[:, None] - cost[None, :]
+    for _, matrix in sorted(graph.adjacent[v].items()):
+        extra = extra + (matrix[:, None, :] - matrix[None, :, :]).max(axis=2)
+    dominates = extra <= 0
+    for bytes_ in memory:
+        dominates &= bytes_[:, None] <= bytes_[None, :]
+    np.fill_diagonal(dominates, False)
+    alive = np.ones(len(cost), dtype=bool)
+    for b in reversed(range(len(cost))):
+        if np.any(dominates[alive, b]):
+            alive[b] = False
+    return np.flatnonzero(alive)
+
+
+def _prune_dominated(
+    graph: _CostGraph, groups: list[_MemoryGroup], kept: dict[int, np.ndarray]
+) -> None:
+    """Drop dominated strategies (see `_undominated`) until none is left, updating `graph`
+    and `kept[v]` (the original index of each remaining strategy of v)."""
+    memory_of: dict[int, list[np.ndarray]] = {}
+    for group in groups:
+        for v, bytes_ in group.terms:
+            memory_of.setdefault(v, []).append(bytes_)
+    queue = sorted(graph.node_cost)
+    queued = set(queue)
+    while queue:
+        v = heapq.heappop(queue)
+        queued.discard(v)
+        keep = _undominated(graph, v, [t[kept[v]] for t in memory_of.get(v, ())])
+        if len(keep) == len(graph.node_cost[v]):
+            continue
+        graph.restrict(v, keep)
+        kept[v] = kept[v][keep]
+        for w in graph.adjacent[v]:
+            if w not in queued:
+                queued.add(w)
+                heapq.heappush(queue, w)
+
+
+def _restrict_groups(
+    groups: list[_MemoryGroup], kept: dict[int, np.ndarray], budget: float
+) -> list[_MemoryGroup]:
+    """The binding memory groups over the strategies left in `kept`."""
+    restricted = []
+    for group in groups:
+        terms = {v: bytes_[kept[v]] for v, bytes_ in group.terms}
+        restricted.append(_memory_group(terms, group.constant))
+    return _binding_groups(restricted, budget)
+
+
+@dataclass(frozen=True, eq=False)
 class _Eliminated:
     """A node removed by elimination: its cost and its edges to the neighbours it had."""
 
@@ -505,6 +586,37 @@ def _back_substitute(eliminated: list[_Eliminated], choice: dict[int, int]) -> N
         for w, matrix in zip(record.neighbours, record.matrices):
             cost = cost + matrix[:, choice[w]]
         choice[record.node] = int(np.argmin(cost))  # first minimum: lowest index on ties
+
+
+@dataclass(frozen=True, eq=False)
+class _Reduction:
+    """What `_reduce` did, to map ILP choices back: `kept[v]` original strategy indices
+    left at v; `fixed` nodes left with one strategy; `eliminated` in elimination order."""
+
+    graph: _CostGraph
+    groups: list[_MemoryGroup]
+    kept: dict[int, np.ndarray]
+    fixed: tuple[int, ...]
+    eliminated: list[_Eliminated]
+
+    def recover(self, ilp_choice: Mapping[int, int]) -> dict[int, int]:
+        """Original strategy index of every merged node, given the ILP nodes' choices."""
+        choice = {**ilp_choice, **{v: 0 for v in self.fixed}}
+        _back_substitute(self.eliminated, choice)
+        return {v: int(self.kept[v][k]) for v, k in choice.items()}
+
+
+def _reduce(graph: _CostGraph, groups: list[_MemoryGroup], budget: float | None) -> _Reduction:
+    """Shrink the merged problem exactly: dominated strategies, single-strategy nodes, then
+    low-degree nodes free of memory terms. `graph` is left unchanged."""
+    reduced = graph.copy()
+    kept = {v: np.arange(len(cost)) for v, cost in reduced.node_cost.items()}
+    _prune_dominated(reduced, groups, kept)
+    if groups:
+        groups = _restrict_groups(groups, kept, budget)
+    fixed = tuple(_fix_single_strategy_nodes(reduced))
+    eliminated = _eliminate_low_degree(reduced, {v for g in groups for v, _ in g.terms})
+    return _Reduction(reduced, groups, kept, fixed, eliminated)
 
 
 # --------------------------------------------------------------------------------------
@@ -642,7 +754,12 @@ def _pulp_solver(name: Literal["highs", "cbc"], time_limit: float, msg: bool):
                   gapAbs=MIP_ABSOLUTE_GAP, threads=SOLVER_THREADS)
     if name == "highs":
         return pulp.HiGHS(random_seed=SOLVER_RANDOM_SEED, **common)
-    return pulp.PULP_CBC_CMD(options=[f"randomCbcSeed {SOLVER_RANDOM_SEED + 1}"], **common)
+    options = [f"randomCbcSeed {SOLVER_RANDOM_SEED + 1}"]  # CBC reads 0 as "seed from clock"
+    if pulp.COIN_CMD(msg=False).available():  # a CBC binary on PATH
+        return pulp.COIN_CMD(options=options, **common)
+    with warnings.catch_warnings():  # pulp 3.3 deprecates its bundled CBC, still shipped
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(options=options, **common)
 
 
 def _to_pulp(model: _Model) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
@@ -664,12 +781,15 @@ def _to_pulp(model: _Model) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
     return problem, variables
 
 
-def _run(model: _Model, solver: Literal["highs", "cbc"], time_limit: float, msg: bool):
-    """Solve `model`. **Returns:** (column values or None, status), status one of
-    "optimal", "time_limit", "infeasible", "no_solution"."""
-    if not model.cost:
+def _run(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool):
+    """Solve a model built by `_to_pulp` (None: a model without columns).
+
+    **Returns:** (column values or None, status), status one of "optimal", "time_limit",
+    "infeasible", "no_solution".
+    """
+    if built is None:
         return np.zeros(0), "optimal"
-    problem, variables = _to_pulp(model)
+    problem, variables = built
     problem.solve(_pulp_solver(solver, time_limit, msg))
     if problem.status == pulp.LpStatusInfeasible:
         return None, "infeasible"
@@ -766,13 +886,12 @@ def solve(
     groups = [] if budget is None else _binding_groups(groups, budget)
     if any(group.constant > budget for group in groups):
         raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
-    fixed = _fix_single_strategy_nodes(graph)
-    reduced = graph.copy()
-    eliminated = _eliminate_low_degree(reduced, {v for g in groups for v, _ in g.terms})
-    model = _sharding_model(reduced, groups, budget, formulation)
+    reduction = _reduce(graph, groups, budget)
+    model = _sharding_model(reduction.graph, reduction.groups, budget, formulation)
+    built = _to_pulp(model) if model.cost else None
     build_time = time.perf_counter() - start
     start = time.perf_counter()
-    values, status = _run(model, solver_name, time_limit, msg)
+    values, status = _run(built, solver_name, time_limit, msg)
     solve_time = time.perf_counter() - start
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
@@ -782,8 +901,7 @@ def solve(
             f"the {solver_name} solver found no plan within time_limit={time_limit} s "
             f"({len(model.cost)} variables); pass a larger time_limit to solve()."
         )
-    choice = {**_node_choices(model, values), **fixed}
-    _back_substitute(eliminated, choice)
+    choice = reduction.recover(_node_choices(model, values))
     _prefer_lower_indices(graph, groups, budget, choice)
     choices = tuple(int(strategy_of[v][choice[int(root[v])]]) for v in range(problem.num_nodes))
     stats = SolveStats(
@@ -826,7 +944,7 @@ def least_memory(
     if not any(group.terms for group in groups):
         return max((group.constant for group in groups), default=0.0)
     model, _ = _least_memory_model(groups)
-    values, status = _run(model, _solver_name(solver), time_limit, msg=False)
+    values, status = _run(_to_pulp(model), _solver_name(solver), time_limit, msg=False)
     if values is None:
         raise RuntimeError(
             f"the solver found no strategy choice within time_limit={time_limit} s while "

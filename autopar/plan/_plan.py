@@ -78,6 +78,10 @@ class Plan:
     schedule: str = "1f1b"
     warnings: tuple[str, ...] = ()
     timings: dict = field(default_factory=dict)
+    auto_layers: int | None = None  # layers cut automatically (no layer marks in the model)
+    # "spmd": one jax.jit of the whole step; "pipeline": per-stage forward, backward and
+    # update programs run by the pipeline runtime (microbatches, gradient accumulation)
+    runtime: str = "spmd"
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -105,7 +109,7 @@ class Plan:
 
     def check_graph(self, graph: OpGraph) -> None:
         """Raise ValueError naming the mismatch if this plan was made for another program."""
-        if len(self.stages) == 1:
+        if self.runtime == "spmd":
             self.stages[0].sharding.check_graph(graph)
         elif self.graph_fingerprint:
             from autopar.intra._sharding_plan import graph_fingerprint
@@ -130,7 +134,7 @@ class Plan:
         """
         if len(self.stages) != 1:
             raise ValueError(
-                "shardings() describes a one-stage (SPMD) plan; this plan has "
+                "shardings() describes a one-stage plan; this plan has "
                 f"{len(self.stages)} pipeline stages. Use stage.sharding per stage instead."
             )
         from jax.sharding import NamedSharding
@@ -165,6 +169,8 @@ class Plan:
             "stages": [s.to_json() for s in self.stages],
             "warnings": list(self.warnings),
             "timings": self.timings,
+            "auto_layers": self.auto_layers,
+            "runtime": self.runtime,
         }
 
     @staticmethod
@@ -185,6 +191,8 @@ class Plan:
             schedule=d.get("schedule", "1f1b"),
             warnings=tuple(d.get("warnings", ())),
             timings=d.get("timings", {}),
+            auto_layers=d.get("auto_layers"),
+            runtime=d.get("runtime", "spmd"),
         )
 
     def save(self, path: str | Path) -> None:

@@ -1,5 +1,26 @@
-"""Reports: text views of a Plan (explain, diff)."""
+"""Reports: text views of a Plan (explain, diff), pictures (layout, pipeline Gantt charts)."""
 
+from autopar.report._compare import compare, pipeline_bubble, plan_figures
 from autopar.report._explain import diff_plans, explain
+from autopar.report._gantt import (
+    TaskRecord,
+    gantt,
+    gantt_compare,
+    plan_schedule,
+    simulate_schedule,
+)
+from autopar.report._pictures import plot_layout
 
-__all__ = ["diff_plans", "explain"]
+__all__ = [
+    "TaskRecord",
+    "compare",
+    "diff_plans",
+    "explain",
+    "gantt",
+    "gantt_compare",
+    "pipeline_bubble",
+    "plan_figures",
+    "plan_schedule",
+    "plot_layout",
+    "simulate_schedule",
+]

@@ -1,0 +1,122 @@
+"""The example models (``examples/`` of the source checkout), by name, for the CLI.
+
+``autopar demo`` and ``autopar plan --model gpt-1.3B`` use the models in the repository's
+``examples/`` folder. That folder is not part of the installed package: it sits next to
+``autopar/`` in the source checkout, which is where an editable install
+(``pip install -e .``) runs from. `load_example` imports it from there, so the CLI works
+from a checkout with or without installing, and says what to do when the folder is missing
+(a non-editable install).
+
+Model names are ``<family>-<size>``: a family (`FAMILIES`) and a key of that example's
+``CONFIGS``, e.g. ``gpt-1.3B``, ``moe-tiny``, ``wide_resnet-250M``, ``mlp-wide``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+FAMILIES = ("gpt", "moe", "wide_resnet", "mlp")
+EXAMPLES_PACKAGE = "examples"
+# The demo and `autopar plan` train with AdamW, as the GPT, MoE and Wide-ResNet examples do;
+# the plan depends on the optimizer state's shapes, not on the learning rate.
+LEARNING_RATE = 1e-2
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """An example model at one size, ready to plan: a train step and abstract arguments."""
+
+    name: str
+    config: Any
+    train_step: Callable
+    abstract_state: Any
+    abstract_batch: Any
+
+
+def examples_dir() -> Path:
+    """The ``examples/`` folder of the source checkout this autopar runs from.
+
+    Raises ValueError when autopar was installed without its source checkout.
+    """
+    folder = Path(__file__).resolve().parent.parent / EXAMPLES_PACKAGE
+    if not (folder / "gpt.py").is_file():
+        raise ValueError(
+            f"the example models are not installed (looked for {folder}/gpt.py). They live "
+            "in the source checkout: clone the autopar repository and install it editable, "
+            '`pip install -e ".[all]"`, or run from the checkout.'
+        )
+    return folder
+
+
+def load_example(family: str) -> ModuleType:
+    """Import ``examples/<family>.py`` (e.g. ``"gpt"``) from the source checkout."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown example {family!r}; choose one of {', '.join(FAMILIES)}")
+    try:
+        import optax  # noqa: F401  (the examples' optimizer)
+    except ImportError as err:
+        raise ImportError(
+            "the example models need optax, which is not installed; install the examples "
+            "extra: pip install autopar[examples]   (or: pip install optax)"
+        ) from err
+    folder = examples_dir()
+    package = sys.modules.get(EXAMPLES_PACKAGE)
+    if package is None:
+        spec = importlib.util.spec_from_file_location(
+            EXAMPLES_PACKAGE, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[EXAMPLES_PACKAGE] = package
+        spec.loader.exec_module(package)
+    elif folder not in {Path(p).resolve() for p in getattr(package, "__path__", ())}:
+        raise ValueError(
+            f"a different package named {EXAMPLES_PACKAGE!r} is already imported "
+            f"({getattr(package, '__file__', package)}); autopar needs {folder}. Run from "
+            "another folder, or import autopar's examples before the other package."
+        )
+    return importlib.import_module(f"{EXAMPLES_PACKAGE}.{family}")
+
+
+def model_names() -> list[str]:
+    """Every ``<family>-<size>`` name `named_model` accepts."""
+    return [f"{family}-{size}" for family in FAMILIES for size in load_example(family).CONFIGS]
+
+
+def parse_model_name(name: str) -> tuple[str, str]:
+    """``"wide_resnet-250M"`` -> ``("wide_resnet", "250M")``; ValueError listing the names."""
+    family, _, size = name.partition("-")
+    if family in FAMILIES and size in load_example(family).CONFIGS:
+        return family, size
+    raise ValueError(
+        f"unknown model {name!r}: a name is <family>-<size>, one of: {', '.join(model_names())}"
+    )
+
+
+def named_model(name: str, batch_size: int) -> NamedModel:
+    """The example model `name` (e.g. ``"gpt-1.3B"``) with a batch of `batch_size`.
+
+    **Returns:** a `NamedModel` whose `abstract_state` and `abstract_batch` are
+    `jax.ShapeDtypeStruct` trees (nothing is allocated), trained by ``optax.adamw``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"the batch size must be >= 1, got {batch_size}")
+    family, size = parse_model_name(name)
+    import optax
+
+    module = load_example(family)
+    config = module.CONFIGS[size]
+    optimizer = optax.adamw(LEARNING_RATE)
+    return NamedModel(
+        name=name,
+        config=config,
+        train_step=module.make_train_step(config, optimizer),
+        abstract_state=module.abstract_state(config, optimizer),
+        abstract_batch=module.abstract_batch(config, batch_size),
+    )

@@ -1,0 +1,283 @@
+"""Pipeline schedules: predicted task timings and Gantt charts of them.
+
+`simulate_schedule` turns per-stage forward/backward times into the start and end of every
+task of a GPipe or 1F1B pipeline; `gantt` draws such a list (predicted or measured), and
+`gantt_compare` draws a prediction above a measurement on one time axis.
+
+A `TaskRecord` is plain data, so a runtime can record measured tasks in the same form.
+
+**Example:**
+
+```python
+tasks = simulate_schedule([1.0, 1.0], [2.0, 2.0], num_microbatches=4, schedule="1f1b")
+max(t.end for t in tasks)  # (4 + 2 - 1) * (1 + 2) = 15.0
+gantt(tasks, "schedule.png", title="GPT, 2 stages")
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from autopar.report._pictures import new_figure
+
+Kind = Literal["forward", "backward", "apply"]
+Schedule = Literal["gpipe", "1f1b"]
+SCHEDULES = ("gpipe", "1f1b")
+
+# The microbatch number of an "apply" task, which updates the weights once per step.
+APPLY_MICROBATCH = -1
+# Share of a stage's training time spent in the forward pass: a training step costs about
+# 3x the forward, the backward 2x (REFERENCES.md, "Transformer arithmetic").
+FORWARD_SHARE = 1.0 / 3.0
+
+KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "apply": "#55A868"}
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task of a pipeline step on one stage, with its start and end in seconds."""
+
+    stage: int
+    kind: Kind
+    microbatch: int  # APPLY_MICROBATCH for "apply"
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+# ---- simulation --------------------------------------------------------------------------
+
+
+def stage_order(
+    stage: int, num_stages: int, num_microbatches: int, schedule: Schedule
+) -> list[tuple[Kind, int]]:
+    """The (kind, microbatch) tasks stage `stage` runs, in order (without "apply").
+
+    GPipe: every forward, then every backward. 1F1B (Narayanan et al. 2021): a warm-up of
+    ``num_stages - stage - 1`` forwards, then alternate one forward and one backward, then
+    the remaining backwards.
+    """
+    forwards = [("forward", m) for m in range(num_microbatches)]
+    backwards = [("backward", m) for m in range(num_microbatches)]
+    if schedule == "gpipe":
+        return forwards + backwards
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = forwards[:warmup]
+    for j in range(num_microbatches - warmup):
+        order += [forwards[warmup + j], backwards[j]]
+    return order + backwards[num_microbatches - warmup:]
+
+
+def _dependencies(kind: str, stage: int, microbatch: int, num_stages: int) -> list[tuple]:
+    """The tasks (kind, stage, microbatch) that must end before this one starts."""
+    if kind == "forward":
+        return [("forward", stage - 1, microbatch)] if stage > 0 else []
+    if kind == "backward":
+        deps = [("forward", stage, microbatch)]
+        if stage < num_stages - 1:
+            deps.append(("backward", stage + 1, microbatch))
+        return deps
+    return []  # "apply" follows the stage's own backwards, which run before it
+
+
+def simulate_schedule(
+    forward_times: Sequence[float],
+    backward_times: Sequence[float],
+    num_microbatches: int,
+    schedule: Schedule = "1f1b",
+    apply_times: Sequence[float] | None = None,
+) -> list[TaskRecord]:
+    """Predicted start and end of every task of one pipelined train step.
+
+    Stage i's forward of microbatch m waits for stage i-1's forward of m; its backward of m
+    waits for its own forward of m and stage i+1's backward of m; a stage runs its tasks in
+    the order of `stage_order`, each as soon as its inputs are ready; "apply" (the
+    optimizer update) follows the stage's last backward. Transfers take no time.
+
+    **Arguments:**
+    - `forward_times`, `backward_times`: seconds per microbatch, one per stage.
+    - `num_microbatches`: microbatches per step.
+    - `schedule`: "gpipe" or "1f1b".
+    - `apply_times`: seconds of each stage's optimizer update; None for none.
+
+    **Returns:** the tasks, sorted by start time, then stage.
+    """
+    num_stages = len(forward_times)
+    _check_inputs(forward_times, backward_times, num_microbatches, schedule, apply_times)
+    orders = [stage_order(i, num_stages, num_microbatches, schedule) for i in range(num_stages)]
+    end: dict[tuple, float] = {}
+    records: list[TaskRecord] = []
+    stage_free = [0.0] * num_stages
+    next_task = [0] * num_stages
+    while any(n < len(order) for n, order in zip(next_task, orders)):
+        progressed = False
+        for i in range(num_stages):
+            while next_task[i] < len(orders[i]):
+                kind, mb = orders[i][next_task[i]]
+                deps = _dependencies(kind, i, mb, num_stages)
+                if any(d not in end for d in deps):
+                    break
+                start = max([stage_free[i]] + [end[d] for d in deps])
+                times = forward_times if kind == "forward" else backward_times
+                stage_free[i] = end[(kind, i, mb)] = start + times[i]
+                records.append(TaskRecord(i, kind, mb, start, stage_free[i]))
+                next_task[i] += 1
+                progressed = True
+        assert progressed, f"{schedule} schedule deadlocked at tasks {next_task}"
+    for i, seconds in enumerate(apply_times or ()):
+        records.append(
+            TaskRecord(i, "apply", APPLY_MICROBATCH, stage_free[i], stage_free[i] + seconds)
+        )
+    return sorted(records, key=lambda t: (t.start, t.stage))
+
+
+def _check_inputs(forward_times, backward_times, num_microbatches, schedule, apply_times):
+    num_stages = len(forward_times)
+    if num_stages == 0 or len(backward_times) != num_stages:
+        raise ValueError(
+            f"got {num_stages} forward times and {len(backward_times)} backward times; give "
+            "one of each per pipeline stage (at least one stage)"
+        )
+    if apply_times is not None and len(apply_times) != num_stages:
+        raise ValueError(
+            f"got {len(apply_times)} apply times for {num_stages} stages; give one per stage "
+            "or None"
+        )
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    times = [*forward_times, *backward_times, *(apply_times or ())]
+    if any(t < 0 for t in times):
+        raise ValueError(f"task times must be >= 0 seconds, got {min(times)}")
+
+
+def makespan(tasks: Sequence[TaskRecord]) -> float:
+    """Seconds from the first task's start to the last task's end."""
+    return max(t.end for t in tasks) - min(t.start for t in tasks) if tasks else 0.0
+
+
+def idle_fraction(tasks: Sequence[TaskRecord]) -> float:
+    """The pipeline bubble: the share of stage-time no task runs, in [0, 1)."""
+    if not tasks:
+        return 0.0
+    num_stages = len({t.stage for t in tasks})
+    busy = sum(t.duration for t in tasks)
+    total = num_stages * makespan(tasks)
+    return 1.0 - busy / total if total > 0 else 0.0
+
+
+def plan_schedule(plan) -> list[TaskRecord]:
+    """The predicted tasks of a pipelined `Plan`, from its stages' predicted costs.
+
+    Each stage's predicted time per step is split into microbatches, a `FORWARD_SHARE`
+    forward and the rest backward; the update is not modelled separately.
+    """
+    per_microbatch = [s.sharding.cost.total / plan.num_microbatches for s in plan.stages]
+    forward = [t * FORWARD_SHARE for t in per_microbatch]
+    backward = [t - f for t, f in zip(per_microbatch, forward)]
+    return simulate_schedule(forward, backward, plan.num_microbatches, plan.schedule)
+
+
+# ---- drawing -----------------------------------------------------------------------------
+
+
+def _time_unit(seconds: float) -> tuple[str, float]:
+    if seconds >= 1:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
+
+
+def _draw(ax, tasks: Sequence[TaskRecord], title: str, unit: str, scale: float) -> None:
+    num_stages = max(t.stage for t in tasks) + 1
+    for t in tasks:
+        ax.barh(
+            t.stage, t.duration * scale, left=t.start * scale, height=0.8,
+            color=KIND_COLORS.get(t.kind, "#8C8C8C"), edgecolor="white", linewidth=0.8,
+        )
+        if t.kind != "apply":
+            ax.text(
+                (t.start + t.end) / 2 * scale, t.stage, str(t.microbatch),
+                ha="center", va="center", fontsize=7, color="white",
+            )
+    ax.set_yticks(range(num_stages), [f"stage {i}" for i in range(num_stages)])
+    ax.set_ylim(num_stages - 0.5, -0.5)  # stage 0 on top
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(
+        f"{title}: makespan {makespan(tasks) * scale:.3g} {unit}, "
+        f"idle {idle_fraction(tasks):.0%}",
+        fontsize=10,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    handles = [
+        _patch(color, kind) for kind, color in KIND_COLORS.items()
+        if any(t.kind == kind for t in tasks)
+    ]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, framealpha=0.8)
+
+
+def _patch(color: str, label: str):
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
+
+
+def gantt(
+    tasks: Sequence[TaskRecord], path: str | Path, title: str = "pipeline schedule"
+) -> Path:
+    """Draw a pipeline schedule: one row per stage, a bar per task labelled by microbatch.
+
+    **Arguments:**
+    - `tasks`: `TaskRecord`s (from `simulate_schedule`, or measured).
+    - `path`: the image file; ``.png``, ``.svg`` or ``.pdf`` by its suffix.
+    - `title`: the title; the makespan and the idle share are added.
+
+    **Returns:** the path written. Needs matplotlib (``pip install autopar[plot]``).
+    """
+    _require_tasks(tasks, "tasks")
+    unit, scale = _time_unit(makespan(tasks))
+    num_stages = max(t.stage for t in tasks) + 1
+    fig = new_figure(figsize=(10, 1.0 + 0.5 * num_stages))
+    _draw(fig.add_subplot(), tasks, title, unit, scale)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def gantt_compare(
+    predicted: Sequence[TaskRecord],
+    measured: Sequence[TaskRecord],
+    path: str | Path,
+    title: str = "pipeline schedule",
+) -> Path:
+    """Draw a predicted schedule above a measured one, on the same time axis.
+
+    **Returns:** the path written. Needs matplotlib (``pip install autopar[plot]``).
+    """
+    _require_tasks(predicted, "predicted")
+    _require_tasks(measured, "measured")
+    longest = max(max(t.end for t in predicted), max(t.end for t in measured))
+    unit, scale = _time_unit(longest)
+    num_stages = max(t.stage for t in [*predicted, *measured]) + 1
+    fig = new_figure(figsize=(10, 2.0 + 1.0 * num_stages))
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2, sharex=top)
+    _draw(top, predicted, f"{title}, predicted", unit, scale)
+    _draw(bottom, measured, f"{title}, measured", unit, scale)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return Path(path)
+
+
+def _require_tasks(tasks: Sequence[TaskRecord], name: str) -> None:
+    if not tasks:
+        raise ValueError(f"{name} is empty; there is no schedule to draw")
