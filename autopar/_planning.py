@@ -291,6 +291,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
     if options.submeshes is not None:
         submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
     best = None
+    last_error: ValueError | None = None
     timings = {"trace": trace_time}
     for num_micro in _microbatch_candidates(options, batch_size(graph)):
         t = time.perf_counter()
@@ -303,11 +304,16 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         tied = tied_state(mb_graph, options.donate_argnums)
         timings["trace"] += time.perf_counter() - t
         t = time.perf_counter()
-        choice = choose_stages(
-            mb_graph, layers, cluster, num_micro, options.schedule, shard_options, tied,
-            num_stages=options.num_stages, submeshes=submeshes,
-            logical_shapes=options.logical_shapes,
-        )
+        try:
+            choice = choose_stages(
+                mb_graph, layers, cluster, num_micro, options.schedule, shard_options, tied,
+                num_stages=options.num_stages, submeshes=submeshes,
+                logical_shapes=options.logical_shapes,
+            )
+        except ValueError as err:
+            last_error = err
+            log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
+            continue
         timings["stage_dp_and_ilps"] = timings.get("stage_dp_and_ilps", 0.0) + (
             time.perf_counter() - t
         )
@@ -317,6 +323,8 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         )
         if best is None or choice.latency < best[0].latency:
             best = (choice, mb_graph, num_micro)
+    if best is None:
+        raise last_error
     choice, mb_graph, num_micro = best
     if len(choice.stage_layers) == 1 and num_micro > 1 and options.num_stages is None:
         # One stage: no pipeline, so no microbatches either; plan the whole batch.

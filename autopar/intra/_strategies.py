@@ -182,8 +182,11 @@ def input_strategies(var, ctx: CostContext) -> list[Strategy]:
     for assignment in enumerate_assignments(sig, (), (var.shape,), ctx.mesh):
         spec = spec_for(labels, len(var.shape), assignment)
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
+        # The batch arrives from the host every step: each device pays for writing the
+        # bytes it holds (a replicated batch is copied to every device).
+        feed = compute_time(0.0, nbytes, ctx.cluster, var.dtype) if var.role is Role.BATCH else 0.0
         strategies.append(
-            Strategy(_assignment_name(assignment), (), (spec,), 0.0, 0.0, nbytes)
+            Strategy(_assignment_name(assignment), (), (spec,), feed, 0.0, nbytes)
         )
     return strategies
 
