@@ -1,0 +1,286 @@
+"""The sharding ILP against brute force, hand-computed costs and its own error messages."""
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar.intra._ilp import (
+    MemoryBudgetError,
+    ShardingProblem,
+    evaluate,
+    least_memory,
+    peak_memory,
+    solve,
+)
+from autopar.intra._ilp_reference import least_memory_brute_force, solve_brute_force
+
+NUM_RANDOM_PROBLEMS = 40
+RELATIVE_TOLERANCE = 1e-9
+
+
+def random_problem(seed: int) -> ShardingProblem:
+    """<= 8 nodes, <= 4 strategies. Even seeds: dense graphs (degree >= 3, so the ILP is not
+    reduced away); odd seeds: sparse DAGs. Every third seed has followers, seeds 1 and 2 mod 4
+    a memory budget between the least and the largest memory."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 9))
+    sizes = rng.integers(1 if seed % 5 == 0 else 2, 5, n)
+    cost_scale = rng.choice([1e-6, 1e-3, 1.0])  # seconds, as the cost model produces
+    node_costs = [rng.random(s) * cost_scale for s in sizes]
+    edges = []
+    for v in range(1, n):
+        if seed % 2 == 0:
+            producers = [u for u in range(v) if rng.random() < 0.75]
+        else:
+            producers = rng.choice(v, size=min(v, int(rng.integers(1, 3))), replace=False)
+        edges += [(int(u), v) for u in producers]
+    edges += [edges[0][::-1]] if rng.random() < 0.3 else []  # a parallel edge, reversed
+    edge_costs = [rng.random((sizes[u], sizes[v])) * cost_scale for u, v in edges]
+    followers = {}
+    if seed % 3 == 0:
+        for v in range(1, n):
+            if rng.random() < 0.3:
+                u = int(rng.integers(0, v))
+                followers[v] = (u, rng.integers(0, sizes[v], sizes[u]))
+    memory = {}
+    if seed % 4 in (1, 2):
+        node_memory = tuple(rng.integers(1, 2**30, s).astype(float) for s in sizes)
+        groups = tuple(
+            tuple(sorted(int(v) for v in rng.choice(n, int(rng.integers(2, n + 1)), replace=False)))
+            for _ in range(int(rng.integers(1, 4)))
+        )
+        free = ShardingProblem(tuple(node_costs), node_memory=node_memory, memory_groups=groups,
+                               followers=followers)
+        least = least_memory_brute_force(free)
+        most = max(sum(node_memory[v].max() for v in g) for g in groups)
+        budget = least + rng.uniform(0, 0.5) * (most - least)
+        memory = dict(node_memory=node_memory, memory_groups=groups, memory_budget=budget)
+    return ShardingProblem(tuple(node_costs), tuple(edges), tuple(edge_costs),
+                           followers=followers, **memory)
+
+
+_SOLUTIONS = {}
+
+
+def solved(seed: int):
+    """(problem, ILP solution, brute-force solution), computed once per seed."""
+    if seed not in _SOLUTIONS:
+        problem = random_problem(seed)
+        _SOLUTIONS[seed] = (problem, solve(problem), solve_brute_force(problem))
+    return _SOLUTIONS[seed]
+
+
+def assert_same_optimum(problem, solution, reference):
+    assert math.isclose(solution.objective, reference.objective, rel_tol=RELATIVE_TOLERANCE,
+                        abs_tol=1e-300), (solution.choices, reference.choices)
+    assert solution.objective == evaluate(problem, solution.choices)  # also checks followers
+    if problem.memory_budget is not None:
+        assert peak_memory(problem, solution.choices) <= problem.memory_budget
+
+
+@pytest.mark.parametrize("seed", range(NUM_RANDOM_PROBLEMS))
+def test_ilp_matches_brute_force(seed):
+    problem, solution, reference = solved(seed)
+    assert solution.status == "optimal"
+    assert_same_optimum(problem, solution, reference)
+
+
+def test_random_problems_exercise_every_feature():
+    seeds = range(NUM_RANDOM_PROBLEMS)
+    with_ilp = [s for s in seeds if solved(s)[1].stats.num_ilp_nodes > 0]
+    assert len(with_ilp) >= NUM_RANDOM_PROBLEMS // 3
+    assert any(solved(s)[0].followers and s in with_ilp for s in seeds)
+    assert any(solved(s)[0].memory_budget is not None and s in with_ilp for s in seeds)
+    assert any(solved(s)[1].stats.num_ilp_nodes == 0 for s in seeds)  # fully reduced
+
+
+@pytest.mark.parametrize("seed", [0, 2, 4, 6, 9, 10])
+def test_product_formulation_matches_brute_force(seed):
+    problem, _, reference = solved(seed)
+    assert_same_optimum(problem, solve(problem, formulation="product"), reference)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 6])
+def test_cbc_matches_brute_force(seed):
+    problem, _, reference = solved(seed)
+    solution = solve(problem, solver="cbc")
+    assert solution.stats.solver in ("cbc", "none")
+    assert_same_optimum(problem, solution, reference)
+
+
+def three_node_problem(**memory) -> ShardingProblem:
+    """Three nodes, strategy 0 = replicated, 1 = sharded; every pair joined.
+
+    Costs (s0, s1, s2): c0 + c1 + c2 + R01 + R12 + R02
+      000: 1 + 2 + 1.5 + 0 + 0 + 0     = 4.5
+      001: 1 + 2 + 0.9 + 0 + 1.5 + 1   = 6.4
+      010: 1 + .5 + 1.5 + 2 + .5 + 0   = 5.5
+      011: 1 + .5 + 0.9 + 2 + 0 + 1    = 5.4
+      100: 3 + 2 + 1.5 + 1 + 0 + 1     = 8.5
+      101: 3 + 2 + 0.9 + 1 + 1.5 + 0   = 8.4
+      110: 3 + .5 + 1.5 + 0 + .5 + 1   = 6.5
+      111: 3 + .5 + 0.9 + 0 + 0 + 0    = 4.4   <- optimum without a budget
+    Memory 2 bytes replicated, 4 sharded (contrived), one group: 6 + 2 * (number sharded).
+    """
+    return ShardingProblem(
+        node_costs=([1.0, 3.0], [2.0, 0.5], [1.5, 0.9]),
+        edges=((0, 1), (1, 2), (0, 2)),
+        edge_costs=([[0, 2], [1, 0]], [[0, 1.5], [0.5, 0]], [[0, 1], [1, 0]]),
+        node_memory=([2.0, 4.0],) * 3,
+        memory_groups=((0, 1, 2),),
+        names=("matmul", "add", "relu"),
+        **memory,
+    )
+
+
+def test_hand_computed_three_node_example():
+    solution = solve(three_node_problem())
+    assert solution.choices == (1, 1, 1)
+    assert solution.objective == pytest.approx(4.4, rel=1e-12)
+    # At most one sharded node fits 9 bytes: 000 (4.5) beats 001 (6.4), 010 (5.5), 100 (8.5).
+    solution = solve(three_node_problem(memory_budget=9.0))
+    assert solution.choices == (0, 0, 0)
+    assert solution.objective == pytest.approx(4.5, rel=1e-12)
+    assert peak_memory(three_node_problem(), solution.choices) == 6.0
+
+
+def test_infeasible_budget_reports_least_memory():
+    with pytest.raises(MemoryBudgetError, match=r"least memory per device .* is 6 bytes") as info:
+        solve(three_node_problem(memory_budget=5.0))
+    assert info.value.least_memory == 6.0 and info.value.budget == 5.0
+    assert "Raise memory_budget to at least 6" in str(info.value)
+
+
+def test_jointly_infeasible_groups_found_by_the_solver():
+    # Each group alone fits 5 bytes, but node 1 follows node 0 and the two groups need
+    # opposite choices; the least achievable peak is 10.
+    problem = ShardingProblem(
+        node_costs=([0.0, 1.0], [0.0, 0.0], [1.0, 0.0, 2.0]),
+        edges=((0, 2), (1, 2), (0, 2)),
+        edge_costs=(np.ones((2, 3)), np.ones((2, 3)), np.eye(2, 3)),
+        node_memory=([0.0, 10.0], [10.0, 0.0], [1.0, 1.0, 1.0]),
+        memory_groups=((0,), (1,)),
+        memory_budget=5.0,
+        followers={1: (0, [0, 1])},
+    )
+    with pytest.raises(MemoryBudgetError, match="least memory per device .* is 10 bytes"):
+        solve(problem)
+    assert least_memory(problem) == 10.0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 5, 6, 9])
+def test_least_memory_matches_brute_force(seed):
+    problem = random_problem(seed)
+    assert least_memory(problem) == least_memory_brute_force(problem)
+
+
+def test_followers_are_merged_and_honoured():
+    # 2 follows 1 follows 0 (a chain), 4 follows 3; edge (0, 2) lies inside one group.
+    rng = np.random.default_rng(7)
+    sizes = [3, 2, 4, 3, 2]
+    edges = ((0, 2), (2, 3), (1, 4), (0, 3), (3, 1))
+    problem = ShardingProblem(
+        node_costs=tuple(rng.random(s) for s in sizes),
+        edges=edges,
+        edge_costs=tuple(rng.random((sizes[u], sizes[v])) for u, v in edges),
+        followers={1: (0, [1, 0, 1]), 2: (1, [3, 2]), 4: (3, [1, 1, 0])},
+    )
+    solution = solve(problem)
+    s = solution.choices
+    assert s[1] == [1, 0, 1][s[0]] and s[2] == [3, 2][s[1]] and s[4] == [1, 1, 0][s[3]]
+    assert solution.stats.num_nodes == 5 and solution.stats.num_nodes_after_merge == 2
+    assert solution.stats.num_variables_before_merge == sum(sizes) + 12 + 12 + 4 + 9 + 6
+    assert solution.objective == pytest.approx(solve_brute_force(problem).objective, rel=1e-12)
+
+
+def test_parallel_edges_are_summed():
+    rng = np.random.default_rng(3)
+    costs = (rng.random(3), rng.random(2))
+    first, second = rng.random((3, 2)), rng.random((2, 3))
+    split = ShardingProblem(costs, ((0, 1), (1, 0)), (first, second))
+    summed = ShardingProblem(costs, ((0, 1),), (first + second.T,))
+    assert solve(split).choices == solve(summed).choices == solve_brute_force(summed).choices
+
+
+def test_long_chain_is_eliminated_exactly():
+    # 40 nodes in a chain: too many for brute force, solved by dynamic programming here.
+    rng = np.random.default_rng(11)
+    costs = [rng.random(4) for _ in range(40)]
+    matrices = [rng.random((4, 4)) for _ in range(39)]
+    problem = ShardingProblem(tuple(costs), tuple((v, v + 1) for v in range(39)), tuple(matrices))
+    best = costs[0]
+    for v in range(1, 40):
+        best = (best[:, None] + matrices[v - 1]).min(axis=0) + costs[v]
+    solution = solve(problem)
+    assert solution.stats.num_ilp_nodes == 0 and solution.stats.solver == "none"
+    assert solution.objective == pytest.approx(best.min(), rel=1e-12)
+
+
+def test_same_problem_same_choices():
+    first = [solve(random_problem(seed)).choices for seed in (0, 4, 8)]
+    again = [solve(random_problem(seed)).choices for seed in (0, 4, 8)]
+    assert first == again
+
+
+def test_ties_go_to_the_lowest_strategy():
+    # Strategies 0 and 2 of every node are identical copies: the plan must use 0, never 2.
+    rng = np.random.default_rng(5)
+    n = 6
+    base_costs = [rng.random(2) for _ in range(n)]
+    costs = tuple(np.array([c[0], c[1], c[0]]) for c in base_costs)
+    edges = tuple((u, v) for u in range(n) for v in range(u + 1, n))
+    matrices = []
+    for _ in edges:
+        m = rng.random((2, 2))
+        matrices.append(m[np.ix_([0, 1, 0], [0, 1, 0])])
+    solution = solve(ShardingProblem(costs, edges, tuple(matrices)))
+    assert 2 not in solution.choices
+
+
+def test_evaluate_rejects_a_follower_mismatch():
+    problem = ShardingProblem(([0.0, 1.0], [0.0, 1.0]), followers={1: (0, [1, 0])})
+    assert evaluate(problem, (0, 1)) == 1.0
+    with pytest.raises(ValueError, match="node 1 follows node 0 and must pick strategy 1"):
+        evaluate(problem, (0, 0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(node_costs=([1.0], [np.nan])), "NaN or infinite"),
+        (dict(node_costs=([1.0], [2.0]), edges=((0, 0),), edge_costs=([[0.0]],)),
+         "two different nodes"),
+        (dict(node_costs=([1.0], [2.0, 3.0]), edges=((0, 1),), edge_costs=(np.zeros((2, 1)),)),
+         r"shape \(1, 2\)"),
+        (dict(node_costs=([1.0, 2.0], [2.0, 3.0]), followers={0: (1, [0, 1]), 1: (0, [1, 0])}),
+         "followers form a cycle"),
+        (dict(node_costs=([1.0, 2.0], [2.0]), followers={1: (0, [0, 1])}),
+         "strategy index in \\[0, 1\\)"),
+        (dict(node_costs=([1.0], [2.0]), memory_groups=((0, 1),)), "without node_memory"),
+        (dict(node_costs=([1.0],), memory_budget=-1.0), "positive number of bytes"),
+    ],
+)
+def test_invalid_problems_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShardingProblem(**kwargs)
+
+
+def test_invalid_solve_options_are_rejected():
+    problem = three_node_problem()
+    with pytest.raises(ValueError, match="time_limit must be a positive"):
+        solve(problem, time_limit=0)
+    with pytest.raises(ValueError, match='solver must be "auto", "highs" or "cbc"'):
+        solve(problem, solver="gurobi")
+
+
+def test_no_plan_within_the_time_limit_raises():
+    # 120 nodes, 8 strategies, each joined to 6 others: nothing is reduced away, and no MILP
+    # solver finds a plan in a millisecond.
+    rng = np.random.default_rng(1)
+    n, size = 120, 8
+    edges = tuple((v, w) for v in range(n) for w in (v + 1, v + 7, v + 23) if w < n)
+    problem = ShardingProblem(tuple(rng.random((n, size))),
+                              edges, tuple(rng.random((len(edges), size, size))))
+    with pytest.raises(RuntimeError, match="found no plan within time_limit=0.001 s"):
+        solve(problem, time_limit=1e-3)
