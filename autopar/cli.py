@@ -163,12 +163,12 @@ def _add_demo(subparsers) -> None:
             "Plan a small GPT (examples/gpt.py) with @autopar.autoparallel on the local "
             f"devices ({DEFAULT_CPU_DEVICES} virtual CPU devices without an accelerator), "
             "print the plan, train a few steps beside the same step on one device, and "
-            "write plan.json and plan_layout.png. Exits with 1 if the losses differ by more "
-            "than a float32 tolerance."
+            "write plan.json, plan_explain.txt and plan_layout.png. Exits with 1 if the "
+            "losses differ by more than a float32 tolerance."
         ),
     )
     parser.add_argument("--out-dir", default=".", metavar="DIR",
-                        help="where to write plan.json and the pictures (default: .)")
+                        help="where to write the plan and its pictures (default: .)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training steps (default: 5)")
     parser.add_argument("--method", default="auto", choices=_methods(),

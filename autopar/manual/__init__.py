@@ -2,17 +2,28 @@
 
 In: a train step, abstract arguments and a cluster. Out: `Plan`s scored by the same cost
 model as the automatic planner, to compare against it (`autopar.report.compare`).
+
+- `_dataflow.py`: each parameter's Megatron role from how the step uses it;
+- `_layout.py`: `MegatronConfig` and the specs of all inputs on a (dp, tp) mesh;
+- `_megatron.py`: `megatron_plan`, the ILP around the pinned inputs, the stages;
+- `_grid.py`: `megatron_grid_search` over (dp, tp, pp) and microbatches.
 """
 
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
 from autopar.manual._grid import GridResult, megatron_configs, megatron_grid_search
-from autopar.manual._megatron import (
+from autopar.manual._layout import (
     MegatronConfig,
     MeshAxis,
     describe_layout,
+    megatron_specs,
+    normalize_spec,
+)
+from autopar.manual._megatron import (
+    build_stages,
     megatron_plan,
     megatron_plan_for_graph,
-    megatron_specs,
+    plan_keeping_state,
+    stage_mesh,
 )
 
 __all__ = [
@@ -21,6 +32,7 @@ __all__ = [
     "MegatronConfig",
     "MeshAxis",
     "Placement",
+    "build_stages",
     "classify_parameters",
     "describe_layout",
     "megatron_configs",
@@ -28,4 +40,7 @@ __all__ = [
     "megatron_plan",
     "megatron_plan_for_graph",
     "megatron_specs",
+    "normalize_spec",
+    "plan_keeping_state",
+    "stage_mesh",
 ]

@@ -20,7 +20,8 @@ from typing import Any
 
 from autopar._planning import resolve_cluster
 from autopar.graph import OpGraph, Role, trace
-from autopar.manual._megatron import MegatronConfig, megatron_plan_for_graph
+from autopar.manual._layout import MegatronConfig
+from autopar.manual._megatron import megatron_plan_for_graph
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")

@@ -45,7 +45,7 @@ class PlanFigures:
     num_microbatches: int
     step_time: float  # predicted seconds
     memory_per_device: float  # bytes, the largest over stages
-    collectives: dict[str, tuple[int, float]]  # kind -> (count, bytes per device), all stages
+    collectives: dict[str, tuple[int, float]]  # kind -> (count, bytes per device) per step
     bubble: float
     tflops_per_device: float | None  # from `flops`, if given
     measured: float | None  # seconds
@@ -59,12 +59,14 @@ def plan_figures(plan, flops: float | None = None, measured: float | None = None
     - `flops`: FLOPs of one training step (e.g. `OpGraph.total_flops`); None: unknown.
     - `measured`: a measured step time in seconds, or None.
     """
+    # A pipelined plan's stages are costed per microbatch (see Plan.predicted_step_time).
+    per_step = plan.num_microbatches if plan.runtime == "pipeline" else 1
     collectives: dict[str, list] = {}
     for stage in plan.stages:
         for kind, (count, nbytes) in stage.sharding.cost.collectives.items():
             entry = collectives.setdefault(kind, [0, 0.0])
-            entry[0] += count
-            entry[1] += nbytes
+            entry[0] += count * per_step
+            entry[1] += nbytes * per_step
     num_devices = sum(stage.mesh.num_devices for stage in plan.stages)
     step_time = plan.predicted_step_time
     tflops = None

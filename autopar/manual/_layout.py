@@ -1,0 +1,284 @@
+"""The Megatron layout of a step's inputs on one (dp, tp) stage mesh, as specs.
+
+In: a traced `OpGraph` and a `MegatronConfig`. Out: ``{input var id: spec}`` with mesh
+axes "data" and "model": parameters as their dataflow role says (`_dataflow.py`, resolved
+against the mesh size here), the batch split on "data", optimizer state like its parameter
+(optax's ``mu``/``nu`` trees repeat the parameter paths) and, with the distributed
+optimizer (ZeRO-1), also split over "data"; user overrides first. Axes of size 1 are left
+out, so dp = 1 or tp = 1 needs no special case downstream.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autopar.cluster._mesh import Spec, replicated, spec_str
+from autopar.graph import OpGraph, Role
+from autopar.manual._dataflow import Kind, Placement, classify_parameters
+
+Schedule = Literal["gpipe", "1f1b"]
+SCHEDULES = ("gpipe", "1f1b")
+# Path components under which a state tree keeps its parameters (see autopar.graph.trace).
+PARAM_TREE_KEY = "params"
+
+
+class MeshAxis(str, enum.Enum):
+    """Mesh axis names of a Megatron stage mesh, major to minor."""
+
+    DATA = "data"
+    MODEL = "model"
+
+
+AXIS_NAMES = (MeshAxis.DATA.value, MeshAxis.MODEL.value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronConfig:
+    """The degrees and options of one Megatron-style plan.
+
+    **Arguments:**
+    - `dp`, `tp`, `pp`: data-, tensor- and pipeline-parallel degrees; dp·tp·pp devices.
+    - `sequence_parallel`: split layer-norm regions on the sequence (with TP).
+    - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
+    - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
+    """
+
+    dp: int
+    tp: int
+    pp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    num_microbatches: int = 1
+    schedule: Schedule = "1f1b"
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        """The plan's method string, e.g. ``megatron(dp=4,tp=2,pp=1)``."""
+        extras = "".join(
+            flag
+            for flag, on in (
+                (",sp", self.sequence_parallel),
+                (",zero1", self.distributed_optimizer),
+                (f",mb={self.num_microbatches}", self.num_microbatches > 1),
+            )
+            if on
+        )
+        return f"megatron(dp={self.dp},tp={self.tp},pp={self.pp}{extras})"
+
+
+def megatron_specs(
+    graph: OpGraph, config: MegatronConfig, overrides: Mapping[str, Any] | None = None
+) -> dict[int, Spec]:
+    """The spec of every non-constant input of `graph` on a (dp, tp) stage mesh.
+
+    **Arguments:**
+    - `graph`: the traced step.
+    - `config`: supplies dp, tp and `distributed_optimizer`.
+    - `overrides`: ``{input path: spec}``, taking precedence.
+
+    **Returns:** ``{input var id: spec}`` (axes of size 1 left out).
+    """
+    by_path = _check_overrides(graph, overrides or {})
+    placements = classify_parameters(graph)
+    specs: dict[int, Spec] = {}
+    for v in graph.invars:
+        var = graph.vars[v]
+        if var.role is Role.CONST:
+            continue
+        if var.path in by_path:
+            specs[v] = by_path[var.path]
+        elif var.role is Role.PARAM:
+            specs[v] = param_spec(var.path or f"input {v}", var.shape, placements[v], config)
+        elif var.role is Role.BATCH:
+            specs[v] = _batch_spec(var, config)
+        else:
+            specs[v] = replicated(len(var.shape))
+    _state_specs(graph, specs, set(by_path), config)
+    return {v: _drop_unit_axes(spec, config) for v, spec in specs.items()}
+
+
+def param_spec(path: str, shape: tuple[int, ...], placement: Placement, config) -> Spec:
+    """Resolve a mesh-independent `Placement` to a spec on a (dp, tp) mesh.
+
+    **Arguments:** the parameter's `path` and `shape` (for messages and divisibility), its
+    `placement` (`classify_parameters`) and the `config` (dp, tp).
+
+    **Returns:** the spec, with "data" on an expert dimension dp divides and "model" on
+    the split dimension. Raises ValueError naming the path and the `overrides` fix when tp
+    does not divide that dimension or the parameter is unplaced and tp > 1.
+    """
+    spec: list[tuple[str, ...]] = [()] * len(shape)
+    if placement.kind is Kind.UNPLACED:
+        if config.tp > 1:
+            raise ValueError(_cannot_place(path, shape, placement.reason))
+        return tuple(spec)
+    if placement.expert_dim is not None and shape[placement.expert_dim] % config.dp == 0:
+        spec[placement.expert_dim] = (MeshAxis.DATA.value,)
+    if placement.model_dim is not None and config.tp > 1:
+        dim = placement.model_dim
+        if shape[dim] % config.tp:
+            raise ValueError(
+                _cannot_place(
+                    path, shape,
+                    f"as a {placement.kind.value} weight its dim {dim} ({shape[dim]}) would be "
+                    f"split over tp={config.tp} devices, which does not divide it",
+                )
+            )
+        spec[dim] = (MeshAxis.MODEL.value,)
+    return tuple(spec)
+
+
+def _cannot_place(path: str, shape, why: str) -> str:
+    return (
+        f"cannot place parameter {path} of shape {tuple(shape)}: {why}. Pass "
+        f"overrides={{{path!r}: spec}} (e.g. P(None, 'model') or P() for replicated), "
+        "or choose a tp that divides it"
+    )
+
+
+def _batch_spec(var, config: MegatronConfig) -> Spec:
+    if not var.shape or config.dp == 1:
+        return replicated(len(var.shape))
+    if var.shape[0] % config.dp:
+        raise ValueError(
+            f"batch input {var.path} has {var.shape[0]} examples on dim 0, which dp="
+            f"{config.dp} does not divide; choose a batch size that is a multiple of dp"
+        )
+    return ((MeshAxis.DATA.value,),) + replicated(len(var.shape) - 1)
+
+
+def _state_specs(graph: OpGraph, specs: dict[int, Spec], overridden: set, config) -> None:
+    """Optimizer state takes its parameter's spec (matched by path suffix and shape);
+    with the distributed optimizer it is also split over "data"."""
+    params = {
+        _param_key(graph.vars[v].path): v
+        for v in graph.invars
+        if graph.vars[v].role is Role.PARAM and graph.vars[v].path
+    }
+    lengths = sorted({len(k) for k in params}, reverse=True)
+    for v in graph.invars:
+        var = graph.vars[v]
+        if var.role is not Role.OPT_STATE or var.path in overridden:
+            continue
+        parts = tuple(var.path.split("/")) if var.path else ()
+        match = next(
+            (params[parts[-n:]] for n in lengths
+             if n <= len(parts) and parts[-n:] in params
+             and graph.vars[params[parts[-n:]]].shape == var.shape),
+            None,
+        )
+        spec = specs[match] if match is not None else replicated(len(var.shape))
+        if config.distributed_optimizer:
+            spec = _zero1(spec, var.shape, config)
+        specs[v] = spec
+
+
+def _param_key(path: str) -> tuple[str, ...]:
+    """``params/layers/0/w`` -> ``("layers", "0", "w")``: the part optax trees repeat."""
+    parts = path.split("/")
+    if PARAM_TREE_KEY in parts:
+        parts = parts[len(parts) - parts[::-1].index(PARAM_TREE_KEY):]
+    return tuple(parts)
+
+
+def _zero1(spec: Spec, shape, config: MegatronConfig) -> Spec:
+    """Also split over "data": the first unsplit dim it divides, else a "model" dim."""
+    data = MeshAxis.DATA.value
+    if config.dp == 1 or any(data in axes for axes in spec):
+        return spec
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if not axes and size % config.dp == 0:
+            return spec[:dim] + ((data,),) + spec[dim + 1:]
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        if axes == (MeshAxis.MODEL.value,) and size % (config.dp * config.tp) == 0:
+            return spec[:dim] + ((data, MeshAxis.MODEL.value),) + spec[dim + 1:]
+    return spec
+
+
+def _drop_unit_axes(spec: Spec, config: MegatronConfig) -> Spec:
+    sizes = {MeshAxis.DATA.value: config.dp, MeshAxis.MODEL.value: config.tp}
+    return tuple(tuple(a for a in axes if sizes[a] > 1) for axes in spec)
+
+
+def _check_overrides(graph: OpGraph, overrides: Mapping[str, Any]) -> dict[str, Spec]:
+    """Overrides as specs, checked against the inputs' paths, ranks and axis names."""
+    shapes = {graph.vars[v].path: graph.vars[v].shape for v in graph.invars}
+    result = {}
+    for path, value in overrides.items():
+        if path not in shapes:
+            known = ", ".join(sorted(p for p in shapes if p)[:8])
+            raise ValueError(
+                f"overrides names {path!r}, which is not an input of the step; use an "
+                f"input path such as: {known}, ..."
+            )
+        spec = normalize_spec(value, len(shapes[path]), path)
+        result[path] = spec
+    return result
+
+
+def normalize_spec(value: Any, ndim: int, path: str = "input") -> Spec:
+    """A spec from a `PartitionSpec` or a tuple of None / axis name / tuple of names.
+
+    Trailing dimensions not mentioned are replicated, as in `PartitionSpec`.
+    """
+    entries = list(value)
+    if len(entries) > ndim:
+        raise ValueError(
+            f"override for {path} has {len(entries)} entries but the input has {ndim} "
+            "dimensions; give one entry (None or mesh axes) per dimension"
+        )
+    spec = []
+    for entry in entries + [None] * (ndim - len(entries)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [a for a in axes if a not in AXIS_NAMES]
+        if unknown:
+            raise ValueError(
+                f"override for {path} uses mesh axes {unknown}; a Megatron mesh has axes "
+                f"{AXIS_NAMES}"
+            )
+        spec.append(axes)
+    return tuple(spec)
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """One parameter's Megatron role and spec, for reports (`describe_layout`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    kind: str
+    spec: str
+    reason: str = field(default="", compare=False)
+
+
+def describe_layout(graph: OpGraph, config: MegatronConfig) -> list[LayoutRow]:
+    """Each parameter's role, spec on the (dp, tp) mesh and the reason, in input order."""
+    placements = classify_parameters(graph)
+    rows = []
+    for v, placement in placements.items():
+        var = graph.vars[v]
+        path = var.path or f"input {v}"
+        try:
+            spec = spec_str(_drop_unit_axes(param_spec(path, var.shape, placement, config),
+                                            config))
+        except ValueError:
+            spec = "(cannot place)"
+        rows.append(LayoutRow(path, var.shape, placement.kind.value, spec, placement.reason))
+    return rows
