@@ -15,7 +15,9 @@ from autopar._planning import plan
 from autopar.cluster import Cluster, Link, LogicalMesh
 from autopar.graph import OpGraph, Role, trace
 from autopar.intra import MemoryBudgetError, ShardingPlan
+from autopar.manual import MegatronConfig, megatron_grid_search, megatron_plan
 from autopar.plan import Plan
+from autopar.report import compare
 
 __version__ = "0.1.0"
 
@@ -24,15 +26,19 @@ __all__ = [
     "Cluster",
     "Link",
     "LogicalMesh",
+    "MegatronConfig",
     "MemoryBudgetError",
     "OpGraph",
     "Plan",
     "Role",
     "ShardingPlan",
     "autoparallel",
+    "compare",
     "cost",
     "grad",
     "layer_boundary",
+    "megatron_grid_search",
+    "megatron_plan",
     "plan",
     "trace",
     "value_and_grad",
