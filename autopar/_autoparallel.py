@@ -10,16 +10,15 @@ from typing import Any
 
 import jax
 
-from autopar._markers import auto_layers
 from autopar._planning import (
     Method,
     PlanOptions,
     Schedule,
-    microbatch_args,
+    graph_for_plan,
     resolve_cluster,
     search,
 )
-from autopar.graph import OpGraph, Role, trace
+from autopar.graph import OpGraph, Role
 from autopar.lower import lower_sharding_plan
 from autopar.plan import Plan
 
@@ -38,7 +37,9 @@ class _Compiled:
 class AutoParallel:
     """A train step wrapped by `autopar.autoparallel`; call it like the original."""
 
-    def __init__(self, fn: Callable, options: PlanOptions, cluster: Any, plan: Any):
+    def __init__(
+        self, fn: Callable, options: PlanOptions, cluster: Any, plan: Any, cache: Any = None
+    ):
         if not callable(fn):
             raise TypeError(
                 f"autoparallel expects a function, got {type(fn).__name__}; decorate the "
@@ -49,6 +50,7 @@ class AutoParallel:
         self._options = options
         self._cluster_arg = cluster
         self._fixed_plan = Plan.load(plan) if isinstance(plan, str) else plan
+        self._cache = cache
         self._compiled: dict[Any, _Compiled] = {}
         self._last: _Compiled | None = None
         self.num_traces = 0  # how many times the step was traced and planned
@@ -74,15 +76,10 @@ class AutoParallel:
         options = self._options
         if self._fixed_plan is not None:
             plan = self._fixed_plan
-            run_args = args
-            if plan.runtime == "pipeline":
-                run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
-            with auto_layers(plan.auto_layers):
-                graph = trace(self._fn, *run_args, batch_argnums=options.batch_argnums)
-            plan.check_graph(graph)
+            graph = graph_for_plan(self._fn, args, plan, options)
         else:
             cluster = resolve_cluster(self._cluster_arg)
-            plan, graph = search(self._fn, args, cluster, options)
+            plan, graph = search(self._fn, args, cluster, options, self._cache)
         donate = _flat_indices(graph.in_tree, options.donate_argnums)
         if plan.runtime == "spmd":
             fn, in_sh, out_sh = lower_sharding_plan(graph, plan.stages[0].sharding, None, donate)
@@ -134,20 +131,26 @@ class AutoParallel:
         if compiled is None:
             compiled = self._compile(args)
             self._compiled[key] = compiled
+            if jax.process_count() > 1:
+                from autopar.distributed import check_same_plan
+
+                check_same_plan(compiled.plan)
         self._last = compiled
         if compiled.plan.runtime == "pipeline":
             batch = {
                 i for i, v in enumerate(compiled.graph.invars)
                 if compiled.graph.vars[v].role is Role.BATCH
             }
+            if jax.process_count() > 1:
+                batch = set()  # every input becomes a global array on its stage's devices
             placed = [
-                x if i in batch or _has_sharding(x, s) else jax.device_put(x, s)
+                x if i in batch or _has_sharding(x, s) else _put(x, s)
                 for i, (x, s) in enumerate(zip(leaves, compiled.in_shardings))
             ]
             out = compiled.fn(placed, record=_record)
         else:
             placed = [
-                x if _has_sharding(x, s) else jax.device_put(x, s)
+                x if _has_sharding(x, s) else _put(x, s)
                 for x, s in zip(leaves, compiled.in_shardings)
             ]
             out = compiled.fn(*placed)
@@ -160,6 +163,16 @@ def _named(mesh, spec, var):
     from autopar.cluster._mesh import replicated, to_partition_spec
 
     return NamedSharding(mesh, to_partition_spec(spec or replicated(len(var.shape))))
+
+
+def _put(x: Any, sharding):
+    """`jax.device_put` in one process; with several, a global array on `sharding` built from
+    each process's copy, or moved there (`autopar.distributed.place`)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    from autopar.distributed import place
+
+    return place(x, sharding)
 
 
 def _has_sharding(x: Any, sharding) -> bool:
@@ -188,6 +201,7 @@ def autoparallel(
     num_stages: int | None = None,
     submeshes: Sequence[tuple[int, int]] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
+    cache: Any = None,
 ) -> Any:
     """Parallelise a single-device train step over the devices it is given.
 
@@ -203,6 +217,7 @@ def autoparallel(
       `batch_argnums`: arguments holding the batch.
     - `plan`: a `Plan` or a path to a saved one: reuse it, no search.
     - `mesh_shape`: fix the logical mesh shape, e.g. (2, 4).
+    - `cache`: a `PlanCache`, False for none, None for the default on-disk plan cache.
 
     **Example:**
 
@@ -229,6 +244,6 @@ def autoparallel(
     )
 
     def wrap(f: Callable) -> AutoParallel:
-        return AutoParallel(f, options, cluster, plan)
+        return AutoParallel(f, options, cluster, plan, cache)
 
     return wrap if fn is None else wrap(fn)

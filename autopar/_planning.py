@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from autopar.graph import OpGraph, Role, trace
 from autopar.graph._trace import path_str
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_sharding
+from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import InputInfo, Plan, Stage
 
 log = logging.getLogger("autopar")
@@ -160,6 +162,7 @@ def plan(
     num_stages: int | None = None,
     submeshes: Sequence[tuple[int, int]] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
+    cache: Any = None,
 ) -> Plan:
     """Plan `fn(*args)` on a cluster without running it (a dry run; no devices needed).
 
@@ -169,6 +172,8 @@ def plan(
       local devices.
     - the rest as in `autopar.autoparallel`; `num_stages`, `submeshes` ((hosts, devices per
       host) pairs a stage may use) and `logical_shapes` fix parts of the pipeline search.
+    - `cache`: a `PlanCache`, False for none, None for the default on-disk cache
+      (``AUTOPAR_PLAN_CACHE=0`` turns it off).
 
     **Returns:** the `Plan`.
 
@@ -193,7 +198,7 @@ def plan(
         logical_shapes=None if logical_shapes is None else tuple(map(tuple, logical_shapes)),
     )
     cluster = resolve_cluster(cluster)
-    result, _ = search(fn, args, cluster, options)
+    result, _ = search(fn, args, cluster, options, cache)
     return result
 
 
@@ -256,16 +261,76 @@ def _microbatch_candidates(options: PlanOptions, rows: int | None) -> list[int]:
     return candidates[-MAX_MICROBATCH_CANDIDATES:]
 
 
-def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
+def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
     """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
-    plan runs at (one microbatch for a pipelined plan, the whole batch otherwise)."""
+    plan runs at (one microbatch for a pipelined plan, the whole batch otherwise).
+
+    `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
+    search; the key covers the traced program, the cluster, the options and autopar's code.
+    """
+    from autopar._cache import PlanCache, cache_key
+    from autopar._progress import phase
+
+    timings: dict[str, float] = {}
+    with phase("trace", timings):
+        graph = trace(fn, *args, batch_argnums=options.batch_argnums)
+    if cache is None:
+        cache = PlanCache(version=code_version())
+    key = None
+    if cache:
+        key = cache_key(
+            graph_fingerprint(graph), cluster.to_json(), dataclasses.asdict(options),
+            code_version(),
+        )
+        cached = cache.get(key)
+        if cached is not None:
+            log.info("plan cache hit: %s", cache.path(key))
+            return cached, graph_for_plan(fn, args, cached, options, graph)
+    with phase("search", timings):
+        plan, run_graph = _search(fn, args, cluster, options, graph, timings["trace"])
+    plan.timings.update({k: v for k, v in timings.items() if k not in plan.timings})
+    if cache and key is not None:
+        cache.put(key, plan)
+    return plan, run_graph
+
+
+def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) -> OpGraph:
+    """The graph a plan runs: the whole step, or one microbatch of it for the pipeline."""
+    if plan.runtime == "spmd" and full_graph is not None:
+        return full_graph
+    run_args = args
+    if plan.runtime == "pipeline":
+        run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
+    with auto_layers(plan.auto_layers):
+        graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
+    plan.check_graph(graph)
+    return graph
+
+
+_CODE_VERSION: str | None = None
+
+
+def code_version() -> str:
+    """autopar's version and a hash of its source, so a code change never reuses a plan."""
+    global _CODE_VERSION
+    if _CODE_VERSION is None:
+        import hashlib
+        from pathlib import Path
+
+        from autopar import __version__
+
+        h = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.rglob("*.py")):
+            h.update(path.read_bytes())
+        _CODE_VERSION = f"{__version__}+{h.hexdigest()[:12]}"
+    return _CODE_VERSION
+
+
+def _search(fn, args, cluster, options: PlanOptions, graph: OpGraph, trace_time: float):
     from autopar.inter._layers import assign_layers
     from autopar.inter._planner import choose_stages
     from autopar.inter._submesh import SubmeshShape
 
-    start = time.perf_counter()
-    graph = trace(fn, *args, batch_argnums=options.batch_argnums)
-    trace_time = time.perf_counter() - start
     if options.method != "auto":
         plan = make_plan(graph, cluster, options)
         plan.timings["trace"] = trace_time
@@ -351,8 +416,6 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
         inputs.append(InputInfo(var.path or f"input{v}", var.shape, var.dtype, var.role.value,
                                 spec))
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
-    from autopar.intra._sharding_plan import graph_fingerprint
-
     plan = Plan(
         method="auto",
         cluster=cluster.to_json(),
@@ -370,6 +433,4 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions):
 
 
 def _with_warning(plan: Plan, warning: str) -> Plan:
-    import dataclasses
-
     return dataclasses.replace(plan, warnings=(*plan.warnings, warning))

@@ -6,6 +6,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests plan from scratch; the on-disk plan cache is tested on its own, in temp folders.
+os.environ.setdefault("AUTOPAR_PLAN_CACHE", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -38,8 +38,14 @@ log = logging.getLogger("autopar")
 @dataclass(frozen=True)
 class LayerCost:
     latency: float  # predicted seconds per microbatch (forward + backward + its update)
-    memory: float  # bytes per device: state plus live activations of one microbatch
+    memory: float  # bytes per device at the layer's peak (state + live activations)
     activation_memory: float  # bytes per device kept from forward to backward
+    state_memory: float = 0.0  # parameters and optimizer state, bytes per device
+
+    @property
+    def transient_memory(self) -> float:
+        """Working memory beyond state and kept activations, needed one layer at a time."""
+        return max(0.0, self.memory - self.state_memory - self.activation_memory)
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,10 @@ class LayerCostTable:
                 self._cache[key] = None
             else:
                 self._cache[key] = LayerCost(
-                    plan.cost.total, plan.cost.memory_per_device, _activation_bytes(sub, plan)
+                    plan.cost.total,
+                    plan.cost.memory_per_device,
+                    _activation_bytes(sub, plan),
+                    _state_bytes(sub, plan),
                 )
                 self._plans[key] = (plan, sub)
         return self._cache[key]
@@ -132,6 +141,17 @@ class LayerCostTable:
             stage_graph, stage_part.node_index[stage], parts, mesh, self.cluster,
             _tied_in(stage_graph, self.tied),
         )
+
+
+def _state_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
+    """Bytes per device of the parameters and optimizer state the layer reads."""
+    from autopar.cost import bytes_per_device
+
+    return sum(
+        bytes_per_device(sub.vars[v].shape, sub.vars[v].dtype, plan.var_specs[v], plan.mesh)
+        for v in sub.invars
+        if sub.vars[v].role in (Role.PARAM, Role.OPT_STATE) and plan.var_specs[v] is not None
+    )
 
 
 def _activation_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
@@ -187,7 +207,10 @@ def choose_stages(
             if any(c is None for c in costs):
                 continue
             latency = sum(c.latency for c in costs)
-            memory = sum(c.memory + (in_flight - 1) * c.activation_memory for c in costs)
+            # State of every layer, the kept activations of every microbatch in flight, and
+            # the working memory of the one layer running at a time.
+            memory = sum(c.state_memory + in_flight * c.activation_memory for c in costs)
+            memory += max(c.transient_memory for c in costs)
             least_memory = min(least_memory, memory)
             if memory <= budget and (best is None or latency < best.latency):
                 best = StageCost(latency, True, memory, tuple(shape))

@@ -1,0 +1,125 @@
+"""The decorator's contract: caching executables, plans saved and reused, the plan cache."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar._cache import PlanCache
+from examples import mlp
+
+CFG = mlp.MLPConfig(in_dim=16, hidden=64, out_dim=8, num_layers=3)
+OPT = optax.sgd(0.1)
+
+
+def _setup(batch_size=16):
+    state = mlp.init_state(CFG, OPT, jax.random.key(0))
+    batch = mlp.make_batch(CFG, batch_size, jax.random.key(1))
+    return mlp.make_train_step(CFG, OPT), state, batch
+
+
+def _cluster():
+    return autopar.Cluster.from_profile("cpu-local")
+
+
+def test_same_shapes_do_not_trace_again_and_new_shapes_do():
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
+    state1, _ = par(state, batch)
+    state2, _ = par(state1, batch)
+    assert par.num_traces == 1
+    par(state, mlp.make_batch(CFG, 32, jax.random.key(2)))
+    assert par.num_traces == 2
+
+
+def test_state_keeps_its_sharding_and_donation_is_honoured():
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", mesh_shape=(8,))
+    new_state, _ = par(state, batch)
+    compiled = par._last
+    flat_in = jax.tree.leaves(new_state)
+    for x, sharding in zip(flat_in, compiled.in_shardings):
+        assert x.sharding.is_equivalent_to(sharding, x.ndim), "state would be resharded"
+    donated = jax.tree.leaves(new_state)
+    newer, _ = par(new_state, batch)
+    assert all(x.is_deleted() for x in donated), "donated state buffers must be reused"
+    assert not any(x.is_deleted() for x in jax.tree.leaves(newer))
+
+
+def test_save_load_and_run_gives_identical_results(tmp_path):
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
+    out_a, metrics_a = par(state, batch)
+    path = tmp_path / "plan.json"
+    par.plan.save(path)
+    loaded = autopar.Plan.load(path)
+    assert loaded.to_json() == par.plan.to_json()
+    again = autopar.autoparallel(step, plan=str(path), donate_argnums=())
+    out_b, metrics_b = again(state, batch)
+    assert float(metrics_a["loss"]) == float(metrics_b["loss"])
+    for a, b in zip(jax.tree.leaves(out_a), jax.tree.leaves(out_b)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_plan_for_another_model_is_refused(tmp_path):
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
+    par(state, batch)
+    path = tmp_path / "plan.json"
+    par.plan.save(path)
+    other = mlp.MLPConfig(in_dim=16, hidden=32, out_dim=8, num_layers=3)
+    other_step = mlp.make_train_step(other, OPT)
+    other_state = mlp.init_state(other, OPT, jax.random.key(0))
+    reuse = autopar.autoparallel(other_step, plan=str(path), donate_argnums=())
+    with pytest.raises(ValueError, match="different program"):
+        reuse(other_state, batch)
+
+
+def test_shardings_eject_into_a_plain_jit():
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
+    expected, _ = par(state, batch)
+    by_path = par.plan.shardings()
+    paths = [i.path for i in par.plan.inputs]
+    shardings = [by_path[p] for p in paths]
+    leaves, tree = jax.tree.flatten((state, batch))
+    placed = [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+    out, _ = jax.jit(step)(*jax.tree.unflatten(tree, placed))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def _count_solves(monkeypatch):
+    import autopar.intra._planner as planner
+
+    calls = []
+    real = planner.solve
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "solve", counting)
+    return calls
+
+
+def test_cache_hit_skips_the_search_and_a_corrupt_entry_is_survived(tmp_path, monkeypatch):
+    step, state, batch = _setup()
+    cache = PlanCache(tmp_path, enabled=True)
+    calls = _count_solves(monkeypatch)
+    first = autopar.plan(step, state, batch, cluster=_cluster(), method="shard", cache=cache)
+    assert len(calls) > 0
+    solved = len(calls)
+    second = autopar.plan(step, state, batch, cluster=_cluster(), method="shard", cache=cache)
+    assert len(calls) == solved, "a cache hit must not solve any ILP"
+    assert second.to_json() == first.to_json()  # the stored plan, timings and all
+    (entry,) = list(tmp_path.glob("*.json"))
+    entry.write_text("{ not json")
+    third = autopar.plan(step, state, batch, cluster=_cluster(), method="shard", cache=cache)
+    assert len(calls) > solved, "a corrupt entry is a miss"
+    assert third.specs_by_path() == first.specs_by_path(), "planning is deterministic"
+    assert third.stages[0].sharding.var_specs == first.stages[0].sharding.var_specs
+    assert entry.read_text().startswith("{"), "the corrupt entry was replaced"
