@@ -839,6 +839,17 @@ def _prefer_lower_indices(
                 choice[v] = current
 
 
+def _budget_groups(problem: ShardingProblem, root, strategy_of, solver) -> list[_MemoryGroup]:
+    """The memory groups the budget constrains; raises if one can never fit."""
+    budget = problem.memory_budget
+    if budget is None:
+        return []
+    groups = _binding_groups(_memory_groups(problem, root, strategy_of), budget)
+    if any(group.constant > budget for group in groups):
+        raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
+    return groups
+
+
 def _check_options(time_limit: float, formulation: str) -> None:
     if not (isinstance(time_limit, (int, float)) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}.")
@@ -882,10 +893,7 @@ def solve(
     graph = _merge(problem, root, strategy_of)
     num_merged = len(graph.node_cost)
     budget = problem.memory_budget
-    groups = [] if budget is None else _memory_groups(problem, root, strategy_of)
-    groups = [] if budget is None else _binding_groups(groups, budget)
-    if any(group.constant > budget for group in groups):
-        raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
+    groups = _budget_groups(problem, root, strategy_of, solver)
     reduction = _reduce(graph, groups, budget)
     model = _sharding_model(reduction.graph, reduction.groups, budget, formulation)
     built = _to_pulp(model) if model.cost else None

@@ -29,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from autopar._planning import input_infos, resolve_cluster, tied_state
+from autopar._planning import input_infos, microbatch_args, resolve_cluster, tied_state
 from autopar.cluster._mesh import LogicalMesh, replicated
 from autopar.graph import OpGraph, Role, trace
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
-from autopar.intra._sharding_plan import ShardingPlan
+from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 from autopar.manual._layout import AXIS_NAMES, MegatronConfig, Schedule, megatron_specs
 from autopar.plan import Plan, Stage
 
@@ -96,7 +96,11 @@ def megatron_plan(
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
     start = time.perf_counter()
-    graph = trace(step_fn, *abstract_args, batch_argnums=tuple(batch_argnums))
+    args = abstract_args
+    if config.pp > 1 or config.num_microbatches > 1:
+        # The pipeline runtime runs the step traced at one microbatch.
+        args = microbatch_args(abstract_args, tuple(batch_argnums), config.num_microbatches)
+    graph = trace(step_fn, *args, batch_argnums=tuple(batch_argnums))
     trace_time = time.perf_counter() - start
     plan = megatron_plan_for_graph(
         graph, cluster, config, donate_argnums=donate_argnums, overrides=overrides,
@@ -136,17 +140,37 @@ def megatron_plan_for_graph(
     stages = build_stages(graph, cluster, config, specs, tied, options)
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
+    pipelined = config.pp > 1 or config.num_microbatches > 1
     return Plan(
         method=config.name,
         cluster=cluster.to_json(),
         stages=stages,
-        inputs=input_infos(graph, first),
-        graph_fingerprint=first.graph_fingerprint,
+        inputs=_pipeline_inputs(graph, stages) if pipelined else input_infos(graph, first),
+        graph_fingerprint=graph_fingerprint(graph) if pipelined else first.graph_fingerprint,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule,
-        warnings=tuple(w for s in stages for w in s.sharding.warnings),
+        warnings=tuple(dict.fromkeys(w for s in stages for w in s.sharding.warnings)),
         timings=timings,
+        runtime="pipeline" if pipelined else "spmd",
     )
+
+
+def _pipeline_inputs(graph: OpGraph, stages) -> tuple:
+    """Each input as the first stage that reads it holds it."""
+    from autopar.plan import InputInfo
+
+    infos = []
+    for v in graph.invars:
+        var = graph.vars[v]
+        if var.role is Role.CONST:
+            continue
+        spec = next(
+            (st.sharding.var_specs[v] for st in stages if st.sharding.var_specs[v] is not None),
+            ((),) * len(var.shape),
+        )
+        infos.append(InputInfo(var.path or f"input{v}", var.shape, var.dtype, var.role.value,
+                               spec))
+    return tuple(infos)
 
 
 def check_devices(cluster, config: MegatronConfig) -> None:
@@ -185,15 +209,40 @@ def build_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, .
     **Returns:** the `Stage`s, in pipeline order.
     """
     if config.pp > 1 or config.num_microbatches > 1:
-        raise NotImplementedError(
-            f"Megatron plans with pp={config.pp} pipeline stages and num_microbatches="
-            f"{config.num_microbatches} need the pipeline runtime, which is not available "
-            "yet; use pp=1 and num_microbatches=1"
-        )
+        return _pipeline_stages(graph, cluster, config, specs, tied, options)
     sharding = plan_keeping_state(
         graph, cluster, stage_mesh(cluster, config, 0), options, tied, fixed=specs
     )
     return (Stage((0, 1), sharding),)
+
+
+def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, ...]:
+    """pp stages of consecutive layers (split as evenly as the layer marks allow), each on
+    its dp x tp submesh with the same Megatron layout, run by the pipeline runtime."""
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._partition import partition
+    from autopar.inter._planner import _tied_in
+
+    layers = assign_layers(graph)
+    if config.pp > layers.num_layers:
+        raise ValueError(
+            f"pp={config.pp} stages need at least {config.pp} layers but the step has "
+            f"{layers.num_layers}; mark the layer edges with autopar.layer_boundary (for the "
+            "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
+        )
+    edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
+    bounds = [(a, b) for a, b in zip(edges, edges[1:])]
+    part = partition(graph, layers, bounds)
+    stages = []
+    for s, layer_range in enumerate(bounds):
+        sub = part.stage_graphs[s]
+        invars = set(sub.invars)
+        fixed = {v: spec for v, spec in specs.items() if v in invars}
+        sharding = plan_keeping_state(
+            sub, cluster, stage_mesh(cluster, config, s), options, _tied_in(sub, tied), fixed
+        )
+        stages.append(Stage(layer_range, sharding))
+    return tuple(stages)
 
 
 def plan_keeping_state(graph, cluster, mesh, options, tied, fixed) -> ShardingPlan:
