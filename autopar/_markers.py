@@ -130,7 +130,6 @@ def auto_layers(num_layers: int | None):
 
 def _with_auto_marks(fun: Callable, num_layers: int) -> Callable:
     def marked(*args: Any) -> Any:
-        import numpy as np
 
         from autopar.graph import Role, trace
         from autopar.inter._clustering import cluster_layers
@@ -163,7 +162,7 @@ def _with_auto_marks(fun: Callable, num_layers: int) -> Callable:
                     v for v in env
                     if graph.vars[v].role is Role.ACTIVATION
                     and last_use.get(v, -1) >= cut
-                    and np.issubdtype(np.dtype(graph.vars[v].dtype), np.floating)
+                    and jax.numpy.issubdtype(graph.vars[v].dtype, jax.numpy.floating)
                 ]
                 if crossing:
                     marked_values = layer_boundary_p.bind(*(env[v] for v in crossing))

@@ -358,3 +358,17 @@ def test_non_array_leaf_names_its_path():
 def test_batch_argnums_out_of_range():
     with pytest.raises(ValueError, match=r"batch_argnums=\(3,\) does not fit 2"):
         trace(lambda a, b: a + b, 1.0, 2.0, batch_argnums=(3,))
+
+
+def test_bfloat16_parameters_are_parameters():
+    import optax
+
+    from autopar.graph import Role, trace
+    from examples import gpt
+
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], dtype="bfloat16")
+    opt = optax.sgd(0.1)
+    graph = trace(gpt.make_train_step(cfg, opt), gpt.abstract_state(cfg, opt),
+                  gpt.abstract_batch(cfg, 2))
+    roles = {graph.vars[v].path: graph.vars[v].role for v in graph.invars}
+    assert roles["params/wte"] is Role.PARAM

@@ -368,7 +368,8 @@ def _role_from_path(var: Var, path: str, is_batch: bool) -> Role | None:
 
 def _is_float(dtype: str) -> bool:
     try:
-        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+        # jax's issubdtype knows bfloat16 and the float8 types are floating (numpy's does not)
+        return bool(jax.numpy.issubdtype(jax.numpy.dtype(dtype), jax.numpy.inexact))
     except TypeError:  # extended dtypes such as PRNG keys
         return False
 
