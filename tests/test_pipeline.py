@@ -128,3 +128,23 @@ def test_stage_options_that_cannot_cover_the_devices():
     with pytest.raises(ValueError, match="layers"):
         autopar.plan(step, *args, cluster=_cluster(), num_stages=6, submeshes=[(1, 1)],
                      logical_shapes=[(1,)], num_microbatches=2)
+
+
+def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
+    cfg = dataclasses.replace(GPT, hidden=128, num_layers=2)
+    opt = optax.sgd(LR)
+    plan = autopar.plan(
+        gpt.make_train_step(cfg, opt), gpt.abstract_state(cfg, opt),
+        gpt.abstract_batch(cfg, 4096), cluster=autopar.Cluster.from_profile("dgx-a100-80g"),
+        num_microbatches=1,
+    )
+    assert plan.num_stages == 1
+    mesh = plan.stages[0].mesh
+    assert mesh.num_devices == 8
+    for info in plan.inputs:
+        # Matmul weights are whole on every device (no tensor parallelism); small tables
+        # may be stored split with their update (ZeRO-style), which the cost model favours.
+        if info.role == "param" and ("/attn/w" in info.path or "/mlp/w" in info.path):
+            assert not any(info.spec), f"{info.path} should be replicated, got {info.spec}"
+        if info.role == "batch":  # the batch is split, not copied to every device
+            assert any(info.spec), f"{info.path} should be split, got {info.spec}"
