@@ -257,8 +257,10 @@ def _microbatch_candidates(options: PlanOptions, rows: int | None) -> list[int]:
         return [options.num_microbatches]
     if rows is None:
         return [1]
-    candidates = [b for b in (1, 2, 4, 8, 16, 32, 64) if rows % b == 0 and b <= rows]
-    return candidates[-MAX_MICROBATCH_CANDIDATES:]
+    # One microbatch (no pipeline bubble to fill, no accumulation), and the largest few
+    # powers of two that divide the batch (the bubble shrinks as microbatches grow).
+    powers = [b for b in (2, 4, 8, 16, 32, 64) if rows % b == 0 and b <= rows]
+    return [1, *powers[-(MAX_MICROBATCH_CANDIDATES - 1):]]
 
 
 def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
@@ -356,6 +358,7 @@ def _search(fn, args, cluster, options: PlanOptions, graph: OpGraph, trace_time:
     if options.submeshes is not None:
         submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
     best = None
+    one_microbatch = None
     last_error: ValueError | None = None
     timings = {"trace": trace_time}
     for num_micro in _microbatch_candidates(options, batch_size(graph)):
@@ -386,13 +389,19 @@ def _search(fn, args, cluster, options: PlanOptions, graph: OpGraph, trace_time:
             "%d microbatch(es): %d stage(s), predicted %.4g s",
             num_micro, len(choice.stage_layers), choice.latency,
         )
+        if num_micro == 1:
+            one_microbatch = (choice, mb_graph, num_micro)
         if best is None or choice.latency < best[0].latency:
             best = (choice, mb_graph, num_micro)
     if best is None:
         raise last_error
     choice, mb_graph, num_micro = best
-    if len(choice.stage_layers) == 1 and num_micro > 1 and options.num_stages is None:
+    if len(choice.stage_layers) == 1 and num_micro > 1 and one_microbatch is not None and len(
+        one_microbatch[0].stage_layers
+    ) == 1:
         # One stage: no pipeline, so no microbatches either; plan the whole batch.
+        choice, mb_graph, num_micro = one_microbatch
+    elif len(choice.stage_layers) == 1 and num_micro > 1 and options.num_stages is None:
         num_micro = 1
         with auto_layers(auto):
             mb_graph = trace(fn, *args, batch_argnums=options.batch_argnums)

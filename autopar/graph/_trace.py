@@ -198,8 +198,14 @@ def _abstractify(x: Any, path: str) -> jax.ShapeDtypeStruct:
 
 
 def _make_jaxpr(fn: Callable, abstract_args: tuple) -> tuple[core.ClosedJaxpr, Any]:
+    # A fresh function object each time: JAX caches traces by function and argument
+    # shapes, and would hand back a trace made outside `autopar.auto_layers` (whose layer
+    # marks depend on that context, not on the shapes).
+    def fresh(*args):
+        return fn(*args)
+
     try:
-        return jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+        return jax.make_jaxpr(fresh, return_shape=True)(*abstract_args)
     except Exception as err:  # any failure of the user's function to trace
         raise ValueError(
             f"trace could not trace {getattr(fn, '__name__', fn)!r} with the given "
