@@ -4,7 +4,8 @@
 task of a GPipe or 1F1B pipeline; `gantt` draws such a list (predicted or measured), and
 `gantt_compare` draws a prediction above a measurement on one time axis.
 
-A `TaskRecord` is plain data, so a runtime can record measured tasks in the same form.
+A `TaskRecord` is plain data. The drawings take any records with the same fields, such as
+the measured timeline of the pipeline runtime (`PipelineExecutable.timeline`).
 
 **Example:**
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from autopar.report._pictures import new_figure
+from autopar.runtime import stage_order
 
 Kind = Literal["forward", "backward", "apply"]
 Schedule = Literal["gpipe", "1f1b"]
@@ -55,26 +57,6 @@ class TaskRecord:
 # ---- simulation --------------------------------------------------------------------------
 
 
-def stage_order(
-    stage: int, num_stages: int, num_microbatches: int, schedule: Schedule
-) -> list[tuple[Kind, int]]:
-    """The (kind, microbatch) tasks stage `stage` runs, in order (without "apply").
-
-    GPipe: every forward, then every backward. 1F1B (Narayanan et al. 2021): a warm-up of
-    ``num_stages - stage - 1`` forwards, then alternate one forward and one backward, then
-    the remaining backwards.
-    """
-    forwards = [("forward", m) for m in range(num_microbatches)]
-    backwards = [("backward", m) for m in range(num_microbatches)]
-    if schedule == "gpipe":
-        return forwards + backwards
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = forwards[:warmup]
-    for j in range(num_microbatches - warmup):
-        order += [forwards[warmup + j], backwards[j]]
-    return order + backwards[num_microbatches - warmup:]
-
-
 def _dependencies(kind: str, stage: int, microbatch: int, num_stages: int) -> list[tuple]:
     """The tasks (kind, stage, microbatch) that must end before this one starts."""
     if kind == "forward":
@@ -98,8 +80,11 @@ def simulate_schedule(
 
     Stage i's forward of microbatch m waits for stage i-1's forward of m; its backward of m
     waits for its own forward of m and stage i+1's backward of m; a stage runs its tasks in
-    the order of `stage_order`, each as soon as its inputs are ready; "apply" (the
-    optimizer update) follows the stage's last backward. Transfers take no time.
+    the order the pipeline runtime runs them (`autopar.runtime.stage_order`: GPipe, all
+    forwards then all backwards; 1F1B, ``num_stages - i - 1`` warm-up forwards, then one
+    forward and one backward in turn, then the remaining backwards), each as soon as its
+    inputs are ready; "apply" (the optimizer update) follows the stage's last backward.
+    Transfers take no time.
 
     **Arguments:**
     - `forward_times`, `backward_times`: seconds per microbatch, one per stage.
@@ -111,7 +96,10 @@ def simulate_schedule(
     """
     num_stages = len(forward_times)
     _check_inputs(forward_times, backward_times, num_microbatches, schedule, apply_times)
-    orders = [stage_order(i, num_stages, num_microbatches, schedule) for i in range(num_stages)]
+    orders = [
+        [(kind, mb) for kind, _, mb in stage_order(schedule, i, num_stages, num_microbatches)]
+        for i in range(num_stages)
+    ]
     end: dict[tuple, float] = {}
     records: list[TaskRecord] = []
     stage_free = [0.0] * num_stages
@@ -177,10 +165,11 @@ def idle_fraction(tasks: Sequence[TaskRecord]) -> float:
 def plan_schedule(plan) -> list[TaskRecord]:
     """The predicted tasks of a pipelined `Plan`, from its stages' predicted costs.
 
-    Each stage's predicted time per step is split into microbatches, a `FORWARD_SHARE`
-    forward and the rest backward; the update is not modelled separately.
+    Each stage's predicted cost is its time per microbatch (as `Plan.predicted_step_time`
+    reads it): a `FORWARD_SHARE` of it is the forward, the rest the backward; the update is
+    not modelled separately.
     """
-    per_microbatch = [s.sharding.cost.total / plan.num_microbatches for s in plan.stages]
+    per_microbatch = [s.sharding.cost.total for s in plan.stages]
     forward = [t * FORWARD_SHARE for t in per_microbatch]
     backward = [t - f for t, f in zip(per_microbatch, forward)]
     return simulate_schedule(forward, backward, plan.num_microbatches, plan.schedule)
@@ -222,7 +211,7 @@ def _draw(ax, tasks: Sequence[TaskRecord], title: str, unit: str, scale: float) 
         _patch(color, kind) for kind, color in KIND_COLORS.items()
         if any(t.kind == kind for t in tasks)
     ]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, framealpha=0.8)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
 
 def _patch(color: str, label: str):

@@ -179,7 +179,11 @@ def _row_title(names: list[str]) -> str:
 
 
 def _mesh_of(plan, info) -> LogicalMesh:
-    """The mesh an input lives on: its stage's (stage 0 unless the input names one)."""
+    """The mesh an input lives on: its stage's.
+
+    `InputInfo` does not record the stage that holds an input yet; inputs that name none
+    are drawn on stage 0's mesh (exact for one-stage plans).
+    """
     return plan.stages[getattr(info, "stage", 0)].mesh
 
 

@@ -1,0 +1,156 @@
+"""``autopar demo``: plan and train a small GPT on the local devices, next to one device.
+
+Plans the GPT of ``examples/gpt.py`` (`DEMO_GPT`) with ``@autopar.autoparallel`` on
+`Cluster.local()` (8 virtual CPU devices when run by the CLI on a machine without an
+accelerator), prints the plan, trains a few steps beside the same step jitted on one
+device, and writes ``plan.json``, ``plan_explain.txt`` (the printed plan) and
+``plan_layout.png`` (and ``schedule.png`` for a pipelined plan).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from autopar._examples import LEARNING_RATE, load_example
+
+# The demo model: small enough to plan and train in well under a minute on 2 CPU cores,
+# large enough that splitting its matrices across 8 devices is a real choice.
+DEMO_GPT = dict(vocab_size=256, seq_len=32, hidden=64, num_layers=4, num_heads=4)
+DEMO_BATCH_SIZE = 16
+DEFAULT_STEPS = 5
+# The largest loss difference to one device the demo accepts: float32 sums in another
+# order differ by ~1e-6 relative per step; Adam can grow that over a few steps.
+LOSS_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What `run_demo` did: the plan, both loss curves, the files written."""
+
+    plan: object
+    losses: tuple[float, ...]
+    reference_losses: tuple[float, ...]
+    files: tuple[Path, ...]
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def max_difference(self) -> float:
+        return max_difference(self.losses, self.reference_losses)
+
+
+def max_difference(losses, reference_losses) -> float:
+    """The largest absolute difference between two loss curves, step by step."""
+    return max(abs(a - b) for a, b in zip(losses, reference_losses))
+
+
+def run_demo(
+    out_dir: str | Path = ".",
+    num_steps: int = DEFAULT_STEPS,
+    method: str = "auto",
+    mesh_shape: tuple[int, ...] | None = None,
+    pictures: bool = True,
+    echo: Callable[[str], None] = print,
+    model: Mapping[str, int] = DEMO_GPT,
+) -> DemoResult:
+    """Plan, train and compare the demo GPT; write the plan and its pictures.
+
+    **Arguments:**
+    - `out_dir`: where ``plan.json``, ``plan_explain.txt`` and the pictures go (created
+      if missing).
+    - `num_steps`: training steps.
+    - `method`: the `autopar.autoparallel` method.
+    - `mesh_shape`: fix the logical mesh shape (default: the planner tries every shape).
+    - `pictures`: draw ``plan_layout.png`` (needs matplotlib; skipped with a note if absent).
+    - `echo`: where the report lines go.
+    - `model`: `GPTConfig` fields of the model (default `DEMO_GPT`).
+
+    **Returns:** a `DemoResult`.
+    """
+    if num_steps < 1:
+        raise ValueError(f"the demo needs at least one step, got {num_steps}")
+    import jax
+    import optax
+
+    from autopar._autoparallel import autoparallel
+    from autopar.cluster import Cluster
+
+    gpt = load_example("gpt")
+    cfg = gpt.GPTConfig(**model)
+    optimizer = optax.adamw(LEARNING_RATE)
+    train_step = gpt.make_train_step(cfg, optimizer)
+    cluster = Cluster.local()
+    echo(
+        f"autopar demo: GPT with {cfg.num_params:,} parameters (hidden {cfg.hidden}, "
+        f"{cfg.num_layers} layers, sequence {cfg.seq_len}, batch {DEMO_BATCH_SIZE}), "
+        f"{num_steps} AdamW steps on {cluster.num_devices} {cluster.device_kind} device(s)"
+    )
+    init = jax.jit(lambda key: gpt.init_state(cfg, optimizer, key))
+    batch = jax.jit(lambda key: gpt.make_batch(cfg, DEMO_BATCH_SIZE, key))(jax.random.key(1))
+    seconds = {}
+
+    step = autoparallel(train_step, cluster=cluster, method=method, mesh_shape=mesh_shape)
+    start = time.perf_counter()
+    losses = _train(step, init(jax.random.key(0)), batch, num_steps, seconds)
+    seconds["autopar, all steps"] = time.perf_counter() - start
+    echo("")
+    echo(step.plan.explain())
+    echo("")
+
+    one_device = jax.devices()[0]
+    reference = jax.jit(train_step)
+    state = jax.device_put(init(jax.random.key(0)), one_device)
+    reference_losses = _train(reference, state, jax.device_put(batch, one_device), num_steps, {})
+    _print_losses(losses, reference_losses, echo)
+    echo(", ".join(f"{name}: {value:.2f} s" for name, value in seconds.items()))
+    files = _write_files(step.plan, Path(out_dir), pictures, echo)
+    return DemoResult(step.plan, tuple(losses), tuple(reference_losses), files, seconds)
+
+
+def _train(step, state, batch, num_steps: int, seconds: dict) -> list[float]:
+    """Losses of `num_steps` steps; the first step's time (plan + compile) into `seconds`."""
+    losses = []
+    for i in range(num_steps):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        key = "first step (trace, plan, compile)" if i == 0 else "later steps"
+        seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+    return losses
+
+
+def _print_losses(losses, reference_losses, echo: Callable[[str], None]) -> None:
+    echo(f"{'step':>4}  {'autopar loss':>12}  {'1-device loss':>13}  {'|difference|':>12}")
+    for i, (a, b) in enumerate(zip(losses, reference_losses)):
+        echo(f"{i:>4}  {a:>12.6f}  {b:>13.6f}  {abs(a - b):>12.2e}")
+    worst = max_difference(losses, reference_losses)
+    verdict = "ok" if worst <= LOSS_TOLERANCE else "TOO LARGE"
+    echo(f"max |difference| {worst:.2e} (tolerance {LOSS_TOLERANCE:g}): {verdict}")
+
+
+def _write_files(plan, out_dir: Path, pictures: bool, echo) -> tuple[Path, ...]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "plan.json"
+    plan.save(plan_path)
+    explain_path = out_dir / "plan_explain.txt"
+    explain_path.write_text(plan.explain() + "\n")
+    files = [plan_path, explain_path]
+    if pictures:
+        try:
+            files += _draw(plan, out_dir)
+        except ImportError as err:
+            echo(f"pictures skipped: {err}")
+    echo("wrote " + ", ".join(str(f) for f in files))
+    return tuple(files)
+
+
+def _draw(plan, out_dir: Path) -> list[Path]:
+    from autopar.report import gantt, plan_schedule, plot_layout
+
+    files = [plot_layout(plan, out_dir / "plan_layout.png")]
+    if plan.num_stages > 1:
+        title = f"{plan.schedule}, {plan.num_microbatches} microbatches, predicted"
+        files.append(gantt(plan_schedule(plan), out_dir / "schedule.png", title=title))
+    return files
