@@ -114,8 +114,9 @@ class LayerCostTable:
             sub = self.per_layer.stage_graphs[layer]
             mesh = LogicalMesh.create(shape)
             self.num_ilps += 1
+            ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
             try:
-                plan = plan_on_mesh(sub, self.cluster, mesh, self.options, _tied_in(sub, self.tied))
+                plan = plan_on_mesh(sub, self.cluster, mesh, self.options, ties)
             except MemoryBudgetError:
                 self._cache[key] = None
             else:
@@ -127,6 +128,37 @@ class LayerCostTable:
                 )
                 self._plans[key] = (plan, sub)
         return self._cache[key]
+
+    def chain_ties(self, layer: int) -> list[tuple[int, int]]:
+        """(output, input) activation pairs that chain identical layers.
+
+        A layer hands the next one an activation shaped like the one it received (and, in
+        the backward pass, a cotangent like the one it got). Tying each such output to its
+        input's layout makes a layer's plan pay for leaving its successor a layout it can
+        take, so that layers planned one at a time also fit together.
+        """
+        part = self.per_layer
+        sub = part.stage_graphs[layer]
+        leaving = set(sub.outvars)
+        ties = []
+        for segment in (part.forward[layer], part.backward[layer]):
+            ins = [v for v in segment.inputs if sub.vars[v].role is Role.ACTIVATION]
+            outs = [v for v in segment.outputs if v in leaving]
+            used: set[int] = set()
+            for v_in in ins:
+                match = next(
+                    (
+                        o for o in outs
+                        if o not in used
+                        and sub.vars[o].shape == sub.vars[v_in].shape
+                        and sub.vars[o].dtype == sub.vars[v_in].dtype
+                    ),
+                    None,
+                )
+                if match is not None:
+                    used.add(match)
+                    ties.append((match, v_in))
+        return ties
 
     def stage_plan(self, graph, stage_part, stage: int, layer_range, shape, mesh, tied):
         """The plan of one stage stitched from its layers' plans on `shape`."""
