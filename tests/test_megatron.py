@@ -251,9 +251,10 @@ def test_split_that_does_not_divide_names_path_and_fix():
         megatron_plan(step, params, jnp.zeros((8, 16)), cluster=_cpu(), dp=2, tp=4)
 
 
-def test_pipeline_and_sequence_parallel_are_not_implemented_yet():
+def test_unmarked_pipeline_and_sequence_parallel_are_refused():
     _, _, step, args = _gpt(hidden=32)
-    with pytest.raises(NotImplementedError, match="pipeline"):
+    # pp > 1 needs layers: this GPT has no layer_boundary marks
+    with pytest.raises(ValueError, match="layer_boundary"):
         megatron_plan(step, *args, cluster=_cpu(), dp=2, tp=2, pp=2, num_microbatches=4)
     with pytest.raises(NotImplementedError, match="sequence_parallel"):
         megatron_plan(step, *args, cluster=_cpu(), dp=4, tp=2, sequence_parallel=True)
@@ -291,7 +292,7 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
     )
     outcome = {c.name: o for c, o in results}
     assert "MemoryBudgetError" in outcome["megatron(dp=8,tp=1,pp=1)"]
-    assert "pipeline" in outcome["megatron(dp=2,tp=2,pp=2,mb=4)"]
+    assert "layer_boundary" in outcome["megatron(dp=2,tp=2,pp=2,mb=4)"]  # no layer marks
     assert "sequence_parallel" in outcome["megatron(dp=4,tp=2,pp=1,sp)"]
     times = {name: o for name, o in outcome.items() if isinstance(o, float)}
     assert "megatron(dp=1,tp=8,pp=1)" in times

@@ -97,9 +97,23 @@ def _tied_in(graph: OpGraph, tied) -> list[tuple[int, int]]:
 class LayerCostTable:
     """Predicted cost of every layer on every logical mesh, each structure solved once."""
 
-    def __init__(self, graph, layers: LayerAssignment, cluster, options: ShardOptions, tied):
+    def __init__(
+        self,
+        graph,
+        layers: LayerAssignment,
+        cluster,
+        options: ShardOptions,
+        tied,
+        *,
+        solve=None,
+        axis_names: tuple[str, ...] | None = None,
+    ):
+        """`solve(sub_graph, mesh, ties) -> ShardingPlan` replaces the free ILP (manual
+        plans pin their inputs this way); `axis_names` names the logical mesh axes."""
         self.cluster = cluster
         self.options = options
+        self.solve = solve
+        self.axis_names = axis_names
         self.per_layer = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
         self.tied = tied
         self.fingerprints = [structural_fingerprint(g) for g in self.per_layer.stage_graphs]
@@ -112,11 +126,14 @@ class LayerCostTable:
         key = (self.fingerprints[layer], shape)
         if key not in self._cache:
             sub = self.per_layer.stage_graphs[layer]
-            mesh = LogicalMesh.create(shape)
+            mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
             self.num_ilps += 1
             ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
             try:
-                plan = plan_on_mesh(sub, self.cluster, mesh, self.options, ties)
+                if self.solve is not None:
+                    plan = self.solve(sub, mesh, ties)
+                else:
+                    plan = plan_on_mesh(sub, self.cluster, mesh, self.options, ties)
             except MemoryBudgetError:
                 self._cache[key] = None
             else:

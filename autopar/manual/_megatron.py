@@ -218,10 +218,15 @@ def build_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, .
 
 def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, ...]:
     """pp stages of consecutive layers (split as evenly as the layer marks allow), each on
-    its dp x tp submesh with the same Megatron layout, run by the pipeline runtime."""
+    its dp x tp submesh with the same Megatron layout, run by the pipeline runtime.
+
+    Each distinct layer is solved once on the (dp, tp) mesh with its inputs pinned to the
+    Megatron layout, and a stage's plan is stitched from its layers' plans (the same
+    layer-wise planning as `method="auto"`), so large models plan in seconds.
+    """
     from autopar.inter._layers import assign_layers
     from autopar.inter._partition import partition
-    from autopar.inter._planner import _tied_in
+    from autopar.inter._planner import LayerCostTable
 
     layers = assign_layers(graph)
     if config.pp > layers.num_layers:
@@ -232,14 +237,29 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stag
         )
     edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]
-    part = partition(graph, layers, bounds)
-    stages = []
-    for s, layer_range in enumerate(bounds):
-        sub = part.stage_graphs[s]
+
+    def solve(sub, mesh, ties):
         invars = set(sub.invars)
         fixed = {v: spec for v, spec in specs.items() if v in invars}
-        sharding = plan_keeping_state(
-            sub, cluster, stage_mesh(cluster, config, s), options, _tied_in(sub, tied), fixed
+        return plan_keeping_state(sub, cluster, mesh, options, ties, fixed)
+
+    table = LayerCostTable(
+        graph, layers, cluster, options, tied, solve=solve, axis_names=AXIS_NAMES
+    )
+    part = partition(graph, layers, bounds)
+    shape = (config.dp, config.tp)
+    stages = []
+    for s, layer_range in enumerate(bounds):
+        for k in range(*layer_range):
+            if table.cost(k, shape) is None:
+                budget = options.memory_budget or cluster.device_memory
+                raise ValueError(
+                    f"the Megatron layout {config.name} does not fit layer {k} in "
+                    f"{budget / 2**30:.2f} GiB per device; use a larger tp or pp, more "
+                    "microbatches, more devices, or a larger memory budget"
+                )
+        sharding = table.stage_plan(
+            graph, part, s, layer_range, shape, stage_mesh(cluster, config, s), tied
         )
         stages.append(Stage(layer_range, sharding))
     return tuple(stages)
