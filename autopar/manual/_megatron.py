@@ -140,7 +140,7 @@ def megatron_plan_for_graph(
     stages = build_stages(graph, cluster, config, specs, tied, options)
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
-    pipelined = config.pp > 1 or config.num_microbatches > 1
+    pipelined = _layer_wise(graph, config)
     return Plan(
         method=config.name,
         cluster=cluster.to_json(),
@@ -208,12 +208,21 @@ def build_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, .
 
     **Returns:** the `Stage`s, in pipeline order.
     """
-    if config.pp > 1 or config.num_microbatches > 1:
+    if _layer_wise(graph, config):
         return _pipeline_stages(graph, cluster, config, specs, tied, options)
     sharding = plan_keeping_state(
         graph, cluster, stage_mesh(cluster, config, 0), options, tied, fixed=specs
     )
     return (Stage((0, 1), sharding),)
+
+
+def _layer_wise(graph: OpGraph, config: MegatronConfig) -> bool:
+    """Plan per layer and run on the pipeline runtime: with pipeline stages, with
+    microbatches, or whenever the model marks its layers (planning then scales to billions
+    of parameters: each distinct layer is solved once)."""
+    marked = any(n.primitive == "layer_boundary" for n in graph.nodes)
+    boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
+    return config.pp > 1 or config.num_microbatches > 1 or (marked and boundary)
 
 
 def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, ...]:
