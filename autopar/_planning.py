@@ -420,10 +420,10 @@ def _search(fn, args, cluster, options: PlanOptions, graph: OpGraph, trace_time:
         var = mb_graph.vars[v]
         if var.role is Role.CONST:
             continue
-        sp = choice.stage_plans[part.home.get(v, 0)]
-        spec = sp.var_specs[v] or ((),) * len(var.shape)
+        home = part.home.get(v, 0)
+        spec = choice.stage_plans[home].var_specs[v] or ((),) * len(var.shape)
         inputs.append(InputInfo(var.path or f"input{v}", var.shape, var.dtype, var.role.value,
-                                spec))
+                                spec, home))
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
     plan = Plan(
         method="auto",

@@ -164,12 +164,12 @@ def _pipeline_inputs(graph: OpGraph, stages) -> tuple:
         var = graph.vars[v]
         if var.role is Role.CONST:
             continue
-        spec = next(
-            (st.sharding.var_specs[v] for st in stages if st.sharding.var_specs[v] is not None),
-            ((),) * len(var.shape),
+        holder = next(
+            (i for i, st in enumerate(stages) if st.sharding.var_specs[v] is not None), 0
         )
+        spec = stages[holder].sharding.var_specs[v] or ((),) * len(var.shape)
         infos.append(InputInfo(var.path or f"input{v}", var.shape, var.dtype, var.role.value,
-                               spec))
+                               spec, holder))
     return tuple(infos)
 
 

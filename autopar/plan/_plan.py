@@ -26,6 +26,7 @@ class InputInfo:
     dtype: str
     role: str
     spec: Spec
+    stage: int = 0  # the pipeline stage whose devices hold it
 
     def to_json(self) -> dict:
         return {
@@ -34,12 +35,14 @@ class InputInfo:
             "dtype": self.dtype,
             "role": self.role,
             "spec": [list(d) for d in self.spec],
+            "stage": self.stage,
         }
 
     @staticmethod
     def from_json(d: dict) -> InputInfo:
         return InputInfo(
-            d["path"], tuple(d["shape"]), d["dtype"], d["role"], tuple(tuple(x) for x in d["spec"])
+            d["path"], tuple(d["shape"]), d["dtype"], d["role"],
+            tuple(tuple(x) for x in d["spec"]), d.get("stage", 0),
         )
 
 

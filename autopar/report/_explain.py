@@ -101,13 +101,15 @@ def _param_table(plan, detail: int) -> list[str]:
             same.clear()
 
     for layer, items in by_layer.items():
-        signature = tuple((_short(i.path), i.shape, i.spec) for i in items)
+        signature = tuple((_short(i.path), i.shape, i.spec, i.stage) for i in items)
         if layer != "other" and signature == previous:
             same.append(layer)
             continue
         flush()
         previous = signature if layer != "other" else None
-        lines.append(f"  [{layer}]")
+        stages = sorted({i.stage for i in items})
+        where = f", stage {', '.join(map(str, stages))}" if plan.num_stages > 1 else ""
+        lines.append(f"  [{layer}{where}]")
         for i in items:
             lines.append(f"    {_short(i.path):<40} {str(i.shape):<18} {spec_str(i.spec)}")
     flush()
