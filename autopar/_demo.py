@@ -18,8 +18,15 @@ from autopar._examples import LEARNING_RATE, load_example
 
 # The demo model: small enough to plan and train in well under a minute on 2 CPU cores,
 # large enough that splitting its matrices across 8 devices is a real choice.
-DEMO_GPT = dict(vocab_size=256, seq_len=32, hidden=64, num_layers=4, num_heads=4)
+# The blocks are marked with autopar.layer_boundary: the pipeline search then solves the
+# ILP of each distinct layer (embedding+block, block, head) once per mesh.
+DEMO_GPT = dict(
+    vocab_size=256, seq_len=32, hidden=64, num_layers=4, num_heads=4, layer_markers=True
+)
 DEMO_BATCH_SIZE = 16
+# Searching one microbatch count keeps the demo's planning to well under a minute on two
+# CPU cores; num_microbatches="auto" tries several (each a full layer-cost pass).
+DEMO_MICROBATCHES = 2
 DEFAULT_STEPS = 5
 # The largest loss difference to one device the demo accepts: float32 sums in another
 # order differ by ~1e-6 relative per step; Adam can grow that over a few steps.
@@ -91,7 +98,10 @@ def run_demo(
     batch = jax.jit(lambda key: gpt.make_batch(cfg, DEMO_BATCH_SIZE, key))(jax.random.key(1))
     seconds = {}
 
-    step = autoparallel(train_step, cluster=cluster, method=method, mesh_shape=mesh_shape)
+    step = autoparallel(
+        train_step, cluster=cluster, method=method, mesh_shape=mesh_shape,
+        num_microbatches=DEMO_MICROBATCHES,
+    )
     start = time.perf_counter()
     losses = _train(step, init(jax.random.key(0)), batch, num_steps, seconds)
     seconds["autopar, all steps"] = time.perf_counter() - start

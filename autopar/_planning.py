@@ -204,7 +204,7 @@ def plan(
 
 # ---- the full search: operator parallelism and pipeline stages -----------------------------
 
-MAX_MICROBATCH_CANDIDATES = 4
+MAX_MICROBATCH_CANDIDATES = 3
 
 
 def batch_size(graph: OpGraph) -> int | None:
@@ -401,16 +401,8 @@ def _search(fn, args, cluster, options: PlanOptions, graph: OpGraph, trace_time:
     ) == 1:
         # One stage: no pipeline, so no microbatches either; plan the whole batch.
         choice, mb_graph, num_micro = one_microbatch
-    elif len(choice.stage_layers) == 1 and num_micro > 1 and options.num_stages is None:
-        num_micro = 1
-        with auto_layers(auto):
-            mb_graph = trace(fn, *args, batch_argnums=options.batch_argnums)
-        layers = assign_layers(mb_graph)
-        choice = choose_stages(
-            mb_graph, layers, cluster, 1, options.schedule, shard_options,
-            tied_state(mb_graph, options.donate_argnums), num_stages=1, submeshes=submeshes,
-            logical_shapes=options.logical_shapes,
-        )
+    # (With a number of microbatches the user fixed, one stage keeps them: gradient
+    # accumulation over microbatches, as asked.)
     stages = tuple(
         Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
     )
