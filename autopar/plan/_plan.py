@@ -95,7 +95,7 @@ class Plan:
     @property
     def predicted_step_time(self) -> float:
         """Predicted seconds per step from the shared cost model."""
-        if len(self.stages) == 1:
+        if self.runtime == "spmd" and len(self.stages) == 1:
             return self.stages[0].sharding.cost.total
         # Each stage's cost is per microbatch; Alpa's pipeline latency (REFERENCES.md).
         times = [s.sharding.cost.total for s in self.stages]
