@@ -140,11 +140,17 @@ class LayerCostTable:
                 self._cache[key] = LayerCost(
                     plan.cost.total,
                     plan.cost.memory_per_device,
-                    _activation_bytes(sub, plan),
+                    _activation_bytes(sub, plan, self.kept_for_backward(layer)),
                     _state_bytes(sub, plan),
                 )
                 self._plans[key] = (plan, sub)
         return self._cache[key]
+
+    def kept_for_backward(self, layer: int) -> set[int]:
+        """Values the layer's forward computes and its backward reads: what a microbatch
+        in flight keeps on the stage."""
+        part = self.per_layer
+        return set(part.forward[layer].outputs) & set(part.backward[layer].inputs)
 
     def chain_ties(self, layer: int) -> list[tuple[int, int]]:
         """(output, input) activation pairs that chain identical layers.
@@ -203,21 +209,15 @@ def _state_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
     )
 
 
-def _activation_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
+def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float:
     """Bytes per device the layer's forward keeps for its backward (one microbatch)."""
     from autopar.cost import bytes_per_device
 
-    kept = 0.0
-    forward_outputs = {v for n in sub.nodes for v in n.outputs}
-    readers: dict[int, int] = {}
-    for n in sub.nodes:
-        for v in n.inputs:
-            readers[v] = readers.get(v, 0) + 1
-    for v in forward_outputs:
-        var = sub.vars[v]
-        if readers.get(v, 0) > 1 and plan.var_specs[v] is not None and var.shape:
-            kept += bytes_per_device(var.shape, var.dtype, plan.var_specs[v], plan.mesh)
-    return kept
+    return sum(
+        bytes_per_device(sub.vars[v].shape, sub.vars[v].dtype, plan.var_specs[v], plan.mesh)
+        for v in kept
+        if plan.var_specs[v] is not None and sub.vars[v].shape
+    )
 
 
 def choose_stages(
