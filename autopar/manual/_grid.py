@@ -3,7 +3,8 @@
 In: a train step, abstract arguments, a cluster and the values to try. Out: the plan with
 the least predicted step time, and every configuration tried with its predicted time or
 the reason it was skipped (does not fit in memory, a weight that cannot be split, a
-feature not supported yet). The step is traced once; each configuration costs one ILP.
+feature not supported yet). The step is traced once per microbatch count; each
+configuration costs one ILP (or, for layer-marked models, one per distinct layer).
 
 Which configurations are valid follows Narayanan et al. 2021 (REFERENCES.md, "Guidance"):
 dp·tp·pp is the number of devices and TP stays inside a host (tp <= devices per host);
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autopar._planning import resolve_cluster
+from autopar._planning import microbatch_args, resolve_cluster
 from autopar.graph import OpGraph, Role, trace
 from autopar.manual._layout import MegatronConfig
 from autopar.manual._megatron import megatron_plan_for_graph
@@ -75,11 +76,16 @@ def megatron_grid_search(
     )
     results: list[GridResult] = []
     best: Plan | None = None
+    graphs = {1: graph}  # traced once per microbatch count: a pipelined plan runs one
     for config in configs:
         start = time.perf_counter()
         try:
+            m = config.num_microbatches
+            if m not in graphs:
+                args = microbatch_args(abstract_args, tuple(batch_argnums), m)
+                graphs[m] = trace(step_fn, *args, batch_argnums=tuple(batch_argnums))
             plan = megatron_plan_for_graph(
-                graph, cluster, config, donate_argnums=donate_argnums,
+                graphs[m], cluster, config, donate_argnums=donate_argnums,
                 memory_budget=memory_budget,
             )
         except (ValueError, NotImplementedError) as err:  # MemoryBudgetError is a ValueError

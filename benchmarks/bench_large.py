@@ -1,0 +1,264 @@
+"""Large models on virtual clusters: autopar's plan against the best Megatron-style plan.
+
+In: a `Row` (a GPT or MoE configuration by name, a number of dgx-a100-80g hosts, the global
+batch and the microbatch counts to try). Out: a `RowResult`: planning time by phase,
+predicted step time and TFLOP/s per GPU of both planners, and each chosen plan in one line.
+Nothing executes; every figure comes from the shared cost model.
+
+The Megatron baseline is a grid over dp x tp x pp (tp inside a host, Narayanan et al. 2021;
+REFERENCES.md "Megatron-LM plans") and the same microbatch counts, each configuration
+planned on the step traced at one microbatch (`megatron_plan_for_graph`), so pp = 1 plans
+accumulate gradients over microbatches as Megatron does. The distributed optimizer (ZeRO-1)
+is tried only when a configuration does not fit without it (it changes memory, not time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import optax
+
+from autopar._planning import microbatch_args, plan
+from autopar.cluster import Cluster
+from autopar.graph import trace
+from autopar.manual import MegatronConfig, megatron_plan_for_graph
+from examples import gpt, moe
+
+log = logging.getLogger("autopar.benchmarks")
+
+PROFILE = "dgx-a100-80g"
+TERA = 1e12
+# Alpa's GPT and MoE benchmarks use a global batch of 1024 sequences (Zheng et al. 2022,
+# benchmark/alpa/suite_*.py); the sequence length is the config's.
+GLOBAL_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark row: `family` "gpt" or "moe", `model` a config name of that example."""
+
+    family: str
+    model: str
+    num_hosts: int
+    global_batch: int = GLOBAL_BATCH
+
+    @property
+    def key(self) -> str:
+        """The row's name on the command line, e.g. ``gpt-1.3B@8``."""
+        return f"{self.family}-{self.model}@{self.num_hosts * 8}"
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    """One planner's best plan of a row."""
+
+    step_time: float  # predicted seconds
+    tflops_per_gpu: float
+    plan_line: str
+    planning_seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """Both planners on one row."""
+
+    row: Row
+    num_gpus: int
+    total_flops: float
+    auto: PlannerResult | None
+    megatron: PlannerResult | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float | None:
+        """autopar's predicted throughput over Megatron's (> 1: autopar is faster)."""
+        if self.auto is None or self.megatron is None:
+            return None
+        return self.megatron.step_time / self.auto.step_time
+
+
+def model_step(row: Row):
+    """``(train step, abstract args)`` of a row's model in bfloat16 with layer marks.
+
+    **Arguments:**
+    - `row`: the `Row`.
+
+    **Returns:** the train step and ``(abstract state, abstract batch)``.
+    """
+    module = {"gpt": gpt, "moe": moe}.get(row.family)
+    if module is None:
+        raise ValueError(f"unknown model family {row.family!r}; use 'gpt' or 'moe'")
+    if row.model not in module.CONFIGS:
+        raise ValueError(
+            f"unknown {row.family} config {row.model!r}; choose one of "
+            f"{', '.join(module.CONFIGS)}"
+        )
+    cfg = dataclasses.replace(module.CONFIGS[row.model], layer_markers=True, dtype="bfloat16")
+    optimizer = optax.adamw(1e-4)
+    step = module.make_train_step(cfg, optimizer)
+    args = (module.abstract_state(cfg, optimizer), module.abstract_batch(cfg, row.global_batch))
+    return step, args
+
+
+def plan_line(plan) -> str:
+    """A plan in one line: ``2 stages x mesh (2, 4), 64 microbatches``."""
+    shapes = [tuple(stage.mesh.shape) for stage in plan.stages]
+    unique = list(dict.fromkeys(shapes))
+    mesh = f"mesh {unique[0]}" if len(unique) == 1 else "meshes " + " | ".join(map(str, shapes))
+    return f"{plan.method}: {plan.num_stages} stage(s) x {mesh}, {plan.num_microbatches} mb"
+
+
+def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> PlannerResult:
+    """`autopar.plan` once per microbatch count; the fastest predicted plan wins.
+
+    **Returns:** the `PlannerResult`; phases are summed over the microbatch counts.
+    Raises the last ValueError if no count gives a plan.
+    """
+    best, phases, error = None, {}, None
+    start = time.perf_counter()
+    for m in microbatches:
+        try:
+            p = plan(step, *args, cluster=cluster, num_microbatches=m, cache=False)
+        except ValueError as err:
+            error = err
+            log.info("auto, %d microbatches: no plan (%s)", m, str(err)[:120])
+            continue
+        for name, seconds in p.timings.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+        log.info("auto, %d microbatches: %.4g s predicted", m, step_time(p))
+        if best is None or step_time(p) < step_time(best):
+            best = p
+    if best is None:
+        raise error
+    return _result(best, cluster, flops, time.perf_counter() - start, phases)
+
+
+def megatron_configs(num_gpus: int, gpus_per_host: int, num_layers: int, batch: int,
+                     microbatches: Sequence[int],
+                     pp_values: Sequence[int] | None = None) -> list[MegatronConfig]:
+    """Every dp x tp x pp x microbatch count with tp <= gpus per host, pp <= layers and a
+    whole number of examples per microbatch per data-parallel rank; `pp_values`, if given,
+    limits pp to those values."""
+    configs = []
+    for pp in _divisors(num_gpus):
+        if pp > num_layers or (pp_values is not None and pp not in pp_values):
+            continue
+        for tp in _divisors(num_gpus // pp):
+            dp = num_gpus // (pp * tp)
+            if tp > gpus_per_host:
+                continue
+            for m in microbatches:
+                if batch % (m * dp) == 0:
+                    configs.append(MegatronConfig(dp=dp, tp=tp, pp=pp, num_microbatches=m))
+    return configs
+
+
+def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: int,
+                 flops: float, pp_values: Sequence[int] | None = None
+                 ) -> tuple[PlannerResult, int]:
+    """The best Megatron plan of the grid. **Returns:** (result, configurations planned)."""
+    start = time.perf_counter()
+    phases = {"trace": 0.0, "intra_op_ilp": 0.0}
+    graphs = {}
+    best, tried, failures = None, 0, []
+    batch = args[1]["tokens"].shape[0]
+    for config in megatron_configs(cluster.num_devices, cluster.devices_per_host, num_layers,
+                                   batch, microbatches, pp_values):
+        m = config.num_microbatches
+        if m not in graphs:
+            t = time.perf_counter()
+            graphs[m] = trace(step, *microbatch_args(args, (1,), m))
+            phases["trace"] += time.perf_counter() - t
+        t = time.perf_counter()
+        p = _megatron_plan(graphs[m], cluster, config)
+        phases["intra_op_ilp"] += time.perf_counter() - t
+        tried += 1
+        if isinstance(p, str):
+            failures.append(f"{config.name}: {p}")
+            continue
+        log.info("%s: %.4g s predicted", config.name, step_time(p))
+        if best is None or step_time(p) < step_time(best):
+            best = p
+    if best is None:
+        raise ValueError("no Megatron configuration fits:\n" + "\n".join(failures))
+    return _result(best, cluster, flops, time.perf_counter() - start, phases), tried
+
+
+def _megatron_plan(graph, cluster, config):
+    """A plan, retried with the distributed optimizer if it does not fit; else why not."""
+    try:
+        return megatron_plan_for_graph(graph, cluster, config)
+    except (ValueError, NotImplementedError) as err:
+        first = f"{type(err).__name__}: {str(err)[:160]}"
+    try:
+        return megatron_plan_for_graph(
+            graph, cluster, dataclasses.replace(config, distributed_optimizer=True)
+        )
+    except (ValueError, NotImplementedError):
+        return first
+
+
+def run_row(row: Row, microbatches: Sequence[int],
+            pp_values: Sequence[int] | None = None) -> RowResult:
+    """Plan one row with both planners.
+
+    **Arguments:**
+    - `row`: the model and cluster.
+    - `microbatches`: the microbatch counts both planners may use.
+    - `pp_values`: limit the Megatron grid's pipeline degrees (None: all).
+
+    **Returns:** the `RowResult` (a planner that finds no plan is None, with a note).
+    """
+    step, args = model_step(row)
+    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    flops = trace(step, *args).total_flops
+    state = args[0]
+    num_layers = len(state.params["layers"])
+    notes = []
+    auto = megatron = None
+    try:
+        auto = run_auto(step, args, cluster, microbatches, flops)
+    except ValueError as err:
+        notes.append(f"autopar found no plan: {str(err)[:200]}")
+    try:
+        megatron, tried = run_megatron(
+            step, args, cluster, microbatches, num_layers, flops, pp_values
+        )
+        notes.append(f"{tried} Megatron configurations planned")
+    except ValueError as err:
+        notes.append(f"Megatron grid found no plan: {str(err)[:200]}")
+    return RowResult(row, cluster.num_devices, flops, auto, megatron, tuple(notes))
+
+
+def step_time(p) -> float:
+    """Predicted seconds per step: Alpa's pipeline latency over the stages' per-microbatch
+    costs (REFERENCES.md, "Stage DP") whenever the plan runs microbatches.
+
+    `Plan.predicted_step_time` returns the one stage's cost for a one-stage plan even when
+    it accumulates several microbatches (the stage is costed per microbatch), which would
+    make such Megatron plans look m times faster; this counts every microbatch.
+    """
+    times = [stage.sharding.cost.total for stage in p.stages]
+    if p.runtime != "pipeline":
+        return p.predicted_step_time
+    return sum(times) + (p.num_microbatches - 1) * max(times)
+
+
+def _result(p, cluster, flops, seconds, phases) -> PlannerResult:
+    step_time_ = step_time(p)
+    return PlannerResult(
+        step_time=step_time_,
+        tflops_per_gpu=flops / (step_time_ * cluster.num_devices) / TERA,
+        plan_line=plan_line(p),
+        planning_seconds=seconds,
+        phases=dict(phases),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,166 @@
+"""Local plans: predicted against measured step time on the virtual CPU devices.
+
+In: a small GPT, a batch size and the cost profile the predictions use. Out: one
+`LocalResult` per plan (predicted and measured seconds) and the Spearman rank correlation
+between the two columns. The process must see 8 devices (set
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before importing jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from bench_large import plan_line, step_time
+
+from autopar._autoparallel import autoparallel
+from autopar._planning import plan
+from autopar.cluster import Cluster
+from autopar.manual import megatron_plan
+from examples import gpt
+
+log = logging.getLogger("autopar.benchmarks")
+
+LOCAL_PROFILE = "cpu-local"
+LOCAL_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """One plan run locally: predicted and measured seconds per step."""
+
+    name: str
+    plan_line: str
+    predicted: float
+    measured: float
+    runtime: str  # "spmd" (one jitted program) or "pipeline" (per-stage programs)
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation of two equally long sequences (ties get mean ranks).
+
+    **Arguments:**
+    - `x`, `y`: numbers, at least two each.
+
+    **Returns:** the Pearson correlation of the ranks, in [-1, 1]; 0 when one sequence is
+    constant.
+    """
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if x.shape != y.shape or x.ndim != 1 or len(x) < 2:
+        raise ValueError(
+            f"spearman needs two 1-D sequences of the same length >= 2, got shapes "
+            f"{x.shape} and {y.shape}"
+        )
+    rx, ry = _ranks(x), _ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = np.sqrt((rx**2).sum() * (ry**2).sum())
+    return float((rx * ry).sum() / denominator) if denominator > 0 else 0.0
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties sharing the mean of their ranks."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values))
+    ranks[order] = np.arange(1, len(values) + 1)
+    for value in np.unique(values):
+        tied = values == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def local_plans(step, args, cluster) -> dict[str, Callable[[], object]]:
+    """Named makers of the plans to compare: one function each, so a failure stays local."""
+    makers: dict[str, Callable[[], object]] = {}
+    for method in ("shard", "data", "zero2", "zero3"):
+        for shape in ((8,), (2, 4), (4, 2)):
+            if method != "shard" and shape != (8,):
+                continue  # data / ZeRO only use the devices as one data axis
+            makers[f"{method} {shape}"] = (
+                lambda method=method, shape=shape: plan(
+                    step, *args, cluster=cluster, method=method, mesh_shape=shape, cache=False
+                )
+            )
+    for dp, tp, pp, m in ((8, 1, 1, 1), (4, 2, 1, 1), (2, 4, 1, 1), (2, 2, 2, 4)):
+        makers[f"megatron dp{dp} tp{tp} pp{pp}"] = (
+            lambda dp=dp, tp=tp, pp=pp, m=m: megatron_plan(
+                step, *args, cluster=cluster, dp=dp, tp=tp, pp=pp, num_microbatches=m
+            )
+        )
+    for stages in (2, 4):
+        makers[f"auto {stages} stages"] = (
+            lambda stages=stages: plan(
+                step, *args, cluster=cluster, num_stages=stages, num_microbatches=4,
+                cache=False,
+            )
+        )
+    return makers
+
+
+def measure(step, state, batch, p, num_steps: int) -> float:
+    """Median seconds of `num_steps` steps of `p` after one warm-up step (which compiles)."""
+    run = autoparallel(step, plan=p, cache=False)
+    state = jax.tree.map(jnp.copy, state)  # the step donates its state; keep the caller's
+    state, metrics = run(state, batch)
+    jax.block_until_ready((state, metrics))
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        state, metrics = run(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int = 5,
+              profile: str = LOCAL_PROFILE, only: int | None = None) -> list[LocalResult]:
+    """Plan, run and time a small GPT under each local plan.
+
+    **Arguments:**
+    - `config`: a GPT config name (`examples.gpt.CONFIGS`), layer marks added.
+    - `batch_size`, `num_steps`: the batch and the steps timed after the warm-up.
+    - `profile`: the cost profile the predictions use (a name or a path).
+    - `only`: run just the first `only` plans (for a smoke test).
+
+    **Returns:** a `LocalResult` per plan that planned and ran.
+    """
+    step, state, batch = _gpt_arrays(config, batch_size)
+    cluster = _cluster(profile)
+    results = []
+    for name, make in list(local_plans(step, (state, batch), cluster).items())[:only]:
+        try:
+            p = make()
+            seconds = measure(step, state, batch, p, num_steps)
+        except (ValueError, NotImplementedError) as err:
+            log.warning("local plan %s skipped: %s", name, str(err)[:200])
+            continue
+        log.info("%s: predicted %.4g s, measured %.4g s", name, step_time(p), seconds)
+        results.append(LocalResult(name, plan_line(p), step_time(p), seconds, p.runtime))
+    return results
+
+
+def _gpt_arrays(config: str, batch_size: int):
+    cfg = dataclasses.replace(gpt.CONFIGS[config], layer_markers=True)
+    optimizer = optax.adamw(1e-3)
+    step = gpt.make_train_step(cfg, optimizer)
+    state = jax.jit(lambda key: gpt.init_state(cfg, optimizer, key))(jax.random.key(0))
+    batch = jax.jit(lambda key: gpt.make_batch(cfg, batch_size, key))(jax.random.key(1))
+    return step, state, batch
+
+
+def _cluster(profile: str) -> Cluster:
+    cluster = Cluster.from_profile(profile)
+    if cluster.num_devices != len(jax.devices()):
+        raise ValueError(
+            f"profile {profile!r} describes {cluster.num_devices} devices but this process "
+            f"sees {len(jax.devices())}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{cluster.num_devices} before importing jax"
+        )
+    return cluster

@@ -1,0 +1,78 @@
+"""Smoke test of benchmarks/run_benchmarks.py's parts on the tiny GPT."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_large  # noqa: E402
+import bench_local  # noqa: E402
+import run_benchmarks  # noqa: E402
+from bench_markdown import render  # noqa: E402
+
+
+def test_spearman_matches_hand_computed_values():
+    assert bench_local.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert bench_local.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # Ranks (1, 2, 3) against (1, 3, 2): 1 - 6·(0 + 1 + 1) / (3·(9 - 1)) = 0.5.
+    assert bench_local.spearman([1, 2, 3], [5, 9, 7]) == pytest.approx(0.5)
+    # A tie shares the mean rank: (1.5, 1.5, 3) against (1, 2, 3).
+    rx = np.array([1.5, 1.5, 3]) - 2
+    expected = (rx * np.array([-1, 0, 1])).sum() / np.sqrt((rx**2).sum() * 2)
+    assert bench_local.spearman([7, 7, 9], [1, 2, 3]) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="same length"):
+        bench_local.spearman([1, 2], [1, 2, 3])
+
+
+def test_megatron_configs_cover_valid_grid_only():
+    configs = bench_large.megatron_configs(16, 8, num_layers=4, batch=64, microbatches=(4, 32))
+    assert {c.pp for c in bench_large.megatron_configs(
+        16, 8, num_layers=4, batch=64, microbatches=(4,), pp_values=(2,))} == {2}
+    assert all(c.dp * c.tp * c.pp == 16 and c.tp <= 8 and c.pp <= 4 for c in configs)
+    assert all(64 % (c.num_microbatches * c.dp) == 0 for c in configs)
+    # dp = 16 (tp = pp = 1) only divides the batch with 4 microbatches.
+    assert {c.num_microbatches for c in configs if c.dp == 16} == {4}
+    assert any(c.tp == 8 and c.pp == 2 for c in configs)
+
+
+def test_select_rows_rejects_unknown_names():
+    assert [r.key for r in run_benchmarks.select_rows(None, quick=True)] == list(
+        run_benchmarks.QUICK_ROWS
+    )
+    assert len(run_benchmarks.select_rows(None, quick=False)) == 22
+    with pytest.raises(ValueError, match="unknown row"):
+        run_benchmarks.select_rows(["gpt-7B@8"], quick=False)
+
+
+def test_row_on_tiny_gpt_and_markdown(tmp_path):
+    row = bench_large.Row("gpt", "tiny", 1, global_batch=8)
+    result = bench_large.run_row(row, microbatches=(2,), pp_values=(2,))
+    assert result.auto is not None and result.megatron is not None, result.notes
+    assert result.total_flops > 0 and result.num_gpus == 8
+    for planner in (result.auto, result.megatron):
+        assert planner.step_time > 0
+        assert planner.tflops_per_gpu == pytest.approx(
+            result.total_flops / (planner.step_time * 8) / 1e12
+        )
+    assert result.ratio == pytest.approx(result.megatron.step_time / result.auto.step_time)
+    assert result.megatron.plan_line.startswith("megatron(")
+
+    results = {"rows": {row.key: run_benchmarks.row_record(result, (2,), 1.0)}, "local": None}
+    path, out = tmp_path / "results.json", tmp_path / "benchmarks.md"
+    run_benchmarks.save(results, path, out)
+    assert row.key in json.loads(path.read_text())["rows"]
+    text = render(results, [row.key, "gpt-39B@64"])
+    assert f"| {row.key} | 8 |" in text
+    assert "Rows not run yet: gpt-39B@64" in text
+    assert "--rows gpt-39B@64" in text
+
+
+def test_local_plans_run_and_are_timed():
+    results = bench_local.run_local("tiny", batch_size=8, num_steps=1, only=1)
+    assert [r.name for r in results] == ["shard (8,)"]
+    assert all(r.predicted > 0 and r.measured > 0 for r in results)
