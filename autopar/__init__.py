@@ -8,7 +8,7 @@ def train_step(state, batch):
 ```
 """
 
-from autopar import cost
+from autopar import cost, distributed
 from autopar._autoparallel import AutoParallel, autoparallel
 from autopar._markers import grad, layer_boundary, value_and_grad
 from autopar._planning import plan
@@ -35,6 +35,7 @@ __all__ = [
     "autoparallel",
     "compare",
     "cost",
+    "distributed",
     "grad",
     "layer_boundary",
     "megatron_grid_search",

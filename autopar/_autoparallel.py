@@ -71,14 +71,22 @@ class AutoParallel:
     def _key(self, leaves, treedef) -> Any:
         return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
-    def _compile(self, args) -> _Compiled:
+    def _agree(self, compiled: _Compiled, args) -> _Compiled:
+        """With several processes: every process runs process 0's plan."""
+        from autopar.distributed import agree_on_plan
+
+        plan = agree_on_plan(compiled.plan)
+        return compiled if plan is compiled.plan else self._compile(args, plan)
+
+    def _compile(self, args, fixed_plan: Plan | None = None) -> _Compiled:
         self.num_traces += 1
         options = self._options
-        if self._fixed_plan is not None:
-            plan = self._fixed_plan
+        fixed_plan = fixed_plan or self._fixed_plan
+        if fixed_plan is not None:
+            plan = fixed_plan
             graph = graph_for_plan(self._fn, args, plan, options)
         else:
-            cluster = resolve_cluster(self._cluster_arg)
+            cluster = _cluster(self._cluster_arg)
             plan, graph = search(self._fn, args, cluster, options, self._cache)
         donate = _flat_indices(graph.in_tree, options.donate_argnums)
         if plan.runtime == "spmd":
@@ -130,11 +138,9 @@ class AutoParallel:
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compile(args)
-            self._compiled[key] = compiled
             if jax.process_count() > 1:
-                from autopar.distributed import check_same_plan
-
-                check_same_plan(compiled.plan)
+                compiled = self._agree(compiled, args)
+            self._compiled[key] = compiled
         self._last = compiled
         if compiled.plan.runtime == "pipeline":
             batch = {
@@ -163,6 +169,15 @@ def _named(mesh, spec, var):
     from autopar.cluster._mesh import replicated, to_partition_spec
 
     return NamedSharding(mesh, to_partition_spec(spec or replicated(len(var.shape))))
+
+
+def _cluster(cluster: Any):
+    """The cluster to plan on; the local devices of every process when `cluster` is None."""
+    if cluster is None and jax.process_count() > 1:
+        from autopar.distributed import multiprocess_cluster
+
+        return multiprocess_cluster()
+    return resolve_cluster(cluster)
 
 
 def _put(x: Any, sharding):

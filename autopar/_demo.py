@@ -115,7 +115,11 @@ def run_demo(
     reference_losses = _train(reference, state, jax.device_put(batch, one_device), num_steps, {})
     _print_losses(losses, reference_losses, echo)
     echo(", ".join(f"{name}: {value:.2f} s" for name, value in seconds.items()))
-    files = _write_files(step.plan, Path(out_dir), pictures, echo)
+    timeline = None
+    if step.plan.runtime == "pipeline" and pictures:
+        # One more step, recording when each stage's tasks ran, for the schedule picture.
+        _, timeline = step.record_timeline(init(jax.random.key(0)), batch)
+    files = _write_files(step.plan, Path(out_dir), pictures, echo, timeline)
     return DemoResult(step.plan, tuple(losses), tuple(reference_losses), files, seconds)
 
 
@@ -140,7 +144,7 @@ def _print_losses(losses, reference_losses, echo: Callable[[str], None]) -> None
     echo(f"max |difference| {worst:.2e} (tolerance {LOSS_TOLERANCE:g}): {verdict}")
 
 
-def _write_files(plan, out_dir: Path, pictures: bool, echo) -> tuple[Path, ...]:
+def _write_files(plan, out_dir: Path, pictures: bool, echo, timeline=None) -> tuple[Path, ...]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.json"
     plan.save(plan_path)
@@ -149,18 +153,22 @@ def _write_files(plan, out_dir: Path, pictures: bool, echo) -> tuple[Path, ...]:
     files = [plan_path, explain_path]
     if pictures:
         try:
-            files += _draw(plan, out_dir)
+            files += _draw(plan, out_dir, timeline)
         except ImportError as err:
             echo(f"pictures skipped: {err}")
     echo("wrote " + ", ".join(str(f) for f in files))
     return tuple(files)
 
 
-def _draw(plan, out_dir: Path) -> list[Path]:
-    from autopar.report import gantt, plan_schedule, plot_layout
+def _draw(plan, out_dir: Path, timeline=None) -> list[Path]:
+    from autopar.report import gantt, gantt_compare, plan_schedule, plot_layout
 
     files = [plot_layout(plan, out_dir / "plan_layout.png")]
-    if plan.num_stages > 1:
-        title = f"{plan.schedule}, {plan.num_microbatches} microbatches, predicted"
-        files.append(gantt(plan_schedule(plan), out_dir / "schedule.png", title=title))
+    if plan.runtime == "pipeline":
+        path = out_dir / "schedule.png"
+        if timeline:  # predicted above, measured below
+            files.append(gantt_compare(plan_schedule(plan), timeline, path))
+        else:
+            title = f"{plan.schedule}, {plan.num_microbatches} microbatches, predicted"
+            files.append(gantt(plan_schedule(plan), path, title=title))
     return files

@@ -9,6 +9,7 @@ Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up
     autopar demo [--out-dir DIR] [--steps N] [--method M] [--mesh-shape 2,4] [--no-pictures]
     autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
                  [--method M] [--mesh-shape 2,4] [--out FILE.json] [--layout FILE.png]
+    autopar launch -n N [--devices-per-process K] [--log-dir DIR] -- python script.py ...
     autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D]
                     [--batch B] [--configs dp2tp4,dp8tp1] [--no-auto]
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Alpa-style automatic data, operator and pipeline parallelism for JAX.",
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add_command in (_add_profile, _add_demo, _add_plan, _add_compare):
+    for add_command in (_add_profile, _add_demo, _add_plan, _add_compare, _add_launch):
         add_command(subparsers)
     return parser
 
@@ -350,6 +351,40 @@ def _megatron_configs(text: str) -> list[tuple[int, int, int, int]]:
         dp, tp, pp, mb = (int(g) if g else 1 for g in m.groups())
         configs.append((dp, tp, pp, mb))
     return configs
+
+
+def _add_launch(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "launch",
+        help="run a script as N local processes of one multi-host JAX run",
+        description=(
+            "Start N processes of COMMAND on this machine as one multi-host run: each gets "
+            "AUTOPAR_COORDINATOR, AUTOPAR_NUM_PROCESSES, AUTOPAR_PROCESS_ID and its own "
+            "AUTOPAR_TRANSFER_ADDRESS, which autopar.distributed.initialize() reads. If a "
+            "process dies, the others are stopped with a message naming it, and the exit "
+            "status is the lost process's. See docs/multihost.md for SLURM and SSH."
+        ),
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="N",
+                        help="number of processes")
+    parser.add_argument("--devices-per-process", type=int, default=None, metavar="K",
+                        help="give each process K virtual CPU devices (sets XLA_FLAGS and "
+                        "JAX_PLATFORMS=cpu; default: leave the devices alone)")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="write process i's output to DIR/process_i.log")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the command after --, e.g. -- python train.py")
+    parser.set_defaults(run=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from autopar.distributed import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    result = launch(command, args.num_processes, args.devices_per_process,
+                    log_dir=args.log_dir)
+    print(f"autopar launch: {result.message}", file=sys.stderr)
+    return result.exit_code
 
 
 def use_virtual_cpu_devices(num_devices: int) -> None:

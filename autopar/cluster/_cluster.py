@@ -214,7 +214,9 @@ class Cluster:
             )
         kind = devices[0].device_kind
         base = _local_base_profile(kind)
-        stats = devices[0].memory_stats() or {}
+        # memory_stats only answers for this process's own devices
+        own = [d for d in devices if d.process_index == devices[0].client.process_index()]
+        stats = (own or devices)[0].memory_stats() or {}
         return dataclasses.replace(
             base,
             name=f"local ({base.name})",

@@ -19,12 +19,12 @@ gantt(tasks, "schedule.png", title="GPT, 2 stages")
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from autopar.report._pictures import new_figure
 from autopar.runtime import stage_order
+from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
 
 Kind = Literal["forward", "backward", "apply"]
 Schedule = Literal["gpipe", "1f1b"]
@@ -39,19 +39,9 @@ FORWARD_SHARE = 1.0 / 3.0
 KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "apply": "#55A868"}
 
 
-@dataclass(frozen=True)
-class TaskRecord:
-    """One task of a pipeline step on one stage, with its start and end in seconds."""
-
-    stage: int
-    kind: Kind
-    microbatch: int  # APPLY_MICROBATCH for "apply"
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+# The runtime's record of a task (stage, kind, microbatch, start, end): measured timelines
+# and simulated ones share it.
+TaskRecord = RuntimeTaskRecord
 
 
 # ---- simulation --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import jax
 from autopar.graph import OpGraph, Role
 from autopar.inter._partition import Partition, Segment
 from autopar.lower import jax_mesh, lower_segment
-from autopar.runtime._schedule import stage_order
+from autopar.runtime._schedule import dispatch_order, stage_order
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class TaskRecord:
     microbatch: int
     start: float
     end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
 
 
 @dataclass
@@ -99,7 +103,7 @@ class PipelineExecutable:
             x = env[v]
             current = getattr(x, "sharding", None)
             if current is None or not current.is_equivalent_to(sharding, x.ndim):
-                x = jax.device_put(x, sharding)
+                x = _move(x, sharding)
                 env[v] = x  # later readers on this stage reuse the moved copy
             args.append(x)
         return args
@@ -135,6 +139,15 @@ class PipelineExecutable:
         }
         errors: list[BaseException] = []
         t0 = time.perf_counter()
+        if jax.process_count() > 1:
+            # Several processes: each dispatches every task in one global order (a task on
+            # another process's devices is a no-op here), because JAX matches transfers
+            # between processes by the order in which each process issues them. Each task
+            # waits for its own shards only, so stages on different processes overlap.
+            for phase, stage, i in dispatch_order(self.schedule, part.num_stages, num_micro):
+                start = time.perf_counter()
+                self._run_task(phase, stage, envs[i], stage_sums[stage])
+                records.append(TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0))
 
         def run_stage(stage: int) -> None:
             # One thread per stage: XLA releases the GIL while it computes, so stages run
@@ -155,7 +168,7 @@ class PipelineExecutable:
 
         threads = [
             threading.Thread(target=run_stage, args=(s,), daemon=True)
-            for s in range(part.num_stages)
+            for s in range(part.num_stages if jax.process_count() == 1 else 0)
         ]
         for t in threads:
             t.start()
@@ -189,7 +202,7 @@ class PipelineExecutable:
             outs = compiled.fn_sum(*args, *[sums[v] for v in compiled.sums])
         else:
             outs = compiled.fn(*args)
-        jax.block_until_ready(outs)
+        jax.block_until_ready(outs)  # with several processes: only this process's shards
         for v, x in zip(compiled.segment.outputs, outs):
             env[v] = x
             if v in compiled.sums:
@@ -203,6 +216,18 @@ class PipelineExecutable:
         if v in set(self.partition.grad_vars) and self.num_microbatches > 1:
             return x / self.num_microbatches  # a mean over microbatches (e.g. the loss)
         return x
+
+
+def _move(x, sharding):
+    """`x` on `sharding`: `jax.device_put` in one process; across processes, a transfer that
+    every process joins (see `autopar.distributed.transfer`)."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    from autopar.distributed import place, transfer
+
+    # Arrays inside a step are global arrays of the stage meshes; anything else is a value
+    # every process holds in full.
+    return transfer(x, sharding) if isinstance(x, jax.Array) else place(x, sharding)
 
 
 def _dependencies(phase: str, stage: int, i: int, num_stages: int) -> list:

@@ -1,0 +1,178 @@
+"""Arrays across processes: global batches, moves between stage meshes, reading results.
+
+In a multi-process run an array may have shards on devices of several processes, or only on
+another process's devices (a pipeline stage on another host). Every process still holds a
+`jax.Array` object for it, and every process must make the same calls in the same order:
+jitted programs, and transfers (JAX numbers cross-process transfers with a per-process
+counter, so a process that takes no part must still call).
+
+`transfer(x, sharding)` moves an array to a sharding on other devices:
+- same devices: a jitted identity with the new output sharding (a collective if needed);
+- from one process's devices to the same process's devices: a local `jax.device_put` there,
+  an empty placeholder elsewhere;
+- between disjoint groups of processes with equally many devices: reshard on the source to
+  the target layout, then one cross-process `jax.device_put` (needs
+  `jax_cross_host_transfer_socket_address`, set by `autopar.distributed.initialize`); JAX
+  supports this only when the layouts match and every shard changes process;
+- otherwise through the host: replicate on the source, broadcast the value to every process
+  with a collective, and build the target from each process's copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def global_batch(local_batch: Any, sharding: jax.sharding.Sharding | None = None) -> Any:
+    """A global batch from each process's own rows (`jax.make_array_from_process_local_data`).
+
+    Process i passes rows `[i * n, (i + 1) * n)` of the global batch; the result's leaves have
+    `num_processes * n` rows. By default dim 0 is split over every device, process by
+    process, so each process's rows stay on its own devices.
+
+    **Arguments:**
+    - `local_batch`: a pytree of this process's arrays (numpy or jax), rows on dim 0.
+    - `sharding`: the global sharding (default: dim 0 over all devices in cluster order).
+
+    **Returns:** the pytree of global `jax.Array`s.
+
+    **Example:**
+
+    ```python
+    rows = global_rows // jax.process_count()
+    local = {"tokens": tokens[pid * rows:(pid + 1) * rows], ...}
+    batch = autopar.distributed.global_batch(local)
+    state, metrics = train_step(state, batch)
+    ```
+    """
+
+    def one(x):
+        x = np.asarray(x)
+        s = sharding or _rows_over_all_devices(x.ndim)
+        return jax.make_array_from_process_local_data(s, x)
+
+    return jax.tree.map(one, local_batch)
+
+
+def _rows_over_all_devices(ndim: int) -> NamedSharding:
+    from autopar.cluster._cluster import local_devices
+
+    if ndim == 0:
+        raise ValueError("a batch leaf is a scalar; every batch leaf needs rows on dim 0")
+    mesh = Mesh(np.array(local_devices()), ("devices",))
+    return NamedSharding(mesh, PartitionSpec("devices"))
+
+
+def place(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`x` as a global array with `sharding`, in a multi-process run.
+
+    A committed `jax.Array` (a step's result, or one built by `global_batch` or `place`) is
+    taken to be a global array, the same one on every process, and moves with `transfer`.
+    Anything else (numpy, a Python number, an uncommitted array such as the result of
+    `jnp.ones` or of a jit without sharded inputs) must hold the same full value on every
+    process, and each process fills in its own shards from it. (Whether an array is
+    global cannot be told from one process: an array on this process's devices only may be
+    a process-local value or a global array another process sees as remote.)
+
+    **Returns:** a `jax.Array` with `sharding`.
+    """
+    if isinstance(x, jax.Array) and x.committed:
+        return transfer(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(
+        host.shape, sharding, lambda index: host[index], dtype=host.dtype
+    )
+
+
+def transfer(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Move `x` to `sharding`; every process calls it (see the module docstring).
+
+    **Returns:** a `jax.Array` with `sharding` (no local shards where this process owns
+    none of its devices).
+    """
+    source = x.sharding
+    if source.device_set == sharding.device_set:
+        return _reshard(x, sharding)
+    me = jax.process_index()
+    src_procs = _processes(source)
+    dst_procs = _processes(sharding)
+    if len(src_procs) == 1 and src_procs == dst_procs:
+        if me in src_procs:
+            return jax.device_put(x, sharding)
+        return _placeholder(x, sharding)
+    if src_procs.isdisjoint(dst_procs) and len(source.device_set) == len(sharding.device_set):
+        mirror = _mirror(source, sharding, x.ndim)
+        if mirror is not None:
+            # Wait for the pull to finish here, so that no later collective of this
+            # process's devices can queue in front of the transfer's other side.
+            return jax.block_until_ready(jax.device_put(_reshard(x, mirror), sharding))
+    value = gather(x)
+    return jax.make_array_from_callback(
+        value.shape, sharding, lambda index: value[index], dtype=value.dtype
+    )
+
+
+def gather(x: jax.Array) -> np.ndarray:
+    """The full value of a (possibly global) array on every process, as numpy.
+
+    Every process calls it, with the same global array (or the same uncommitted value, which
+    is read directly). The array is replicated over its own devices and, when some process
+    owns none of them, broadcast from the first owner with a collective over all devices.
+    """
+    if jax.process_count() == 1 or not x.committed:
+        return np.asarray(x)
+    devices = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    replicated = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
+    full = _reshard(x, replicated)
+    owners = _processes(replicated)
+    local = np.asarray(full.addressable_shards[0].data) if full.addressable_shards else None
+    if len(owners) == jax.process_count():
+        return local
+    if local is None:
+        local = np.zeros(x.shape, x.dtype)
+    return np.asarray(
+        multihost_utils.broadcast_one_to_all(local, is_source=jax.process_index() == min(owners))
+    )
+
+
+def to_host(tree: Any) -> Any:
+    """`gather` every leaf of a pytree: the step's results as numpy on every process."""
+    return jax.tree.map(lambda x: gather(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _reshard(x: jax.Array, sharding) -> jax.Array:
+    return jax.jit(lambda a: a, out_shardings=sharding)(x)
+
+
+def _processes(sharding) -> set[int]:
+    return {d.process_index for d in sharding.device_set}
+
+
+def _placeholder(x: jax.Array, sharding) -> jax.Array:
+    """A global array with no shards on this process (it owns none of `sharding`'s devices)."""
+    assert not sharding.addressable_devices, (
+        f"a placeholder is for devices this process does not own, not {sharding}"
+    )
+    return jax.make_array_from_callback(x.shape, sharding, _never_called, dtype=x.dtype)
+
+
+def _never_called(index):
+    raise AssertionError(f"no shard of a placeholder array is local (index {index})")
+
+
+def _mirror(source, target, ndim: int):
+    """`target`'s layout on `source`'s devices, or None when `target` is not a NamedSharding.
+
+    A cross-process `jax.device_put` needs source and target with the same layout; only
+    the devices may differ.
+    """
+    if not isinstance(target, NamedSharding):
+        return None
+    devices = sorted(source.device_set, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices).reshape(target.mesh.devices.shape), target.mesh.axis_names)
+    return NamedSharding(mesh, target.spec)

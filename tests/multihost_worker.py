@@ -1,0 +1,101 @@
+"""One process of the multi-host tests; started by `autopar launch` (tests/test_multihost.py).
+
+Trains the tiny GPT (with layer marks) for a few steps under each requested plan and writes,
+per plan, `<out>/<mode>_process<i>.json` with the losses, the plan JSON (without wall-clock times)
+and whether the processes first derived different plans.
+
+    python tests/multihost_worker.py --out DIR [--modes pipeline,shard,disagree] [--steps 3]
+                                     [--die-process P --die-step S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autopar.distributed import global_batch, initialize, to_host  # noqa: E402
+from autopar.distributed._plans import shared_json  # noqa: E402
+
+GLOBAL_BATCH = 8
+LEARNING_RATE = 1e-2
+# The plans under test; the runs in tests/test_multihost.py use the same options.
+PLAN_OPTIONS = {
+    "pipeline": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=2),
+    "shard": dict(method="shard", mesh_shape=(2, 4)),
+}
+# "disagree": process 0 asks for the shard plan above, the others for a 1-D mesh; every
+# process must end up running process 0's plan.
+OTHER_PROCESSES_DISAGREE = dict(method="shard", mesh_shape=(8,))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--modes", default="pipeline,shard,disagree")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--die-process", type=int, default=None)
+    parser.add_argument("--die-step", type=int, default=None)
+    args = parser.parse_args()
+    info = initialize()
+    if os.environ.get("AUTOPAR_TEST_DUMP_AFTER"):  # debugging a hang: dump every stack
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["AUTOPAR_TEST_DUMP_AFTER"]))
+    import jax
+    import numpy as np
+    import optax
+
+    import autopar
+    from examples import gpt
+
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+    optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
+    step = gpt.make_train_step(cfg, optimizer)
+    full = jax.tree.map(np.asarray, gpt.make_batch(cfg, GLOBAL_BATCH, jax.random.key(1)))
+    rows = GLOBAL_BATCH // info.num_processes
+    mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
+    for mode in args.modes.split(","):
+        state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+        batch = global_batch(jax.tree.map(lambda x: x[mine], full))
+        options = PLAN_OPTIONS["shard" if mode == "disagree" else mode]
+        if mode == "disagree" and info.process_id > 0:
+            options = OTHER_PROCESSES_DISAGREE
+        par = autopar.autoparallel(step, donate_argnums=(), **options)
+        warnings = _WarningLog()
+        logging.getLogger("autopar").addHandler(warnings)
+        losses = []
+        for i in range(args.steps):
+            if args.die_process == info.process_id and args.die_step == i:
+                print(f"process {info.process_id}: killing myself at step {i}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            state, metrics = par(state, batch)
+            losses.append(float(to_host(metrics)["loss"]))
+            print(f"process {info.process_id} {mode} step {i}: loss {losses[-1]:.6f}",
+                  flush=True)
+        plan = shared_json(par.plan.to_json())  # without wall-clock times
+        out = Path(args.out) / f"{mode}_process{info.process_id}.json"
+        logging.getLogger("autopar").removeHandler(warnings)
+        disagreed = any("derived a different plan" in m for m in warnings.messages)
+        out.write_text(json.dumps({"losses": losses, "plan": plan, "plans_disagreed": disagreed},
+                                  sort_keys=True))
+
+
+class _WarningLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Multi-host runs: 2 local processes x 4 virtual CPU devices under `autopar launch`.
+
+The worker (tests/multihost_worker.py) trains the tiny GPT for 3 steps under a 2-stage
+pipeline plan (one stage per process), a shard-only plan over a (2, 4) mesh whose first axis
+spans the processes, and a shard plan the processes first disagree on. Losses must equal
+the single-device run and the single-process 8-device run in this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import optax
+import pytest
+from helpers import run_steps
+from multihost_worker import LEARNING_RATE, PLAN_OPTIONS
+
+import autopar
+from autopar.distributed import LOST_PROCESS_EXIT_CODE, launch, process_info_from_env
+from autopar.distributed._launch import child_env
+from examples import gpt
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = str(ROOT / "tests" / "multihost_worker.py")
+NUM_PROCESSES = 2
+DEVICES_PER_PROCESS = 4
+GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+MODES = ("pipeline", "shard", "disagree")
+# The acceptance bound for the others to stop after one process is lost.
+STOP_BOUND_SECONDS = 60
+
+
+@pytest.fixture(scope="module")
+def multihost_run(tmp_path_factory):
+    """Run the worker under the `autopar launch` command line; the output folder."""
+    out = tmp_path_factory.mktemp("multihost")
+    command = [
+        sys.executable, "-m", "autopar.cli", "launch", "-n", str(NUM_PROCESSES),
+        "--devices-per-process", str(DEVICES_PER_PROCESS), "--log-dir", str(out), "--",
+        sys.executable, WORKER, "--out", str(out), "--modes", ",".join(MODES),
+    ]
+    # No on-disk plan cache: every process must derive its plan itself for the test.
+    env = {**os.environ, "AUTOPAR_PLAN_CACHE": "0"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("process_*.log")))
+    assert done.returncode == 0, f"launch failed: {done.stderr}\n{logs}"
+    return out
+
+
+def _results(out: Path, mode: str) -> list[dict]:
+    return [json.loads((out / f"{mode}_process{i}.json").read_text())
+            for i in range(NUM_PROCESSES)]
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    """Losses on one device and with the same plan options on 8 devices in this process."""
+    optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
+    step = gpt.make_train_step(GPT, optimizer)
+    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(GPT, 8, jax.random.key(1))
+    single, _ = run_steps(jax.jit(step), state, batch)
+    cluster = autopar.Cluster.from_profile("cpu-local", NUM_PROCESSES, DEVICES_PER_PROCESS)
+    eight = {}
+    for mode, options in PLAN_OPTIONS.items():
+        par = autopar.autoparallel(step, cluster=cluster, donate_argnums=(), **options)
+        eight[mode], _ = run_steps(par, state, batch)
+    return single, eight
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_losses_match_one_process(multihost_run, reference_losses, mode):
+    single, eight = reference_losses
+    for result in _results(multihost_run, mode):
+        assert len(result["losses"]) == 3
+        assert result["losses"] == pytest.approx(single, rel=1e-5)
+        assert result["losses"] == pytest.approx(eight["shard" if mode == "disagree" else mode],
+                                                 rel=1e-5)
+
+
+def test_pipeline_plan_has_one_stage_per_process(multihost_run):
+    plan = _results(multihost_run, "pipeline")[0]["plan"]
+    meshes = [stage["sharding"]["mesh"] for stage in plan["stages"]]
+    assert [m["device_ids"] for m in meshes] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan["cluster"]["num_hosts"] == NUM_PROCESSES
+    assert all(max(m["shape"]) > 1 for m in meshes), "operator parallelism inside each stage"
+
+
+def test_shard_plan_spans_both_processes(multihost_run):
+    mesh = _results(multihost_run, "shard")[0]["plan"]["stages"][0]["sharding"]["mesh"]
+    assert mesh["shape"] == [2, 4]
+    # cluster device ids are ordered by process: the first axis crosses processes
+    assert mesh["device_ids"] == list(range(8))
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "shard"])
+def test_processes_derive_identical_plans(multihost_run, mode):
+    first, second = _results(multihost_run, mode)
+    assert first["plan"] == second["plan"]
+    assert not first["plans_disagreed"] and not second["plans_disagreed"]
+
+
+def test_disagreeing_processes_run_process_0_plan(multihost_run):
+    first, second = _results(multihost_run, "disagree")
+    assert first["plans_disagreed"] and second["plans_disagreed"]
+    assert first["plan"] == second["plan"]
+    assert first["plan"]["stages"][0]["sharding"]["mesh"]["shape"] == [2, 4]  # process 0's
+
+
+def test_lost_process_stops_the_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPAR_PLAN_CACHE", "0")
+    command = [sys.executable, WORKER, "--out", str(tmp_path), "--modes", "shard",
+               "--die-process", "1", "--die-step", "1"]
+    start = time.monotonic()
+    result = launch(command, NUM_PROCESSES, DEVICES_PER_PROCESS, log_dir=tmp_path)
+    assert time.monotonic() - start < 300
+    assert result.lost_process == 1
+    assert result.exit_code == 128 + 9  # SIGKILL
+    assert result.exit_codes[0] != 0
+    assert result.stop_seconds < STOP_BOUND_SECONDS
+    log = (tmp_path / "process_0.log").read_text()
+    assert "process 0 stops because process 1" in log, log[-2000:]
+    assert result.exit_codes[0] == LOST_PROCESS_EXIT_CODE
+
+
+# ---- the launcher and the environment, without JAX in the children ------------------------
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_launch_sets_environment(tmp_path):
+    code = ("import os; e = os.environ; print(e['AUTOPAR_PROCESS_ID'], "
+            "e['AUTOPAR_NUM_PROCESSES'], e['AUTOPAR_COORDINATOR'], e['XLA_FLAGS'])")
+    result = launch(_python(code), 3, 2, log_dir=tmp_path)
+    assert result.exit_code == 0 and result.exit_codes == (0, 0, 0)
+    lines = [(tmp_path / f"process_{i}.log").read_text().split() for i in range(3)]
+    assert [line[:2] for line in lines] == [["0", "3"], ["1", "3"], ["2", "3"]]
+    assert len({line[2] for line in lines}) == 1 and lines[0][2].startswith("127.0.0.1:")
+    assert all("--xla_force_host_platform_device_count=2" in line for line in lines)
+
+
+def test_launch_kills_survivors_after_grace(tmp_path):
+    code = ("import os, sys, time\n"
+            "if os.environ['AUTOPAR_PROCESS_ID'] == '1': sys.exit(3)\n"
+            "time.sleep(600)")
+    start = time.monotonic()
+    result = launch(_python(code), 2, log_dir=tmp_path, grace_seconds=0.5)
+    assert time.monotonic() - start < 30
+    assert result.lost_process == 1 and result.exit_code == 3
+    assert "process 1" in result.message and "status 3" in result.message
+    assert result.exit_codes[0] == 128 + 9  # killed by the launcher
+
+
+def test_launch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="no command"):
+        launch([], 2)
+    with pytest.raises(ValueError, match="at least 1"):
+        launch(["true"], 0)
+
+
+def test_process_info_from_env():
+    env = {"AUTOPAR_COORDINATOR": "127.0.0.1:1234", "AUTOPAR_NUM_PROCESSES": "2",
+           "AUTOPAR_PROCESS_ID": "1", "AUTOPAR_TRANSFER_ADDRESS": "127.0.0.1:999"}
+    info = process_info_from_env(env)
+    assert (info.num_processes, info.process_id, info.transfer_address) == (2, 1, "127.0.0.1:999")
+    with pytest.raises(ValueError, match="AUTOPAR_PROCESS_ID not set.*autopar launch"):
+        process_info_from_env({k: v for k, v in env.items() if k != "AUTOPAR_PROCESS_ID"})
+    with pytest.raises(ValueError, match="must be in 0..AUTOPAR_NUM_PROCESSES-1"):
+        process_info_from_env({**env, "AUTOPAR_PROCESS_ID": "2"})
+
+
+def test_child_env_keeps_other_xla_flags():
+    env = child_env({"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8"}, 0, 2,
+                    "127.0.0.1:1", "127.0.0.1:2", "/tmp/status", 4)
+    assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONHASHSEED"] == "0"
