@@ -172,11 +172,7 @@ def _named(mesh, spec, var):
 
 
 def _cluster(cluster: Any):
-    """The cluster to plan on; the local devices of every process when `cluster` is None."""
-    if cluster is None and jax.process_count() > 1:
-        from autopar.distributed import multiprocess_cluster
-
-        return multiprocess_cluster()
+    """The cluster to plan on; the devices of every process when `cluster` is None."""
     return resolve_cluster(cluster)
 
 

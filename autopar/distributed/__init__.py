@@ -8,7 +8,6 @@ process. See docs/multihost.md.
 """
 
 from autopar.distributed._arrays import gather, global_batch, place, to_host, transfer
-from autopar.distributed._cluster import multiprocess_cluster
 from autopar.distributed._env import (
     LOST_PROCESS_EXIT_CODE,
     ProcessInfo,
@@ -30,7 +29,6 @@ __all__ = [
     "initialize",
     "is_multiprocess",
     "launch",
-    "multiprocess_cluster",
     "place",
     "plan_digest",
     "process_info_from_env",

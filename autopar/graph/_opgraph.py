@@ -216,28 +216,15 @@ class OpGraph:
         `on_input(node, ins)` and `on_output(node, outs)` may replace a node's operands and
         results (the lowering uses them to add sharding constraints).
         """
-        env: dict[int, Any] = {}
-
-        def read(v: int) -> Any:
-            var = self.vars[v]
-            return var.value if var.role is Role.CONST else env[v]
-
         assert len(flat_args) == len(self.invars), (
             f"expected {len(self.invars)} flat arguments, got {len(flat_args)}"
         )
-        for v, x in zip(self.invars, flat_args):
-            env[v] = x
-        for node in self.nodes if nodes is None else nodes:
-            ins = [read(v) for v in node.inputs]
-            if on_input is not None:
-                ins = on_input(node, ins)
-            outs = node.prim.bind(*ins, **node.params)
-            outs = list(outs) if node.prim.multiple_results else [outs]
-            if on_output is not None:
-                outs = on_output(node, outs)
-            for v, x in zip(node.outputs, outs):
-                env[v] = x
-        return [read(v) for v in self.outvars]
+        env: dict[int, Any] = dict(zip(self.invars, flat_args))
+        self.run_nodes(env, self.nodes if nodes is None else nodes, on_input, on_output)
+        return [
+            self.vars[v].value if self.vars[v].role is Role.CONST else env[v]
+            for v in self.outvars
+        ]
 
 
 def _fmt_bytes(n: float) -> str:
