@@ -68,7 +68,7 @@ def partition(
         if node.id != boundary.id and layers.layer[node.id] is not None:
             node_stage[node.id] = layer_stage[layers.layer[node.id]]
     dead = {n.id for n in graph.nodes if layers.phase[n.id] == "dead"}
-    _assign_update_nodes(graph, layers, node_stage, alias, num_stages)
+    _assign_update_nodes(graph, layers, node_stage, alias)
     for n in dead:
         node_stage[n] = None
 
@@ -102,7 +102,7 @@ def _is_array(graph: OpGraph, v: int) -> bool:
     return var.role is not Role.CONST and len(var.shape) > 0
 
 
-def _assign_update_nodes(graph, layers, node_stage, alias, num_stages) -> None:
+def _assign_update_nodes(graph, layers, node_stage, alias) -> None:
     """Give each optimizer-update node the stage that computes its gradient."""
     parent: dict[int, int] = {}
 
@@ -166,7 +166,6 @@ def _assign_update_nodes(graph, layers, node_stage, alias, num_stages) -> None:
         for n, s in zip(graph.nodes, node_stage)
         if n.primitive != "grad_boundary" and layers.phase[n.id] != "dead"
     ), "every live node but the grad boundary must have a stage"
-    del num_stages
 
 
 def _stage_of(v, producer, node_stage):
@@ -228,7 +227,8 @@ def _outside_consumers(graph, node_stage, alias, layers) -> dict[int, set]:
     return places
 
 
-def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
+def _read_from_outside(graph, nodes, alias) -> tuple[int, ...]:
+    """Variables the nodes read that none of them produce (constants aside), in order."""
     produced: set[int] = set()
     inputs: dict[int, None] = {}
     for n in nodes:
@@ -237,6 +237,10 @@ def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
             if v not in produced and graph.vars[v].role is not Role.CONST:
                 inputs.setdefault(v)
         produced.update(graph.nodes[n].outputs)
+    return tuple(inputs)
+
+
+def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
     here = (stage, phase)
     outputs = tuple(
         v
@@ -244,7 +248,8 @@ def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
         for v in graph.nodes[n].outputs
         if consumers.get(v, set()) - {here}
     )
-    return Segment(stage, phase, tuple(ids[n] for n in nodes), tuple(inputs), outputs)
+    inputs = _read_from_outside(graph, nodes, alias)
+    return Segment(stage, phase, tuple(ids[n] for n in nodes), inputs, outputs)
 
 
 def _apply_fragments(graph, layers, node_stage, renumber, alias) -> list[Segment]:
@@ -267,35 +272,25 @@ def _apply_fragments(graph, layers, node_stage, renumber, alias) -> list[Segment
     groups: dict[tuple[int, int], list[int]] = {}
     for n, r in node_round.items():
         groups.setdefault((r, node_stage[n]), []).append(n)
-    fragments = []
-    for r, s in sorted(groups):
-        nodes = sorted(groups[(r, s)])
-        fragments.append(_segment_apply(graph, s, r, nodes, renumber[s], alias))
-    return fragments
-
-
-def _segment_apply(graph, stage, round_, nodes, ids, alias) -> Segment:
-    node_set = set(nodes)
-    produced: set[int] = set()
-    inputs: dict[int, None] = {}
-    for n in nodes:
-        for v in graph.nodes[n].inputs:
-            v = alias.get(v, v)
-            if v not in produced and graph.vars[v].role is not Role.CONST:
-                inputs.setdefault(v)
-        produced.update(graph.nodes[n].outputs)
     users: dict[int, list[int]] = {}
     for node in graph.nodes:
         for v in node.inputs:
             users.setdefault(alias.get(v, v), []).append(node.id)
     outvars = {alias.get(v, v) for v in graph.outvars}
-    outputs = tuple(
-        v
-        for n in nodes
-        for v in graph.nodes[n].outputs
-        if v in outvars or any(u not in node_set for u in users.get(v, ()))
-    )
-    return Segment(stage, "apply", tuple(ids[n] for n in nodes), tuple(inputs), outputs, round_)
+    fragments = []
+    for r, s in sorted(groups):
+        nodes = sorted(groups[(r, s)])
+        node_set = set(nodes)
+        outputs = tuple(
+            v
+            for n in nodes
+            for v in graph.nodes[n].outputs
+            if v in outvars or any(u not in node_set for u in users.get(v, ()))
+        )
+        inputs = _read_from_outside(graph, nodes, alias)
+        ids = renumber[s]
+        fragments.append(Segment(s, "apply", tuple(ids[n] for n in nodes), inputs, outputs, r))
+    return fragments
 
 
 def _homes(graph: OpGraph, node_stage, alias) -> dict[int, int]:

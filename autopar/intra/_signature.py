@@ -102,12 +102,11 @@ def enumerate_assignments(
         # orders give the same split with devices permuted, which a mesh shape of its
         # own already covers.
         assignment = {label: tuple(group) for label, group in grouped.items()}
-        if True:
-            if all(
-                all(d % math.prod(sizes[a] for a in ax) == 0 for d in dims[label])
-                for label, ax in assignment.items()
-            ):
-                results.append(assignment)
+        if all(
+            all(d % math.prod(sizes[a] for a in ax) == 0 for d in dims[label])
+            for label, ax in assignment.items()
+        ):
+            results.append(assignment)
     return results
 
 
