@@ -164,7 +164,7 @@ def _draw(plan, out_dir: Path, timeline=None) -> list[Path]:
     from autopar.report import gantt, gantt_compare, plan_schedule, plot_layout
 
     files = [plot_layout(plan, out_dir / "plan_layout.png")]
-    if plan.runtime == "pipeline":
+    if plan.runtime == "pipeline" or plan.num_stages > 1:
         path = out_dir / "schedule.png"
         if timeline:  # predicted above, measured below
             files.append(gantt_compare(plan_schedule(plan), timeline, path))
