@@ -179,11 +179,7 @@ def _row_title(names: list[str]) -> str:
 
 
 def _mesh_of(plan, info) -> LogicalMesh:
-    """The mesh an input lives on: its stage's.
-
-    `InputInfo` does not record the stage that holds an input yet; inputs that name none
-    are drawn on stage 0's mesh (exact for one-stage plans).
-    """
+    """The mesh an input lives on: that of the stage holding it (`InputInfo.stage`)."""
     return plan.stages[getattr(info, "stage", 0)].mesh
 
 
