@@ -242,16 +242,10 @@ def autoparallel(
     ```
     """
     options = PlanOptions(
-        method=method,
-        memory_budget=memory_budget,
-        mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
-        donate_argnums=tuple(donate_argnums),
-        batch_argnums=tuple(batch_argnums),
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        num_stages=num_stages,
-        submeshes=None if submeshes is None else tuple(tuple(s) for s in submeshes),
-        logical_shapes=None if logical_shapes is None else tuple(map(tuple, logical_shapes)),
+        method=method, memory_budget=memory_budget, mesh_shape=mesh_shape,
+        donate_argnums=donate_argnums, batch_argnums=batch_argnums,
+        num_microbatches=num_microbatches, schedule=schedule, num_stages=num_stages,
+        submeshes=submeshes, logical_shapes=logical_shapes,
     )
 
     def wrap(f: Callable) -> AutoParallel:

@@ -45,6 +45,15 @@ class PlanOptions:
     num_layers: int = 8  # layers cut automatically when the model has no layer marks
 
     def __post_init__(self):
+        # Callers may pass lists; keep the frozen options hashable plain tuples.
+        def tuples(value, depth):
+            if value is None:
+                return None
+            return tuple(tuples(v, depth - 1) for v in value) if depth else value
+
+        for name, depth in (("mesh_shape", 1), ("donate_argnums", 1), ("batch_argnums", 1),
+                            ("submeshes", 2), ("logical_shapes", 2)):
+            object.__setattr__(self, name, tuples(getattr(self, name), depth))
         if self.method not in METHODS:
             raise ValueError(
                 f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}"
@@ -186,16 +195,10 @@ def plan(
     ```
     """
     options = PlanOptions(
-        method=method,
-        memory_budget=memory_budget,
-        mesh_shape=mesh_shape,
-        donate_argnums=tuple(donate_argnums),
-        batch_argnums=tuple(batch_argnums),
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        num_stages=num_stages,
-        submeshes=None if submeshes is None else tuple(tuple(s) for s in submeshes),
-        logical_shapes=None if logical_shapes is None else tuple(map(tuple, logical_shapes)),
+        method=method, memory_budget=memory_budget, mesh_shape=mesh_shape,
+        donate_argnums=donate_argnums, batch_argnums=batch_argnums,
+        num_microbatches=num_microbatches, schedule=schedule, num_stages=num_stages,
+        submeshes=submeshes, logical_shapes=logical_shapes,
     )
     cluster = resolve_cluster(cluster)
     result, _ = search(fn, args, cluster, options, cache)

@@ -12,10 +12,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.graph import OpGraph, Role
+from autopar.graph import OpGraph
 from autopar.intra._ilp import MemoryBudgetError, peak_memory, solve
 from autopar.intra._options import ShardOptions
-from autopar.intra._problem import BuiltProblem, build_problem
+from autopar.intra._problem import BuiltProblem, build_problem, operands
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 
@@ -139,19 +139,12 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
     # Spec changes along edges: the lowering pins each resharded operand, and their
     # collectives are predicted for the check against compiled HLO.
     operand_specs = []
-    for ilp_node, strategy in zip(built.ilp_nodes, chosen):
-        if ilp_node.node is None:
-            continue
-        node = graph.nodes[ilp_node.node]
-        for p, v in enumerate(node.inputs):
-            var = graph.vars[v]
-            if var.role is Role.CONST:
-                continue
-            dst = strategy.in_specs[p] or replicated(len(var.shape))
-            if dst != var_specs[v]:
-                operand_specs.append((node.id, p, dst))
-            for c in reshard_collectives(var.shape, var.dtype, var_specs[v], dst, mesh):
-                add(c)
+    for index, ilp_node, p, var in operands(graph, built.ilp_nodes):
+        dst = chosen[index].in_specs[p] or replicated(len(var.shape))
+        if dst != var_specs[var.id]:
+            operand_specs.append((ilp_node.node, p, dst))
+        for c in reshard_collectives(var.shape, var.dtype, var_specs[var.id], dst, mesh):
+            add(c)
     # Returned state takes its input's layout, so that the next step needs no resharding;
     # the ILP charged this move on the tie edge.
     for out_var, in_var in tied:

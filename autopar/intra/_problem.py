@@ -196,6 +196,18 @@ def _restrict_input(var, strategies: list[Strategy], mesh: LogicalMesh, options:
     return strategies[:1]  # replicated
 
 
+def operands(graph: OpGraph, ilp_nodes):
+    """(ILP node index, ILP node, operand index, variable) of every non-constant operand of
+    every graph node, in order: the edges of the ILP."""
+    for index, ilp_node in enumerate(ilp_nodes):
+        if ilp_node.node is None:
+            continue
+        for p, v in enumerate(graph.nodes[ilp_node.node].inputs):
+            var = graph.vars[v]
+            if var.role is not Role.CONST:
+                yield index, ilp_node, p, var
+
+
 def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
     cache: dict = {}
     edges: list[tuple[int, int]] = []
@@ -214,19 +226,12 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
         cols = [dst_unique.index(s) for s in dst_specs]
         return small[np.ix_(rows, cols)]
 
-    for index, ilp_node in enumerate(ilp_nodes):
-        if ilp_node.node is None:
-            continue
-        node = graph.nodes[ilp_node.node]
-        for p, v in enumerate(node.inputs):
-            var = graph.vars[v]
-            if var.role is Role.CONST:
-                continue
-            u, k = source_of[v]
-            src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
-            dst = [s.in_specs[p] or replicated(len(var.shape)) for s in ilp_node.strategies]
-            edges.append((u, index))
-            costs.append(matrix(var, src, dst))
+    for index, ilp_node, p, var in operands(graph, ilp_nodes):
+        u, k = source_of[var.id]
+        src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
+        dst = [s.in_specs[p] or replicated(len(var.shape)) for s in ilp_node.strategies]
+        edges.append((u, index))
+        costs.append(matrix(var, src, dst))
     for out_var, in_var in tied:
         if out_var not in source_of or in_var not in source_of:
             continue
