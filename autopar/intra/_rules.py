@@ -391,3 +391,8 @@ def _scatter_add(op: OpInfo) -> Signature:
         operand[d] = f"v{d}"
     ins = (tuple(operand), tuple(indices), tuple(updates))
     return Signature(ins, (tuple(operand),), reductions)
+
+
+# ---- control flow: scan, while, cond (registered in _control_flow.py) -------------------
+
+from autopar.intra import _control_flow  # noqa: E402, F401  (imported for its registrations)
