@@ -101,4 +101,45 @@ def assign_layers(graph: OpGraph) -> LayerAssignment:
         else:
             layer.append(num_marks - k_bwd)
             phase.append("backward")
+    _sum_shared_gradients_once(graph, boundary, layer, phase)
     return LayerAssignment(num_marks + 1, tuple(layer), tuple(phase), boundary)
+
+
+def _sum_shared_gradients_once(graph: OpGraph, boundary: int, layer: list, phase: list) -> None:
+    """Move to the update the sums that join a shared weight's gradient across layers.
+
+    A weight used by two layers (tied input and output embeddings) gets one gradient
+    contribution from each, added by an `add_any`. Sums are linear, so each contribution
+    can be accumulated over the microbatches by the layer (and stage) computing it, and
+    added once per step, as Megatron-LM does with its embedding group. Otherwise the later
+    layer's contribution would travel to the earlier stage once per microbatch.
+    """
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    readers: dict[int, int] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            readers[v] = readers.get(v, 0) + 1
+    for g in dict.fromkeys(graph.nodes[boundary].inputs):
+        node = producer.get(g)
+        if node is None or node.primitive != "add_any" or readers.get(g) != 1:
+            continue
+        parts = [producer.get(v) for v in node.inputs]
+        if any(p is None or readers.get(v) != 1 for p, v in zip(parts, node.inputs)):
+            continue
+        if len({layer[p.id] for p in parts}) > 1:
+            layer[node.id] = None
+            phase[node.id] = "apply"
+
+
+def accumulated_values(graph: OpGraph, layers: LayerAssignment) -> tuple[int, ...]:
+    """The values summed over microbatches: the grad boundary's operands, or, for a
+    gradient whose sum across layers runs in the update, that sum's operands."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    found: dict[int, None] = {}
+    for g in graph.nodes[layers.grad_boundary].inputs:
+        node = producer.get(g)
+        if node is not None and layers.phase[node.id] == "apply":
+            found.update(dict.fromkeys(node.inputs))
+        else:
+            found.setdefault(g)
+    return tuple(found)

@@ -18,7 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.graph import Node, OpGraph, Role
-from autopar.inter._layers import LayerAssignment
+from autopar.inter._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
+from autopar.inter._layers import LayerAssignment, accumulated_values
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,13 @@ class Partition:
     stage_graphs: list[OpGraph]
     node_stage: list[int | None]  # per full-graph node; None for the grad boundary
     alias: dict[int, int]  # grad boundary result -> operand
-    grad_vars: tuple[int, ...]  # accumulated over microbatches (grad boundary operands)
+    grad_vars: tuple[int, ...]  # accumulated over microbatches (`accumulated_values`)
     forward: list[Segment]
     backward: list[Segment]
     apply: list[Segment]  # in execution order
     home: dict[int, int] = field(default_factory=dict)  # graph input var -> stage holding it
     node_index: list[dict[int, int]] = field(default_factory=list)  # full id -> stage sub id
+    deferrable: Deferrable = NOTHING_DEFERRED  # gradients reduced once per step
 
     def resolve(self, v: int) -> int:
         return self.alias.get(v, v)
@@ -61,7 +63,7 @@ def partition(
             layer_stage[layer] = s
     boundary = graph.nodes[layers.grad_boundary]
     alias = dict(zip(boundary.outputs, boundary.inputs))
-    grad_vars = tuple(dict.fromkeys(boundary.inputs))
+    grad_vars = accumulated_values(graph, layers)
 
     node_stage: list[int | None] = [None] * len(graph.nodes)
     for node in graph.nodes:
@@ -93,7 +95,7 @@ def partition(
     home = _homes(graph, node_stage, alias)
     return Partition(
         num_stages, stage_graphs, node_stage, alias, grad_vars, forward, backward, apply, home,
-        renumber,
+        renumber, deferrable_gradients(graph, layers),
     )
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from autopar.cluster._mesh import LogicalMesh
 from autopar.graph import OpGraph, Role
+from autopar.inter._deferred import stacked_layout, step_weights, unstacked_spec
 from autopar.inter._layers import LayerAssignment
 from autopar.inter._partition import Partition, partition
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
@@ -41,11 +42,16 @@ class LayerCost:
     memory: float  # bytes per device at the layer's peak (state + live activations)
     activation_memory: float  # bytes per device kept from forward to backward
     state_memory: float = 0.0  # parameters and optimizer state, bytes per device
+    # The layer's gradients, summed over microbatches until the update (deferred ones
+    # unreduced, so at their per-device partial-sum size), bytes per device.
+    gradient_memory: float = 0.0
 
     @property
     def transient_memory(self) -> float:
         """Working memory beyond state and kept activations, needed one layer at a time."""
-        return max(0.0, self.memory - self.state_memory - self.activation_memory)
+        return max(
+            0.0, self.memory - self.state_memory - self.activation_memory - self.gradient_memory
+        )
 
 
 @dataclass(frozen=True)
@@ -105,18 +111,31 @@ class LayerCostTable:
         options: ShardOptions,
         tied,
         *,
+        num_microbatches: int = 1,
         solve=None,
         axis_names: tuple[str, ...] | None = None,
     ):
-        """`solve(sub_graph, mesh, ties) -> ShardingPlan` replaces the free ILP (manual
-        plans pin their inputs this way); `axis_names` names the logical mesh axes."""
+        """Layers are planned per microbatch: what runs once per step (the update, the
+        deferred gradient reductions) weighs 1/`num_microbatches`.
+        `solve(sub_graph, mesh, ties, weights) -> ShardingPlan` replaces the free ILP
+        (manual plans pin their inputs this way); `axis_names` names the logical mesh axes."""
         self.cluster = cluster
         self.options = options
         self.solve = solve
         self.axis_names = axis_names
+        self.num_microbatches = num_microbatches
         self.per_layer = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
         self.tied = tied
-        self.fingerprints = [structural_fingerprint(g) for g in self.per_layer.stage_graphs]
+        self.weights = []
+        for k, sub in enumerate(self.per_layer.stage_graphs):
+            phases = {i: layers.phase[full] for full, i in self.per_layer.node_index[k].items()}
+            self.weights.append(
+                step_weights(sub, phases, self.per_layer.deferrable, num_microbatches)
+            )
+        self.fingerprints = [
+            structural_fingerprint(g) + repr(sorted(w.items()))
+            for g, w in zip(self.per_layer.stage_graphs, self.weights)
+        ]
         self._cache: dict[tuple[str, tuple[int, ...]], LayerCost | None] = {}
         self._plans: dict[tuple[str, tuple[int, ...]], tuple[ShardingPlan, OpGraph]] = {}
         self.num_ilps = 0
@@ -129,11 +148,14 @@ class LayerCostTable:
             mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
             self.num_ilps += 1
             ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
+            weights = self.weights[layer]
             try:
                 if self.solve is not None:
-                    plan = self.solve(sub, mesh, ties)
+                    plan = self.solve(sub, mesh, ties, weights)
                 else:
-                    plan = plan_on_mesh(sub, self.cluster, mesh, self.options, ties)
+                    plan = plan_on_mesh(
+                        sub, self.cluster, mesh, self.options, ties, weights=weights
+                    )
             except MemoryBudgetError:
                 self._cache[key] = None
             else:
@@ -142,6 +164,7 @@ class LayerCostTable:
                     plan.cost.memory_per_device,
                     _activation_bytes(sub, plan, self.kept_for_backward(layer)),
                     _state_bytes(sub, plan),
+                    _gradient_bytes(sub, plan, self.per_layer),
                 )
                 self._plans[key] = (plan, sub)
         return self._cache[key]
@@ -186,15 +209,21 @@ class LayerCostTable:
     def stage_plan(self, graph, stage_part, stage: int, layer_range, shape, mesh, tied):
         """The plan of one stage stitched from its layers' plans on `shape`."""
         parts = []
+        weights = {}
+        stage_index = stage_part.node_index[stage]
         for k in range(*layer_range):
             self.cost(k, shape)
             plan, solved_on = self._plans[(self.fingerprints[k], shape)]
             sub = self.per_layer.stage_graphs[k]
             parts.append((sub, self.per_layer.node_index[k], plan, solved_on))
+            for full, i in self.per_layer.node_index[k].items():
+                if i in self.weights[k]:
+                    weights[stage_index[full]] = self.weights[k][i][0]
         stage_graph = stage_part.stage_graphs[stage]
         return stitch(
-            stage_graph, stage_part.node_index[stage], parts, mesh, self.cluster,
-            _tied_in(stage_graph, self.tied),
+            stage_graph, stage_index, parts, mesh, self.cluster,
+            _tied_in(stage_graph, self.tied), weights=weights,
+            tie_weight=1.0 / self.num_microbatches,
         )
 
 
@@ -209,6 +238,23 @@ def _state_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
     )
 
 
+def _gradient_bytes(sub: OpGraph, plan: ShardingPlan, part: Partition) -> float:
+    """Bytes per device of the gradients the layer computes, as they are accumulated."""
+    from autopar.cost import bytes_per_device
+
+    stacked = stacked_layout(sub, plan, part.deferrable)
+    produced = {v for n in sub.nodes for v in n.outputs}
+    total = 0.0
+    for v in set(part.grad_vars) & produced:
+        var, spec = sub.vars[v], plan.var_specs[v]
+        if spec is None or not var.shape:
+            continue
+        if v in stacked:
+            spec = unstacked_spec(spec, stacked[v])
+        total += bytes_per_device(var.shape, var.dtype, spec, plan.mesh)
+    return total
+
+
 def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float:
     """Bytes per device the layer's forward keeps for its backward (one microbatch)."""
     from autopar.cost import bytes_per_device
@@ -218,6 +264,24 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
         for v in kept
         if plan.var_specs[v] is not None and sub.vars[v].shape
     )
+
+
+def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
+    """Bytes per device of a stage of these layers: the state and accumulated gradients of
+    every layer, the kept activations of every microbatch in flight, and the working memory
+    of the one layer running at a time."""
+    memory = sum(
+        c.state_memory + c.gradient_memory + in_flight * c.activation_memory for c in costs
+    )
+    return memory + max(c.transient_memory for c in costs)
+
+
+def in_flight_microbatches(schedule: str, num_microbatches: int, stages_from_here: int) -> int:
+    """Microbatches whose activations a stage holds at once: all of them with GPipe; with
+    1F1B one per stage from this one to the last (Narayanan et al. 2021)."""
+    if schedule == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, stages_from_here)
 
 
 def choose_stages(
@@ -235,7 +299,9 @@ def choose_stages(
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh."""
     budget = options.memory_budget or float(cluster.device_memory)
-    table = LayerCostTable(graph, layers, cluster, options, tied)
+    table = LayerCostTable(
+        graph, layers, cluster, options, tied, num_microbatches=num_microbatches
+    )
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
@@ -248,7 +314,7 @@ def choose_stages(
         # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
         # stage, bounded here by the number of stages that could follow on the devices left.
         later = max(1, total_devices // sub.num_devices)
-        in_flight = num_microbatches if schedule == "gpipe" else min(num_microbatches, later)
+        in_flight = in_flight_microbatches(schedule, num_microbatches, later)
         best = None
         least_memory = math.inf
         for shape in shapes:
@@ -256,10 +322,7 @@ def choose_stages(
             if any(c is None for c in costs):
                 continue
             latency = sum(c.latency for c in costs)
-            # State of every layer, the kept activations of every microbatch in flight, and
-            # the working memory of the one layer running at a time.
-            memory = sum(c.state_memory + in_flight * c.activation_memory for c in costs)
-            memory += max(c.transient_memory for c in costs)
+            memory = stage_memory(costs, in_flight)
             least_memory = min(least_memory, memory)
             if memory <= budget and (best is None or latency < best.latency):
                 best = StageCost(latency, True, memory, tuple(shape))

@@ -8,7 +8,7 @@ layers), the consumer's operand is resharded, and its cost is added.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph, Role
@@ -47,6 +47,9 @@ def stitch(
     mesh: LogicalMesh,
     cluster,
     tied: Sequence[tuple[int, int]] = (),
+    *,
+    weights: Mapping[int, float] | None = None,
+    tie_weight: float = 1.0,
 ) -> ShardingPlan:
     """The plan of a stage from the plans of its layers.
 
@@ -55,7 +58,11 @@ def stitch(
     - `layer_parts`: per layer (in order) its sub-graph, full node id -> layer node id, the
       plan solved for a layer of that structure, and the sub-graph that plan was solved on.
     - `tied`: (output var, input var) state pairs; outputs take their input's layout.
+    - `weights`: stage node id -> weight of resharding its operands (the layer ILPs'
+      weights: the update runs once per step, its costs are shared by the microbatches);
+      `tie_weight`: the same for moving updated state back to its input's layout.
     """
+    weights = dict(weights or {})
     var_specs: list[Spec | None] = [None] * len(stage_graph.vars)
     node_strategies = [""] * len(stage_graph.nodes)
     expected: dict[tuple[int, int], Spec] = {}  # (stage node, operand) -> layout wanted
@@ -69,7 +76,9 @@ def stitch(
         entry[0] += n
         entry[1] += nbytes
 
-    for layer_graph, layer_index, plan, solved_on in layer_parts:
+    layout_from: dict[int, int] = {}  # input var -> the layer whose plan set its layout
+    produced_by: dict[int, int] = {}  # var -> the layer computing it
+    for k, (layer_graph, layer_index, plan, solved_on) in enumerate(layer_parts):
         specs, operands, _ = translate(plan, solved_on, layer_graph, mesh)
         inverse = {sub: full for full, sub in layer_index.items()}
         for node in layer_graph.nodes:
@@ -78,6 +87,7 @@ def stitch(
             node_strategies[stage_node] = plan.node_strategies[node.id]
             for v in node.outputs:
                 var_specs[v] = specs.get(v)
+                produced_by[v] = k
             for p, v in enumerate(node.inputs):
                 if layer_graph.vars[v].role is Role.CONST:
                     continue
@@ -87,6 +97,7 @@ def stitch(
         for v in layer_graph.invars:
             if var_specs[v] is None and v in stage_graph.invars:
                 var_specs[v] = specs.get(v)  # the first layer reading an input sets its layout
+                layout_from[v] = k
         cost = plan.cost
         compute += cost.compute
         communication += cost.communication
@@ -111,17 +122,26 @@ def stitch(
             # layer edge the value arrives in the producer's layout: pay for the difference.
             view = layer_view[(node.id, p)]
             if view != have:
-                resharding += reshard_time(var.shape, var.dtype, have, view, mesh, cluster, cache)
+                resharding += weights.get(node.id, 1.0) * reshard_time(
+                    var.shape, var.dtype, have, view, mesh, cluster, cache
+                )
                 for c in reshard_collectives(var.shape, var.dtype, have, view, mesh):
                     add(c.kind, 1, c.nbytes)
+    # A tie inside one layer was charged by that layer's ILP (the layer planner ties the
+    # state a layer updates); a tie across layers (shared weights) is charged here.
+    charged = {
+        (o, i) for o, i in tied
+        if o in produced_by and produced_by[o] == layout_from.get(i)
+        and i in layer_parts[produced_by[o]][0].invars
+    }
     overrides = []
     for out_var, in_var in tied:
         if var_specs[out_var] is None or var_specs[in_var] is None:
             continue
         overrides.append((out_var, var_specs[in_var]))
         var = stage_graph.vars[out_var]
-        if var_specs[out_var] != var_specs[in_var]:
-            resharding += reshard_time(
+        if var_specs[out_var] != var_specs[in_var] and (out_var, in_var) not in charged:
+            resharding += tie_weight * reshard_time(
                 var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh, cluster, cache
             )
     constrained = tuple(

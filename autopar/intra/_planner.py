@@ -39,13 +39,15 @@ def plan_on_mesh(
     options: ShardOptions = DEFAULT_OPTIONS,
     tied: Sequence[tuple[int, int]] = (),
     fixed: Mapping[int, Spec] | None = None,
+    weights: Mapping[int, tuple[float, float]] | None = None,
 ) -> ShardingPlan:
     """Solve the sharding ILP of `graph` on one logical mesh.
 
-    `fixed` pins input variables to specs (see `build_problem`).
+    `fixed` pins input variables to specs, `weights` weighs node costs (see
+    `build_problem`).
     """
     start = time.perf_counter()
-    built = build_problem(graph, mesh, cluster, options, tied, fixed)
+    built = build_problem(graph, mesh, cluster, options, tied, fixed, weights)
     build_time = time.perf_counter() - start
     solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)

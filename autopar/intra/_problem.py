@@ -10,7 +10,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -59,6 +59,7 @@ def build_problem(
     options: ShardOptions,
     tied: Sequence[tuple[int, int]] = (),
     fixed: Mapping[int, Spec] | None = None,
+    weights: Mapping[int, tuple[float, float]] | None = None,
 ) -> BuiltProblem:
     """Build the ILP for `graph` on `mesh`.
 
@@ -66,8 +67,14 @@ def build_problem(
     - `tied`: (output var, input var) pairs of state that must keep its layout across steps.
     - `fixed`: input var -> the only spec it may take (hand-written plans pin parameters
       and the batch this way; the ILP fills in the rest).
+    - `weights`: node id -> (weight of its cost and its operands' resharding, extra weight
+      of its own reduction collectives); absent nodes weigh (1, 1). A pipeline stage's
+      layers are planned per microbatch, and the parts that run once per step (the
+      optimizer update, deferred gradient reductions) weigh 1/microbatches
+      (`autopar.inter._deferred.step_weights`).
     """
     fixed = dict(fixed or {})
+    weights = dict(weights or {})
     ctx = CostContext(cluster, mesh)
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}
@@ -105,6 +112,8 @@ def build_problem(
             strategies = _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index)
         if strategies is None:
             strategies = node_strategies(node, graph, sig, ctx)
+        if node.id in weights:
+            strategies = [_weighted(s, *weights[node.id]) for s in strategies]
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", strategies, node=node.id))
@@ -114,7 +123,7 @@ def build_problem(
             f"no sharding rule for primitive '{prim}' ({count} node(s)): planned as replicated"
         )
 
-    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster)
+    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
     node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
     node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
     groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
@@ -156,6 +165,14 @@ def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
     if strategies is not None:
         followers[index] = (u, np.arange(len(specs)))
     return strategies
+
+
+def _weighted(strategy: Strategy, weight: float, reduction_weight: float) -> Strategy:
+    return replace(
+        strategy,
+        compute_cost=weight * strategy.compute_cost,
+        comm_cost=weight * reduction_weight * strategy.comm_cost,
+    )
 
 
 def _pin(var, strategies: list[Strategy], spec: Spec, mesh: LogicalMesh) -> list[Strategy]:
@@ -208,8 +225,13 @@ def operands(graph: OpGraph, ilp_nodes):
                 yield index, ilp_node, p, var
 
 
-def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
+def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
     cache: dict = {}
+
+    def weight(index: int) -> float:
+        node = ilp_nodes[index].node
+        return weights[node][0] if node in weights else 1.0
+
     edges: list[tuple[int, int]] = []
     costs: list[np.ndarray] = []
 
@@ -231,7 +253,7 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
         src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
         dst = [s.in_specs[p] or replicated(len(var.shape)) for s in ilp_node.strategies]
         edges.append((u, index))
-        costs.append(matrix(var, src, dst))
+        costs.append(weight(index) * matrix(var, src, dst))
     for out_var, in_var in tied:
         if out_var not in source_of or in_var not in source_of:
             continue
@@ -243,7 +265,7 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster):
         src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
         dst = [s.out_specs[0] for s in ilp_nodes[w].strategies]
         edges.append((u, w))
-        costs.append(matrix(var, src, dst))
+        costs.append(weight(u) * matrix(var, src, dst))  # moved when the update runs
     return edges, costs
 
 

@@ -7,6 +7,7 @@ from autopar.lower._spmd import (
     local_devices,
     lower_segment,
     lower_sharding_plan,
+    stack_spec,
 )
 
 __all__ = [
@@ -15,5 +16,6 @@ __all__ = [
     "jax_mesh",
     "local_devices",
     "lower_segment",
+    "stack_spec",
     "lower_sharding_plan",
 ]

@@ -7,14 +7,14 @@ SPMD partitioner then inserts the collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
-from autopar.graph import OpGraph
+from autopar.graph import OpGraph, Role
 
 
 def local_devices() -> list:
@@ -117,6 +117,7 @@ def lower_segment(
     accumulate: Sequence[int] = (),
     scale: dict[int, float] | None = None,
     output_specs: dict | None = None,
+    stacked: Mapping[int, tuple[str, ...]] | None = None,
 ):
     """A jitted function running some nodes of `graph` as `plan` says.
 
@@ -127,19 +128,26 @@ def lower_segment(
     - `scale`: input variable -> factor applied on entry (e.g. 1/microbatches for
       accumulated gradients).
     - `output_specs`: output variable -> spec overriding the plan's.
+    - `stacked`: variable -> mesh axes, for values kept as a stack of unreduced partial sums
+      (see `autopar.inter._deferred`): a new leading dimension split over those axes, one
+      partial sum per device. Nodes producing them run per device (`shard_map`) or per
+      slice (`vmap`); a stacked input is summed on entry (the deferred reduction).
 
     **Returns:** `(fn, in_shardings, out_shardings)`; `fn(*inputs, *sums) -> outputs`.
     """
     scale = scale or {}
     output_specs = output_specs or {}
+    stacked = dict(stacked or {})
     on_input, on_output = constraint_hooks(plan, mesh)
     node_list = [graph.nodes[i] for i in nodes]
     accumulate = [v for v in outputs if v in set(accumulate)]
 
-    def sharding(v, spec=None):
+    def sharding(v, spec=None, stack=True):
         spec = plan.var_specs[v] if spec is None else spec
         if spec is None:
             spec = replicated(len(graph.vars[v].shape))
+        if stack and v in stacked:
+            spec = stack_spec(spec, stacked[v])
         return NamedSharding(mesh, to_partition_spec(spec))
 
     in_shardings = [sharding(v) for v in inputs]
@@ -150,8 +158,20 @@ def lower_segment(
     def run(*args):
         env = {}
         for v, x in zip(inputs, args[:num_inputs]):
+            if v in stacked:  # the deferred reduction of partial sums
+                x = jax.lax.with_sharding_constraint(x.sum(axis=0), sharding(v, stack=False))
             env[v] = x * np.asarray(scale[v], x.dtype) if v in scale else x
-        graph.run_nodes(env, node_list, on_input, on_output)
+        for node in node_list:
+            if any(v in stacked for v in node.outputs):
+                _run_stacked(graph, plan, mesh, node, env, stacked, sharding)
+                continue
+            for v in node.inputs:
+                if v in stacked and v in env and env[v].ndim > len(graph.vars[v].shape):
+                    # A stack read by an op that needs the sum: reduce it here.
+                    env[v] = jax.lax.with_sharding_constraint(
+                        env[v].sum(axis=0), sharding(v, stack=False)
+                    )
+            graph.run_nodes(env, [node], on_input, on_output)
         sums = dict(zip(accumulate, args[num_inputs:]))
         return [env[v] + sums[v] if v in sums else env[v] for v in outputs]
 
@@ -163,3 +183,45 @@ def lower_segment(
         donate_argnums=donate,
     )
     return fn, in_shardings, out_shardings
+
+
+def stack_spec(spec, axes: tuple[str, ...]):
+    """The spec of a stack of partial sums over `axes` whose sum has layout `spec`: a new
+    leading dimension split over `axes`, the other dimensions as in `spec` without them."""
+    return ((*axes,), *(tuple(a for a in dim if a not in axes) for dim in spec))
+
+
+def _run_stacked(graph: OpGraph, plan, mesh: Mesh, node, env: dict, stacked, sharding) -> None:
+    """Run `node`, whose result is a stack of partial sums.
+
+    A partial-sum producer runs per device (`shard_map`): each device applies the operation
+    to its own shards, and its result is its slice of the stack. A linear op on stacks runs
+    per slice (`vmap`). Either way nothing is communicated.
+    """
+    from autopar.inter._deferred import operand_spec
+
+    (out,) = node.outputs
+    ins = [
+        graph.vars[v].value if graph.vars[v].role is Role.CONST else env[v] for v in node.inputs
+    ]
+
+    def local(*xs):
+        return node.prim.bind(*xs, **node.params)
+
+    if all(v in stacked for v in node.inputs if graph.vars[v].role is not Role.CONST) and any(
+        v in stacked for v in node.inputs
+    ):
+        axes = [0 if v in stacked else None for v in node.inputs]
+        result = jax.vmap(local, in_axes=axes)(*ins)
+    else:
+        in_specs = tuple(
+            PartitionSpec() if graph.vars[v].role is Role.CONST
+            else to_partition_spec(operand_spec(graph, plan, node.id, p))
+            for p, v in enumerate(node.inputs)
+        )
+        out_spec = sharding(out).spec
+        result = jax.shard_map(
+            lambda *xs: local(*xs)[None], mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+            check_vma=False,
+        )(*ins)
+    env[out] = jax.lax.with_sharding_constraint(result, sharding(out))

@@ -9,18 +9,26 @@ from autopar.report._gantt import (
     plan_schedule,
     simulate_schedule,
 )
+from autopar.report._hosts import (
+    axes_across_hosts,
+    matmul_weight_splits,
+    weights_split_across_hosts,
+)
 from autopar.report._pictures import plot_layout
 
 __all__ = [
     "TaskRecord",
+    "axes_across_hosts",
     "compare",
     "diff_plans",
     "explain",
     "gantt",
     "gantt_compare",
+    "matmul_weight_splits",
     "pipeline_bubble",
     "plan_figures",
     "plan_schedule",
     "plot_layout",
     "simulate_schedule",
+    "weights_split_across_hosts",
 ]

@@ -3,7 +3,8 @@
 Per step: the batch is cut into microbatches; for each task of the schedule, the stage's
 forward or backward segment runs on its submesh (its inputs moved there with
 `jax.device_put` into the stage's expected sharding); gradients are summed on the stage
-that computes them; then the update fragments run once, each on its stage, with the
+that computes them (data-parallel weight gradients as unreduced per-device partial sums,
+reduced once per step); then the update fragments run once, each on its stage, with the
 summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
 """
 
@@ -16,8 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
+from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
+from autopar.inter._deferred import stacked_layout
 from autopar.inter._partition import Partition, Segment
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._schedule import dispatch_order, stage_order
@@ -67,6 +71,20 @@ class PipelineExecutable:
         self.meshes = [jax_mesh(p.mesh, devices) for p in stage_plans]
         self.stage_plans = list(stage_plans)
         self.timeline: list[TaskRecord] | None = None
+        # Gradients kept as stacks of per-device partial sums until the update (one
+        # reduction per step; see autopar.inter._deferred).
+        self.stacked = [
+            stacked_layout(partition.stage_graphs[s], plan, partition.deferrable)
+            for s, plan in enumerate(self.stage_plans)
+        ]
+        # A stacked gradient the update of another stage reads (a shared weight's
+        # contribution) is reduced on its own stage first, once per step.
+        self.handoff: list[dict[int, Any]] = []
+        for s, stacked in enumerate(self.stacked):
+            elsewhere = {
+                v for seg in partition.apply if seg.stage != s for v in seg.inputs
+            } & set(stacked)
+            self.handoff.append({v: self._reducer(s, v) for v in elsewhere})
         grad_set = set(partition.grad_vars)
         scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
         self.tasks: dict[tuple[str, int], _Compiled] = {}
@@ -76,6 +94,14 @@ class PipelineExecutable:
         self.apply = [self._lower(seg, (), scale, output_specs) for seg in partition.apply]
         self.batch_vars = [v for v in graph.invars if graph.vars[v].role is Role.BATCH]
 
+    def _reducer(self, stage: int, v: int):
+        """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
+        planned."""
+        plan = self.stage_plans[stage]
+        spec = plan.var_specs[v] or replicated(len(self.graph.vars[v].shape))
+        sharding = NamedSharding(self.meshes[stage], to_partition_spec(spec))
+        return jax.jit(lambda x: x.sum(axis=0), out_shardings=sharding)
+
     def _lower(self, seg: Segment, accumulate, scale, output_specs) -> _Compiled:
         sub = self.partition.stage_graphs[seg.stage]
         plan = self.stage_plans[seg.stage]
@@ -83,15 +109,16 @@ class PipelineExecutable:
         overrides = dict(plan.output_overrides)
         overrides.update({v: s for v, s in (output_specs or {}).items() if v in seg.outputs})
         sums = tuple(v for v in seg.outputs if v in set(accumulate))
+        stacked = self.stacked[seg.stage]
         fn, in_sh, _ = lower_segment(
             sub, plan, seg.nodes, seg.inputs, seg.outputs, mesh, scale=scale,
-            output_specs=overrides,
+            output_specs=overrides, stacked=stacked,
         )
         fn_sum = None
         if sums:
             fn_sum, _, _ = lower_segment(
                 sub, plan, seg.nodes, seg.inputs, seg.outputs, mesh, accumulate=sums,
-                output_specs=overrides,
+                output_specs=overrides, stacked=stacked,
             )
         return _Compiled(seg, fn, fn_sum, in_sh, sums)
 
@@ -176,7 +203,9 @@ class PipelineExecutable:
             t.join()
         if errors:
             raise errors[0]
-        for sums in stage_sums:
+        for stage, sums in enumerate(stage_sums):
+            for v, reduce in self.handoff[stage].items():
+                sums[v] = reduce(sums[v])
             step_env.update(sums)
         for compiled in self.apply:
             start = time.perf_counter()
@@ -213,6 +242,8 @@ class PipelineExecutable:
         if v not in step_env:
             return self.graph.vars[v].value  # a constant result
         x = step_env[v]
+        if any(v in stacked and x.ndim > len(self.graph.vars[v].shape) for stacked in self.stacked):
+            x = x.sum(axis=0)  # a gradient returned as is: reduce its partial sums
         if v in set(self.partition.grad_vars) and self.num_microbatches > 1:
             return x / self.num_microbatches  # a mean over microbatches (e.g. the loss)
         return x
