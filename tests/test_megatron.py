@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +16,25 @@ from helpers import assert_trees_close, compiled_hlo, run_steps
 
 import autopar
 from autopar.graph import trace
+from autopar.intra._ilp import solve
+from autopar.intra._options import ShardOptions
+from autopar.intra._problem import build_problem
 from autopar.manual import (
     Kind,
     MegatronConfig,
     classify_parameters,
+    kept_activation_bytes,
     megatron_configs,
     megatron_grid_search,
     megatron_plan,
+    megatron_plan_for_graph,
     megatron_specs,
+    pin_activations,
+    residual_specs,
+    residual_stream,
+    stage_mesh,
 )
+from autopar.manual._sequence import forward_nodes
 from examples import gpt, moe
 
 LR = 1e-2
@@ -31,9 +42,9 @@ BATCH = 8
 DATA, MODEL = ("data",), ("model",)
 
 
-def _gpt(hidden=64, num_layers=2):
+def _gpt(hidden=64, num_layers=2, seq_len=16):
     cfg = dataclasses.replace(
-        gpt.CONFIGS["tiny"], hidden=hidden, num_layers=num_layers, seq_len=16
+        gpt.CONFIGS["tiny"], hidden=hidden, num_layers=num_layers, seq_len=seq_len
     )
     optimizer = optax.adamw(LR, eps=1e-6)
     step = gpt.make_train_step(cfg, optimizer)
@@ -97,6 +108,58 @@ def all_reduced_tensors(hlo: str, groups: set[tuple[int, ...]]) -> int:
     return count
 
 
+# One HLO instruction: name, result shape (a tuple in parentheses or one array), opcode.
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?(?P<name>%[\w.-]+)\s*=\s*(?P<shape>\(.*?\)|\w+\[[0-9,]*\])"
+    r"(?:\{[^}]*\})?\s+(?P<op>[\w-]+)\((?P<rest>.*)$"
+)
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+    return tuple(_ints(re.search(r"\[([0-9,]*)\]", shape).group(1)))
+
+
+def activation_collectives(hlo: str, groups: set[tuple[int, ...]], tp: int) -> Counter:
+    """Collectives within exactly `groups` on rank-3 (batch, sequence, hidden) tensors.
+
+    "all_gather": gathered along dim 1, the sequence. "reduce_scatter": all-reduced, then
+    every user keeps a 1/`tp` slice of one dimension: XLA:CPU has no reduce-scatter and
+    its SPMD partitioner writes one as an all-reduce and a dynamic-slice (fused or not).
+    "all_reduce": any other all-reduced rank-3 tensor (each element of a tuple counts).
+    """
+    found = [m for m in map(_INSTRUCTION.match, hlo.splitlines()) if m]
+    users: dict[str, list[re.Match]] = {}
+    for m in found:
+        for ref in set(re.findall(r"%[\w.-]+", m.group("rest").split("metadata=")[0])):
+            users.setdefault(ref, []).append(m)
+
+    def sliced(name: str, dims: tuple[int, ...]) -> bool:
+        outs = [_dims(u.group("shape")) for u in users.get(name, [])]
+        one_slice = sorted([1.0] * (len(dims) - 1) + [float(tp)])
+        return bool(outs) and all(
+            len(o) == len(dims) and sorted(b / a for a, b in zip(o, dims)) == one_slice
+            for o in outs
+        )
+
+    counts = Counter()
+    for m in found:
+        op = m.group("op")
+        if op not in ("all-gather", "all-reduce") or replica_groups(m.group(0)) != groups:
+            continue
+        if op == "all-gather":
+            if len(_dims(m.group("shape"))) == 3 and "dimensions={1}" in m.group("rest"):
+                counts["all_gather"] += 1
+            continue
+        tensors = [(m.group("name"), m.group("shape"))]
+        if m.group("shape").startswith("("):  # a tuple: its elements' get-tuple-elements
+            tensors = [(u.group("name"), u.group("shape")) for u in users.get(m.group("name"), [])
+                       if u.group("op") == "get-tuple-element"]
+        for name, shape in tensors:
+            if len(_dims(shape)) == 3:
+                counts["reduce_scatter" if sliced(name, _dims(shape)) else "all_reduce"] += 1
+    return counts
+
+
 def test_replica_group_spellings():
     assert replica_groups("replica_groups={{0,1},{2,3}}, x") == {(0, 1), (2, 3)}
     assert replica_groups("replica_groups=[4,2]<=[8], x") == {(0, 1), (2, 3), (4, 5), (6, 7)}
@@ -114,10 +177,11 @@ def test_gpt_dp4_tp2_matches_single_device_and_has_megatron_all_reduces():
     MLP outputs forward, the inputs of QKV and of the MLP first linear backward. We count
     tensors all-reduced within exactly the "model" groups {0,1},{2,3},{4,5},{6,7} of the
     compiled step (TP innermost). XLA may merge all-reduces into one tuple all-reduce, so
-    each tensor of a tuple counts; XLA:CPU lowers a reduce-scatter (which the ILP may pick
-    for a row-parallel output, sequence-parallel style) as an all-reduce plus a slice, so it
-    counts too. The vocabulary-parallel embedding adds more; a plan without tensor
-    parallelism has none, so at least 4 per layer is a real check."""
+    each tensor of a tuple counts; XLA:CPU lowers a reduce-scatter as an all-reduce plus a
+    slice, so it counts too. The vocabulary-parallel embedding adds more; a plan without
+    tensor parallelism has none, so at least 4 per layer is a real check. Without sequence
+    parallelism the residual stream stays whole on "model", so the activations are
+    all-reduced, never reduce-scattered (the contrast with the SP test below)."""
     cfg, optimizer, step, args = _gpt()
     plan = megatron_plan(step, *args, cluster=_cpu(), dp=4, tp=2)
     assert plan.method == "megatron(dp=4,tp=2,pp=1)"
@@ -154,7 +218,46 @@ def test_gpt_dp4_tp2_matches_single_device_and_has_megatron_all_reduces():
     assert found >= 4 * cfg.num_layers, (
         f"{found} tensors all-reduced over 'model', expected >= {4 * cfg.num_layers}"
     )
+    activations = activation_collectives(hlo, model_groups, 2)
+    assert activations["all_reduce"] >= 4 * cfg.num_layers, activations
     assert "all_reduce" in plan.stages[0].sharding.cost.collectives
+    graph = trace(step, *args)
+    stream = residual_stream(graph).vars
+    assert {plan.stages[0].sharding.var_specs[v] for v in stream} == {(DATA, (), ())}
+
+
+def test_gpt_sequence_parallel_matches_single_device_and_reduce_scatters():
+    """Sequence parallelism (Korthikanti et al. 2022): the residual stream is split on the
+    sequence over "model", each TP block's all-reduce becomes a reduce-scatter onto the
+    sequence and its input is all-gathered. Per layer, forward: 2 reduce-scatters
+    (attention and MLP outputs) and 2 all-gathers (the layer-norm outputs into QKV and the
+    MLP); backward: their transposes, 2 all-gathers and 2 reduce-scatters. In the compiled
+    HLO no activation is all-reduced over "model" any more."""
+    cfg, optimizer, step, args = _gpt()
+    plan = megatron_plan(step, *args, cluster=_cpu(), dp=4, tp=2, sequence_parallel=True)
+    assert plan.method == "megatron(dp=4,tp=2,pp=1,sp)"
+    graph = trace(step, *args)
+    stream = residual_stream(graph)
+    assert (stream.batch, stream.sequence, stream.hidden) == (BATCH, 16, {cfg.hidden})
+    sharding = plan.stages[0].sharding
+    assert {sharding.var_specs[v] for v in stream.vars} == {(DATA, MODEL, ())}
+    assert plan.specs_by_path()["params/layers/0/attn/wqkv"] == ((), MODEL)  # TP as before
+    assert "reduce_scatter" in sharding.cost.collectives
+
+    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(cfg, BATCH, jax.random.key(1))
+    ref_losses, ref_state = run_steps(jax.jit(step), state, batch)
+    par = autopar.autoparallel(step, plan=plan, donate_argnums=())
+    losses, par_state = run_steps(par, state, batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(par_state.params, ref_state.params, atol=1e-3)
+
+    hlo = compiled_hlo(par, state, batch)
+    found = activation_collectives(hlo, set(plan.stages[0].mesh.groups("model")), 2)
+    print(f"sequence-parallel collectives on 'model' for {cfg.num_layers} layers: {found}")
+    assert found["all_reduce"] == 0, found
+    assert found["reduce_scatter"] >= 4 * cfg.num_layers, found
+    assert found["all_gather"] >= 4 * cfg.num_layers, found
 
 
 # ---- the layout from the dataflow ---------------------------------------------------
@@ -251,15 +354,113 @@ def test_split_that_does_not_divide_names_path_and_fix():
         megatron_plan(step, params, jnp.zeros((8, 16)), cluster=_cpu(), dp=2, tp=4)
 
 
-def test_unmarked_pipeline_and_sequence_parallel_are_refused():
+def test_unmarked_pipeline_and_bad_options_are_refused():
     _, _, step, args = _gpt(hidden=32)
     # pp > 1 needs layers: this GPT has no layer_boundary marks
     with pytest.raises(ValueError, match="layer_boundary"):
         megatron_plan(step, *args, cluster=_cpu(), dp=2, tp=2, pp=2, num_microbatches=4)
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        megatron_plan(step, *args, cluster=_cpu(), dp=4, tp=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         megatron_plan(step, *args, cluster=_cpu(), dp=8, tp=1, schedule="zigzag")
+    with pytest.raises(ValueError, match="splits the sequence over the tensor-parallel "
+                       "devices, but tp=1; use tp > 1 or sequence_parallel=False"):
+        megatron_plan(step, *args, cluster=_cpu(), dp=8, tp=1, sequence_parallel=True)
+    _, _, step12, args12 = _gpt(hidden=32, seq_len=12)
+    with pytest.raises(ValueError, match=r"splits the sequence \(12 positions\) over tp=8"):
+        megatron_plan(step12, *args12, cluster=_cpu(), dp=1, tp=8, sequence_parallel=True)
+
+
+def test_sequence_parallel_needs_transformer_blocks():
+    """A model without row-parallel weights has no residual stream to split; without SP
+    its activations are left to the ILP as before."""
+    params = {"my_kernel": jnp.zeros((4, 2, 3, 3)), "head": jnp.zeros((4 * 8 * 8, 8))}
+    batch = {"x": jnp.zeros((8, 2, 8, 8))}
+    overrides = {"params/my_kernel": (None, None, None, None)}
+    with pytest.raises(ValueError, match="needs tensor-parallel blocks"):
+        megatron_plan(_conv_step, params, batch, cluster=_cpu(), dp=4, tp=2,
+                      sequence_parallel=True, overrides=overrides)
+    assert residual_specs(trace(_conv_step, params, batch), MegatronConfig(dp=4, tp=2)) == {}
+
+
+# ---- sequence parallelism: the residual stream and its pins ------------------------------
+
+
+def test_residual_stream_is_what_tp_leaves_whole():
+    """Found from the dataflow: the inputs of the column-parallel dots (layer-norm outputs),
+    the outputs of the row-parallel dots; not the head-split attention context."""
+    cfg, _, step, args = _gpt(hidden=32)
+    graph = trace(step, *args)
+    stream = set(residual_stream(graph).vars)
+    kinds = classify_parameters(graph)
+    column_inputs, row_outputs, row_inputs = [], [], []
+    for node in graph.nodes:
+        weights = [kinds[v].kind for v in node.inputs if v in kinds]
+        if node.primitive != "dot_general" or not weights:
+            continue
+        activation = next(v for v in node.inputs if v not in kinds)
+        if weights[0] is Kind.COLUMN and activation not in column_inputs:
+            column_inputs.append(activation)
+        if weights[0] is Kind.ROW and graph.vars[node.outputs[0]].shape == (BATCH, 16, 32):
+            row_outputs.append(node.outputs[0])
+            row_inputs.append(activation)
+    assert len(column_inputs) >= 2 * cfg.num_layers  # forward (and backward) uses of QKV, w1
+    assert set(column_inputs[: 2 * cfg.num_layers]) <= stream
+    assert set(row_outputs[: 2 * cfg.num_layers]) <= stream
+    assert not set(row_inputs) & stream
+    assert all(graph.vars[v].shape == (BATCH, 16, 32) for v in stream)
+
+
+def test_pin_activations_restricts_the_leader_of_a_follower():
+    _, _, step, args = _gpt(hidden=32, num_layers=1)
+    graph = trace(step, *args)
+    config = MegatronConfig(dp=4, tp=2)
+    cluster = _cpu()
+    mesh = stage_mesh(cluster, config, 0)
+    built = build_problem(graph, mesh, cluster, ShardOptions(), (),
+                          megatron_specs(graph, config))
+    # An elementwise op of the residual stream follows its producer's choice.
+    v = next(v for v in residual_stream(graph).vars
+             if built.source_of[v][0] in built.problem.followers)
+    index, k = built.source_of[v]
+    leader = built.problem.followers[index][0]
+    spec = (MODEL, (), ())  # the batch split on "model": not Megatron's, just a pin to honour
+    pinned = pin_activations(built, graph, {v: spec})
+    assert pinned.problem.num_strategies[leader] < built.problem.num_strategies[leader]
+    assert pinned.problem.num_strategies[index] == built.problem.num_strategies[index]
+    choice = solve(pinned.problem).choices[index]
+    assert pinned.ilp_nodes[index].strategies[choice].out_specs[k] == spec
+    # (batch, sequence, 1): a layer norm's mean cannot be split on its size-1 dimension
+    mean = next(v.id for v in graph.vars if v.shape == (BATCH, 16, 1) and v.id in built.source_of)
+    with pytest.raises(ValueError, match=rf"cannot give activation {mean} of shape "
+                       r"\(8, 16, 1\) the spec P\(None, None, 'model'\)"):
+        pin_activations(built, graph, {mean: ((), (), MODEL)})
+    lenient = pin_activations(built, graph, {mean: ((), (), MODEL)}, where_possible=True)
+    assert lenient.problem.num_strategies == built.problem.num_strategies
+    assert "activations left unpinned" in lenient.warnings[-1]
+
+
+def test_sequence_parallel_lowers_predicted_activation_memory():
+    """On DGX A100s the SP plan keeps a tp-th of the residual stream's activations per
+    device (Korthikanti et al. 2022: 34/t instead of 10 + 24/t of the 34·sbh bytes)."""
+    _, _, step, args = _gpt(hidden=64, num_layers=1)
+    graph = trace(step, *args)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1)
+    kept, peak = {}, {}
+    for sp in (False, True):
+        plan = megatron_plan_for_graph(
+            graph, cluster, MegatronConfig(dp=2, tp=4, sequence_parallel=sp)
+        )
+        kept[sp] = kept_activation_bytes(graph, plan)
+        peak[sp] = plan.stages[0].sharding.cost.memory_per_device
+    # The residual-stream values the backward pass reads, per device with dp=2, shrink to
+    # a quarter (tp=4); nothing else is kept in a larger layout.
+    forward = forward_nodes(graph)
+    read_later = {v for n in graph.nodes if n.id not in forward for v in n.inputs}
+    stream_kept = sum(graph.vars[v].nbytes for v in residual_stream(graph).vars
+                      if v in read_later) / 2
+    print(f"kept activations per device: {kept[False]:.0f} -> {kept[True]:.0f} bytes "
+          f"(residual stream {stream_kept:.0f}); peak {peak[False]:.0f} -> {peak[True]:.0f}")
+    assert kept[False] - kept[True] >= (1 - 1 / 4) * stream_kept > 0
+    assert peak[True] < peak[False]
 
 
 # ---- grid search ------------------------------------------------------------------------
@@ -280,12 +481,13 @@ def test_megatron_configs_enumeration():
 
 
 def test_grid_search_on_dgx_returns_best_and_reasons():
-    _, _, step, args = _gpt(hidden=32)
+    _, _, step, args = _gpt(hidden=32, num_layers=1)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1)
     # With dp=8 every device holds all weights, their Adam moments and an eighth of the
-    # activations: at least 0.57 MB per device (the ILP's least memory); tp=8 fits in
-    # about 0.41 MB.
-    budget = 5e5
+    # activations: at least 0.34 MB per device (the ILP's least memory). tp=8 needs
+    # 0.33 MB with the residual stream whole on every device, and fits in 0.16 MB with it
+    # split on the sequence (sequence parallelism); dp=2 x tp=4 needs 0.26 MB.
+    budget = 3e5
     best, results = megatron_grid_search(
         step, *args, cluster=cluster, pp_values=(1, 2), sequence_parallel=(False, True),
         memory_budget=budget,
@@ -293,9 +495,10 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
     outcome = {c.name: o for c, o in results}
     assert "MemoryBudgetError" in outcome["megatron(dp=8,tp=1,pp=1)"]
     assert "layer_boundary" in outcome["megatron(dp=2,tp=2,pp=2,mb=4)"]  # no layer marks
-    assert "sequence_parallel" in outcome["megatron(dp=4,tp=2,pp=1,sp)"]
+    assert "MemoryBudgetError" in outcome["megatron(dp=1,tp=8,pp=1)"]
     times = {name: o for name, o in outcome.items() if isinstance(o, float)}
-    assert "megatron(dp=1,tp=8,pp=1)" in times
+    assert {"megatron(dp=1,tp=8,pp=1,sp)", "megatron(dp=4,tp=2,pp=1,sp)"} <= set(times)
+    assert not any("NotImplementedError" in str(o) for o in outcome.values())
     assert best.method == min(times, key=times.get)
     assert best.predicted_step_time == min(times.values())
     assert best.stages[0].sharding.cost.memory_per_device <= budget

@@ -1,20 +1,25 @@
-"""A Megatron plan with pipeline stages (tp=2, pp=2, dp=2) runs and matches one device."""
+"""Megatron plans with pipeline stages (tp=2, pp=2, dp=2), with and without sequence
+parallelism, run and match one device."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 
 import jax
 import numpy as np
 import optax
 from helpers import assert_trees_close, run_steps
+from test_megatron import activation_collectives
 
 import autopar
 from autopar.lower import count_collectives
 from examples import gpt
 
-CFG = dataclasses.replace(gpt.CONFIGS["tiny"], hidden=64, layer_markers=True)
+CFG = dataclasses.replace(gpt.CONFIGS["tiny"], hidden=64, num_layers=2, layer_markers=True)
+# Stage-local device ids of the "model" groups of a (dp=2, tp=2) stage mesh (TP innermost).
+MODEL_GROUPS = {(0, 1), (2, 3)}
 
 
 def _model_axis_all_reduces(hlo: str, tp: int) -> int:
@@ -35,13 +40,15 @@ def _model_axis_all_reduces(hlo: str, tp: int) -> int:
     return count
 
 
-def test_megatron_tp2_pp2_dp2_matches_one_device_and_all_reduces_per_layer():
+def _run_and_compare(sequence_parallel: bool):
+    """Plan, run 3 steps against one device; **Returns:** (plan, [(phase, HLO text)])."""
     opt = optax.adamw(1e-2, eps=1e-6)
     state = gpt.init_state(CFG, opt, jax.random.key(0))
     batch = gpt.make_batch(CFG, 8, jax.random.key(1))
     step = gpt.make_train_step(CFG, opt)
     plan = autopar.megatron_plan(
-        step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2, num_microbatches=2
+        step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2, num_microbatches=2,
+        sequence_parallel=sequence_parallel,
     )
     assert plan.num_stages == 2 and plan.runtime == "pipeline"
     assert [len(s.mesh.device_ids) for s in plan.stages] == [4, 4]
@@ -51,10 +58,8 @@ def test_megatron_tp2_pp2_dp2_matches_one_device_and_all_reduces_per_layer():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(par_state, ref_state, 1e-3)
 
-    # Megatron TP: two all-reduces forward (attention output, MLP output) and two backward
-    # (the column-parallel inputs' gradients) per transformer layer, on the model axis.
     pipeline = par.pipeline
-    total = 0
+    hlos = []
     for (phase, stage), task in pipeline.tasks.items():
         if not task.segment.nodes:
             continue
@@ -63,8 +68,33 @@ def test_megatron_tp2_pp2_dp2_matches_one_device_and_all_reduces_per_layer():
             jax.ShapeDtypeStruct(sub.vars[v].shape, sub.vars[v].dtype, sharding=sh)
             for v, sh in zip(task.segment.inputs, task.in_shardings)
         ]
-        hlo = task.fn.lower(*args).compile().as_text()
+        hlos.append((phase, task.fn.lower(*args).compile().as_text()))
+    return plan, hlos
+
+
+def test_megatron_tp2_pp2_dp2_matches_one_device_and_all_reduces_per_layer():
+    _, hlos = _run_and_compare(sequence_parallel=False)
+    # Megatron TP: two all-reduces forward (attention output, MLP output) and two backward
+    # (the column-parallel inputs' gradients) per transformer layer, on the model axis.
+    total = 0
+    for phase, hlo in hlos:
         assert "all_reduce" in count_collectives(hlo) or phase == "forward"
         total += _model_axis_all_reduces(hlo, 2)
     print(f"model-axis all-reduces over both stages: {total} for {CFG.num_layers} layers")
     assert total >= 4 * CFG.num_layers
+
+
+def test_megatron_sequence_parallel_pipeline_reduce_scatters_instead():
+    """With sequence parallelism each stage's layers reduce-scatter onto the sequence and
+    all-gather it back (two of each per layer forward, two of each backward); no
+    activation is all-reduced over "model"."""
+    plan, hlos = _run_and_compare(sequence_parallel=True)
+    assert plan.method == "megatron(dp=2,tp=2,pp=2,sp,mb=2)"
+    total = Counter()
+    for _, hlo in hlos:
+        total += activation_collectives(hlo, MODEL_GROUPS, 2)
+    print(f"sequence-parallel collectives on 'model' over both stages: {total} for "
+          f"{CFG.num_layers} layers")
+    assert total["all_reduce"] == 0
+    assert total["reduce_scatter"] >= 4 * CFG.num_layers
+    assert total["all_gather"] >= 4 * CFG.num_layers

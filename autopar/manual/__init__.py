@@ -5,6 +5,8 @@ model as the automatic planner, to compare against it (`autopar.report.compare`)
 
 - `_dataflow.py`: each parameter's Megatron role from how the step uses it;
 - `_layout.py`: `MegatronConfig` and the specs of all inputs on a (dp, tp) mesh;
+- `_sequence.py`: the residual stream's layout (with or without sequence parallelism)
+  and the ILP restricted to it;
 - `_megatron.py`: `megatron_plan`, the ILP around the pinned inputs, the stages;
 - `_grid.py`: `megatron_grid_search` over (dp, tp, pp) and microbatches.
 """
@@ -25,6 +27,13 @@ from autopar.manual._megatron import (
     plan_keeping_state,
     stage_mesh,
 )
+from autopar.manual._sequence import (
+    ResidualStream,
+    kept_activation_bytes,
+    pin_activations,
+    residual_specs,
+    residual_stream,
+)
 
 __all__ = [
     "GridResult",
@@ -32,15 +41,20 @@ __all__ = [
     "MegatronConfig",
     "MeshAxis",
     "Placement",
+    "ResidualStream",
     "build_stages",
     "classify_parameters",
     "describe_layout",
+    "kept_activation_bytes",
     "megatron_configs",
     "megatron_grid_search",
     "megatron_plan",
     "megatron_plan_for_graph",
     "megatron_specs",
     "normalize_spec",
+    "pin_activations",
     "plan_keeping_state",
+    "residual_specs",
+    "residual_stream",
     "stage_mesh",
 ]

@@ -115,6 +115,24 @@ def classify_parameters(graph: OpGraph) -> dict[int, Placement]:
     return _demote_unpaired(graph, placements, walker.paired)
 
 
+def split_dimensions(graph: OpGraph) -> dict[int, Tracked]:
+    """The activation dimensions that carry a column-parallel split, per variable.
+
+    **Arguments:**
+    - `graph`: a traced train step.
+
+    **Returns:** ``{var id: per-dimension ids of the column-parallel weights it carries}``
+    for every variable with at least one tracked dimension (see the module docstring);
+    a variable missing from the result is whole on every dimension under Megatron TP. Only
+    the forward pass is meaningful: backward uses of a weight are not first uses.
+    """
+    params = [v.id for v in graph.inputs_with_role(Role.PARAM)]
+    walker = _Walker(graph, params)
+    for node in graph.nodes:
+        walker.visit(node)
+    return dict(walker.tracked)
+
+
 class _Walker:
     """One pass over the nodes: tracks split dimensions and classifies first uses."""
 

@@ -2,9 +2,13 @@
 
 In: a train step, abstract arguments, a cluster and the values to try. Out: the plan with
 the least predicted step time, and every configuration tried with its predicted time or
-the reason it was skipped (does not fit in memory, a weight that cannot be split, a
-feature not supported yet). The step is traced once per microbatch count; each
-configuration costs one ILP (or, for layer-marked models, one per distinct layer).
+the reason it was skipped (does not fit in memory, a weight that cannot be split, fewer
+layers than stages, a sequence tp does not divide). Sequence parallelism is tried with
+and without by default (with tp > 1): it trades the per-layer all-reduces for
+reduce-scatters and all-gathers of the same volume and keeps a tp-th of the layer-norm
+regions' activations, so it decides which configurations fit. The step is traced once
+per microbatch count; each configuration costs one ILP (or, for layer-marked models, one
+per distinct layer).
 
 Which configurations are valid follows Narayanan et al. 2021 (REFERENCES.md, "Guidance"):
 dp·tp·pp is the number of devices and TP stays inside a host (tp <= devices per host);
@@ -35,7 +39,7 @@ def megatron_grid_search(
     *abstract_args: Any,
     cluster: Any,
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
-    sequence_parallel: Sequence[bool] = (False,),
+    sequence_parallel: Sequence[bool] = (False, True),
     pp_values: Sequence[int] = (1,),
     distributed_optimizer: Sequence[bool] = (False,),
     donate_argnums: Sequence[int] = (0,),
@@ -48,7 +52,8 @@ def megatron_grid_search(
     - `step_fn`, `abstract_args`, `cluster`: as for `megatron_plan`.
     - `microbatch_sizes`: examples per microbatch per data-parallel rank, tried when
       pp > 1 (with pp = 1 the whole batch is one microbatch).
-    - `sequence_parallel`, `pp_values`, `distributed_optimizer`: the values to try.
+    - `sequence_parallel`, `pp_values`, `distributed_optimizer`: the values to try
+      (sequence parallelism only where tp > 1).
     - `donate_argnums`, `batch_argnums`, `memory_budget`: as for `megatron_plan`.
 
     **Returns:** ``(best plan, results)``; `results` lists every configuration tried, in
@@ -88,7 +93,7 @@ def megatron_grid_search(
                 graphs[m], cluster, config, donate_argnums=donate_argnums,
                 memory_budget=memory_budget,
             )
-        except (ValueError, NotImplementedError) as err:  # MemoryBudgetError is a ValueError
+        except ValueError as err:  # MemoryBudgetError is a ValueError
             results.append((config, f"{type(err).__name__}: {err}"))
             log.info("%s: skipped (%s)", config.name, type(err).__name__)
             continue

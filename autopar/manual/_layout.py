@@ -41,7 +41,8 @@ class MegatronConfig:
 
     **Arguments:**
     - `dp`, `tp`, `pp`: data-, tensor- and pipeline-parallel degrees; dp·tp·pp devices.
-    - `sequence_parallel`: split layer-norm regions on the sequence (with TP).
+    - `sequence_parallel`: split the layer-norm regions (the residual stream) on the
+      sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
     - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
     """
@@ -59,6 +60,11 @@ class MegatronConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "sequence_parallel=True splits the sequence over the tensor-parallel devices, "
+                "but tp=1; use tp > 1 or sequence_parallel=False"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"

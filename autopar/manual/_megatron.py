@@ -13,7 +13,11 @@ GShard and Megatron-DeepSpeed do: each data-parallel rank holds E/dp experts and
 travel by all-to-all), with the expert FFN split over "model" like a dense MLP. Every
 other variable is then placed by the intra-op ILP (`plan_on_mesh`'s problem with
 `fixed=specs`) at least cost, with the pinned inputs kept where they lie
-(`plan_keeping_state`).
+(`plan_keeping_state`). The forward residual stream (layer norms, residual and bias adds,
+embedding output) is pinned too (`_sequence.py`): whole on "model" as Megatron's tensor
+parallelism leaves it, or, with sequence parallelism (Korthikanti et al. 2022), split on
+the sequence over "model", so that the ILP turns each block's all-reduce into a
+reduce-scatter and all-gathers the block input.
 
 Rank order (REFERENCES.md): TP innermost, so the devices of one "model" group are
 consecutive (inside a host), then DP, then PP outermost: stage s owns devices
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from autopar._planning import input_infos, microbatch_args, resolve_cluster, tied_state
-from autopar.cluster._mesh import LogicalMesh, replicated
+from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph, Role, trace
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
@@ -38,6 +42,7 @@ from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 from autopar.manual._layout import AXIS_NAMES, MegatronConfig, Schedule, megatron_specs
+from autopar.manual._sequence import pin_activations, residual_specs
 from autopar.plan import Plan, Stage
 
 # Inputs a Megatron plan never reshards (see `plan_keeping_state`).
@@ -75,11 +80,12 @@ def megatron_plan(
       dimension (None, an axis name "data"/"model", or a tuple of them).
     - `memory_budget`: bytes per device; default: the cluster's device memory.
 
-    **Returns:** the `Plan` (method ``megatron(dp=..,tp=..,pp=..)``). Raises ValueError
-    when dp·tp·pp is not the number of devices or a parameter cannot be placed (naming
-    it and the `overrides` fix), `MemoryBudgetError` when the layout does not fit, and
-    NotImplementedError for pp > 1, num_microbatches > 1 and sequence_parallel=True
-    (not supported yet).
+    **Returns:** the `Plan` (method ``megatron(dp=..,tp=..,pp=..)``, with ``,sp`` under
+    sequence parallelism). Raises ValueError when dp·tp·pp is not the number of devices,
+    a parameter cannot be placed (naming it and the `overrides` fix), pp exceeds the
+    layers marked with `autopar.layer_boundary`, or sequence parallelism cannot apply
+    (tp = 1, tp not dividing the sequence, no (batch, sequence) input); and
+    `MemoryBudgetError` when the layout does not fit.
 
     **Example:**
 
@@ -121,23 +127,17 @@ def megatron_plan_for_graph(
 ) -> Plan:
     """`megatron_plan` for an already traced step (the grid search traces once).
 
-    **Returns:** the `Plan`. Raises ValueError for a device-count mismatch or a parameter
-    it cannot place, `MemoryBudgetError` when the layout does not fit, and
-    NotImplementedError for features the planner cannot express yet.
+    **Returns:** the `Plan`. Raises ValueError and `MemoryBudgetError` as
+    `megatron_plan` does.
     """
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
-    if config.sequence_parallel:
-        raise NotImplementedError(
-            "sequence_parallel=True needs the layer-norm regions' activations pinned split "
-            "on the sequence dimension over 'model', but plan_on_mesh pins graph inputs only "
-            "(fixed=...), not activations; use sequence_parallel=False"
-        )
     specs = megatron_specs(graph, config, overrides)
+    pinned = residual_specs(graph, config)
     tied = tied_state(graph, tuple(donate_argnums))
     options = ShardOptions(method="shard", memory_budget=memory_budget)
     start = time.perf_counter()
-    stages = build_stages(graph, cluster, config, specs, tied, options)
+    stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned)
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
     pipelined = _layer_wise(graph, config)
@@ -195,23 +195,28 @@ def stage_mesh(cluster, config: MegatronConfig, stage: int) -> LogicalMesh:
     )
 
 
-def build_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, ...]:
-    """The plan's stages: the one place that needs pipeline support for pp > 1.
+def build_stages(
+    graph, cluster, config, specs, tied, options, *, pinned: Mapping[int, Spec] | None = None
+) -> tuple[Stage, ...]:
+    """The plan's stages.
 
-    A pipelined Megatron plan is "the layers split evenly into pp stages, stage s on
-    `stage_mesh(cluster, config, s)` with the same `specs` for the inputs it uses", run
-    with `config.num_microbatches` and `config.schedule`. Until that exists, pp > 1 (and
-    gradient accumulation, num_microbatches > 1) raise NotImplementedError here.
+    A pipelined Megatron plan is the layers split evenly into pp stages, stage s on
+    `stage_mesh(cluster, config, s)` with the same `specs` for the inputs it uses, run
+    with `config.num_microbatches` and `config.schedule` (`_pipeline_stages`); otherwise
+    one SPMD stage on the (dp, tp) mesh.
 
     **Arguments:** the traced `graph`, the `cluster`, the `config`, the input `specs`
-    (`megatron_specs`), the `tied` state pairs and the ILP `options`.
+    (`megatron_specs`), the `tied` state pairs, the ILP `options`, and the `pinned`
+    activation specs (`residual_specs`).
 
     **Returns:** the `Stage`s, in pipeline order.
     """
+    pinned = dict(pinned or {})
     if _layer_wise(graph, config):
-        return _pipeline_stages(graph, cluster, config, specs, tied, options)
+        return _pipeline_stages(graph, cluster, config, specs, tied, options, pinned)
     sharding = plan_keeping_state(
-        graph, cluster, stage_mesh(cluster, config, 0), options, tied, fixed=specs
+        graph, cluster, stage_mesh(cluster, config, 0), options, tied, fixed=specs,
+        pinned=pinned,
     )
     return (Stage((0, 1), sharding),)
 
@@ -225,17 +230,18 @@ def _layer_wise(graph: OpGraph, config: MegatronConfig) -> bool:
     return config.pp > 1 or config.num_microbatches > 1 or (marked and boundary)
 
 
-def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stage, ...]:
+def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tuple[Stage, ...]:
     """pp stages of consecutive layers (split as evenly as the layer marks allow), each on
     its dp x tp submesh with the same Megatron layout, run by the pipeline runtime.
 
     Each distinct layer is solved once on the (dp, tp) mesh with its inputs pinned to the
-    Megatron layout, and a stage's plan is stitched from its layers' plans (the same
-    layer-wise planning as `method="auto"`), so large models plan in seconds.
+    Megatron layout (and its residual stream to `pinned`), and a stage's plan is stitched
+    from its layers' plans (the same layer-wise planning as `method="auto"`), so large
+    models plan in seconds.
     """
     from autopar.inter._layers import assign_layers
     from autopar.inter._partition import partition
-    from autopar.inter._planner import LayerCostTable
+    from autopar.inter._planner import LayerCostTable, in_flight_microbatches, stage_memory
 
     layers = assign_layers(graph)
     if config.pp > layers.num_layers:
@@ -247,26 +253,44 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stag
     edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]
 
-    def solve(sub, mesh, ties):
+    def solve(sub, mesh, ties, weights):
         invars = set(sub.invars)
         fixed = {v: spec for v, spec in specs.items() if v in invars}
-        return plan_keeping_state(sub, cluster, mesh, options, ties, fixed)
+        return plan_keeping_state(
+            sub, cluster, mesh, options, ties, fixed, weights, pinned=pinned
+        )
 
     table = LayerCostTable(
-        graph, layers, cluster, options, tied, solve=solve, axis_names=AXIS_NAMES
+        graph, layers, cluster, options, tied, num_microbatches=config.num_microbatches,
+        solve=solve, axis_names=AXIS_NAMES,
     )
     part = partition(graph, layers, bounds)
     shape = (config.dp, config.tp)
+    budget = options.memory_budget or cluster.device_memory
     stages = []
     for s, layer_range in enumerate(bounds):
+        costs = []
         for k in range(*layer_range):
-            if table.cost(k, shape) is None:
-                budget = options.memory_budget or cluster.device_memory
+            cost = table.cost(k, shape)
+            if cost is None:
                 raise ValueError(
                     f"the Megatron layout {config.name} does not fit layer {k} in "
                     f"{budget / 2**30:.2f} GiB per device; use a larger tp or pp, more "
                     "microbatches, more devices, or a larger memory budget"
                 )
+            costs.append(cost)
+        # The same memory model as the stage DP of method="auto": state, accumulated
+        # gradients, and the activations of every microbatch the schedule keeps in flight.
+        in_flight = in_flight_microbatches(config.schedule, config.num_microbatches, config.pp - s)
+        memory = stage_memory(costs, in_flight)
+        if memory > budget:
+            raise ValueError(
+                f"the Megatron layout {config.name} does not fit stage {s} (layers "
+                f"{layer_range[0]}..{layer_range[1] - 1}) in {budget / 2**30:.2f} GiB per "
+                f"device: it needs {memory / 2**30:.2f} GiB with the activations of "
+                f"{in_flight} microbatch(es) in flight ({config.schedule}); use a larger tp "
+                "or pp, more microbatches, sequence parallelism, or a larger memory budget"
+            )
         sharding = table.stage_plan(
             graph, part, s, layer_range, shape, stage_mesh(cluster, config, s), tied
         )
@@ -274,7 +298,10 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options) -> tuple[Stag
     return tuple(stages)
 
 
-def plan_keeping_state(graph, cluster, mesh, options, tied, fixed) -> ShardingPlan:
+def plan_keeping_state(
+    graph, cluster, mesh, options, tied, fixed, weights=None, *,
+    pinned: Mapping[int, Spec] | None = None,
+) -> ShardingPlan:
     """`plan_on_mesh` where parameters, optimizer state and the batch never move.
 
     Megatron communicates activations and gradients only: a column-parallel weight is
@@ -288,13 +315,22 @@ def plan_keeping_state(graph, cluster, mesh, options, tied, fixed) -> ShardingPl
     at least cost around the pinned inputs. The predicted costs are those of the
     unpenalised problem.
 
-    **Arguments:** as `autopar.intra.plan_on_mesh`; `fixed` must pin every input of a
-    `PINNED_ROLES` role (here: `megatron_specs`).
+    Variables in `pinned` take their spec strictly: strategies giving them another are
+    removed before the solve (`pin_activations`; this is how Megatron's residual-stream
+    layout, with or without sequence parallelism, is expressed). A value whose node
+    cannot produce its spec at all is left free and named in the plan's warnings.
+
+    **Arguments:** as `autopar.intra.plan_on_mesh` (`weights` as `build_problem`'s);
+    `fixed` must pin every input of a `PINNED_ROLES` role (here: `megatron_specs`);
+    `pinned` maps variable ids, results or inputs (those not in `graph`'s problem are
+    skipped), to the only spec each may take.
 
     **Returns:** the `ShardingPlan`; its warnings name any pinned input that had to be
     resharded because a consumer has no strategy taking it as it is.
     """
-    built = build_problem(graph, mesh, cluster, options, tied, fixed)
+    built = build_problem(graph, mesh, cluster, options, tied, fixed, weights)
+    if pinned:
+        built = pin_activations(built, graph, pinned, where_possible=True)
     penalised, forbidden = _penalise_moving_state(built, graph)
     solution = solve(penalised, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
