@@ -6,7 +6,8 @@ predicted step time and TFLOP/s per GPU of both planners, and each chosen plan i
 Nothing executes; every figure comes from the shared cost model.
 
 The Megatron baseline is a grid over dp x tp x pp (tp inside a host, Narayanan et al. 2021;
-REFERENCES.md "Megatron-LM plans") and the same microbatch counts, each configuration
+REFERENCES.md "Megatron-LM plans"), sequence parallelism on and off (Korthikanti et al.
+2022) and the same microbatch counts, each configuration
 planned on the step traced at one microbatch (`megatron_plan_for_graph`), so pp = 1 plans
 accumulate gradients over microbatches as Megatron does. The distributed optimizer (ZeRO-1)
 is tried only when a configuration does not fit without it (it changes memory, not time).
@@ -26,6 +27,7 @@ from autopar._planning import microbatch_args, plan
 from autopar.cluster import Cluster
 from autopar.graph import trace
 from autopar.manual import MegatronConfig, megatron_plan_for_graph
+from autopar.report import weights_split_across_hosts
 from examples import gpt, moe
 
 log = logging.getLogger("autopar.benchmarks")
@@ -61,6 +63,9 @@ class PlannerResult:
     plan_line: str
     planning_seconds: float
     phases: dict[str, float] = field(default_factory=dict)
+    # Matmul weights split across hosts where the matmul reads them (tensor parallelism
+    # over the slow links; `autopar.report.weights_split_across_hosts`).
+    cross_host_splits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,15 +140,17 @@ def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> 
             best = p
     if best is None:
         raise error
-    return _result(best, cluster, flops, time.perf_counter() - start, phases)
+    seconds = time.perf_counter() - start
+    graph = trace(step, *microbatch_args(args, (1,), best.num_microbatches))
+    return _result(best, cluster, flops, seconds, phases, graph)
 
 
 def megatron_configs(num_gpus: int, gpus_per_host: int, num_layers: int, batch: int,
                      microbatches: Sequence[int],
                      pp_values: Sequence[int] | None = None) -> list[MegatronConfig]:
-    """Every dp x tp x pp x microbatch count with tp <= gpus per host, pp <= layers and a
-    whole number of examples per microbatch per data-parallel rank; `pp_values`, if given,
-    limits pp to those values."""
+    """Every dp x tp x pp x microbatch count x sequence parallelism (with tp > 1) with
+    tp <= gpus per host, pp <= layers and a whole number of examples per microbatch per
+    data-parallel rank; `pp_values`, if given, limits pp to those values."""
     configs = []
     for pp in _divisors(num_gpus):
         if pp > num_layers or (pp_values is not None and pp not in pp_values):
@@ -154,7 +161,10 @@ def megatron_configs(num_gpus: int, gpus_per_host: int, num_layers: int, batch: 
                 continue
             for m in microbatches:
                 if batch % (m * dp) == 0:
-                    configs.append(MegatronConfig(dp=dp, tp=tp, pp=pp, num_microbatches=m))
+                    for sp in (False, True) if tp > 1 else (False,):
+                        configs.append(MegatronConfig(
+                            dp=dp, tp=tp, pp=pp, num_microbatches=m, sequence_parallel=sp,
+                        ))
     return configs
 
 
@@ -186,7 +196,9 @@ def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: i
             best = p
     if best is None:
         raise ValueError("no Megatron configuration fits:\n" + "\n".join(failures))
-    return _result(best, cluster, flops, time.perf_counter() - start, phases), tried
+    seconds = time.perf_counter() - start
+    graph = graphs[best.num_microbatches]
+    return _result(best, cluster, flops, seconds, phases, graph), tried
 
 
 def _megatron_plan(graph, cluster, config):
@@ -249,7 +261,7 @@ def step_time(p) -> float:
     return sum(times) + (p.num_microbatches - 1) * max(times)
 
 
-def _result(p, cluster, flops, seconds, phases) -> PlannerResult:
+def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:
     step_time_ = step_time(p)
     return PlannerResult(
         step_time=step_time_,
@@ -257,6 +269,9 @@ def _result(p, cluster, flops, seconds, phases) -> PlannerResult:
         plan_line=plan_line(p),
         planning_seconds=seconds,
         phases=dict(phases),
+        cross_host_splits=tuple(
+            weights_split_across_hosts(p, graph, cluster.devices_per_host)
+        ),
     )
 
 

@@ -63,14 +63,19 @@ def _large_section(rows: dict, all_rows: list[str]) -> str:
         "(`trace(step, ...).total_flops`) / (predicted step time x GPUs). *ratio* = "
         "autopar's predicted throughput / the best Megatron plan's (bar: "
         f"{GPT_BAR} for GPT, {MOE_BAR} for MoE). Megatron grid: every dp x tp x pp with "
-        "tp <= 8 and pp <= layers, the same microbatch counts as autopar, ZeRO-1 when "
-        "needed to fit; sequence parallelism is not expressible yet. Planning seconds are "
-        "wall time on a 2-core CPU; autopar's phases are trace and stage DP + layer ILPs, "
+        "tp <= 8 and pp <= layers, sequence parallelism on and off (tp > 1), the same "
+        "microbatch counts as autopar, ZeRO-1 when needed to fit, each stage's memory "
+        "checked with its in-flight activations as autopar's stage DP does. *Weights "
+        "split across hosts*: matmul weights the autopar plan splits, where the matmul "
+        "reads them, on a mesh axis spanning hosts (tensor parallelism over the slow "
+        "links). Planning seconds are wall time on a 2-core CPU; autopar's phases are "
+        "trace and stage DP + layer ILPs, "
         "summed over the microbatch counts tried.\n",
         "| row | GPUs | autopar TFLOP/s/GPU | Megatron TFLOP/s/GPU | ratio | bar | "
-        "autopar plan | Megatron plan | autopar planning (trace / DP+ILPs / total) | "
-        "Megatron grid time | microbatches tried |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "autopar plan | autopar weights split across hosts | Megatron plan | "
+        "autopar planning (trace / DP+ILPs / total) | Megatron grid time | "
+        "microbatches tried |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in all_rows:
         if key in rows:
@@ -104,10 +109,20 @@ def _row_line(key: str, r: dict) -> str:
                   f"{auto['planning_seconds']:.0f} s")
     return (
         f"| {key} | {r['num_gpus']} | {_tflops(auto)} | {_tflops(meg)} | {ratio} | {bar} | "
-        f"{auto['plan_line'] if auto else '-'} | {meg['plan_line'] if meg else '-'} | "
+        f"{auto['plan_line'] if auto else '-'} | {_tp_across(auto)} | "
+        f"{meg['plan_line'] if meg else '-'} | "
         f"{phases} | {_seconds(meg)} | "
         f"{', '.join(map(str, r['microbatches']))} |"
     )
+
+
+def _tp_across(result: dict | None) -> str:
+    """How many matmul weights the plan splits across hosts (tensor parallelism over the
+    slow links): "none", or the count and the first."""
+    if not result or "cross_host_splits" not in result:
+        return "-"
+    splits = result["cross_host_splits"]
+    return "none" if not splits else f"{len(splits)} (e.g. {splits[0]})"
 
 
 def _seconds(result: dict | None) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -68,14 +69,15 @@ def load_results(path: Path) -> dict:
 def save(results: dict, path: Path, output: Path) -> None:
     """Merge the results into the stored ones (another run may have added rows meanwhile),
     store them and rewrite the markdown from them."""
-    stored = load_results(path)
-    stored["rows"].update(results["rows"])
-    if results.get("local"):
-        stored["local"] = results["local"]
-    results = stored
-    path.write_text(json.dumps(results, indent=1, sort_keys=True))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(render(results, [row.key for row in ALL_ROWS]))
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one run at a time reads, merges and writes
+        stored = load_results(path)
+        stored["rows"].update(results["rows"])
+        if results.get("local"):
+            stored["local"] = results["local"]
+        path.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(render(stored, [row.key for row in ALL_ROWS]))
 
 
 def row_record(result: RowResult, microbatches, seconds: float) -> dict:
@@ -130,7 +132,9 @@ def main(argv=None) -> None:
         print("\n".join(row.key for row in ALL_ROWS))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    results = load_results(args.results)
+    # Only this run's rows: `save` merges them into the stored ones, so several runs (e.g.
+    # one per CPU core, each with its own --rows) can share one results file.
+    results = {"rows": {}, "local": None}
     rows = [] if args.local_only else select_rows(args.rows, args.quick)
     for i, row in enumerate(rows):
         log.info("row %d/%d: %s ...", i + 1, len(rows), row.key)
