@@ -40,9 +40,8 @@ MOE_ROWS = (Row("moe", "10B", 2), Row("moe", "27B", 4))
 ALL_ROWS = tuple(Row("gpt", m, h) for m in GPT_MODELS for h in HOSTS) + MOE_ROWS
 QUICK_ROWS = ("gpt-1.3B@8", "gpt-2.6B@16")
 # Microbatch counts both planners try for a global batch of 1024 (16 sequences per
-# microbatch). 16 microbatches do not fit 80 GB for 1.3B on 8 GPUs without remat, and with
-# 32 `autopar.plan` fails whenever its stage DP picks one stage (see docs/benchmarks.md);
-# pass `--microbatches 32 64` to search more once that is fixed.
+# microbatch). 16 microbatches do not fit 80 GB for 1.3B on 8 GPUs without remat; each
+# further count repeats both searches (pass `--microbatches 32 64` to try two).
 DEFAULT_MICROBATCHES = (64,)
 
 

@@ -1,0 +1,306 @@
+"""The numbers of the sharding ILP, its result types and the exact measures of a choice.
+
+In: node cost vectors, edge resharding matrices, memory per strategy, memory groups, a
+memory budget and followers, given to `ShardingProblem`, which validates them (every error
+says what is wrong and how to fix it) and freezes them as float64 / int64 arrays.
+Out: `ShardingProblem`; the result types `Solution` and `SolveStats`; `MemoryBudgetError`;
+`resolve_followers` (follower chains to their root leaders); and, for a given choice of
+strategies, `evaluate` (its total cost) and `peak_memory` (its largest memory group).
+
+Nothing here solves anything: the solver (`_ilp.py`) and the brute-force reference
+(`_ilp_reference.py`) both build on these definitions.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------
+# Problem and solution data
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ShardingProblem:
+    """The numbers the sharding ILP sees.
+
+    **Arguments:**
+    - `node_costs`: node i's cost per strategy, float64[S_i] (seconds; compute plus
+      communication, already summed). Every S_i >= 1.
+    - `edges`: pairs (u, v) with u != v; duplicates are allowed and summed.
+    - `edge_costs`: resharding cost of each edge, float64[S_u, S_v].
+    - `node_memory`: bytes per device of node i per strategy, float64[S_i]; or empty.
+    - `memory_groups`: each group lists nodes live together at one program point.
+    - `memory_budget`: bytes per device every group's sum must fit in; None: no limit.
+    - `followers`: v -> (u, map): v must pick strategy map[s_u] (int[S_u]); chains allowed.
+    - `names`: optional node names, used in messages.
+
+    All costs and memory must be finite. Arrays are converted to float64 / int64 copies.
+    """
+
+    node_costs: tuple[np.ndarray, ...]
+    edges: tuple[tuple[int, int], ...] = ()
+    edge_costs: tuple[np.ndarray, ...] = ()
+    node_memory: tuple[np.ndarray, ...] = ()
+    memory_groups: tuple[tuple[int, ...], ...] = ()
+    memory_budget: float | None = None
+    followers: Mapping[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_problem(self)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+    @property
+    def num_strategies(self) -> tuple[int, ...]:
+        return tuple(len(c) for c in self.node_costs)
+
+
+@dataclass(frozen=True)
+class SolveStats:
+    """Sizes and timings of one solve.
+
+    `num_variables_before_merge` counts the plain Alpa formulation of the original problem
+    (one binary per node strategy, one variable per strategy pair of every edge);
+    `num_variables` and `num_constraints` are those of the ILP actually solved, after
+    merging, pruning and elimination. `num_ilp_nodes` is the nodes left in that ILP.
+    """
+
+    num_nodes: int
+    num_nodes_after_merge: int
+    num_ilp_nodes: int
+    num_variables_before_merge: int
+    num_variables: int
+    num_constraints: int
+    build_time: float
+    solve_time: float
+    solver: str
+    formulation: str
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The chosen strategy of every original node.
+
+    `objective` is recomputed exactly from `choices` with `evaluate`. `status` is
+    "optimal", or "time_limit" when the time limit stopped the solver with a feasible but
+    not proven optimal plan.
+    """
+
+    choices: tuple[int, ...]
+    objective: float
+    status: Literal["optimal", "time_limit"]
+    stats: SolveStats
+
+
+class MemoryBudgetError(ValueError):
+    """No choice of strategies fits the memory budget.
+
+    `budget` is the budget asked for and `least_memory` the least per-device memory any
+    choice reaches (see `least_memory`), both in bytes.
+    """
+
+    def __init__(self, budget: float, least: float):
+        self.budget = budget
+        self.least_memory = least
+        super().__init__(
+            f"memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per device is "
+            f"infeasible: the least memory per device any choice of strategies reaches is "
+            f"{least:.6g} bytes ({least / 2**30:.3f} GiB). Raise memory_budget to at least "
+            f"{least:.6g}, or lower the memory needed (more devices, more pipeline stages, "
+            f"smaller micro-batches, rematerialisation)."
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------
+
+
+def node_name(problem: ShardingProblem, v: int) -> str:
+    """`names[v]` if names were given, else "node v"."""
+    return f"node {v} ({problem.names[v]!r})" if problem.names else f"node {v}"
+
+
+def _float_vector(values, what: str, length: int | None = None) -> np.ndarray:
+    array = np.array(values, dtype=np.float64)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"{what} must be a non-empty 1-D array, got shape {array.shape}.")
+    if length is not None and array.size != length:
+        raise ValueError(f"{what} has {array.size} entries but the node has {length} strategies.")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(
+            f"{what} has a NaN or infinite entry; drop impossible strategies instead of giving "
+            "them infinite cost, or use a large finite cost."
+        )
+    return array
+
+
+def _check_problem(p: ShardingProblem) -> None:
+    """Validate `p` and freeze its fields as float64/int64 arrays and tuples."""
+    put = lambda name, value: object.__setattr__(p, name, value)
+    if len(p.node_costs) == 0:
+        raise ValueError("ShardingProblem needs at least one node in node_costs.")
+    costs = (_float_vector(c, f"node_costs[{i}]") for i, c in enumerate(p.node_costs))
+    put("node_costs", tuple(costs))
+    sizes = p.num_strategies
+    n = len(sizes)
+    put("names", tuple(str(s) for s in p.names))
+    if p.names and len(p.names) != n:
+        raise ValueError(f"names has {len(p.names)} entries but there are {n} nodes.")
+    put("edges", tuple((int(u), int(v)) for u, v in p.edges))
+    if len(p.edge_costs) != len(p.edges):
+        raise ValueError(
+            f"edge_costs has {len(p.edge_costs)} matrices but there are {len(p.edges)} edges."
+        )
+    matrices = []
+    for k, ((u, v), cost) in enumerate(zip(p.edges, p.edge_costs)):
+        if not (0 <= u < n and 0 <= v < n) or u == v:
+            raise ValueError(f"edges[{k}] = {(u, v)} must join two different nodes in [0, {n}).")
+        matrix = np.array(cost, dtype=np.float64)
+        if matrix.shape != (sizes[u], sizes[v]) or not np.all(np.isfinite(matrix)):
+            raise ValueError(
+                f"edge_costs[{k}] for edge {(u, v)} must be a finite array of shape "
+                f"{(sizes[u], sizes[v])} (strategies of both ends), got shape {matrix.shape}."
+            )
+        matrices.append(matrix)
+    put("edge_costs", tuple(matrices))
+    _check_memory(p, put)
+    _check_followers(p, put)
+
+
+def _check_memory(p: ShardingProblem, put) -> None:
+    n, sizes = p.num_nodes, p.num_strategies
+    if p.node_memory:
+        if len(p.node_memory) != n:
+            raise ValueError(f"node_memory has {len(p.node_memory)} entries but {n} nodes.")
+        memory = tuple(
+            _float_vector(m, f"node_memory[{i}]", sizes[i]) for i, m in enumerate(p.node_memory)
+        )
+        if any(np.any(m < 0) for m in memory):
+            raise ValueError("node_memory has a negative entry; memory is bytes per device.")
+        put("node_memory", memory)
+    groups = tuple(tuple(int(v) for v in group) for group in p.memory_groups)
+    for k, group in enumerate(groups):
+        if any(not 0 <= v < n for v in group) or len(set(group)) != len(group):
+            raise ValueError(
+                f"memory_groups[{k}] = {group} must list distinct nodes in [0, {n})."
+            )
+    put("memory_groups", groups)
+    if groups and not p.node_memory:
+        raise ValueError("memory_groups were given without node_memory; give both or neither.")
+    if p.memory_budget is not None:
+        budget = float(p.memory_budget)
+        if not math.isfinite(budget) or budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}.")
+        put("memory_budget", budget)
+
+
+def _check_followers(p: ShardingProblem, put) -> None:
+    n, sizes = p.num_nodes, p.num_strategies
+    followers = {}
+    for v, (u, strategy_map) in sorted(p.followers.items()):
+        v, u = int(v), int(u)
+        if not (0 <= v < n and 0 <= u < n) or u == v:
+            raise ValueError(f"follower {v} of leader {u} must be two different nodes in [0, {n}).")
+        mapping = np.array(strategy_map, dtype=np.int64)
+        if mapping.shape != (sizes[u],) or np.any(mapping < 0) or np.any(mapping >= sizes[v]):
+            raise ValueError(
+                f"the follower map of {node_name(p, v)} must give, for each of the {sizes[u]} "
+                f"strategies of its leader {node_name(p, u)}, a strategy index in "
+                f"[0, {sizes[v]}); got {mapping.tolist()}."
+            )
+        followers[v] = (u, mapping)
+    put("followers", types.MappingProxyType(followers))
+    resolve_followers(p)  # raises on cycles
+
+
+def resolve_followers(p: ShardingProblem) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """Resolve follower chains to their root leaders.
+
+    **Arguments:**
+    - `p`: the problem.
+
+    **Returns:** `(root, strategy_of)`: `root[v]` is the node whose choice decides v (v
+    itself for a non-follower) and `strategy_of[v][k]` is v's strategy when the root picks k.
+    """
+    n = p.num_nodes
+    root = np.full(n, -1, dtype=np.int64)
+    strategy_of: list[np.ndarray | None] = [None] * n
+    for start in range(n):
+        chain = []
+        v = start
+        while root[v] < 0 and v in p.followers:
+            if v in chain:
+                cycle = " -> ".join(node_name(p, w) for w in chain[chain.index(v) :] + [v])
+                raise ValueError(f"followers form a cycle ({cycle}); one node must lead.")
+            chain.append(v)
+            v = p.followers[v][0]
+        if root[v] < 0:
+            root[v], strategy_of[v] = v, np.arange(p.num_strategies[v])
+        for w in reversed(chain):
+            leader, mapping = p.followers[w]
+            root[w], strategy_of[w] = root[leader], mapping[strategy_of[leader]]
+    return root, tuple(strategy_of)
+
+
+def _check_choices(p: ShardingProblem, choices: Sequence[int]) -> tuple[int, ...]:
+    choices = tuple(int(k) for k in choices)
+    if len(choices) != p.num_nodes:
+        raise ValueError(f"got {len(choices)} choices for {p.num_nodes} nodes.")
+    for v, k in enumerate(choices):
+        if not 0 <= k < p.num_strategies[v]:
+            raise ValueError(
+                f"choice {k} of {node_name(p, v)} is not in [0, {p.num_strategies[v]})."
+            )
+    for v, (u, mapping) in p.followers.items():
+        if choices[v] != mapping[choices[u]]:
+            raise ValueError(
+                f"{node_name(p, v)} follows {node_name(p, u)} and must pick strategy "
+                f"{mapping[choices[u]]} when its leader picks {choices[u]}, not {choices[v]}."
+            )
+    return choices
+
+
+# --------------------------------------------------------------------------------------
+# Objective and memory of a given choice
+# --------------------------------------------------------------------------------------
+
+
+def evaluate(problem: ShardingProblem, choices: Sequence[int]) -> float:
+    """Total cost of a choice of strategies, summed exactly (`math.fsum`).
+
+    **Arguments:**
+    - `problem`: the problem.
+    - `choices`: a strategy index per node; followers must match their leaders.
+
+    **Returns:** sum_v c_v[s_v] + sum_(u,v) R_uv[s_u, s_v], in the problem's cost units.
+    """
+    s = _check_choices(problem, choices)
+    terms = [cost[s[v]] for v, cost in enumerate(problem.node_costs)]
+    terms += [r[s[u], s[v]] for (u, v), r in zip(problem.edges, problem.edge_costs)]
+    return math.fsum(terms)
+
+
+def peak_memory(problem: ShardingProblem, choices: Sequence[int]) -> float:
+    """Largest memory group total of a choice (bytes per device); 0.0 without groups.
+
+    **Arguments:**
+    - `problem`: the problem.
+    - `choices`: a strategy index per node.
+
+    **Returns:** max over memory groups of sum_(v in group) node_memory[v][s_v].
+    """
+    s = _check_choices(problem, choices)
+    totals = [math.fsum(problem.node_memory[v][s[v]] for v in g) for g in problem.memory_groups]
+    return max(totals, default=0.0)
+

@@ -1,0 +1,310 @@
+"""Exact reductions of a sharding problem before its ILP is built (numbers only).
+
+In: a `ShardingProblem` and its resolved followers (`resolve_followers`).
+Out: a `CostGraph` with followers folded into their leaders (`merge_followers`), the memory
+groups on the merged nodes (`merged_memory_groups`, `binding_groups`), and a `Reduction`
+(`reduce_graph`): the smaller graph and memory groups the ILP is built from, plus what is
+needed to map the ILP's choices back to every merged node (`Reduction.recover`).
+
+The reductions, each keeping the optimum unchanged:
+1. followers are merged into their leaders and parallel edges summed (`merge_followers`);
+2. dominated strategies are dropped: b goes when some a is never worse whatever the
+   neighbours pick and needs no more memory (`_undominated`);
+3. single-strategy nodes become constants (`_fix_single_strategy_nodes`);
+4. nodes with at most two neighbours and no memory term are eliminated by min-plus
+   products (`_eliminate_low_degree`) and recovered after the solve (`_back_substitute`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.intra._ilp_problem import ShardingProblem
+
+# --------------------------------------------------------------------------------------
+# Reduction: merge followers, drop dominated strategies, fix and eliminate nodes
+# --------------------------------------------------------------------------------------
+
+
+class CostGraph:
+    """Node cost vectors and edge cost matrices of the merged problem, mutable.
+
+    `adjacent[v][w]` is the matrix of edge {v, w} with v's strategies as rows (the entry for
+    w -> v is its transpose). Arrays are never modified in place, so copies may share them.
+    """
+
+    def __init__(self, node_cost: dict[int, np.ndarray]):
+        self.node_cost = dict(node_cost)
+        self.adjacent: dict[int, dict[int, np.ndarray]] = {v: {} for v in node_cost}
+
+    def copy(self) -> CostGraph:
+        other = CostGraph(self.node_cost)
+        other.adjacent = {v: dict(row) for v, row in self.adjacent.items()}
+        return other
+
+    def add_node_cost(self, v: int, cost: np.ndarray) -> None:
+        self.node_cost[v] = self.node_cost[v] + cost
+
+    def add_edge(self, v: int, w: int, matrix: np.ndarray) -> None:
+        assert v != w, f"self-edge on node {v} must be folded into its node cost"
+        old = self.adjacent[v].get(w)
+        new = matrix if old is None else old + matrix
+        self.adjacent[v][w], self.adjacent[w][v] = new, new.T
+
+    def restrict(self, v: int, keep: np.ndarray) -> None:
+        """Keep only the strategies `keep` (indices) of node v."""
+        self.node_cost[v] = self.node_cost[v][keep]
+        for w, matrix in self.adjacent[v].items():
+            self.adjacent[v][w] = matrix[keep, :]
+            self.adjacent[w][v] = self.adjacent[v][w].T
+
+    def remove_node(self, v: int) -> None:
+        for w in self.adjacent.pop(v):
+            del self.adjacent[w][v]
+        del self.node_cost[v]
+
+    def edges(self) -> list[tuple[int, int, np.ndarray]]:
+        """Every edge once, as (v, w, matrix) with v < w, sorted."""
+        return [
+            (v, w, m) for v in sorted(self.adjacent) for w, m in sorted(self.adjacent[v].items())
+            if v < w
+        ]
+
+    def local_cost(self, v: int, choice: Mapping[int, int]) -> np.ndarray:
+        """Cost per strategy of v with all its neighbours fixed to `choice`."""
+        cost = self.node_cost[v]
+        for w, matrix in sorted(self.adjacent[v].items()):
+            cost = cost + matrix[:, choice[w]]
+        return cost
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryGroup:
+    """A memory group on merged nodes: constant + sum_v terms[v][s_v] bytes, terms >= 0."""
+
+    constant: float
+    terms: tuple[tuple[int, np.ndarray], ...]
+
+    def upper(self) -> float:
+        return self.constant + math.fsum(float(t.max()) for _, t in self.terms)
+
+
+def merge_followers(p: ShardingProblem, root: np.ndarray, strategy_of) -> CostGraph:
+    """Fold followers into their roots and sum parallel edges (Alpa's follower merging)."""
+    roots = sorted({int(r) for r in root})
+    graph = CostGraph({r: np.zeros(p.num_strategies[r]) for r in roots})
+    for v, cost in enumerate(p.node_costs):
+        graph.add_node_cost(int(root[v]), cost[strategy_of[v]])
+    for (u, v), matrix in zip(p.edges, p.edge_costs):
+        ru, rv = int(root[u]), int(root[v])
+        if ru == rv:  # an edge inside one follower group is a cost of that group's choice
+            graph.add_node_cost(ru, matrix[strategy_of[u], strategy_of[v]])
+        else:
+            graph.add_edge(ru, rv, matrix[np.ix_(strategy_of[u], strategy_of[v])])
+    return graph
+
+
+def _memory_group(terms: Mapping[int, np.ndarray], constant: float = 0.0) -> MemoryGroup:
+    """A group from per-node byte vectors: minima go to the constant, all-zero terms away."""
+    constant += math.fsum(float(t.min()) for t in terms.values())
+    shifted = ((v, t - t.min()) for v, t in sorted(terms.items()))
+    return MemoryGroup(constant, tuple((v, t) for v, t in shifted if t.any()))
+
+
+def merged_memory_groups(p: ShardingProblem, root, strategy_of) -> list[MemoryGroup]:
+    """Each memory group on merged nodes."""
+    groups = []
+    for members in p.memory_groups:
+        terms: dict[int, np.ndarray] = {}
+        for v in members:
+            r = int(root[v])
+            term = p.node_memory[v][strategy_of[v]]
+            terms[r] = term if r not in terms else terms[r] + term
+        groups.append(_memory_group(terms))
+    return groups
+
+
+def binding_groups(groups: list[MemoryGroup], budget: float) -> list[MemoryGroup]:
+    """The groups that some choice could push over `budget`, without duplicates."""
+    binding, seen = [], set()
+    for group in groups:
+        key = (group.constant, tuple((r, t.tobytes()) for r, t in group.terms))
+        if group.upper() > budget and key not in seen:
+            seen.add(key)
+            binding.append(group)
+    return binding
+
+
+def _fix_single_strategy_nodes(graph: CostGraph) -> list[int]:
+    """Remove nodes with one strategy, moving their edges into neighbour costs.
+    **Returns:** the removed nodes."""
+    fixed = [v for v, cost in sorted(graph.node_cost.items()) if len(cost) == 1]
+    for v in fixed:
+        for w, matrix in sorted(graph.adjacent[v].items()):
+            graph.add_node_cost(w, matrix[0, :])
+        graph.remove_node(v)
+    return fixed
+
+
+def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarray:
+    """Strategies of v to keep: b goes if a kept a is never worse, whatever v's neighbours
+    pick, and needs no more memory in any group (`memory`: v's byte vectors).
+
+    extra[a, b] = c_v[a] - c_v[b] + sum_w max_j (R_vw[a, j] - R_vw[b, j]) bounds how much
+    switching v from b to a can cost; extra <= 0 means a dominates b. Candidates are
+    dropped from the highest index down, so ties keep the lower index. Dominance is
+    transitive (max of a sum <= sum of maxima), so every removed strategy stays dominated by
+    a kept one and the optimum is unchanged.
+
+    **Returns:** int array of kept strategy indices, ascending.
+    """
+    cost = graph.node_cost[v]
+    extra = cost[:, None] - cost[None, :]
+    for _, matrix in sorted(graph.adjacent[v].items()):
+        extra = extra + (matrix[:, None, :] - matrix[None, :, :]).max(axis=2)
+    dominates = extra <= 0
+    for bytes_ in memory:
+        dominates &= bytes_[:, None] <= bytes_[None, :]
+    np.fill_diagonal(dominates, False)
+    alive = np.ones(len(cost), dtype=bool)
+    for b in reversed(range(len(cost))):
+        if np.any(dominates[alive, b]):
+            alive[b] = False
+    return np.flatnonzero(alive)
+
+
+def _prune_dominated(
+    graph: CostGraph, groups: list[MemoryGroup], kept: dict[int, np.ndarray]
+) -> None:
+    """Drop dominated strategies (see `_undominated`) until none is left, updating `graph`
+    and `kept[v]` (the original index of each remaining strategy of v)."""
+    memory_of: dict[int, list[np.ndarray]] = {}
+    for group in groups:
+        for v, bytes_ in group.terms:
+            memory_of.setdefault(v, []).append(bytes_)
+    queue = sorted(graph.node_cost)
+    queued = set(queue)
+    while queue:
+        v = heapq.heappop(queue)
+        queued.discard(v)
+        keep = _undominated(graph, v, [t[kept[v]] for t in memory_of.get(v, ())])
+        if len(keep) == len(graph.node_cost[v]):
+            continue
+        graph.restrict(v, keep)
+        kept[v] = kept[v][keep]
+        for w in graph.adjacent[v]:
+            if w not in queued:
+                queued.add(w)
+                heapq.heappush(queue, w)
+
+
+def _restrict_groups(
+    groups: list[MemoryGroup], kept: dict[int, np.ndarray], budget: float
+) -> list[MemoryGroup]:
+    """The binding memory groups over the strategies left in `kept`."""
+    restricted = []
+    for group in groups:
+        terms = {v: bytes_[kept[v]] for v, bytes_ in group.terms}
+        restricted.append(_memory_group(terms, group.constant))
+    return binding_groups(restricted, budget)
+
+
+@dataclass(frozen=True, eq=False)
+class _Eliminated:
+    """A node removed by elimination: its cost and its edges to the neighbours it had."""
+
+    node: int
+    cost: np.ndarray
+    neighbours: tuple[int, ...]
+    matrices: tuple[np.ndarray, ...]  # rows: the node's strategies
+
+
+def _eliminate_low_degree(graph: CostGraph, pinned: set[int]) -> list[_Eliminated]:
+    """Bucket-eliminate nodes with <= 2 neighbours that no memory constraint mentions.
+
+    A leaf v of neighbour u adds min_j(c_v[j] + R_uv[:, j]) to c_u; a node v between u and
+    w adds the edge min_j(c_v[j] + R_uv[:, j] + R_vw[j, :]) to {u, w} (only when that edge
+    is no larger than the two it replaces). Exact: min over v is taken for every choice of
+    the neighbours. `_back_substitute` recovers v's choice after the solve.
+
+    **Returns:** the eliminated nodes, in elimination order.
+    """
+    eliminated: list[_Eliminated] = []
+    heap = [v for v in sorted(graph.node_cost) if v not in pinned]
+    while heap:
+        v = heapq.heappop(heap)
+        if v not in graph.node_cost or not _eliminable(graph, v):
+            continue
+        neighbours = tuple(sorted(graph.adjacent[v]))
+        matrices = tuple(graph.adjacent[v][w] for w in neighbours)
+        cost = graph.node_cost[v]
+        eliminated.append(_Eliminated(v, cost, neighbours, matrices))
+        graph.remove_node(v)
+        if len(neighbours) == 1:
+            graph.add_node_cost(neighbours[0], (cost[:, None] + matrices[0]).min(axis=0))
+        elif len(neighbours) == 2:
+            through = cost[:, None, None] + matrices[0][:, :, None] + matrices[1][:, None, :]
+            graph.add_edge(neighbours[0], neighbours[1], through.min(axis=0))
+        for w in neighbours:
+            if w not in pinned:
+                heapq.heappush(heap, w)
+    return eliminated
+
+
+def _eliminable(graph: CostGraph, v: int) -> bool:
+    neighbours = sorted(graph.adjacent[v])
+    if len(neighbours) <= 1:
+        return True
+    if len(neighbours) > 2:
+        return False
+    u, w = neighbours
+    if w in graph.adjacent[u]:
+        return True
+    s_u, s_v, s_w = (len(graph.node_cost[x]) for x in (u, v, w))
+    return s_u * s_w <= s_v * (s_u + s_w)
+
+
+def _back_substitute(eliminated: list[_Eliminated], choice: dict[int, int]) -> None:
+    """Choose each eliminated node given its neighbours, in reverse elimination order."""
+    for record in reversed(eliminated):
+        cost = record.cost
+        for w, matrix in zip(record.neighbours, record.matrices):
+            cost = cost + matrix[:, choice[w]]
+        choice[record.node] = int(np.argmin(cost))  # first minimum: lowest index on ties
+
+
+@dataclass(frozen=True, eq=False)
+class Reduction:
+    """What `reduce_graph` did, to map ILP choices back: `kept[v]` original strategy indices
+    left at v; `fixed` nodes left with one strategy; `eliminated` in elimination order."""
+
+    graph: CostGraph
+    groups: list[MemoryGroup]
+    kept: dict[int, np.ndarray]
+    fixed: tuple[int, ...]
+    eliminated: list[_Eliminated]
+
+    def recover(self, ilp_choice: Mapping[int, int]) -> dict[int, int]:
+        """Original strategy index of every merged node, given the ILP nodes' choices."""
+        choice = {**ilp_choice, **{v: 0 for v in self.fixed}}
+        _back_substitute(self.eliminated, choice)
+        return {v: int(self.kept[v][k]) for v, k in choice.items()}
+
+
+def reduce_graph(graph: CostGraph, groups: list[MemoryGroup], budget: float | None) -> Reduction:
+    """Shrink the merged problem exactly: dominated strategies, single-strategy nodes, then
+    low-degree nodes free of memory terms. `graph` is left unchanged."""
+    reduced = graph.copy()
+    kept = {v: np.arange(len(cost)) for v, cost in reduced.node_cost.items()}
+    _prune_dominated(reduced, groups, kept)
+    if groups:
+        groups = _restrict_groups(groups, kept, budget)
+    fixed = tuple(_fix_single_strategy_nodes(reduced))
+    eliminated = _eliminate_low_degree(reduced, {v for g in groups for v, _ in g.terms})
+    return Reduction(reduced, groups, kept, fixed, eliminated)
+
