@@ -153,3 +153,35 @@ def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
     # (On a 2-D mesh the ILP may still re-lay activations out, batch <-> heads, with
     # all-to-alls: the cost model rates that about 10% faster than pure data parallelism
     # here. Weights are never split, and there is one stage.)
+
+
+def test_stage_that_does_not_fit_uses_leaner_layer_plans():
+    """The fastest plan of every layer fits alone, but a stage of all of them does not fit
+    the budget: the stage DP takes leaner layer plans (a lower memory level) instead of
+    giving up, and the stage then fits."""
+    from autopar._planning import tied_state
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._planner import choose_stages
+    from autopar.intra._options import ShardOptions
+
+    opt = optax.adamw(LR)
+    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+                          gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    tied = tied_state(graph, (0,))
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+
+    def one_stage(budget):
+        choice = choose_stages(graph, layers, cluster, 4, "1f1b",
+                               ShardOptions(memory_budget=budget), tied, num_stages=1,
+                               logical_shapes=[(8,)])
+        return choice.dp.stage_costs[0]
+
+    fastest = one_stage(None)
+    assert fastest.detail == ((8,), 0)
+    budget = 0.8 * fastest.memory
+    lean = one_stage(budget)
+    shape, level = lean.detail
+    assert shape == (8,) and level >= 1
+    assert lean.memory <= budget
+    assert lean.latency >= fastest.latency  # leaner costs time, never less

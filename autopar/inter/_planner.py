@@ -13,6 +13,7 @@ solved once per mesh, never twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -136,26 +137,37 @@ class LayerCostTable:
             structural_fingerprint(g) + repr(sorted(w.items()))
             for g, w in zip(self.per_layer.stage_graphs, self.weights)
         ]
-        self._cache: dict[tuple[str, tuple[int, ...]], LayerCost | None] = {}
-        self._plans: dict[tuple[str, tuple[int, ...]], tuple[ShardingPlan, OpGraph]] = {}
+        self._cache: dict[tuple, LayerCost | None] = {}  # (fingerprint, shape, level)
+        self._plans: dict[tuple, tuple[ShardingPlan, OpGraph]] = {}
         self.num_ilps = 0
 
-    def cost(self, layer: int, shape: tuple[int, ...]) -> LayerCost | None:
-        """None when the layer cannot fit on that mesh in the memory budget."""
-        key = (self.fingerprints[layer], shape)
+    def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
+        """The layer's cost on a mesh of `shape`; None when it cannot fit.
+
+        At `level` L > 0 the layer's ILP may use 1/2^L of the peak memory of its fastest
+        plan (level 0): a leaner plan (more state and activations split) for stages whose
+        fastest layer plans together do not fit.
+        """
+        if level:
+            fastest = self.cost(layer, shape)
+            if fastest is None:
+                return None
+        key = (self.fingerprints[layer], shape, level)
         if key not in self._cache:
             sub = self.per_layer.stage_graphs[layer]
             mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
             self.num_ilps += 1
             ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
             weights = self.weights[layer]
+            options = self.options
+            if level:
+                options = dataclasses.replace(options, memory_budget=fastest.memory / 2**level)
             try:
                 if self.solve is not None:
+                    assert level == 0, "manual plans are solved at the full budget only"
                     plan = self.solve(sub, mesh, ties, weights)
                 else:
-                    plan = plan_on_mesh(
-                        sub, self.cluster, mesh, self.options, ties, weights=weights
-                    )
+                    plan = plan_on_mesh(sub, self.cluster, mesh, options, ties, weights=weights)
             except MemoryBudgetError:
                 self._cache[key] = None
             else:
@@ -206,14 +218,16 @@ class LayerCostTable:
                     ties.append((match, v_in))
         return ties
 
-    def stage_plan(self, graph, stage_part, stage: int, layer_range, shape, mesh, tied):
-        """The plan of one stage stitched from its layers' plans on `shape`."""
+    def stage_plan(self, graph, stage_part, stage: int, layer_range, shape, mesh, tied,
+                   level: int = 0):
+        """The plan of one stage stitched from its layers' plans on `shape` (at memory
+        `level`, see `cost`)."""
         parts = []
         weights = {}
         stage_index = stage_part.node_index[stage]
         for k in range(*layer_range):
-            self.cost(k, shape)
-            plan, solved_on = self._plans[(self.fingerprints[k], shape)]
+            self.cost(k, shape, level)
+            plan, solved_on = self._plans[(self.fingerprints[k], shape, level)]
             sub = self.per_layer.stage_graphs[k]
             parts.append((sub, self.per_layer.node_index[k], plan, solved_on))
             for full, i in self.per_layer.node_index[k].items():
@@ -264,6 +278,14 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
         for v in kept
         if plan.var_specs[v] is not None and sub.vars[v].shape
     )
+
+
+# Memory levels of the layer plans a stage may use: level L solves each layer's ILP with
+# 1/2^L of the peak memory of its fastest plan as the budget. The layer ILPs see one layer
+# and one microbatch; a stage holds many layers' state and gradients and several
+# microbatches' activations, so the fastest plan of each layer may not fit together where
+# leaner ones (state and activations split further) do.
+MEMORY_LEVELS = 5
 
 
 def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
@@ -318,14 +340,22 @@ def choose_stages(
         best = None
         least_memory = math.inf
         for shape in shapes:
-            costs = [table.cost(k, tuple(shape)) for k in range(start, end)]
-            if any(c is None for c in costs):
-                continue
-            latency = sum(c.latency for c in costs)
-            memory = stage_memory(costs, in_flight)
-            least_memory = min(least_memory, memory)
-            if memory <= budget and (best is None or latency < best.latency):
-                best = StageCost(latency, True, memory, tuple(shape))
+            # The fastest layer plans first; if together they do not fit, leaner ones.
+            last_memory = math.inf
+            for level in range(MEMORY_LEVELS):
+                costs = [table.cost(k, tuple(shape), level) for k in range(start, end)]
+                if any(c is None for c in costs):
+                    break
+                latency = sum(c.latency for c in costs)
+                memory = stage_memory(costs, in_flight)
+                least_memory = min(least_memory, memory)
+                if memory <= budget:
+                    if best is None or latency < best.latency:
+                        best = StageCost(latency, True, memory, (tuple(shape), level))
+                    break
+                if memory >= last_memory:
+                    break  # a tighter layer budget no longer helps
+                last_memory = memory
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best
@@ -346,12 +376,15 @@ def choose_stages(
         len(dp.stages), dp.latency, table.num_ilps, time.perf_counter() - start_time,
     )
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
-    shapes = tuple(c.detail for c in dp.stage_costs)
+    shapes = tuple(c.detail[0] for c in dp.stage_costs)
+    levels = tuple(c.detail[1] for c in dp.stage_costs)
     part = partition(graph, layers, list(stage_layers))
     plans = []
     for s, (ids, shape) in enumerate(zip(dp.device_ids, shapes)):
         mesh = LogicalMesh.create(shape, ids)
-        plans.append(table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied))
+        plans.append(
+            table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied, levels[s])
+        )
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
