@@ -1,65 +1,280 @@
 """Resharding: the collectives (and their time) that turn one spec of a tensor into another.
 
-Per mesh axis, going from `src` to `dst`:
-- split in both on the same dimension: nothing;
-- split in `src`, not in `dst`: all-gather along that axis;
-- split in `dst` only: each device slices its part locally, free;
-- split on different dimensions: all-to-all.
-Gathers run first (on the shrinking source split), then all-to-alls, then free slices.
+The model follows what XLA's SPMD partitioner emits (`PartitionedHlo::ReshardNoCache` in
+xla/service/spmd/spmd_partitioner.cc): every rule below was read off compiled HLO, and
+`tests/test_intra_correctness.py::test_reshard_matches_xla` compiles every pair of specs of
+a matrix on meshes (2, 4) and (4, 2) to keep it so. XLA reasons about tile counts and
+device order, not about axis names, so the model does too. Every mesh axis is cut into
+prime *digits* (an axis of size 4 is two digits of size 2, major then minor); a *layout*
+lists, per tensor dimension, the digits that split it, major to minor, and a device's tile
+along a dimension is its coordinates on those digits read as one number.
+
+From `src` to `dst` each dimension's tile count grows or shrinks by some factor, and XLA:
+1. slices growing dimensions locally (free), taking replicated digits;
+2. moves tiles that one dimension loses and another gains with an all-to-all (the moved
+   digits, the minor ones, become the minor digits of the receiver); when the dimensions
+   merely permute their tile counts, each moves whole into the one that needs its count;
+3. all-gathers what shrinking dimensions still lose (their minor digits, one all-gather per
+   dimension, the last dimension first): before the all-to-alls when `dst` has fewer
+   tiles, after them otherwise;
+4. if the digits do not end where `dst` has them, or some were taken from the middle of a
+   dimension, puts every tile on its device with one collective-permute, where the tensor
+   is smallest along the way;
+5. and where it has no such route ("involuntary full rematerialization" in its log), it
+   all-gathers every dimension and slices locally. That happens when a tile count changes
+   by no whole factor, when there are slices and gathers but no trade, when one dimension
+   would trade with two, when a trade has partly replicated layouts on both sides, or when
+   a dimension both gives tiles to an unsplit one and is gathered.
+Examples on a (4, 2) mesh: ``P('x') -> P('y')`` (4 tiles to 2) is a collective-permute of
+the local quarter and an all-gather of pairs, not an all-gather of the whole tensor;
+``P('y') -> P('x')`` (2 to 4) is a local slice and a collective-permute.
 """
 
 from __future__ import annotations
 
+import math
+
 from autopar.cluster._mesh import LogicalMesh, Spec
-from autopar.cost import bytes_per_device, collective_time
+from autopar.cost import collective_time
+from autopar.graph._opgraph import dtype_itemsize
 from autopar.intra._strategies import Collective
 
+Digit = tuple[str, int, int]  # (mesh axis, position in the axis with 0 the major, size)
+Layout = list[list[Digit]]  # per tensor dimension, its digits major to minor
+Move = tuple[int, int, int]  # an all-to-all: (from dimension, to dimension, factor)
 
-def _axis_dims(spec: Spec) -> dict[str, int]:
-    return {a: d for d, axes in enumerate(spec) for a in axes}
+
+def _axis_digits(axis: str, size: int) -> list[Digit]:
+    """The prime factors of an axis, as digits major to minor."""
+    factors = []
+    rest, prime = size, 2
+    while rest > 1:
+        while rest % prime == 0:
+            factors.append(prime)
+            rest //= prime
+        prime += 1
+    return [(axis, i, f) for i, f in enumerate(factors)]
+
+
+def _layout(spec: Spec, mesh: LogicalMesh) -> Layout:
+    sizes = mesh.sizes()
+    return [[d for axis in axes for d in _axis_digits(axis, sizes[axis])] for axes in spec]
+
+
+def _tiles(digits) -> int:
+    return math.prod(size for _, _, size in digits)
+
+
+def _axes(digits, mesh: LogicalMesh) -> tuple[str, ...]:
+    """The mesh axes that some of `digits` belong to, in mesh order."""
+    names = {axis for axis, _, _ in digits}
+    return tuple(a for a in mesh.axis_names if a in names)
+
+
+def _take(candidates, factor: int) -> list[Digit] | None:
+    """Digits from `candidates`, in order, whose sizes multiply to `factor` (None if none)."""
+    taken = []
+    for digit in candidates:
+        if factor == 1:
+            break
+        if digit not in taken and factor % digit[2] == 0:
+            taken.append(digit)
+            factor //= digit[2]
+    return taken if factor == 1 else None
 
 
 def reshard_collectives(
     shape: tuple[int, ...], dtype: str, src: Spec, dst: Spec, mesh: LogicalMesh
 ) -> tuple[Collective, ...]:
-    """The collectives needed to go from `src` to `dst` (empty when free).
+    """The collectives XLA issues to go from `src` to `dst` (empty when free).
 
-    On a dimension split over several axes, only a common leading run of axes stays put.
-    An axis after that run which the target keeps on the same dimension must change
-    position in the device order: one collective-permute (send/recv) of the local block,
-    as XLA's partitioner does, before the other axes are gathered or exchanged.
+    **Arguments:**
+    - `shape`, `dtype`: the global tensor.
+    - `src`, `dst`: its spec before and after (see `autopar.cluster.Spec`).
+    - `mesh`: the logical mesh both specs refer to.
+
+    **Returns:** `Collective`s in the order XLA runs them, with bytes as
+    `autopar.cost.collective_time` takes them (the route is in the module docstring).
     """
     if src == dst:
         return ()
-    src_dims, dst_dims = _axis_dims(src), _axis_dims(dst)
-    current = [list(axes) for axes in src]
-    out: list[Collective] = []
-    moved: set[str] = set()
-    for a, b in zip(src, dst):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        permuted = tuple(x for x in a[k:] if x in b[k:])
-        if permuted:
-            per_device = bytes_per_device(shape, dtype, src, mesh)
-            out.append(Collective("send_recv", permuted, per_device))
-            moved.update(permuted)
-    for axis in mesh.axis_names:
-        if axis in src_dims and axis not in dst_dims:
-            full = bytes_per_device(shape, dtype, _spec(current), mesh) * mesh.axis_size(axis)
-            out.append(Collective("all_gather", (axis,), full))
-            current[src_dims[axis]].remove(axis)
-    for axis in mesh.axis_names:
-        if axis in src_dims and axis in dst_dims and src_dims[axis] != dst_dims[axis]:
-            per_device = bytes_per_device(shape, dtype, _spec(current), mesh)
-            out.append(Collective("all_to_all", (axis,), per_device))
-            current[src_dims[axis]].remove(axis)
-            current[dst_dims[axis]].append(axis)
-    return tuple(out)
+    route = _Route(shape, dtype_itemsize(dtype), _layout(src, mesh), _layout(dst, mesh), mesh)
+    return route.run()
 
 
-def _spec(current: list[list[str]]) -> Spec:
-    return tuple(tuple(axes) for axes in current)
+class _Route:
+    """One resharding, simulated digit by digit (see the module docstring)."""
+
+    def __init__(self, shape, itemsize: int, current: Layout, target: Layout, mesh):
+        self.shape, self.itemsize, self.mesh = shape, itemsize, mesh
+        self.source = [list(dim) for dim in current]
+        self.current, self.target = current, target
+        self.out: list[Collective] = []
+        self.reordered: list[Digit] = []  # digits of dimensions cut in the middle
+        self.smallest = self.per_device()
+        self.grow, self.shrink = [], []
+        for have, want in zip(current, target):
+            common = math.gcd(_tiles(have), _tiles(want))
+            self.grow.append(_tiles(want) // common)
+            self.shrink.append(_tiles(have) // common)
+
+    def per_device(self) -> float:
+        sizes = [math.ceil(n / _tiles(d)) for n, d in zip(self.shape, self.current)]
+        return float(self.itemsize * math.prod(sizes))
+
+    def add(self, kind: str, digits) -> None:
+        self.out.append(Collective(kind, _axes(digits, self.mesh), self.per_device()))
+        self.smallest = min(self.smallest, self.per_device())
+
+    def run(self) -> tuple[Collective, ...]:
+        if self.current == self.target:
+            return ()
+        uneven = any(g > 1 and s > 1 for g, s in zip(self.grow, self.shrink))
+        moves = [] if uneven else self.pair_moves()
+        if uneven or self.no_direct_route(moves):
+            return self.full_rematerialization()
+        if math.prod(map(_tiles, self.target)) < math.prod(map(_tiles, self.current)):
+            ok = self.gather() and self.move(moves) and self.slice(moves, after_moves=True)
+        else:
+            ok = (
+                self.slice(moves, after_moves=False)
+                and self.move(moves)
+                and self.slice(moves, after_moves=True)
+                and self.gather()
+            )
+        if not ok:
+            return self.full_rematerialization()
+        misplaced = self.reordered + [
+            d
+            for have, want in zip(self.current, self.target)
+            for d in have + want
+            if d not in have or d not in want or have.index(d) != want.index(d)
+        ]
+        if misplaced:
+            self.out.append(Collective("send_recv", _axes(misplaced, self.mesh), self.smallest))
+        return tuple(self.out)
+
+    def no_direct_route(self, moves: list[Move]) -> bool:
+        """Whether XLA falls back to a full rematerialization (module docstring, step 5)."""
+        if not moves:
+            return max(self.grow) > 1 and max(self.shrink) > 1
+        givers, receivers = [s for s, _, _ in moves], [g for _, g, _ in moves]
+        if len(set(givers)) < len(givers) or len(set(receivers)) < len(receivers):
+            return True
+        num_src = math.prod(map(_tiles, self.current))
+        num_dst = math.prod(map(_tiles, self.target))
+        if num_src != num_dst and math.prod(self.mesh.shape) not in (num_src, num_dst):
+            return True
+        return any(self.shrink[s] > 1 and not self.current[g] for s, g, _ in moves)
+
+    def pair_moves(self) -> list[Move]:
+        """The all-to-alls; `grow` and `shrink` keep what slices and gathers must still do."""
+        whole = self.whole_moves()
+        if whole is not None:
+            self.grow = [1] * len(self.shape)
+            self.shrink = [1] * len(self.shape)
+            return whole
+        moves = []
+        ndim = len(self.shape)
+        pairs = [(s, g) for s in range(ndim) for g in range(ndim) if s != g]
+        # Exact trades first (one dimension loses what another gains); among equals XLA
+        # takes the later dimensions.
+        pairs.sort(key=lambda p: (self.shrink[p[0]] != self.grow[p[1]], -p[1], -p[0]))
+        for s, g in pairs:
+            factor = math.gcd(self.shrink[s], self.grow[g])
+            if factor > 1:
+                moves.append((s, g, factor))
+                self.shrink[s] //= factor
+                self.grow[g] //= factor
+        return moves
+
+    def whole_moves(self) -> list[Move] | None:
+        """When the dimensions merely permute their tile counts, each moves whole into the
+        one that needs its count, in an order where the receiver is already empty; None if
+        the counts are not a permutation or no such order exists (a swap)."""
+        counts = [(_tiles(c), _tiles(t)) for c, t in zip(self.current, self.target)]
+        differ = [d for d, (c, t) in enumerate(counts) if c != t]
+        if sorted(counts[d][0] for d in differ) != sorted(counts[d][1] for d in differ):
+            return None
+        pairs, free_targets = {}, list(differ)
+        for s in differ:
+            g = next(g for g in free_targets if counts[g][1] == counts[s][0])
+            free_targets.remove(g)
+            if counts[s][0] > 1:
+                pairs[s] = g
+        ordered, occupied = [], {d for d in differ if counts[d][0] > 1}
+        while pairs:
+            ready = [s for s, g in pairs.items() if g not in occupied]
+            if not ready:
+                return None
+            s = ready[0]
+            ordered.append((s, pairs.pop(s), counts[s][0]))
+            occupied.discard(s)
+        return ordered
+
+    def slice(self, moves: list[Move], after_moves: bool) -> bool:
+        """Local slices of growing dimensions, from replicated digits (those `dst` wants
+        next first). A dimension that gives tiles away is sliced after its all-to-all."""
+        givers = {s for s, _, _ in moves}
+        all_digits = [
+            d for a, n in zip(self.mesh.axis_names, self.mesh.shape) for d in _axis_digits(a, n)
+        ]
+        for g, factor in enumerate(self.grow):
+            if factor == 1 or (g in givers) != after_moves:
+                continue
+            used = {d for dim in self.current for d in dim}
+            preferred = self.target[g][len(self.current[g]) :] + all_digits
+            sliced = _take([d for d in preferred if d not in used], factor)
+            if sliced is None:
+                return False
+            self.current[g] += sliced
+            self.grow[g] = 1
+            self.smallest = min(self.smallest, self.per_device())
+        return True
+
+    def pop_minor(self, dim: int, factor: int) -> list[Digit] | None:
+        """Take digits making up `factor` off the minor end of `dim`. XLA gathers and
+        exchanges contiguous runs of tiles, so digits taken from the middle need a
+        collective-permute."""
+        digits = self.current[dim]
+        taken = _take(digits[::-1], factor)
+        if taken is None:
+            return None
+        taken = [d for d in digits if d in taken]
+        if digits[len(digits) - len(taken) :] != taken:
+            self.reordered += digits
+        self.current[dim] = [d for d in digits if d not in taken]
+        return taken
+
+    def move(self, moves: list[Move]) -> bool:
+        for s, g, factor in moves:
+            moved = self.pop_minor(s, factor)
+            if moved is None:
+                return False
+            self.current[g] += moved
+            self.add("all_to_all", moved)
+        return True
+
+    def gather(self) -> bool:
+        """All-gathers of what shrinking dimensions still lose, the last dimension first."""
+        for s in reversed(range(len(self.shape))):
+            if self.shrink[s] == 1:
+                continue
+            gathered = self.pop_minor(s, self.shrink[s])
+            if gathered is None:
+                return False
+            self.shrink[s] = 1
+            self.add("all_gather", gathered)
+        return True
+
+    def full_rematerialization(self) -> tuple[Collective, ...]:
+        """All-gather every split dimension (the last first), then slice locally."""
+        self.out, self.current = [], [list(dim) for dim in self.source]
+        for s in reversed(range(len(self.shape))):
+            if self.current[s]:
+                gathered, self.current[s] = self.current[s], []
+                self.add("all_gather", gathered)
+        return tuple(self.out)
 
 
 def reshard_time(

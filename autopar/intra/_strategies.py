@@ -116,7 +116,8 @@ def node_strategies(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
         dtype = out_vars[0].dtype if out_vars else "float32"
-        compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
+        work = (node.flops / parallelism, in_bytes + out_bytes, dtype)
+        compute = compute_time(work[0], work[1], ctx.cluster, dtype)
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -134,7 +135,7 @@ def node_strategies(
         if len(out_vars) == 1 and set(partial) == {"sum"}:
             strategies.extend(
                 _reduce_scatter_variants(
-                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], compute, ctx
+                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx
                 )
             )
     return _dedupe(strategies)
@@ -150,28 +151,54 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
     return list(best.values())
 
 
-def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, compute, ctx):
+def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx):
+    """The strategy that leaves the summed result split over the reduced `axes`.
+
+    `work` is (FLOPs per device, bytes accessed per device, dtype) of the node when it
+    computes the whole partial result.
+    """
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
     full_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
+    spare = _unused_axes(mesh, (*in_specs, out_spec))
+    # XLA's dot (and convolution) partitioner reduce-scatters only when the mesh axes the
+    # operands leave unused cannot hold the split. When they can (their size is a multiple
+    # of it), it slices the result dimension over a subgroup of those replicated devices,
+    # computes 1/split of the result, all-reduces that over `axes` and moves each tile to
+    # its device with a collective-permute. Seen in the compiled HLO of the conv net's
+    # first weight gradient on mesh (2, 4) (reduction over x of size 2, y of size 4
+    # unused: `convolution f32[3,3,3,8]`, `all-reduce` over x, `collective-permute`
+    # {4->2, 5->3, 2->4, 3->5}) and of the MoE einsums on (4, 2). A reduction over y of
+    # size 4 on (2, 4), with only x of size 2 unused, reduce-scatters (on XLA:CPU an
+    # all-reduce and a local slice).
+    on_spare = bool(spare) and mesh.axis_size(spare) % split == 0
+    flops, accessed, dtype = work
+    if on_spare:
+        reduce = (
+            Collective("all_reduce", tuple(axes), full_bytes / split),
+            Collective("send_recv", (*axes, *spare), full_bytes / split),
+        )
+        compute = compute_time(flops / split, accessed, ctx.cluster, dtype)
+    else:
+        reduce = (Collective("reduce_scatter", tuple(axes), full_bytes),)
+        compute = compute_time(flops, accessed, ctx.cluster, dtype)
+    comm = sum(collective_time(c.kind, c.nbytes, ctx.cluster, mesh, c.axes) for c in reduce)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
     for dim, (size, dim_axes) in enumerate(zip(out_var.shape, out_spec)):
         if dim_axes or size % split:
             continue
         new_spec = tuple(tuple(axes) if d == dim else s for d, s in enumerate(out_spec))
-        collective = Collective("reduce_scatter", tuple(axes), full_bytes)
-        comm = collective_time(collective.kind, full_bytes, ctx.cluster, mesh, collective.axes)
         yield Strategy(
-            f"{name} rs:{dim}",
-            in_specs,
-            (new_spec,),
-            compute,
-            comm,
-            full_bytes / split,
-            (collective,),
+            f"{name} rs:{dim}", in_specs, (new_spec,), compute, comm, full_bytes / split, reduce
         )
         return
+
+
+def _unused_axes(mesh: LogicalMesh, specs) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that split none of `specs` (None entries are skipped)."""
+    used = {a for spec in specs if spec is not None for a in spec_axes(spec)}
+    return tuple(a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1 and a not in used)
 
 
 def input_strategies(var, ctx: CostContext) -> list[Strategy]:
