@@ -180,7 +180,7 @@ def test_accumulated_gradients_count_in_stage_memory():
     produced = {v for n in sub.nodes for v in n.outputs}
     grads = set(table.per_layer.grad_vars) & produced
     assert grads
-    plan, _ = table._plans[(table.fingerprints[1], (8,))]
+    plan = table.plan(1, (8,))  # layer 1 is the first of its structure: its own ids
     stacked = stacked_layout(sub, plan, table.per_layer.deferrable)
     assert len(grads & set(stacked)) >= 4  # the block's matrices at least
     # A stacked gradient is a whole partial sum on every device; the others as planned.
@@ -234,3 +234,27 @@ def test_shared_embedding_gradient_is_summed_once_per_step():
     assert handoff[0] == set() and len(handoff[1]) == 1
     (v,) = handoff[1]
     assert graph.vars[v].shape == (GPT.vocab_size, GPT.hidden)
+
+
+def test_once_per_step_collectives_count_once_per_step_in_compare():
+    """A weighted reduction is reported per planned unit at its weight, so that compare's
+    per-step volume counts a deferred reduction once, not once per microbatch."""
+    from autopar.intra._planner import plan_on_mesh
+
+    def grad_w(x, dy):
+        return jax.numpy.einsum("bi,bo->io", x, dy)
+
+    x = jax.ShapeDtypeStruct((64, 32), "float32")
+    dy = jax.ShapeDtypeStruct((64, 16), "float32")
+    graph = trace(grad_w, x, dy, batch_argnums=(0, 1))
+    (dot,) = [n for n in graph.nodes if n.primitive == "dot_general"]
+    cluster = Cluster.from_profile("dgx-a100-80g")
+    mesh = LogicalMesh.create((8,))
+    fixed = {v: (("x",), ()) for v in graph.invars}  # batch split: partial sums over x
+    plain = plan_on_mesh(graph, cluster, mesh, fixed=fixed)
+    weighted = plan_on_mesh(graph, cluster, mesh, fixed=fixed, weights={dot.id: (1.0, 0.25)})
+    assert plain.node_strategies[dot.id] == weighted.node_strategies[dot.id]
+    (kind,) = plain.cost.collectives
+    n, nbytes = plain.cost.collectives[kind]
+    assert weighted.cost.collectives[kind] == pytest.approx((0.25 * n, 0.25 * nbytes))
+    assert weighted.cost.communication == pytest.approx(0.25 * plain.cost.communication)

@@ -181,6 +181,13 @@ class LayerCostTable:
                 self._plans[key] = (plan, sub)
         return self._cache[key]
 
+    def plan(self, layer: int, shape: tuple[int, ...], level: int = 0) -> ShardingPlan | None:
+        """The layer's plan behind `cost(layer, shape, level)` (solved for a layer of the
+        same structure; its variable ids are that layer's)."""
+        if self.cost(layer, shape, level) is None:
+            return None
+        return self._plans[(self.fingerprints[layer], shape, level)][0]
+
     def kept_for_backward(self, layer: int) -> set[int]:
         """Values the layer's forward computes and its backward reads: what a microbatch
         in flight keeps on the stage."""

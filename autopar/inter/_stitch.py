@@ -125,8 +125,9 @@ def stitch(
                 resharding += weights.get(node.id, 1.0) * reshard_time(
                     var.shape, var.dtype, have, view, mesh, cluster, cache
                 )
+                w = weights.get(node.id, 1.0)
                 for c in reshard_collectives(var.shape, var.dtype, have, view, mesh):
-                    add(c.kind, 1, c.nbytes)
+                    add(c.kind, w, w * c.nbytes)
     # A tie inside one layer was charged by that layer's ILP (the layer planner ties the
     # state a layer updates); a tie across layers (shared weights) is charged here.
     charged = {

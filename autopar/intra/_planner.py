@@ -126,10 +126,13 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
     communication = sum(s.comm_cost for s in chosen)
     collectives: dict[str, list] = {}
 
-    def add(c):
-        entry = collectives.setdefault(c.kind, [0, 0.0])
-        entry[0] += 1
-        entry[1] += c.nbytes
+    def add(c, weight=1.0):
+        # Counts and bytes per planned unit: a collective run once per step in a stage
+        # planned per microbatch counts 1/microbatches.
+        weight *= c.weight
+        entry = collectives.setdefault(c.kind, [0.0, 0.0])
+        entry[0] += weight
+        entry[1] += weight * c.nbytes
 
     for s in chosen:
         for c in s.collectives:
@@ -146,15 +149,16 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
         if dst != var_specs[var.id]:
             operand_specs.append((ilp_node.node, p, dst))
         for c in reshard_collectives(var.shape, var.dtype, var_specs[var.id], dst, mesh):
-            add(c)
+            add(c, built.weight(ilp_node.node))
     # Returned state takes its input's layout, so that the next step needs no resharding;
     # the ILP charged this move on the tie edge.
     for out_var, in_var in tied:
         var = graph.vars[out_var]
+        producer = built.ilp_nodes[built.source_of[out_var][0]].node
         for c in reshard_collectives(
             var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh
         ):
-            add(c)
+            add(c, built.weight(producer))
     output_specs = {out_var: var_specs[in_var] for out_var, in_var in tied}
     constrained = tuple(
         v

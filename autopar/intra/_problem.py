@@ -50,6 +50,11 @@ class BuiltProblem:
     ilp_nodes: list[IlpNode]
     source_of: dict[int, tuple[int, int]]  # var id -> (ilp node index, result index)
     warnings: list[str] = field(default_factory=list)
+    weights: dict[int, tuple[float, float]] = field(default_factory=dict)  # see build_problem
+
+    def weight(self, node_id: int | None) -> float:
+        """The weight of a graph node's cost and of resharding its operands."""
+        return self.weights[node_id][0] if node_id in self.weights else 1.0
 
 
 def build_problem(
@@ -140,7 +145,7 @@ def build_problem(
         followers=followers,
         names=tuple(n.name for n in ilp_nodes),
     )
-    return BuiltProblem(problem, ilp_nodes, source_of, warnings)
+    return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights)
 
 
 def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
@@ -172,6 +177,9 @@ def _weighted(strategy: Strategy, weight: float, reduction_weight: float) -> Str
         strategy,
         compute_cost=weight * strategy.compute_cost,
         comm_cost=weight * reduction_weight * strategy.comm_cost,
+        collectives=tuple(
+            replace(c, weight=c.weight * weight * reduction_weight) for c in strategy.collectives
+        ),
     )
 
 

@@ -22,7 +22,9 @@ class PredictedCost:
     communication: float  # collectives issued by nodes (partial-sum reductions)
     resharding: float  # collectives between nodes (spec changes on edges)
     memory_per_device: float
-    collectives: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (n, bytes)
+    # kind -> (count, bytes per device) per planned unit (a pipeline stage: per microbatch,
+    # with once-per-step collectives counted 1/microbatches)
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -44,7 +46,7 @@ class PredictedCost:
             d["communication"],
             d["resharding"],
             d["memory_per_device"],
-            {k: (int(v[0]), float(v[1])) for k, v in d.get("collectives", {}).items()},
+            {k: (float(v[0]), float(v[1])) for k, v in d.get("collectives", {}).items()},
         )
 
 

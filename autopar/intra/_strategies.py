@@ -32,6 +32,9 @@ class Collective:
     kind: str
     axes: tuple[str, ...]
     nbytes: float
+    # Times per planned unit of work: 1/microbatches for what runs once per step in a
+    # pipeline stage planned per microbatch (see `autopar.inter._deferred.step_weights`).
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)

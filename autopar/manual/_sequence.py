@@ -246,7 +246,7 @@ def _restricted(built: BuiltProblem, kept: list[np.ndarray]) -> BuiltProblem:
         replace(n, strategies=[n.strategies[j] for j in kept[i]])
         for i, n in enumerate(built.ilp_nodes)
     ]
-    return BuiltProblem(problem, nodes, built.source_of, list(built.warnings))
+    return BuiltProblem(problem, nodes, built.source_of, list(built.warnings), built.weights)
 
 
 def kept_activation_bytes(graph: OpGraph, plan) -> float:

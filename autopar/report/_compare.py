@@ -72,6 +72,7 @@ def plan_figures(plan, flops: float | None = None, measured: float | None = None
     tflops = None
     if flops is not None and step_time > 0:
         tflops = flops / (step_time * num_devices) / TERA
+    collectives = {k: [round(n), b] for k, (n, b) in collectives.items()}
     return PlanFigures(
         name=plan.method,
         num_stages=plan.num_stages,

@@ -64,7 +64,7 @@ def explain(plan, detail: int = 1) -> str:
         )
         if cost.collectives:
             items = sorted(cost.collectives.items())
-            parts = [f"{k} x{n} ({_fmt_bytes(b)})" for k, (n, b) in items]
+            parts = [f"{k} x{n:.4g} ({_fmt_bytes(b)})" for k, (n, b) in items]
             lines.append("  collectives: " + ", ".join(parts))
     lines.append("parameters (PartitionSpec by path):")
     lines.extend(_param_table(plan, detail))
