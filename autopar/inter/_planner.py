@@ -144,9 +144,9 @@ class LayerCostTable:
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
 
-        At `level` L > 0 the layer's ILP may use 1/2^L of the peak memory of its fastest
-        plan (level 0): a leaner plan (more state and activations split) for stages whose
-        fastest layer plans together do not fit.
+        At `level` L > 0 the layer's ILP may use `MEMORY_LEVEL_FACTOR`^L of the peak memory
+        of its fastest plan (level 0): a leaner plan (more state and activations split) for
+        stages whose fastest layer plans together do not fit.
         """
         if level:
             fastest = self.cost(layer, shape)
@@ -161,7 +161,8 @@ class LayerCostTable:
             weights = self.weights[layer]
             options = self.options
             if level:
-                options = dataclasses.replace(options, memory_budget=fastest.memory / 2**level)
+                budget = fastest.memory * MEMORY_LEVEL_FACTOR**level
+                options = dataclasses.replace(options, memory_budget=budget)
             try:
                 if self.solve is not None:
                     assert level == 0, "manual plans are solved at the full budget only"
@@ -288,11 +289,13 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 
 
 # Memory levels of the layer plans a stage may use: level L solves each layer's ILP with
-# 1/2^L of the peak memory of its fastest plan as the budget. The layer ILPs see one layer
-# and one microbatch; a stage holds many layers' state and gradients and several
-# microbatches' activations, so the fastest plan of each layer may not fit together where
-# leaner ones (state and activations split further) do.
+# MEMORY_LEVEL_FACTOR^L of the peak memory of its fastest plan as the budget (0.8, 0.64,
+# ... 0.41: halving at once is often infeasible, kept activations cannot shrink so far).
+# The layer ILPs see one layer and one microbatch; a stage holds many layers' state and
+# gradients and several microbatches' activations, so the fastest plan of each layer may
+# not fit together where leaner ones (state and activations split further) do.
 MEMORY_LEVELS = 5
+MEMORY_LEVEL_FACTOR = 0.8
 
 
 def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
