@@ -117,11 +117,16 @@ def _row_line(key: str, r: dict) -> str:
                   f"{auto['planning_seconds']:.0f} s")
     return (
         f"| {key} | {r['num_gpus']} | {_tflops(auto)} | {_tflops(meg)} | {ratio} | {bar} | "
-        f"{auto['plan_line'] if auto else '-'} | {_tp_across(auto)} | "
-        f"{meg['plan_line'] if meg else '-'} | "
+        f"{_cell(auto['plan_line']) if auto else '-'} | {_tp_across(auto)} | "
+        f"{_cell(meg['plan_line']) if meg else '-'} | "
         f"{phases} | {_seconds(meg)} | "
         f"{', '.join(map(str, r['microbatches']))} |"
     )
+
+
+def _cell(text: str) -> str:
+    """`text` safe inside a markdown table cell (plan lines separate stage meshes by |)."""
+    return text.replace("|", "\\|")
 
 
 def _tp_across(result: dict | None) -> str:
