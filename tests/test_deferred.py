@@ -36,6 +36,34 @@ def _gpt_graph(batch_size=8):
     return trace(step, *args, batch_argnums=(1,))
 
 
+def _matches_one_device(**pipeline):
+    """The tiny GPT with SGD, 2 steps on batch 128 under `autoparallel(**pipeline)`: losses
+    and parameters equal one device's; returns the autoparallel step."""
+    optimizer = optax.sgd(0.1)
+    step = gpt.make_train_step(GPT, optimizer)
+    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(GPT, 128, jax.random.key(1))
+    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
+    par = autopar.autoparallel(
+        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), **pipeline
+    )
+    losses, par_state = run_steps(par, state, batch, num_steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(par_state, ref_state, 1e-5)
+    return par
+
+
+def _grad_w_graph():
+    """A weight gradient x^T @ dy over a batch of 64 rows."""
+
+    def grad_w(x, dy):
+        return jax.numpy.einsum("bi,bo->io", x, dy)
+
+    x = jax.ShapeDtypeStruct((64, 32), "float32")
+    dy = jax.ShapeDtypeStruct((64, 16), "float32")
+    return trace(grad_w, x, dy, batch_argnums=(0, 1))
+
+
 def test_weight_and_bias_gradients_are_deferrable():
     graph = _gpt_graph()
     layers = assign_layers(graph)
@@ -79,12 +107,7 @@ def test_weights_scale_strategy_costs_by_hand():
     """A weight gradient x^T @ dy split on the batch: its all-reduce costs 1/4 at weight
     (1, 1/4); the node's compute keeps its full cost."""
 
-    def grad_w(x, dy):
-        return jax.numpy.einsum("bi,bo->io", x, dy)
-
-    x = jax.ShapeDtypeStruct((64, 32), "float32")
-    dy = jax.ShapeDtypeStruct((64, 16), "float32")
-    graph = trace(grad_w, x, dy, batch_argnums=(0, 1))
+    graph = _grad_w_graph()
     cluster = Cluster.from_profile("dgx-a100-80g")
     mesh = LogicalMesh.create((8,))
     (dot,) = [n for n in graph.nodes if n.primitive == "dot_general"]
@@ -119,18 +142,7 @@ def _compiled_collectives(executable, compiled, stacked):
 def test_data_parallel_pipeline_reduces_gradients_once_per_step():
     """One stage of data parallelism over 4 microbatches: the backward segment keeps the
     weight gradients unreduced; the update reduces them; results match one device."""
-    optimizer = optax.sgd(0.1)
-    step = gpt.make_train_step(GPT, optimizer)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(GPT, 128, jax.random.key(1))
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
-    par = autopar.autoparallel(
-        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(),
-        num_stages=1, num_microbatches=4, logical_shapes=[(8,)],
-    )
-    losses, par_state = run_steps(par, state, batch, num_steps=2)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(par_state, ref_state, 1e-5)
+    par = _matches_one_device(num_stages=1, num_microbatches=4, logical_shapes=[(8,)])
 
     executable = par.pipeline
     (stacked,) = executable.stacked
@@ -218,18 +230,9 @@ def test_shared_embedding_gradient_is_summed_once_per_step():
     assert set(moved[0].inputs) <= set(accumulated)
     assert moved[0].outputs[0] not in accumulated
 
-    optimizer = optax.sgd(0.1)
-    step = gpt.make_train_step(GPT, optimizer)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(GPT, 128, jax.random.key(1))
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
-    par = autopar.autoparallel(
-        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(),
-        num_stages=2, num_microbatches=4, submeshes=[(1, 4)], logical_shapes=[(4,)],
+    par = _matches_one_device(
+        num_stages=2, num_microbatches=4, submeshes=[(1, 4)], logical_shapes=[(4,)]
     )
-    losses, par_state = run_steps(par, state, batch, num_steps=2)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(par_state, ref_state, 1e-5)
     handoff = [set(h) for h in par.pipeline.handoff]
     assert handoff[0] == set() and len(handoff[1]) == 1
     (v,) = handoff[1]
@@ -241,12 +244,7 @@ def test_once_per_step_collectives_count_once_per_step_in_compare():
     per-step volume counts a deferred reduction once, not once per microbatch."""
     from autopar.intra._planner import plan_on_mesh
 
-    def grad_w(x, dy):
-        return jax.numpy.einsum("bi,bo->io", x, dy)
-
-    x = jax.ShapeDtypeStruct((64, 32), "float32")
-    dy = jax.ShapeDtypeStruct((64, 16), "float32")
-    graph = trace(grad_w, x, dy, batch_argnums=(0, 1))
+    graph = _grad_w_graph()
     (dot,) = [n for n in graph.nodes if n.primitive == "dot_general"]
     cluster = Cluster.from_profile("dgx-a100-80g")
     mesh = LogicalMesh.create((8,))
