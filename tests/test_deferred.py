@@ -18,11 +18,10 @@ from autopar.inter._deferred import (
     deferrable_gradients,
     stacked_layout,
     step_weights,
-    unstacked_spec,
 )
 from autopar.inter._layers import accumulated_values, assign_layers
 from autopar.intra._options import ShardOptions
-from autopar.intra._problem import build_problem
+from autopar.intra._problem import build_problem, unstacked_spec
 from autopar.lower import count_collectives, stack_spec
 from examples import gpt
 

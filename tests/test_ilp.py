@@ -1,5 +1,6 @@
 """The sharding ILP against brute force, hand-computed costs and its own error messages."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,11 +10,17 @@ from autopar.intra._ilp import (
     MemoryBudgetError,
     ShardingProblem,
     evaluate,
+    footprint_total,
+    least_footprint,
     least_memory,
     peak_memory,
     solve,
 )
-from autopar.intra._ilp_reference import least_memory_brute_force, solve_brute_force
+from autopar.intra._ilp_reference import (
+    all_choices,
+    least_memory_brute_force,
+    solve_brute_force,
+)
 
 NUM_RANDOM_PROBLEMS = 40
 RELATIVE_TOLERANCE = 1e-9
@@ -284,3 +291,43 @@ def test_no_plan_within_the_time_limit_raises():
                               edges, tuple(rng.random((len(edges), size, size))))
     with pytest.raises(RuntimeError, match="found no plan within time_limit=0.001 s"):
         solve(problem, time_limit=1e-3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 6, 9])
+def test_footprint_budget_matches_brute_force(seed):
+    # A second, weighted limit over every node (a stage's memory held for the whole run),
+    # alone (even seeds without memory groups) or beside the peak-memory groups.
+    base = random_problem(seed)
+    rng = np.random.default_rng(100 + seed)
+    footprint = tuple(rng.integers(0, 2**20, len(c)).astype(float) for c in base.node_costs)
+    unlimited = dataclasses.replace(base, footprint=footprint)
+    fastest = solve_brute_force(unlimited)
+    least = least_footprint(unlimited)
+    assert least == min(
+        footprint_total(unlimited, c) for c in all_choices(unlimited)
+    )
+    at_fastest = footprint_total(unlimited, fastest.choices)
+    budget = least + 0.4 * (at_fastest - least) if at_fastest > least else at_fastest
+    problem = dataclasses.replace(unlimited, footprint_budget=budget)
+    try:
+        reference = solve_brute_force(problem)
+    except MemoryBudgetError:
+        with pytest.raises(MemoryBudgetError):
+            solve(problem)
+        return
+    solution = solve(problem)
+    assert_same_optimum(problem, solution, reference)
+    assert footprint_total(problem, solution.choices) <= budget
+
+
+def test_footprint_error_names_the_least_footprint():
+    problem = ShardingProblem(
+        node_costs=(np.array([0.0, 1.0]), np.array([0.0, 1.0])),
+        footprint=(np.array([8.0, 3.0]), np.array([5.0, 2.0])),
+        footprint_budget=4.0,
+    )
+    with pytest.raises(MemoryBudgetError, match="least footprint .* is 5 bytes") as error:
+        solve(problem)
+    assert error.value.kind == "footprint" and error.value.least_memory == 5.0
+    # Footprints 13, 10, 8, 5 at costs 0, 1, 1, 2: under 9 the cheapest that fits is (1, 0).
+    assert solve(dataclasses.replace(problem, footprint_budget=9.0)).choices == (1, 0)

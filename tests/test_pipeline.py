@@ -155,6 +155,37 @@ def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
     # here. Weights are never split, and there is one stage.)
 
 
+def test_layer_footprint_is_what_the_stage_memory_counts():
+    """The footprint the leaner memory levels limit in a layer's ILP is exactly what
+    `stage_memory` counts of that layer: state + accumulated gradients + the kept
+    activations of every microbatch in flight; a leaner level stays under its limit."""
+    from autopar._planning import tied_state
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._planner import LEVEL_FRACTIONS, LayerCostTable
+    from autopar.intra._options import ShardOptions
+
+    opt = optax.adamw(LR)
+    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+                          gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    table = LayerCostTable(graph, layers, autopar.Cluster.from_profile("dgx-a100-80g"),
+                           ShardOptions(), tied_state(graph, (0,)), num_microbatches=4,
+                           in_flight=lambda shape: 3)
+
+    def held(c):
+        return c.state_memory + c.gradient_memory + 3 * c.activation_memory
+
+    level = 5
+    for layer in (0, 1, layers.num_layers - 1):
+        fastest = table.cost(layer, (2, 4))
+        least, at_fastest = table.footprint_span(layer, (2, 4))
+        assert at_fastest == pytest.approx(held(fastest), rel=1e-9)
+        assert 0 < least < at_fastest
+        lean = table.cost(layer, (2, 4), level)
+        assert held(lean) <= least + LEVEL_FRACTIONS[level] * (at_fastest - least)
+        assert lean.latency >= fastest.latency
+
+
 def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     """The fastest plan of every layer fits alone, but a stage of all of them does not fit
     the budget: the stage DP takes leaner layer plans (a lower memory level) instead of

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from autopar.cluster._mesh import Spec, replicated
 from autopar.graph import OpGraph, Role
 from autopar.inter._layers import LayerAssignment, accumulated_values
+from autopar.intra._problem import summed_axes
 
 # Producers whose split contracting or reduced dimensions leave partial sums that can be
 # added up later: each device's share of the sum is the operation applied to its shards.
@@ -126,6 +127,26 @@ def step_weights(
     return weights
 
 
+def gradient_roots(graph: OpGraph, deferrable: Deferrable) -> dict[int, tuple[int, ...]]:
+    """Deferrable gradient produced in `graph` -> the partial-sum results it is made of
+    (walking back through `deferrable.chain`)."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    roots = {}
+    for g in deferrable.grads:
+        if g not in producer:
+            continue
+        found, stack = [], [g]
+        while stack:
+            v = stack.pop()
+            if v in deferrable.roots:
+                found.append(v)
+            elif v in deferrable.chain and v in producer:
+                stack += [u for u in producer[v].inputs if graph.vars[u].role is not Role.CONST]
+        if found:
+            roots[g] = tuple(sorted(set(found)))
+    return roots
+
+
 def operand_spec(graph: OpGraph, plan, node_id: int, index: int) -> Spec:
     """The spec `plan` has node `node_id` take its operand `index` in."""
     for n, p, spec in plan.operand_specs:
@@ -158,7 +179,7 @@ def stacked_layout(graph: OpGraph, plan, deferrable: Deferrable) -> dict[int, tu
     for node in graph.nodes:
         out = node.outputs[0] if len(node.outputs) == 1 else None
         if out in deferrable.roots:
-            axes = _summed_axes(node, spec_of)
+            axes = summed_axes(node, spec_of)
             if axes:
                 stacked[out] = tuple(sorted(axes, key=axis_order.__getitem__))
         elif out in deferrable.chain:
@@ -167,20 +188,3 @@ def stacked_layout(graph: OpGraph, plan, deferrable: Deferrable) -> dict[int, tu
             if len(found) == 1 and None not in found:
                 stacked[out] = found.pop()
     return stacked
-
-
-def _summed_axes(node, spec_of) -> set[str]:
-    """Mesh axes split over the dimensions `node` sums (empty: no partial sums)."""
-    if node.primitive == "dot_general":
-        (lhs_contract, rhs_contract), _ = node.params["dimension_numbers"]
-        lhs = {a for d in lhs_contract for a in spec_of(node, 0)[d]}
-        rhs = {a for d in rhs_contract for a in spec_of(node, 1)[d]}
-        return lhs if lhs == rhs else set()
-    if node.primitive == "reduce_sum":
-        return {a for d in node.params["axes"] for a in spec_of(node, 0)[d]}
-    return set()
-
-
-def unstacked_spec(spec: Spec, axes: tuple[str, ...]) -> Spec:
-    """The spec of one partial sum in a stack over `axes`: `spec` without those axes."""
-    return tuple(tuple(a for a in dim if a not in axes) for dim in spec)

@@ -13,7 +13,6 @@ solved once per mesh, never twice.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 
 from autopar.cluster._mesh import LogicalMesh
 from autopar.graph import OpGraph, Role
-from autopar.inter._deferred import stacked_layout, step_weights, unstacked_spec
+from autopar.graph._opgraph import dtype_itemsize
+from autopar.inter._deferred import gradient_roots, stacked_layout, step_weights
 from autopar.inter._layers import LayerAssignment
 from autopar.inter._partition import Partition, partition
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
@@ -32,6 +32,7 @@ from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_sh
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_on_mesh
+from autopar.intra._problem import Footprint, unstacked_spec
 from autopar.intra._sharding_plan import ShardingPlan
 
 log = logging.getLogger("autopar")
@@ -115,12 +116,17 @@ class LayerCostTable:
         num_microbatches: int = 1,
         solve=None,
         axis_names: tuple[str, ...] | None = None,
+        in_flight=None,
     ):
         """Layers are planned per microbatch: what runs once per step (the update, the
         deferred gradient reductions) weighs 1/`num_microbatches`.
         `solve(sub_graph, mesh, ties, weights) -> ShardingPlan` replaces the free ILP
-        (manual plans pin their inputs this way); `axis_names` names the logical mesh axes."""
+        (manual plans pin their inputs this way); `axis_names` names the logical mesh axes.
+        `in_flight(shape) -> int`: microbatches whose kept activations a stage on a mesh of
+        that shape holds at once (default 1), the weight of the kept activations in the
+        footprint the leaner levels limit (see `cost`)."""
         self.cluster = cluster
+        self.in_flight = in_flight or (lambda shape: 1)
         self.options = options
         self.solve = solve
         self.axis_names = axis_names
@@ -144,14 +150,21 @@ class LayerCostTable:
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
 
-        At `level` L > 0 the layer's ILP may use `MEMORY_LEVEL_FACTOR`^L of the peak memory
-        of its fastest plan (level 0): a leaner plan (more state and activations split) for
-        stages whose fastest layer plans together do not fit.
+        Level 0 is the layer's fastest plan. At level L > 0 the layer's ILP also limits the
+        layer's footprint on a stage (`footprint`: its state, accumulated gradients and
+        the kept activations of the microbatches in flight) to
+        least + `LEVEL_FRACTIONS`[L] x (fastest - least): a leaner plan for stages whose
+        fastest layer plans together do not fit. None when no such plan exists.
         """
+        budget = None
         if level:
             fastest = self.cost(layer, shape)
-            if fastest is None:
+            if fastest is None or self.solve is not None or level >= len(LEVEL_FRACTIONS):
                 return None
+            span = self.footprint_span(layer, shape)
+            if span[0] >= span[1] * (1 - 1e-6):
+                return None  # no leaner plan than the fastest
+            budget = span[0] + (span[1] - span[0]) * LEVEL_FRACTIONS[level]
         key = (self.fingerprints[layer], shape, level)
         if key not in self._cache:
             sub = self.per_layer.stage_graphs[layer]
@@ -159,16 +172,14 @@ class LayerCostTable:
             self.num_ilps += 1
             ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
             weights = self.weights[layer]
-            options = self.options
-            if level:
-                budget = fastest.memory * MEMORY_LEVEL_FACTOR**level
-                options = dataclasses.replace(options, memory_budget=budget)
             try:
                 if self.solve is not None:
-                    assert level == 0, "manual plans are solved at the full budget only"
                     plan = self.solve(sub, mesh, ties, weights)
                 else:
-                    plan = plan_on_mesh(sub, self.cluster, mesh, options, ties, weights=weights)
+                    plan = plan_on_mesh(
+                        sub, self.cluster, mesh, self.options, ties, weights=weights,
+                        footprint=self.footprint(layer, shape, budget),
+                    )
             except MemoryBudgetError:
                 self._cache[key] = None
             else:
@@ -181,6 +192,37 @@ class LayerCostTable:
                 )
                 self._plans[key] = (plan, sub)
         return self._cache[key]
+
+    def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
+        """(least, fastest plan's) footprint of the layer on a mesh of `shape`, bytes per
+        device; the least ignores costs and the peak memory (a lower bound)."""
+        stats = self._plans[(self.fingerprints[layer], shape, 0)][0].stats
+        return stats["least_footprint"], stats["footprint"]
+
+    def footprint(self, layer: int, shape: tuple[int, ...], budget: float | None) -> Footprint:
+        """What a stage on a mesh of `shape` holds of this layer for the whole step: its
+        parameters and optimizer state, its accumulated gradients (deferred ones counted
+        unreduced, at their partial-sum producer's layout without the summed axes) and
+        the kept activations of `in_flight(shape)` microbatches."""
+        part = self.per_layer
+        sub = part.stage_graphs[layer]
+        produced = {v for n in sub.nodes for v in n.outputs}
+        held = {
+            v: 1.0 for v in sub.invars if sub.vars[v].role in (Role.PARAM, Role.OPT_STATE)
+        }
+        unreduced: dict[int, float] = {}
+        roots = gradient_roots(sub, part.deferrable)
+        for g in set(part.grad_vars) & produced:
+            if g not in roots:
+                held[g] = held.get(g, 0.0) + 1.0
+                continue
+            for r in roots[g]:
+                ratio = dtype_itemsize(sub.vars[g].dtype) / dtype_itemsize(sub.vars[r].dtype)
+                unreduced[r] = unreduced.get(r, 0.0) + ratio / len(roots[g])
+        in_flight = float(self.in_flight(shape))
+        for v in self.kept_for_backward(layer):
+            held[v] = held.get(v, 0.0) + in_flight
+        return Footprint(held, unreduced, budget)
 
     def plan(self, layer: int, shape: tuple[int, ...], level: int = 0) -> ShardingPlan | None:
         """The layer's plan behind `cost(layer, shape, level)` (solved for a layer of the
@@ -288,14 +330,14 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
     )
 
 
-# Memory levels of the layer plans a stage may use: level L solves each layer's ILP with
-# MEMORY_LEVEL_FACTOR^L of the peak memory of its fastest plan as the budget (0.8, 0.64,
-# ... 0.41: halving at once is often infeasible, kept activations cannot shrink so far).
-# The layer ILPs see one layer and one microbatch; a stage holds many layers' state and
-# gradients and several microbatches' activations, so the fastest plan of each layer may
-# not fit together where leaner ones (state and activations split further) do.
-MEMORY_LEVELS = 5
-MEMORY_LEVEL_FACTOR = 0.8
+# Memory levels of the layer plans a stage may use. Level 0 is each layer's fastest plan;
+# level L limits the layer's footprint on the stage (state, accumulated gradients, kept
+# activations of the microbatches in flight: what `stage_memory` sums over the layers) to
+# least + LEVEL_FRACTIONS[L] x (fastest - least). The layer ILPs see one layer; a stage
+# holds many, so the fastest plans of its layers may not fit together where leaner ones
+# (state, gradients and activations split further) do. `choose_stages` jumps to the level
+# the stage's excess memory asks for, then steps down while the stage still does not fit.
+LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 
 
 def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
@@ -306,6 +348,40 @@ def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
         c.state_memory + c.gradient_memory + in_flight * c.activation_memory for c in costs
     )
     return memory + max(c.transient_memory for c in costs)
+
+
+def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float):
+    """(level, layer costs, stage memory) of the fastest memory level at which the layers
+    fit `budget` together on a mesh of `shape`, or of the leanest level tried when none
+    does; None when a layer has no plan on that mesh.
+
+    From level 0 it jumps to the level whose footprint limit removes the stage's excess
+    (each layer giving up the same fraction of what it can give), then steps down.
+    """
+    costs = [table.cost(k, shape) for k in layer_range]
+    if any(c is None for c in costs):
+        return None
+    memory = stage_memory(costs, in_flight)
+    if memory <= budget or table.solve is not None:
+        return 0, costs, memory
+    spans = [table.footprint_span(k, shape) for k in layer_range]
+    slack = math.fsum(fastest - least for least, fastest in spans)
+    wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
+    first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
+    if first is None:
+        first = len(LEVEL_FRACTIONS) - 1  # the leanest: it may still fit (or tell how close)
+    found = (0, costs, memory)
+    for level in range(first, len(LEVEL_FRACTIONS)):
+        costs = [table.cost(k, shape, level) for k in layer_range]
+        if any(c is None for c in costs):
+            break
+        memory = stage_memory(costs, in_flight)
+        if memory >= found[2]:
+            break  # a tighter footprint no longer helps
+        found = (level, costs, memory)
+        if memory <= budget:
+            break
+    return found
 
 
 def in_flight_microbatches(schedule: str, num_microbatches: int, stages_from_here: int) -> int:
@@ -331,41 +407,39 @@ def choose_stages(
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh."""
     budget = options.memory_budget or float(cluster.device_memory)
+    total_devices = cluster.num_devices
+
+    def in_flight(shape) -> int:
+        # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
+        # stage, bounded here by the number of stages that could follow on the devices left.
+        later = max(1, total_devices // math.prod(shape))
+        return in_flight_microbatches(schedule, num_microbatches, later)
+
     table = LayerCostTable(
-        graph, layers, cluster, options, tied, num_microbatches=num_microbatches
+        graph, layers, cluster, options, tied, num_microbatches=num_microbatches,
+        in_flight=in_flight,
     )
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
-    total_devices = cluster.num_devices
 
     def stage_cost(start: int, end: int, index: int) -> StageCost:
         sub = all_submeshes[index]
         shapes = logical_shapes or logical_mesh_shapes(sub)
         shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
-        # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
-        # stage, bounded here by the number of stages that could follow on the devices left.
-        later = max(1, total_devices // sub.num_devices)
-        in_flight = in_flight_microbatches(schedule, num_microbatches, later)
         best = None
         least_memory = math.inf
         for shape in shapes:
-            # The fastest layer plans first; if together they do not fit, leaner ones.
-            last_memory = math.inf
-            for level in range(MEMORY_LEVELS):
-                costs = [table.cost(k, tuple(shape), level) for k in range(start, end)]
-                if any(c is None for c in costs):
-                    break
+            shape = tuple(shape)
+            found = _fitting_level(table, range(start, end), shape, in_flight(shape), budget)
+            if found is None:
+                continue
+            level, costs, memory = found
+            least_memory = min(least_memory, memory)
+            if memory <= budget:
                 latency = sum(c.latency for c in costs)
-                memory = stage_memory(costs, in_flight)
-                least_memory = min(least_memory, memory)
-                if memory <= budget:
-                    if best is None or latency < best.latency:
-                        best = StageCost(latency, True, memory, (tuple(shape), level))
-                    break
-                if memory >= last_memory:
-                    break  # a tighter layer budget no longer helps
-                last_memory = memory
+                if best is None or latency < best.latency:
+                    best = StageCost(latency, True, memory, (shape, level))
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best

@@ -54,6 +54,8 @@ from autopar.intra._ilp_problem import (
     Solution,
     SolveStats,
     evaluate,
+    footprint_total,
+    least_footprint,
     node_name,
     peak_memory,
     resolve_followers,
@@ -63,6 +65,7 @@ from autopar.intra._ilp_reduce import (
     MemoryGroup,
     binding_groups,
     merge_followers,
+    merged_footprint_group,
     merged_memory_groups,
     reduce_graph,
 )
@@ -80,6 +83,8 @@ __all__ = [
     "SolveStats",
     "SolverName",
     "evaluate",
+    "footprint_total",
+    "least_footprint",
     "least_memory",
     "node_name",
     "peak_memory",
@@ -118,15 +123,41 @@ def _prefer_lower_indices(
                 choice[v] = current
 
 
+def _limit(problem: ShardingProblem) -> float | None:
+    """The budget every memory group (the footprint scaled to it) must fit in."""
+    if problem.memory_budget is not None:
+        return problem.memory_budget
+    return problem.footprint_budget
+
+
 def _budget_groups(problem: ShardingProblem, root, strategy_of, solver) -> list[MemoryGroup]:
-    """The memory groups the budget constrains; raises if one can never fit."""
+    """The memory groups the budgets constrain; raises if one can never fit."""
     budget = problem.memory_budget
-    if budget is None:
-        return []
-    groups = binding_groups(merged_memory_groups(problem, root, strategy_of), budget)
-    if any(group.constant > budget for group in groups):
-        raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
+    groups = []
+    if budget is not None:
+        groups = binding_groups(merged_memory_groups(problem, root, strategy_of), budget)
+        if any(group.constant > budget for group in groups):
+            raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
+    if problem.footprint_budget is not None:
+        limit = _limit(problem)
+        scale = limit / problem.footprint_budget
+        footprint = merged_footprint_group(problem, root, strategy_of, scale)
+        if footprint.constant > limit * (1 + 1e-9):
+            raise MemoryBudgetError(problem.footprint_budget, least_footprint(problem), "footprint")
+        groups += binding_groups([footprint], limit)
     return groups
+
+
+def _infeasible(problem: ShardingProblem, solver) -> MemoryBudgetError:
+    """The error of a problem the solver found infeasible: the footprint's if it alone
+    cannot fit, else the peak memory's."""
+    if problem.footprint_budget is not None:
+        least = least_footprint(problem)
+        if least > problem.footprint_budget:
+            return MemoryBudgetError(problem.footprint_budget, least, "footprint")
+    if problem.memory_budget is None:
+        return MemoryBudgetError(problem.footprint_budget, least_footprint(problem), "footprint")
+    return MemoryBudgetError(problem.memory_budget, least_memory(problem, solver=solver))
 
 
 def _check_options(time_limit: float, formulation: str) -> None:
@@ -171,7 +202,7 @@ def solve(
     root, strategy_of = resolve_followers(problem)
     graph = merge_followers(problem, root, strategy_of)
     num_merged = len(graph.node_cost)
-    budget = problem.memory_budget
+    budget = _limit(problem)
     groups = _budget_groups(problem, root, strategy_of, solver)
     reduction = reduce_graph(graph, groups, budget)
     model = sharding_model(reduction.graph, reduction.groups, budget, formulation)
@@ -182,7 +213,7 @@ def solve(
     solve_time = time.perf_counter() - start
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
-        raise MemoryBudgetError(budget, least_memory(problem, solver=solver))
+        raise _infeasible(problem, solver)
     if status == "no_solution":
         raise RuntimeError(
             f"the {solver_name} solver found no plan within time_limit={time_limit} s "

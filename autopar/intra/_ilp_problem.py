@@ -40,6 +40,13 @@ class ShardingProblem:
     - `memory_budget`: bytes per device every group's sum must fit in; None: no limit.
     - `followers`: v -> (u, map): v must pick strategy map[s_u] (int[S_u]); chains allowed.
     - `names`: optional node names, used in messages.
+    - `footprint`: a second memory limit, on memory held for the whole run rather than at
+      one program point: bytes per device of node i per strategy, float64[S_i] (weights
+      already applied), or empty. A pipeline stage holds each layer's state, accumulated
+      gradients and the kept activations of every microbatch in flight, which the
+      `memory_groups` (one microbatch's liveness) do not see.
+    - `footprint_budget`: bytes per device sum_v footprint[v][s_v] must fit in; needs
+      `footprint`.
 
     All costs and memory must be finite. Arrays are converted to float64 / int64 copies.
     """
@@ -52,6 +59,8 @@ class ShardingProblem:
     memory_budget: float | None = None
     followers: Mapping[int, tuple[int, np.ndarray]] = field(default_factory=dict)
     names: tuple[str, ...] = ()
+    footprint: tuple[np.ndarray, ...] = ()
+    footprint_budget: float | None = None
 
     def __post_init__(self):
         _check_problem(self)
@@ -106,12 +115,22 @@ class MemoryBudgetError(ValueError):
     """No choice of strategies fits the memory budget.
 
     `budget` is the budget asked for and `least_memory` the least per-device memory any
-    choice reaches (see `least_memory`), both in bytes.
+    choice reaches (see `least_memory`), both in bytes. `kind` is "peak" (the memory groups
+    against `memory_budget`) or "footprint" (against `footprint_budget`).
     """
 
-    def __init__(self, budget: float, least: float):
+    def __init__(self, budget: float, least: float, kind: str = "peak"):
         self.budget = budget
         self.least_memory = least
+        self.kind = kind
+        if kind == "footprint":
+            super().__init__(
+                f"footprint budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per device "
+                f"is infeasible: the least footprint any choice of strategies reaches is "
+                f"{least:.6g} bytes ({least / 2**30:.3f} GiB). Raise footprint_budget to at "
+                f"least {least:.6g}."
+            )
+            return
         super().__init__(
             f"memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per device is "
             f"infeasible: the least memory per device any choice of strategies reaches is "
@@ -203,6 +222,24 @@ def _check_memory(p: ShardingProblem, put) -> None:
         if not math.isfinite(budget) or budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {budget}.")
         put("memory_budget", budget)
+    if p.footprint:
+        if len(p.footprint) != n:
+            raise ValueError(f"footprint has {len(p.footprint)} entries but {n} nodes.")
+        footprint = tuple(
+            _float_vector(m, f"footprint[{i}]", sizes[i]) for i, m in enumerate(p.footprint)
+        )
+        if any(np.any(m < 0) for m in footprint):
+            raise ValueError("footprint has a negative entry; memory is bytes per device.")
+        put("footprint", footprint)
+    if p.footprint_budget is not None:
+        budget = float(p.footprint_budget)
+        if not p.footprint:
+            raise ValueError("footprint_budget was given without footprint; give both.")
+        if not math.isfinite(budget) or budget <= 0:
+            raise ValueError(
+                f"footprint_budget must be a positive number of bytes, got {budget}."
+            )
+        put("footprint_budget", budget)
 
 
 def _check_followers(p: ShardingProblem, put) -> None:
@@ -304,3 +341,23 @@ def peak_memory(problem: ShardingProblem, choices: Sequence[int]) -> float:
     totals = [math.fsum(problem.node_memory[v][s[v]] for v in g) for g in problem.memory_groups]
     return max(totals, default=0.0)
 
+
+
+def footprint_total(problem: ShardingProblem, choices: Sequence[int]) -> float:
+    """The footprint of a choice (bytes per device, see `ShardingProblem`); 0.0 without."""
+    s = _check_choices(problem, choices)
+    return math.fsum(m[s[v]] for v, m in enumerate(problem.footprint))
+
+
+def least_footprint(problem: ShardingProblem) -> float:
+    """The least footprint over choices that honour followers (costs and peak memory
+    ignored): each follower group's cheapest strategy, summed."""
+    if not problem.footprint:
+        return 0.0
+    root, strategy_of = resolve_followers(problem)
+    per_root: dict[int, np.ndarray] = {}
+    for v, m in enumerate(problem.footprint):
+        r = int(root[v])
+        term = m[strategy_of[v]]
+        per_root[r] = term if r not in per_root else per_root[r] + term
+    return math.fsum(float(t.min()) for t in per_root.values())

@@ -116,17 +116,24 @@ def _memory_group(terms: Mapping[int, np.ndarray], constant: float = 0.0) -> Mem
     return MemoryGroup(constant, tuple((v, t) for v, t in shifted if t.any()))
 
 
+def _merged_group(members, memory, root, strategy_of, scale: float = 1.0) -> MemoryGroup:
+    terms: dict[int, np.ndarray] = {}
+    for v in members:
+        r = int(root[v])
+        term = memory[v][strategy_of[v]] * scale
+        terms[r] = term if r not in terms else terms[r] + term
+    return _memory_group(terms)
+
+
 def merged_memory_groups(p: ShardingProblem, root, strategy_of) -> list[MemoryGroup]:
     """Each memory group on merged nodes."""
-    groups = []
-    for members in p.memory_groups:
-        terms: dict[int, np.ndarray] = {}
-        for v in members:
-            r = int(root[v])
-            term = p.node_memory[v][strategy_of[v]]
-            terms[r] = term if r not in terms else terms[r] + term
-        groups.append(_memory_group(terms))
-    return groups
+    return [_merged_group(g, p.node_memory, root, strategy_of) for g in p.memory_groups]
+
+
+def merged_footprint_group(p: ShardingProblem, root, strategy_of, scale: float) -> MemoryGroup:
+    """The footprint on merged nodes as one more memory group, its bytes times `scale` (so
+    that it shares the memory groups' budget)."""
+    return _merged_group(range(p.num_nodes), p.footprint, root, strategy_of, scale)
 
 
 def binding_groups(groups: list[MemoryGroup], budget: float) -> list[MemoryGroup]:

@@ -95,6 +95,14 @@ def solve_brute_force(problem: ShardingProblem) -> Solution:
             least = peak_memory(problem, choices[int(np.argmin(peaks))])
             raise MemoryBudgetError(problem.memory_budget, least)
         objective = np.where(fits, objective, np.inf)
+    if problem.footprint_budget is not None:
+        footprint = sum(m[choices[:, v]] for v, m in enumerate(problem.footprint))
+        fits = footprint <= problem.footprint_budget
+        if not fits.any():
+            raise MemoryBudgetError(problem.footprint_budget, float(footprint.min()), "footprint")
+        objective = np.where(fits, objective, np.inf)
+        if np.isinf(objective).all():
+            raise MemoryBudgetError(problem.memory_budget, float(_peaks(problem, choices).min()))
     best = tuple(int(k) for k in choices[int(np.argmin(objective))])
     stats = SolveStats(
         num_nodes=problem.num_nodes,

@@ -13,9 +13,15 @@ from collections.abc import Mapping, Sequence
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
-from autopar.intra._ilp import MemoryBudgetError, peak_memory, solve
+from autopar.intra._ilp import (
+    MemoryBudgetError,
+    footprint_total,
+    least_footprint,
+    peak_memory,
+    solve,
+)
 from autopar.intra._options import ShardOptions
-from autopar.intra._problem import BuiltProblem, build_problem, operands
+from autopar.intra._problem import BuiltProblem, Footprint, build_problem, operands
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 
@@ -40,14 +46,16 @@ def plan_on_mesh(
     tied: Sequence[tuple[int, int]] = (),
     fixed: Mapping[int, Spec] | None = None,
     weights: Mapping[int, tuple[float, float]] | None = None,
+    footprint: Footprint | None = None,
 ) -> ShardingPlan:
     """Solve the sharding ILP of `graph` on one logical mesh.
 
-    `fixed` pins input variables to specs, `weights` weighs node costs (see
-    `build_problem`).
+    `fixed` pins input variables to specs, `weights` weighs node costs, `footprint` limits
+    memory held for the whole run (see `build_problem`); with a footprint the plan's stats
+    give its "footprint" and the "least_footprint" any plan reaches (bytes per device).
     """
     start = time.perf_counter()
-    built = build_problem(graph, mesh, cluster, options, tied, fixed, weights)
+    built = build_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
     build_time = time.perf_counter() - start
     solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
@@ -63,6 +71,11 @@ def plan_on_mesh(
         num_variables=solution.stats.num_variables,
         solver=solution.stats.solver,
     )
+    if footprint is not None:
+        stats.update(
+            footprint=footprint_total(built.problem, solution.choices),
+            least_footprint=least_footprint(built.problem),
+        )
     object.__setattr__(plan, "stats", stats)
     return plan
 

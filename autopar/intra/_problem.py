@@ -44,6 +44,24 @@ class IlpNode:
     node: int | None = None
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """Memory a graph's plan holds for the whole run, as the ILP's second memory limit
+    (`ShardingProblem.footprint`), in bytes per device.
+
+    - `held`: var id -> weight; the var counts at the layout its producer (or, for a graph
+      input, its own decision) gives it, times the weight.
+    - `unreduced`: var id -> weight, for results of summing operations kept as partial
+      sums (deferred gradient reductions): the var counts at its producer's result layout
+      without the mesh axes the producer sums over, times the weight.
+    - `budget`: the limit; None computes the footprint without limiting it.
+    """
+
+    held: Mapping[int, float] = field(default_factory=dict)
+    unreduced: Mapping[int, float] = field(default_factory=dict)
+    budget: float | None = None
+
+
 @dataclass
 class BuiltProblem:
     problem: ShardingProblem
@@ -65,6 +83,7 @@ def build_problem(
     tied: Sequence[tuple[int, int]] = (),
     fixed: Mapping[int, Spec] | None = None,
     weights: Mapping[int, tuple[float, float]] | None = None,
+    footprint: Footprint | None = None,
 ) -> BuiltProblem:
     """Build the ILP for `graph` on `mesh`.
 
@@ -77,6 +96,8 @@ def build_problem(
       layers are planned per microbatch, and the parts that run once per step (the
       optimizer update, deferred gradient reductions) weigh 1/microbatches
       (`autopar.inter._deferred.step_weights`).
+    - `footprint`: memory held for the whole run, limited besides the peak (a pipeline
+      stage's view of one layer, `Footprint`).
     """
     fixed = dict(fixed or {})
     weights = dict(weights or {})
@@ -144,6 +165,7 @@ def build_problem(
         memory_budget=budget,
         followers=followers,
         names=tuple(n.name for n in ilp_nodes),
+        **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
     )
     return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights)
 
@@ -310,3 +332,48 @@ def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):
     for _, _, members in points[:num_points]:
         groups.append(tuple(sorted(set(inputs) | set(members))))
     return tuple(dict.fromkeys(groups)) or (inputs,)
+
+
+def _footprint(graph: OpGraph, mesh, ilp_nodes, source_of, footprint: Footprint | None) -> dict:
+    """`ShardingProblem` arguments of a `Footprint`: bytes per node per strategy."""
+    if footprint is None:
+        return {}
+    from autopar.cost import bytes_per_device
+
+    vectors = [np.zeros(len(n.strategies)) for n in ilp_nodes]
+    for unreduced, counted in ((False, footprint.held), (True, footprint.unreduced)):
+        for v, weight in counted.items():
+            if v not in source_of or not graph.vars[v].shape:
+                continue
+            var = graph.vars[v]
+            index, k = source_of[v]
+            ilp_node = ilp_nodes[index]
+            node = graph.nodes[ilp_node.node] if unreduced and ilp_node.node is not None else None
+            for j, strategy in enumerate(ilp_node.strategies):
+                spec = strategy.out_specs[k]
+                if node is not None:
+                    axes = summed_axes(
+                        node,
+                        lambda n, p, s=strategy: s.in_specs[p]
+                        or replicated(len(graph.vars[n.inputs[p]].shape)),
+                    )
+                    spec = unstacked_spec(spec, tuple(axes))
+                vectors[index][j] += weight * bytes_per_device(var.shape, var.dtype, spec, mesh)
+    return {"footprint": tuple(vectors), "footprint_budget": footprint.budget}
+
+
+def summed_axes(node, spec_of) -> set[str]:
+    """Mesh axes split over the dimensions `node` sums (empty: no partial sums)."""
+    if node.primitive == "dot_general":
+        (lhs_contract, rhs_contract), _ = node.params["dimension_numbers"]
+        lhs = {a for d in lhs_contract for a in spec_of(node, 0)[d]}
+        rhs = {a for d in rhs_contract for a in spec_of(node, 1)[d]}
+        return lhs if lhs == rhs else set()
+    if node.primitive == "reduce_sum":
+        return {a for d in node.params["axes"] for a in spec_of(node, 0)[d]}
+    return set()
+
+
+def unstacked_spec(spec: Spec, axes: tuple[str, ...]) -> Spec:
+    """The spec of one partial sum in a stack over `axes`: `spec` without those axes."""
+    return tuple(tuple(a for a in dim if a not in axes) for dim in spec)
