@@ -94,8 +94,15 @@ def _large_section(rows: dict, all_rows: list[str]) -> str:
     if short:
         lines.append(f"Rows below the bar: {', '.join(short)}.\n")
         lines.append(SHORTFALL_CAUSES)
-    notes = [f"- {k}: {'; '.join(rows[k]['notes'])}" for k in all_rows if k in rows
-             and rows[k].get("notes")]
+    notes = []
+    for k in all_rows:
+        if k not in rows:
+            continue
+        parts = list(rows[k].get("notes") or ())
+        if rows[k].get("commit"):
+            parts.append(f"planned at commit {rows[k]['commit']}")
+        if parts:
+            notes.append(f"- {k}: {'; '.join(parts)}")
     if notes:
         lines += ["Notes per row:\n", *notes, ""]
     if missing:

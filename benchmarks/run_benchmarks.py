@@ -17,6 +17,7 @@ import fcntl
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,12 +80,30 @@ def save(results: dict, path: Path, output: Path) -> None:
         output.write_text(render(stored, [row.key for row in ALL_ROWS]))
 
 
+def code_version() -> str:
+    """The commit the planners ran at (short hash, "-dirty" with uncommitted changes to
+    the code that plans), or "unknown" outside a git checkout."""
+    root = HERE.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        changes = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "autopar", "examples",
+             "benchmarks/bench_large.py"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("-dirty" if changes else "")
+
+
 def row_record(result: RowResult, microbatches, seconds: float) -> dict:
     """A row result as plain JSON data."""
     record = dataclasses.asdict(result)
     record["ratio"] = result.ratio
     record["microbatches"] = list(microbatches)
     record["wall_seconds"] = seconds
+    record["commit"] = code_version()
     return record
 
 

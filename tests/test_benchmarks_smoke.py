@@ -65,8 +65,10 @@ def test_row_on_tiny_gpt_and_markdown(tmp_path):
     results = {"rows": {row.key: run_benchmarks.row_record(result, (2,), 1.0)}, "local": None}
     path, out = tmp_path / "results.json", tmp_path / "benchmarks.md"
     run_benchmarks.save(results, path, out)
-    assert row.key in json.loads(path.read_text())["rows"]
+    stored = json.loads(path.read_text())["rows"][row.key]
+    assert stored["commit"] == run_benchmarks.code_version() != ""  # a hash, or "unknown"
     text = render(results, [row.key, "gpt-39B@64"])
+    assert f"planned at commit {stored['commit']}" in text
     assert f"| {row.key} | 8 |" in text
     assert "Rows not run yet: gpt-39B@64" in text
     assert "--rows gpt-39B@64" in text
