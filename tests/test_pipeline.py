@@ -186,6 +186,34 @@ def test_layer_footprint_is_what_the_stage_memory_counts():
         assert lean.latency >= fastest.latency
 
 
+def test_stage_of_identical_layers_costs_the_sum_of_its_layers():
+    """A layer's ILP pays for handing its successor the activation in the layout it took
+    its own in (`chain_ties`); the stitched stage must not charge that resharding again.
+    Lean plans (level 8 on (2, 4)) hand on another layout than they take in: before this
+    was fixed, the stitched stage of the tiny GPT's middle blocks cost 5.5% more."""
+    from autopar._planning import tied_state
+    from autopar.cluster import LogicalMesh
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._partition import partition
+    from autopar.inter._planner import LayerCostTable
+    from autopar.intra._options import ShardOptions
+
+    opt = optax.adamw(LR)
+    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+                          gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    tied = tied_state(graph, (0,))
+    table = LayerCostTable(graph, layers, autopar.Cluster.from_profile("dgx-a100-80g"),
+                           ShardOptions(), tied, num_microbatches=4, in_flight=lambda s: 2)
+    last = layers.num_layers - 1
+    stages = partition(graph, layers, [(0, 1), (1, last), (last, last + 1)])
+    for level in (0, 8):
+        blocks = [table.cost(k, (2, 4), level) for k in range(1, last)]
+        plan = table.stage_plan(graph, stages, 1, (1, last), (2, 4),
+                                LogicalMesh.create((2, 4)), tied, level)
+        assert plan.cost.total == pytest.approx(sum(c.latency for c in blocks), rel=1e-9)
+
+
 def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     """The fastest plan of every layer fits alone, but a stage of all of them does not fit
     the budget: the stage DP takes leaner layer plans (a lower memory level) instead of

@@ -274,8 +274,10 @@ class LayerCostTable:
         `level`, see `cost`)."""
         parts = []
         weights = {}
+        handed_on = []
         stage_index = stage_part.node_index[stage]
         for k in range(*layer_range):
+            handed_on.append(self.chain_ties(k))
             self.cost(k, shape, level)
             plan, solved_on = self._plans[(self.fingerprints[k], shape, level)]
             sub = self.per_layer.stage_graphs[k]
@@ -287,7 +289,7 @@ class LayerCostTable:
         return stitch(
             stage_graph, stage_index, parts, mesh, self.cluster,
             _tied_in(stage_graph, self.tied), weights=weights,
-            tie_weight=1.0 / self.num_microbatches,
+            tie_weight=1.0 / self.num_microbatches, handed_on=handed_on,
         )
 
 

@@ -50,6 +50,7 @@ def stitch(
     *,
     weights: Mapping[int, float] | None = None,
     tie_weight: float = 1.0,
+    handed_on: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> ShardingPlan:
     """The plan of a stage from the plans of its layers.
 
@@ -61,6 +62,9 @@ def stitch(
     - `weights`: stage node id -> weight of resharding its operands (the layer ILPs'
       weights: the update runs once per step, its costs are shared by the microbatches);
       `tie_weight`: the same for moving updated state back to its input's layout.
+    - `handed_on`: per layer, (output var, input var) activation pairs its ILP tied (see
+      `LayerCostTable.chain_ties`): that layer already paid for moving the output to its
+      input's layout, so a next layer taking it in that layout costs nothing more here.
     """
     weights = dict(weights or {})
     var_specs: list[Spec | None] = [None] * len(stage_graph.vars)
@@ -78,8 +82,12 @@ def stitch(
 
     layout_from: dict[int, int] = {}  # input var -> the layer whose plan set its layout
     produced_by: dict[int, int] = {}  # var -> the layer computing it
+    paid_to: dict[int, Spec] = {}  # output var -> the layout its layer paid to move it to
     for k, (layer_graph, layer_index, plan, solved_on) in enumerate(layer_parts):
         specs, operands, _ = translate(plan, solved_on, layer_graph, mesh)
+        for out_var, in_var in handed_on[k] if k < len(handed_on) else ():
+            if specs.get(in_var) is not None:
+                paid_to[out_var] = specs[in_var]
         inverse = {sub: full for full, sub in layer_index.items()}
         for node in layer_graph.nodes:
             full = inverse[node.id]
@@ -121,7 +129,7 @@ def stitch(
             # The layer plan paid for going from its own view of the input to `want`; at a
             # layer edge the value arrives in the producer's layout: pay for the difference.
             view = layer_view[(node.id, p)]
-            if view != have:
+            if view != have and paid_to.get(v) != view:
                 resharding += weights.get(node.id, 1.0) * reshard_time(
                     var.shape, var.dtype, have, view, mesh, cluster, cache
                 )
