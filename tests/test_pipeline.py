@@ -186,6 +186,31 @@ def test_layer_footprint_is_what_the_stage_memory_counts():
         assert lean.latency >= fastest.latency
 
 
+def test_layer_that_cannot_get_leaner_keeps_its_plan():
+    """A leaner level a layer cannot reach (no footprint to give up, or a limit below what
+    the peak memory allows) gives the layer's leanest feasible plan, never None: one such
+    layer must not keep the rest of its stage from getting leaner."""
+    from autopar._planning import tied_state
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._planner import LayerCostTable
+    from autopar.intra._options import ShardOptions
+
+    opt = optax.adamw(LR)
+    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+                          gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
+    table = LayerCostTable(graph, assign_layers(graph),
+                           autopar.Cluster.from_profile("dgx-a100-80g"), ShardOptions(),
+                           tied_state(graph, (0,)), num_microbatches=4)
+    fastest = table.cost(1, (8,))
+    least, at_fastest = table.footprint_span(1, (8,))
+    table.footprint_span = lambda layer, shape: (at_fastest, at_fastest)  # nothing to give
+    assert table.cost(1, (8,), 3) is fastest and table.plan(1, (8,), 3) is table.plan(1, (8,))
+    table._cache.clear()
+    table.footprint_span = lambda layer, shape: (least / 100, at_fastest)  # below reach
+    leanest = table.cost(1, (8,), 9)
+    assert leanest is not None and leanest.latency >= fastest.latency
+
+
 def test_stage_of_identical_layers_costs_the_sum_of_its_layers():
     """A layer's ILP pays for handing its successor the activation in the layout it took
     its own in (`chain_ties`); the stitched stage must not charge that resharding again.

@@ -154,18 +154,20 @@ class LayerCostTable:
         layer's footprint on a stage (`footprint`: its state, accumulated gradients and
         the kept activations of the microbatches in flight) to
         least + `LEVEL_FRACTIONS`[L] x (fastest - least): a leaner plan for stages whose
-        fastest layer plans together do not fit. None when no such plan exists.
+        fastest layer plans together do not fit. A layer that cannot get leaner (no
+        footprint to give up, or the limit infeasible under the peak memory) keeps its
+        plan of the level below.
         """
         budget = None
-        if level:
+        key = (self.fingerprints[layer], shape, level)
+        if level and key not in self._cache:
             fastest = self.cost(layer, shape)
             if fastest is None or self.solve is not None or level >= len(LEVEL_FRACTIONS):
                 return None
-            span = self.footprint_span(layer, shape)
-            if span[0] >= span[1] * (1 - 1e-6):
-                return None  # no leaner plan than the fastest
-            budget = span[0] + (span[1] - span[0]) * LEVEL_FRACTIONS[level]
-        key = (self.fingerprints[layer], shape, level)
+            least, at_fastest = self.footprint_span(layer, shape)
+            if least >= at_fastest * (1 - 1e-6):
+                return self._same_as(key, 0, layer)  # no leaner plan than the fastest
+            budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
         if key not in self._cache:
             sub = self.per_layer.stage_graphs[layer]
             mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
@@ -181,7 +183,12 @@ class LayerCostTable:
                         footprint=self.footprint(layer, shape, budget),
                     )
             except MemoryBudgetError:
-                self._cache[key] = None
+                if not level:
+                    self._cache[key] = None
+                    return None
+                # The least footprint is a lower bound the peak memory may not allow: this
+                # layer stays at its leanest feasible plan.
+                return self._same_as(key, level - 1, layer)
             else:
                 self._cache[key] = LayerCost(
                     plan.cost.total,
@@ -191,6 +198,16 @@ class LayerCostTable:
                     _gradient_bytes(sub, plan, self.per_layer),
                 )
                 self._plans[key] = (plan, sub)
+        return self._cache[key]
+
+    def _same_as(self, key, level: int, layer: int | None = None) -> LayerCost | None:
+        """Make `key`'s level use the plan of `level` (of the same layer and shape)."""
+        if layer is not None:
+            self.cost(layer, key[1], level)
+        lower = (key[0], key[1], level)
+        self._cache[key] = self._cache[lower]
+        if lower in self._plans:
+            self._plans[key] = self._plans[lower]
         return self._cache[key]
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
