@@ -56,6 +56,19 @@ def _cpu():
     return autopar.Cluster.from_profile("cpu-local")
 
 
+def compiled_hlo_matching_one_device(cfg, optimizer, step, plan) -> str:
+    """Run `plan` of the GPT train step on the 8 devices, assert its losses and parameters
+    equal one device's over a few steps, and return its compiled HLO text."""
+    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(cfg, BATCH, jax.random.key(1))
+    ref_losses, ref_state = run_steps(jax.jit(step), state, batch)
+    par = autopar.autoparallel(step, plan=plan, donate_argnums=())
+    losses, par_state = run_steps(par, state, batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(par_state.params, ref_state.params, atol=1e-3)
+    return compiled_hlo(par, state, batch)
+
+
 # ---- the compiled HLO's all-reduces ---------------------------------------------------
 
 _ALL_REDUCE = re.compile(
@@ -204,15 +217,7 @@ def test_gpt_dp4_tp2_matches_single_device_and_has_megatron_all_reduces():
     assert specs["opt_state/0/mu/layers/1/attn/wqkv"] == ((), MODEL)
     assert specs["opt_state/0/nu/layers/0/mlp/w2"] == (MODEL, ())
 
-    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(cfg, BATCH, jax.random.key(1))
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch)
-    par = autopar.autoparallel(step, plan=plan, donate_argnums=())
-    losses, par_state = run_steps(par, state, batch)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(par_state.params, ref_state.params, atol=1e-3)
-
-    hlo = compiled_hlo(par, state, batch)
+    hlo = compiled_hlo_matching_one_device(cfg, optimizer, step, plan)
     model_groups = set(mesh.groups("model"))
     found = all_reduced_tensors(hlo, model_groups)
     assert found >= 4 * cfg.num_layers, (
@@ -244,15 +249,7 @@ def test_gpt_sequence_parallel_matches_single_device_and_reduce_scatters():
     assert plan.specs_by_path()["params/layers/0/attn/wqkv"] == ((), MODEL)  # TP as before
     assert "reduce_scatter" in sharding.cost.collectives
 
-    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(cfg, BATCH, jax.random.key(1))
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch)
-    par = autopar.autoparallel(step, plan=plan, donate_argnums=())
-    losses, par_state = run_steps(par, state, batch)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(par_state.params, ref_state.params, atol=1e-3)
-
-    hlo = compiled_hlo(par, state, batch)
+    hlo = compiled_hlo_matching_one_device(cfg, optimizer, step, plan)
     found = activation_collectives(hlo, set(plan.stages[0].mesh.groups("model")), 2)
     print(f"sequence-parallel collectives on 'model' for {cfg.num_layers} layers: {found}")
     assert found["all_reduce"] == 0, found
