@@ -247,6 +247,33 @@ def run_row(row: Row, microbatches: Sequence[int],
     return RowResult(row, cluster.num_devices, flops, auto, megatron, tuple(notes))
 
 
+def least_memory_per_device(row: Row, num_microbatches: int) -> float:
+    """A lower bound on the bytes per device any plan of the row needs with
+    `num_microbatches`: parameters, optimizer state, gradients and one microbatch's kept
+    activations, each split over every GPU (no plan splits further; none keeps less
+    without rematerialisation)."""
+    from autopar.graph import Role
+    from autopar.inter._layers import assign_layers
+    from autopar.inter._partition import partition
+
+    step, args = model_step(row)
+    graph = trace(step, *microbatch_args(args, (1,), num_microbatches), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    state = sum(
+        graph.vars[v].nbytes for v in graph.invars
+        if graph.vars[v].role in (Role.PARAM, Role.OPT_STATE)
+    )
+    grads = sum(graph.vars[v].nbytes for v in part.grad_vars)
+    kept = sum(
+        graph.vars[v].nbytes
+        for k in range(layers.num_layers)
+        for v in set(part.forward[k].outputs) & set(part.backward[k].inputs)
+    )
+    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    return (state + grads + kept) / cluster.num_devices
+
+
 def step_time(p) -> float:
     """Predicted seconds per step: Alpa's pipeline latency over the stages' per-microbatch
     costs (REFERENCES.md, "Stage DP") whenever the plan runs microbatches.

@@ -26,8 +26,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from bench_large import Row, RowResult, run_row  # noqa: E402
+from bench_large import (  # noqa: E402
+    PROFILE,
+    Row,
+    RowResult,
+    least_memory_per_device,
+    run_row,
+)
 from bench_markdown import render  # noqa: E402
+
+from autopar.cluster import Cluster  # noqa: E402
 
 log = logging.getLogger("autopar.benchmarks")
 
@@ -44,6 +52,11 @@ QUICK_ROWS = ("gpt-1.3B@8", "gpt-2.6B@16")
 # microbatch). 16 microbatches do not fit 80 GB for 1.3B on 8 GPUs without remat; each
 # further count repeats both searches (pass `--microbatches 32 64` to try two).
 DEFAULT_MICROBATCHES = (64,)
+# Rows whose memory does not allow the counts asked for (13B and 39B on few GPUs) double
+# the count, for both planners, up to this many (2 sequences per microbatch): first while
+# even a perfectly split plan could not fit (`least_memory_per_device`), then while either
+# planner finds no plan.
+MAX_MICROBATCHES = 512
 
 
 def select_rows(names: list[str] | None, quick: bool) -> list[Row]:
@@ -95,6 +108,36 @@ def code_version() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("-dirty" if changes else "")
+
+
+def plan_row(row: Row, counts: tuple[int, ...]) -> tuple[tuple[int, ...], RowResult]:
+    """Both planners on `row`, with more microbatches where memory asks for them (see
+    `MAX_MICROBATCHES`). **Returns:** the counts used and the result, whose notes say why
+    the counts changed."""
+    notes = []
+    device_memory = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts).device_memory
+    while max(counts) * 2 <= min(MAX_MICROBATCHES, row.global_batch):
+        least = least_memory_per_device(row, max(counts))
+        if least <= device_memory:
+            break
+        notes.append(f"{max(counts)} microbatches: even a plan splitting everything over "
+                     f"every GPU needs {least / 2**30:.0f} GiB per GPU")
+        counts = (max(counts) * 2,)
+    result = run_row(row, counts)
+    while (result.auto is None or result.megatron is None) and max(counts) * 2 <= min(
+        MAX_MICROBATCHES, row.global_batch
+    ):
+        missing = " and ".join(
+            name for name, r in (("autopar", result.auto), ("Megatron", result.megatron))
+            if r is None
+        )
+        notes.append(f"{max(counts)} microbatches: no {missing} plan fits")
+        counts = (max(counts) * 2,)
+        log.info("%s: retrying with %d microbatches", row.key, counts[0])
+        result = run_row(row, counts)
+    if notes:
+        result = dataclasses.replace(result, notes=(*notes, *result.notes))
+    return counts, result
 
 
 def row_record(result: RowResult, microbatches, seconds: float) -> dict:
@@ -157,9 +200,9 @@ def main(argv=None) -> None:
     for i, row in enumerate(rows):
         log.info("row %d/%d: %s ...", i + 1, len(rows), row.key)
         start = time.perf_counter()
-        result = run_row(row, args.microbatches)
+        counts, result = plan_row(row, tuple(args.microbatches))
         seconds = time.perf_counter() - start
-        results["rows"][row.key] = row_record(result, args.microbatches, seconds)
+        results["rows"][row.key] = row_record(result, counts, seconds)
         save(results, args.results, args.out)
         log.info("row %s done in %.0f s: ratio %s", row.key, seconds, result.ratio)
     if not args.no_local:

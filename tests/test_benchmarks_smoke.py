@@ -78,3 +78,33 @@ def test_local_plans_run_and_are_timed():
     results = bench_local.run_local("tiny", batch_size=8, num_steps=1, only=1)
     assert [r.name for r in results] == ["shard (8,)"]
     assert all(r.predicted > 0 and r.measured > 0 for r in results)
+
+
+def test_memory_bound_rows_double_the_microbatches(monkeypatch):
+    row = bench_large.Row("gpt", "tiny", 1, global_batch=64)
+    state_and_grads = bench_large.least_memory_per_device(row, 64)  # 1 sequence each
+    assert bench_large.least_memory_per_device(row, 8) > state_and_grads > 0
+    # A row that needs 4x the microbatches to fit at all, then one more doubling before
+    # both planners find a plan.
+    device = bench_large.Cluster.from_profile(bench_large.PROFILE).device_memory
+    monkeypatch.setattr(run_benchmarks, "least_memory_per_device",
+                        lambda r, m: device * 7.9 / m)
+    ran = []
+
+    def fake_run_row(r, counts):
+        ran.append(counts)
+        auto = object() if counts[0] >= 16 else None
+        return bench_large.RowResult(r, 8, 1.0, auto, object(), ("grid note",))
+
+    monkeypatch.setattr(run_benchmarks, "run_row", fake_run_row)
+    counts, result = run_benchmarks.plan_row(row, (2,))
+    assert counts == (16,) and ran == [(8,), (16,)]
+    need = [f"{device * 7.9 / m / 2**30:.0f}" for m in (2, 4)]
+    assert result.notes == (
+        f"2 microbatches: even a plan splitting everything over every GPU needs {need[0]} "
+        "GiB per GPU",
+        f"4 microbatches: even a plan splitting everything over every GPU needs {need[1]} "
+        "GiB per GPU",
+        "8 microbatches: no autopar plan fits",
+        "grid note",
+    )
