@@ -104,46 +104,74 @@ def local_plans(step, args, cluster) -> dict[str, Callable[[], object]]:
     return makers
 
 
+class _Timer:
+    """A plan compiled and warmed up (one step), ready to time more steps."""
+
+    def __init__(self, step, state, batch, p):
+        self.run = autoparallel(step, plan=p, cache=False)
+        self.state = jax.tree.map(jnp.copy, state)  # the step donates its state
+        self.batch = batch
+        self.times: list[float] = []
+        self._step()  # compiles
+
+    def _step(self) -> float:
+        start = time.perf_counter()
+        self.state, metrics = self.run(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+        return time.perf_counter() - start
+
+    def time_steps(self, n: int) -> float:
+        """Time `n` steps; returns their median and keeps every time."""
+        times = [self._step() for _ in range(n)]
+        self.times += times
+        return statistics.median(times)
+
+
 def measure(step, state, batch, p, num_steps: int) -> float:
     """Median seconds of `num_steps` steps of `p` after one warm-up step (which compiles)."""
-    run = autoparallel(step, plan=p, cache=False)
-    state = jax.tree.map(jnp.copy, state)  # the step donates its state; keep the caller's
-    state, metrics = run(state, batch)
-    jax.block_until_ready((state, metrics))
-    times = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        state, metrics = run(state, batch)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _Timer(step, state, batch, p).time_steps(num_steps)
 
 
-def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int = 5,
-              profile: str = LOCAL_PROFILE, only: int | None = None) -> list[LocalResult]:
+def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int = 10,
+              profile: str = LOCAL_PROFILE, only: int | None = None,
+              rounds: int = 3) -> tuple[list[LocalResult], list[list[float]]]:
     """Plan, run and time a small GPT under each local plan.
+
+    Every plan is compiled first; then `rounds` rounds each time `num_steps` steps of
+    every plan in turn, so that a slow spell of the shared machine falls on all plans
+    rather than on the few that happened to run then.
 
     **Arguments:**
     - `config`: a GPT config name (`examples.gpt.CONFIGS`), layer marks added.
-    - `batch_size`, `num_steps`: the batch and the steps timed after the warm-up.
+    - `batch_size`, `num_steps`: the batch and the steps timed per plan per round.
     - `profile`: the cost profile the predictions use (a name or a path).
     - `only`: run just the first `only` plans (for a smoke test).
+    - `rounds`: timing rounds.
 
-    **Returns:** a `LocalResult` per plan that planned and ran.
+    **Returns:** a `LocalResult` per plan that planned and ran (measured = median of all
+    its timed steps), and per round the median step time of each of those plans.
     """
+    if rounds < 1 or num_steps < 1:
+        raise ValueError(f"rounds and num_steps must be at least 1, got {rounds}, {num_steps}")
     step, state, batch = _gpt_arrays(config, batch_size)
     cluster = _cluster(profile)
-    results = []
+    timers = {}
     for name, make in list(local_plans(step, (state, batch), cluster).items())[:only]:
         try:
             p = make()
-            seconds = measure(step, state, batch, p, num_steps)
+            timers[name] = (p, _Timer(step, state, batch, p))
         except (ValueError, NotImplementedError) as err:
             log.warning("local plan %s skipped: %s", name, str(err)[:200])
-            continue
+    per_round = []
+    for r in range(rounds):
+        per_round.append([t.time_steps(num_steps) for _, t in timers.values()])
+        log.info("timing round %d/%d done", r + 1, rounds)
+    results = []
+    for name, (p, t) in timers.items():
+        seconds = statistics.median(t.times)
         log.info("%s: predicted %.4g s, measured %.4g s", name, step_time(p), seconds)
         results.append(LocalResult(name, plan_line(p), step_time(p), seconds, p.runtime))
-    return results
+    return results, per_round
 
 
 def _gpt_arrays(config: str, batch_size: int):

@@ -164,8 +164,12 @@ def _local_section(local: dict | None) -> str:
         "## Local plans on 8 virtual CPU devices\n",
         f"GPT `{local['config']}` (examples/gpt.py, float32, layer marks), batch "
         f"{local['batch']}, on 8 virtual CPU devices of this 2-core machine. Predictions use "
-        f"the `{local['profile']}` profile; measured = median of {local['steps']} steps "
-        "after one warm-up step (`block_until_ready`).\n",
+        f"the `{local['profile']}` profile; measured = median of "
+        f"{local['steps'] * local.get('rounds', 1)} steps after one warm-up step "
+        f"(`block_until_ready`), timed in {local.get('rounds', 1)} round(s) of "
+        f"{local['steps']} steps of every plan in turn"
+        + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
+        + ".\n",
         "| plan | chosen layout | predicted | measured | measured / predicted |",
         "|---|---|---|---|---|",
     ]
@@ -181,6 +185,12 @@ def _local_section(local: dict | None) -> str:
     else:
         lines.append(f"Spearman rank correlation (predicted vs measured, "
                      f"{len(local['plans'])} plans): **{rho:.2f}**.\n")
+        rounds = local.get("spearman_per_round") or []
+        if len(rounds) > 1:
+            lines.append(
+                f"Per timing round: {', '.join(f'{r:.2f}' for r in rounds)}. Many of these "
+                "plans run within a few percent of each other, so the machine's noise moves "
+                "their order from round to round.\n")
     if local["plans"]:
         r = sorted(p["measured"] / p["predicted"] for p in local["plans"])
         lines.append(

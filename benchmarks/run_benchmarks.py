@@ -154,11 +154,14 @@ def run_local_part(args) -> dict:
     """Run the local plans; returns their JSON record with the Spearman correlation."""
     from bench_local import run_local, spearman
 
-    results = run_local(args.local_config, args.local_batch, args.local_steps, args.profile)
+    results, per_round = run_local(args.local_config, args.local_batch, args.local_steps,
+                                   args.profile, rounds=args.local_rounds)
     record = {
         "config": args.local_config,
         "batch": args.local_batch,
         "steps": args.local_steps,
+        "rounds": args.local_rounds,
+        "commit": code_version(),
         "profile": args.profile,
         "plans": [dataclasses.asdict(r) for r in results],
         "spearman": None,
@@ -166,6 +169,8 @@ def run_local_part(args) -> dict:
     if len(results) >= 2:
         record["spearman"] = spearman([r.predicted for r in results],
                                       [r.measured for r in results])
+        predicted = [r.predicted for r in results]
+        record["spearman_per_round"] = [spearman(predicted, times) for times in per_round]
     return record
 
 
@@ -179,7 +184,10 @@ def parse_args(argv=None):
     parser.add_argument("--local-only", action="store_true", help="only the local plans")
     parser.add_argument("--local-config", default="small-test")
     parser.add_argument("--local-batch", type=int, default=16)
-    parser.add_argument("--local-steps", type=int, default=5)
+    parser.add_argument("--local-steps", type=int, default=10,
+                        help="steps timed per plan in each round (default: 10)")
+    parser.add_argument("--local-rounds", type=int, default=3,
+                        help="rounds of timing every plan in turn (default: 3)")
     parser.add_argument("--profile", default="cpu-local",
                         help="cost profile of the local predictions (name or JSON path)")
     parser.add_argument("--results", type=Path, default=RESULTS)

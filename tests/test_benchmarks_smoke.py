@@ -75,9 +75,13 @@ def test_row_on_tiny_gpt_and_markdown(tmp_path):
 
 
 def test_local_plans_run_and_are_timed():
-    results = bench_local.run_local("tiny", batch_size=8, num_steps=1, only=1)
-    assert [r.name for r in results] == ["shard (8,)"]
+    results, per_round = bench_local.run_local("tiny", batch_size=8, num_steps=1, only=2,
+                                               rounds=2)
+    assert [r.name for r in results] == ["shard (8,)", "shard (2, 4)"]
     assert all(r.predicted > 0 and r.measured > 0 for r in results)
+    assert len(per_round) == 2 and all(len(times) == 2 for times in per_round)
+    with pytest.raises(ValueError, match="rounds and num_steps must be at least 1"):
+        bench_local.run_local("tiny", rounds=0)
 
 
 def test_memory_bound_rows_double_the_microbatches(monkeypatch):
