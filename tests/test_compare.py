@@ -98,6 +98,10 @@ def test_compare_rejects_mismatched_measurements():
         compare([spmd, pipeline], measured=[1.0])
     with pytest.raises(ValueError, match="at least one plan"):
         compare([])
+    with pytest.raises(TypeError, match=r"not a mapping; pass list\(plans.values\(\)\)"):
+        compare({"auto": spmd, "manual": pipeline})
+    with pytest.raises(TypeError, match=r"plans\[1\] is a str, not an autopar.Plan"):
+        compare([spmd, "megatron"])
 
 
 def test_cli_compare_prints_table(capsys):

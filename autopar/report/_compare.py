@@ -8,9 +8,10 @@ the pipeline bubble, and measured times.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from autopar.plan import Plan
 from autopar.report._explain import _fmt_bytes, _fmt_time
 
 # Marks a value a plan does not have (e.g. no measurement).
@@ -111,9 +112,17 @@ def compare(
                   flops=graph.total_flops))
     ```
     """
+    if isinstance(plans, Mapping):
+        raise TypeError("compare takes a sequence of Plans, not a mapping; pass "
+                        "list(plans.values()).")
     plans = list(plans)
     if not plans:
         raise ValueError("compare needs at least one plan")
+    for i, p in enumerate(plans):
+        if not isinstance(p, Plan):
+            raise TypeError(f"compare: plans[{i}] is a {type(p).__name__}, not an "
+                            "autopar.Plan; pass the plans autopar.plan or megatron_plan "
+                            "returned.")
     measured_list = _per_plan(measured, len(plans), "measured")
     flops_list = _per_plan(flops, len(plans), "flops")
     figures = [plan_figures(p, f, m) for p, f, m in zip(plans, flops_list, measured_list)]
