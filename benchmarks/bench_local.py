@@ -127,11 +127,6 @@ class _Timer:
         return statistics.median(times)
 
 
-def measure(step, state, batch, p, num_steps: int) -> float:
-    """Median seconds of `num_steps` steps of `p` after one warm-up step (which compiles)."""
-    return _Timer(step, state, batch, p).time_steps(num_steps)
-
-
 def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int = 10,
               profile: str = LOCAL_PROFILE, only: int | None = None,
               rounds: int = 3) -> tuple[list[LocalResult], list[list[float]]]:

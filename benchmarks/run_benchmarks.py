@@ -167,9 +167,8 @@ def run_local_part(args) -> dict:
         "spearman": None,
     }
     if len(results) >= 2:
-        record["spearman"] = spearman([r.predicted for r in results],
-                                      [r.measured for r in results])
         predicted = [r.predicted for r in results]
+        record["spearman"] = spearman(predicted, [r.measured for r in results])
         record["spearman_per_round"] = [spearman(predicted, times) for times in per_round]
     return record
 
