@@ -6,20 +6,37 @@ def train_step(state, batch):
     loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
     ...
 ```
+
+This module only re-exports. The parts form a line, each importing only parts before it
+(`tests/test_layering.py` checks it):
+
+    choices, _progress, _version     base: names of choices, progress logging, the version
+    graph      trace a step into an OpGraph; the marks a user writes
+    cluster    Cluster, LogicalMesh, cost profiles
+    cost       the cost model: collectives, compute, pipeline latency, stage memory
+    profile    measure this machine into a cost profile
+    intra      operator parallelism: sharding rules, strategies, the ILP
+    inter      pipeline parallelism: graph passes, submeshes, the stage DP
+    plan       Plan: plain data, JSON
+    search     plan(): options, microbatches, the pipeline search, the plan cache
+    manual     Megatron-LM style plans scored by the same cost model
+    lower      Plan -> jax.jit with shardings
+    distributed  several processes: launch, arrays across processes, agreeing on a plan
+    runtime    the pipeline runtime
+    report     explain, diff, compare, pictures, Gantt charts
+    app        autoparallel, the command line, the demo, the examples
 """
 
 from autopar import cost, distributed
-from autopar._autoparallel import AutoParallel, autoparallel
-from autopar._markers import grad, layer_boundary, value_and_grad
-from autopar._planning import plan
+from autopar._version import __version__
+from autopar.app import AutoParallel, autoparallel
 from autopar.cluster import Cluster, Link, LogicalMesh
-from autopar.graph import OpGraph, Role, trace
+from autopar.graph import OpGraph, Role, grad, layer_boundary, trace, value_and_grad
 from autopar.intra import MemoryBudgetError, ShardingPlan
 from autopar.manual import MegatronConfig, megatron_grid_search, megatron_plan
 from autopar.plan import Plan
-from autopar.report import compare
-
-__version__ = "0.1.0"
+from autopar.report import compare, diff_plans, explain
+from autopar.search import PlanOptions, plan
 
 __all__ = [
     "AutoParallel",
@@ -30,12 +47,16 @@ __all__ = [
     "MemoryBudgetError",
     "OpGraph",
     "Plan",
+    "PlanOptions",
     "Role",
     "ShardingPlan",
+    "__version__",
     "autoparallel",
     "compare",
     "cost",
+    "diff_plans",
     "distributed",
+    "explain",
     "grad",
     "layer_boundary",
     "megatron_grid_search",

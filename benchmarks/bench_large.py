@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import optax
 
-from autopar._planning import microbatch_args, plan
 from autopar.cluster import Cluster
 from autopar.graph import trace
 from autopar.manual import MegatronConfig, megatron_plan_for_graph
 from autopar.report import weights_split_across_hosts
+from autopar.search import microbatch_args, plan
 from examples import gpt, moe
 
 log = logging.getLogger("autopar.benchmarks")
@@ -135,8 +135,8 @@ def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> 
             continue
         for name, seconds in p.timings.items():
             phases[name] = phases.get(name, 0.0) + seconds
-        log.info("auto, %d microbatches: %.4g s predicted", m, step_time(p))
-        if best is None or step_time(p) < step_time(best):
+        log.info("auto, %d microbatches: %.4g s predicted", m, p.predicted_step_time)
+        if best is None or p.predicted_step_time < best.predicted_step_time:
             best = p
     if best is None:
         raise error
@@ -191,8 +191,8 @@ def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: i
         if isinstance(p, str):
             failures.append(f"{config.name}: {p}")
             continue
-        log.info("%s: %.4g s predicted", config.name, step_time(p))
-        if best is None or step_time(p) < step_time(best):
+        log.info("%s: %.4g s predicted", config.name, p.predicted_step_time)
+        if best is None or p.predicted_step_time < best.predicted_step_time:
             best = p
     if best is None:
         raise ValueError("no Megatron configuration fits:\n" + "\n".join(failures))
@@ -253,8 +253,8 @@ def least_memory_per_device(row: Row, num_microbatches: int) -> float:
     activations, each split over every GPU (no plan splits further; none keeps less
     without rematerialisation)."""
     from autopar.graph import Role
-    from autopar.inter._layers import assign_layers
-    from autopar.inter._partition import partition
+    from autopar.inter.passes._layers import assign_layers
+    from autopar.inter.passes._partition import partition
 
     step, args = model_step(row)
     graph = trace(step, *microbatch_args(args, (1,), num_microbatches), batch_argnums=(1,))
@@ -274,22 +274,8 @@ def least_memory_per_device(row: Row, num_microbatches: int) -> float:
     return (state + grads + kept) / cluster.num_devices
 
 
-def step_time(p) -> float:
-    """Predicted seconds per step: Alpa's pipeline latency over the stages' per-microbatch
-    costs (REFERENCES.md, "Stage DP") whenever the plan runs microbatches.
-
-    `Plan.predicted_step_time` returns the one stage's cost for a one-stage plan even when
-    it accumulates several microbatches (the stage is costed per microbatch), which would
-    make such Megatron plans look m times faster; this counts every microbatch.
-    """
-    times = [stage.sharding.cost.total for stage in p.stages]
-    if p.runtime != "pipeline":
-        return p.predicted_step_time
-    return sum(times) + (p.num_microbatches - 1) * max(times)
-
-
 def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:
-    step_time_ = step_time(p)
+    step_time_ = p.predicted_step_time
     return PlannerResult(
         step_time=step_time_,
         tflops_per_gpu=flops / (step_time_ * cluster.num_devices) / TERA,

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from bench_large import plan_line, step_time
+from bench_large import plan_line
 
-from autopar._autoparallel import autoparallel
-from autopar._planning import plan
+from autopar.app._autoparallel import autoparallel
 from autopar.cluster import Cluster
 from autopar.manual import megatron_plan
+from autopar.search import plan
 from examples import gpt
 
 log = logging.getLogger("autopar.benchmarks")
@@ -164,8 +164,8 @@ def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int =
     results = []
     for name, (p, t) in timers.items():
         seconds = statistics.median(t.times)
-        log.info("%s: predicted %.4g s, measured %.4g s", name, step_time(p), seconds)
-        results.append(LocalResult(name, plan_line(p), step_time(p), seconds, p.runtime))
+        log.info("%s: predicted %.4g s, measured %.4g s", name, p.predicted_step_time, seconds)
+        results.append(LocalResult(name, plan_line(p), p.predicted_step_time, seconds, p.runtime))
     return results, per_round
 
 

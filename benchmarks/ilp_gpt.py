@@ -21,11 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import optax  # noqa: E402
 
-from autopar._planning import tied_state  # noqa: E402
 from autopar.cluster import Cluster, LogicalMesh  # noqa: E402
-from autopar.graph import trace  # noqa: E402
-from autopar.inter._layers import assign_layers  # noqa: E402
+from autopar.graph import (
+    tied_state,  # noqa: E402
+    trace,  # noqa: E402
+)
 from autopar.inter._planner import LayerCostTable, _tied_in  # noqa: E402
+from autopar.inter.passes._layers import assign_layers  # noqa: E402
 from autopar.intra import ShardOptions, plan_on_mesh  # noqa: E402
 from examples import gpt  # noqa: E402
 

@@ -29,9 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from autopar.inter._clustering import cluster_layers_detailed  # noqa: E402
 from autopar.inter._stage_dp import StageCost, plan_stages  # noqa: E402
 from autopar.inter._submesh import submesh_shapes  # noqa: E402
+from autopar.inter.passes._clustering import cluster_layers_detailed  # noqa: E402
 
 # Tensor-parallel communication per layer per log2(devices), as a fraction of one layer's
 # single-device compute. Cross-host links are taken to be 4x slower than intra-host ones;

@@ -49,7 +49,7 @@ class GoldenModel:
     changes: tuple[tuple[str, int], ...] = ()
 
     def config(self):
-        from autopar._examples import load_example
+        from autopar.app._examples import load_example
 
         return dataclasses.replace(load_example(self.family).CONFIGS["tiny"], **dict(self.changes))
 
@@ -87,10 +87,10 @@ def golden_plan(case: GoldenCase) -> dict:
     """Plan `case` and return its golden record (see the module docstring)."""
     import optax
 
-    from autopar._examples import LEARNING_RATE, load_example
-    from autopar._planning import plan
+    from autopar.app._examples import LEARNING_RATE, load_example
     from autopar.cluster import Cluster
     from autopar.cluster._mesh import spec_str
+    from autopar.search import plan
 
     module = load_example(case.model.family)
     config = case.model.config()

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import autopar
-from autopar._cache import PlanCache
+from autopar.search._cache import PlanCache
 from examples import mlp
 
 CFG = mlp.MLPConfig(in_dim=16, hidden=64, out_dim=8, num_layers=3)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from autopar._cache import PlanCache, cache_key, default_cache_dir
 from autopar.cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
 from autopar.plan import InputInfo, Plan, Stage
+from autopar.search._cache import PlanCache, cache_key, default_cache_dir
 
 CLUSTER = Cluster.from_profile("cpu-local").to_json()
 OPTIONS = {"method": "auto", "memory_budget": None, "mesh_shape": (2, 4)}
@@ -139,7 +139,7 @@ def test_writes_are_atomic(cache, monkeypatch, caplog):
         assert json.loads(open(src).read())["plan"]["method"] == "data", "written in full"
         raise OSError("disk full")
 
-    monkeypatch.setattr("autopar._cache.os.replace", failing_replace)
+    monkeypatch.setattr("autopar.search._cache.os.replace", failing_replace)
     with caplog.at_level(logging.WARNING, logger="autopar"):
         cache.put(key, small_plan("data"))  # logged, not raised
     assert "could not write" in caplog.text

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from autopar import cli
-from autopar._demo import LOSS_TOLERANCE, DemoResult, _write_files, run_demo
-from autopar._examples import model_names, named_model, parse_model_name
+from autopar.app import cli
+from autopar.app._demo import LOSS_TOLERANCE, DemoResult, _write_files, run_demo
+from autopar.app._examples import model_names, named_model, parse_model_name
 from autopar.cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
@@ -111,7 +111,7 @@ def test_demo_exit_status_follows_the_loss_difference(monkeypatch, capsys, diffe
         calls.append((out_dir, kwargs))
         return DemoResult(None, (2.0, 1.5), (2.0, 1.5 + difference), ())
 
-    monkeypatch.setattr("autopar._demo.run_demo", fake_run_demo)
+    monkeypatch.setattr("autopar.app._demo.run_demo", fake_run_demo)
     assert cli.main(["demo", "--steps", "2", "--out-dir", "out", "--mesh-shape", "2,4"]) == status
     assert calls == [("out", dict(num_steps=2, method="auto", mesh_shape=(2, 4), pictures=True))]
     assert "demo finished in" in capsys.readouterr().out

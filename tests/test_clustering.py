@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from autopar.inter._clustering import cluster_layers, cluster_layers_detailed, cut_bytes
+from autopar.inter.passes._clustering import cluster_layers, cluster_layers_detailed, cut_bytes
 
 
 def naive_cut_bytes(num_equations, edges):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar import cli
+from autopar.app import cli
 from autopar.cluster import LogicalMesh
 from autopar.intra import PredictedCost, ShardingPlan
 from autopar.plan import Plan, Stage

@@ -14,12 +14,12 @@ import autopar
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.cost import bytes_per_device
 from autopar.graph import trace
-from autopar.inter._deferred import (
+from autopar.inter.passes._deferred import (
     deferrable_gradients,
     stacked_layout,
     step_weights,
 )
-from autopar.inter._layers import accumulated_values, assign_layers
+from autopar.inter.passes._layers import accumulated_values, assign_layers
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import build_problem, unstacked_spec
 from autopar.lower import count_collectives, stack_spec

@@ -9,9 +9,8 @@ import optax
 import pytest
 
 import autopar
-from autopar._planning import tied_state
 from autopar.cluster import LogicalMesh
-from autopar.graph import Role, trace
+from autopar.graph import Role, tied_state, trace
 from autopar.intra import MemoryBudgetError, ShardOptions, plan_on_mesh
 from examples import gpt, mlp
 

@@ -42,7 +42,7 @@ def multihost_run(tmp_path_factory):
     """Run the worker under the `autopar launch` command line; the output folder."""
     out = tmp_path_factory.mktemp("multihost")
     command = [
-        sys.executable, "-m", "autopar.cli", "launch", "-n", str(NUM_PROCESSES),
+        sys.executable, "-m", "autopar.app.cli", "launch", "-n", str(NUM_PROCESSES),
         "--devices-per-process", str(DEVICES_PER_PROCESS), "--log-dir", str(out), "--",
         sys.executable, WORKER, "--out", str(out), "--modes", ",".join(MODES),
     ]

@@ -159,9 +159,9 @@ def test_layer_footprint_is_what_the_stage_memory_counts():
     """The footprint the leaner memory levels limit in a layer's ILP is exactly what
     `stage_memory` counts of that layer: state + accumulated gradients + the kept
     activations of every microbatch in flight; a leaner level stays under its limit."""
-    from autopar._planning import tied_state
-    from autopar.inter._layers import assign_layers
+    from autopar.graph import tied_state
     from autopar.inter._planner import LEVEL_FRACTIONS, LayerCostTable
+    from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
@@ -190,9 +190,9 @@ def test_layer_that_cannot_get_leaner_keeps_its_plan():
     """A leaner level a layer cannot reach (no footprint to give up, or a limit below what
     the peak memory allows) gives the layer's leanest feasible plan, never None: one such
     layer must not keep the rest of its stage from getting leaner."""
-    from autopar._planning import tied_state
-    from autopar.inter._layers import assign_layers
+    from autopar.graph import tied_state
     from autopar.inter._planner import LayerCostTable
+    from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
@@ -216,11 +216,11 @@ def test_stage_of_identical_layers_costs_the_sum_of_its_layers():
     its own in (`chain_ties`); the stitched stage must not charge that resharding again.
     Lean plans (level 8 on (2, 4)) hand on another layout than they take in: before this
     was fixed, the stitched stage of the tiny GPT's middle blocks cost 5.5% more."""
-    from autopar._planning import tied_state
     from autopar.cluster import LogicalMesh
-    from autopar.inter._layers import assign_layers
-    from autopar.inter._partition import partition
+    from autopar.graph import tied_state
     from autopar.inter._planner import LayerCostTable
+    from autopar.inter.passes._layers import assign_layers
+    from autopar.inter.passes._partition import partition
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
@@ -243,9 +243,9 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     """The fastest plan of every layer fits alone, but a stage of all of them does not fit
     the budget: the stage DP takes leaner layer plans (a lower memory level) instead of
     giving up, and the stage then fits."""
-    from autopar._planning import tied_state
-    from autopar.inter._layers import assign_layers
+    from autopar.graph import tied_state
     from autopar.inter._planner import choose_stages
+    from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)

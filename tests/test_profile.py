@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from autopar.cli import main, use_virtual_cpu_devices
-from autopar.cluster import QUICK, Cluster, LogicalMesh
-from autopar.cluster._profile import time_collective
+from autopar.app.cli import main, use_virtual_cpu_devices
+from autopar.cluster import Cluster, LogicalMesh
 from autopar.cost import COLLECTIVE_KINDS, collective_time
+from autopar.profile import QUICK
+from autopar.profile._measure import time_collective
 
 REPO = Path(__file__).resolve().parent.parent
 UNSEEN_SIZE = 1024 * 1024  # between the QUICK sizes 256 KiB and 4 MiB, so not in the fit
@@ -98,7 +99,7 @@ def test_cli_profiles_requested_devices_in_own_process(tmp_path):
     out = tmp_path / "two.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env |= {"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "autopar.cli", "profile", "--quick", "--devices", "2",
+    command = [sys.executable, "-m", "autopar.app.cli", "profile", "--quick", "--devices", "2",
                "--out", str(out)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -117,7 +118,7 @@ def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "autopar.cli", "profile", "--quick", "--devices", "2",
+            [sys.executable, "-m", "autopar.app.cli", "profile", "--quick", "--devices", "2",
              "--out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
              "--process-id", str(i)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

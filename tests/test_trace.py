@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from autopar._markers import value_and_grad as autopar_value_and_grad
 from autopar.graph import Role, trace
 from autopar.graph._flops import CALL_JAXPR_PARAM, FLOP_RULES, elementwise_flops
+from autopar.graph._markers import value_and_grad as autopar_value_and_grad
 from autopar.graph._trace import path_str
 from examples import gpt
 

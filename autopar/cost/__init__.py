@@ -2,7 +2,8 @@
 
 In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
 bytes. Collectives use the ring alpha-beta model, compute the roofline model
-(REFERENCES.md). The ILP, the stage DP, the manual-plan scorer and the reports all call
+(REFERENCES.md); pipelines Alpa's latency, the 1F1B bubble and in-flight
+microbatches. The ILP, the stage DP, the manual-plan scorer and the reports all call
 these functions.
 """
 
@@ -15,9 +16,23 @@ from autopar.cost._formulas import (
     CollectiveKind,
     alpha_beta_terms,
 )
+from autopar.cost._pipeline import (
+    LayerCost,
+    bubble_fraction,
+    in_flight_microbatches,
+    memory_budget,
+    pipeline_latency,
+    stage_memory,
+)
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "LayerCost",
+    "bubble_fraction",
+    "in_flight_microbatches",
+    "memory_budget",
+    "pipeline_latency",
+    "stage_memory",
     "AlphaBetaTerms",
     "CollectiveKind",
     "CollectiveSample",

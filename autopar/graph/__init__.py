@@ -1,6 +1,24 @@
-"""Tracing: a train step and example arguments in, an `OpGraph` out."""
+"""Tracing: a train step and example arguments in, an `OpGraph` out.
 
+Also the marks a user puts in the step (`layer_boundary`, and `value_and_grad`/`grad`,
+which mark where the per-microbatch gradient ends and the optimizer update begins), and
+`tied_state`, which pairs the step's returned state with the state it was given.
+"""
+
+from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
+from autopar.graph._state import tied_state
 from autopar.graph._trace import trace
 
-__all__ = ["Node", "OpGraph", "Role", "Var", "trace"]
+__all__ = [
+    "Node",
+    "OpGraph",
+    "Role",
+    "Var",
+    "grad",
+    "layer_boundary",
+    "marking_layers",
+    "tied_state",
+    "trace",
+    "value_and_grad",
+]

@@ -21,14 +21,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.cluster._mesh import LogicalMesh
+from autopar.cost import (
+    LayerCost,
+    in_flight_microbatches,
+    memory_budget,
+    stage_memory,
+)
 from autopar.graph import OpGraph, Role
 from autopar.graph._opgraph import dtype_itemsize
-from autopar.inter._deferred import gradient_roots, stacked_layout, step_weights
-from autopar.inter._layers import LayerAssignment
-from autopar.inter._partition import Partition, partition
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 from autopar.inter._stitch import stitch
 from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
+from autopar.inter.passes._deferred import gradient_roots, stacked_layout, step_weights
+from autopar.inter.passes._layers import LayerAssignment
+from autopar.inter.passes._partition import Partition, partition
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_on_mesh
@@ -36,24 +42,6 @@ from autopar.intra._problem import Footprint, unstacked_spec
 from autopar.intra._sharding_plan import ShardingPlan
 
 log = logging.getLogger("autopar")
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    latency: float  # predicted seconds per microbatch (forward + backward + its update)
-    memory: float  # bytes per device at the layer's peak (state + live activations)
-    activation_memory: float  # bytes per device kept from forward to backward
-    state_memory: float = 0.0  # parameters and optimizer state, bytes per device
-    # The layer's gradients, summed over microbatches until the update (deferred ones
-    # unreduced, so at their per-device partial-sum size), bytes per device.
-    gradient_memory: float = 0.0
-
-    @property
-    def transient_memory(self) -> float:
-        """Working memory beyond state and kept activations, needed one layer at a time."""
-        return max(
-            0.0, self.memory - self.state_memory - self.activation_memory - self.gradient_memory
-        )
 
 
 @dataclass(frozen=True)
@@ -359,16 +347,6 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 
 
-def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
-    """Bytes per device of a stage of these layers: the state and accumulated gradients of
-    every layer, the kept activations of every microbatch in flight, and the working memory
-    of the one layer running at a time."""
-    memory = sum(
-        c.state_memory + c.gradient_memory + in_flight * c.activation_memory for c in costs
-    )
-    return memory + max(c.transient_memory for c in costs)
-
-
 def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float):
     """(level, layer costs, stage memory) of the fastest memory level at which the layers
     fit `budget` together on a mesh of `shape`, or of the leanest level tried when none
@@ -403,14 +381,6 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     return found
 
 
-def in_flight_microbatches(schedule: str, num_microbatches: int, stages_from_here: int) -> int:
-    """Microbatches whose activations a stage holds at once: all of them with GPipe; with
-    1F1B one per stage from this one to the last (Narayanan et al. 2021)."""
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_microbatches, stages_from_here)
-
-
 def choose_stages(
     graph: OpGraph,
     layers: LayerAssignment,
@@ -425,7 +395,7 @@ def choose_stages(
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh."""
-    budget = options.memory_budget or float(cluster.device_memory)
+    budget = memory_budget(cluster, options.memory_budget)
     total_devices = cluster.num_devices
 
     def in_flight(shape) -> int:

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.cost import pipeline_latency
 from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
 
 
@@ -383,8 +384,7 @@ def _best_packable(problem: _Problem, costs: dict[StageKey, StageCost]):
 
 
 def _plan_latency(problem: _Problem, stages: Sequence[StageKey], costs) -> float:
-    latencies = [costs[key].latency for key in stages]
-    return sum(latencies) + (problem.num_microbatches - 1) * max(latencies)
+    return pipeline_latency([costs[key].latency for key in stages], problem.num_microbatches)
 
 
 def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
@@ -477,7 +477,7 @@ def _make_plan(problem, stages, costs, num_evaluations, solve_time, num_runs) ->
     )
     return StagePlan(
         stages=tuple(stages),
-        latency=total + (problem.num_microbatches - 1) * largest,
+        latency=pipeline_latency(latencies, problem.num_microbatches),
         max_stage_latency=largest,
         sum_stage_latency=total,
         num_evaluations=num_evaluations,
@@ -583,8 +583,9 @@ def brute_force_stages(
                         costs[key] = _call_cost(stage_cost, key)
                 if not all(costs[key].feasible for key in stages):
                     continue
-                latencies = [costs[key].latency for key in stages]
-                latency = sum(latencies) + (problem.num_microbatches - 1) * max(latencies)
+                latency = pipeline_latency(
+                    [costs[key].latency for key in stages], problem.num_microbatches
+                )
                 if latency < best_latency and _is_packable(problem, stages):
                     best, best_latency = stages, latency
     if best is None:

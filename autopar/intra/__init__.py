@@ -7,7 +7,8 @@ variable on the cheapest logical mesh.
 from autopar.intra._ilp import MemoryBudgetError, ShardingProblem, Solution, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import mesh_shapes, plan_on_mesh, plan_sharding
-from autopar.intra._rules import SHARDING_RULES, register
+from autopar.intra._registry import SHARDING_RULES
+from autopar.intra._rules import register
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
 
 __all__ = [

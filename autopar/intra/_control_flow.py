@@ -44,7 +44,7 @@ from typing import Any
 from jax.extend import core
 
 from autopar.graph._flops import CALL_JAXPR_PARAM, eqn_flops
-from autopar.intra._rules import OpInfo, register, signature_of
+from autopar.intra._rules import OpInfo, Rule, primitive_signature
 from autopar.intra._signature import Labels, Signature
 
 BATCH = "batch"
@@ -144,7 +144,7 @@ def _eqn_propagation(eqn: core.JaxprEqn, tags: Tags, size: int) -> Propagation |
         out_shapes=tuple(_shape(v) for v in eqn.outvars),
         in_const=tuple(isinstance(a, core.Literal) for a in eqn.invars),
     )
-    sig = signature_of(op)
+    sig = primitive_signature(op)  # control flow was handled above
     out_tags = None if sig is None else _follow_label(sig, op, tags, size)
     return None if out_tags is None else Propagation(out_tags, eqn_flops(eqn), 0.0)
 
@@ -382,7 +382,6 @@ def _labels(shape: Sequence[int], tag: int | None) -> Labels:
     return tuple(BATCH if d == tag else None for d in range(len(shape)))
 
 
-@register("scan", "while", "cond")
 def control_flow_rule(op: OpInfo) -> Signature:
     """Replicated, or split along the batch dimension the bodies treat independently.
 
@@ -399,3 +398,6 @@ def control_flow_rule(op: OpInfo) -> Signature:
         tuple(_labels(s, t) for s, t in zip(op.in_shapes, in_tags)),
         tuple(_labels(s, t) for s, t in zip(op.out_shapes, out_tags)),
     )
+
+
+CONTROL_FLOW_RULES: dict[str, Rule] = dict.fromkeys(("scan", "while", "cond"), control_flow_rule)

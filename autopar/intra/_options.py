@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-ShardMethod = Literal["shard", "data", "zero2", "zero3"]
-SolverName = Literal["auto", "highs", "cbc"]
+from autopar.choices import SHARD_METHODS, ShardMethod, SolverName, check_choice
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,11 +30,7 @@ class ShardOptions:
     merge_followers: bool = True
 
     def __post_init__(self):
-        if self.method not in ("shard", "data", "zero2", "zero3"):
-            raise ValueError(
-                f"unknown sharding method {self.method!r}; use one of "
-                "'shard', 'data', 'zero2', 'zero3'"
-            )
+        check_choice("sharding method", self.method, SHARD_METHODS)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"

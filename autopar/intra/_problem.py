@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
+from autopar.cost import memory_budget
 from autopar.graph import OpGraph, Role
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
@@ -95,7 +96,7 @@ def build_problem(
       of its own reduction collectives); absent nodes weigh (1, 1). A pipeline stage's
       layers are planned per microbatch, and the parts that run once per step (the
       optimizer update, deferred gradient reductions) weigh 1/microbatches
-      (`autopar.inter._deferred.step_weights`).
+      (`autopar.inter.passes._deferred.step_weights`).
     - `footprint`: memory held for the whole run, limited besides the peak (a pipeline
       stage's view of one layer, `Footprint`).
     """
@@ -153,9 +154,7 @@ def build_problem(
     node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
     node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
     groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
-    budget = options.memory_budget
-    if budget is None:
-        budget = float(cluster.device_memory)
+    budget = memory_budget(cluster, options.memory_budget)
     problem = ShardingProblem(
         node_costs=node_costs,
         edges=tuple(edges),

@@ -1,8 +1,10 @@
-"""Sharding rules: one registry keyed by primitive name.
+"""Sharding rules of single primitives, keyed by primitive name.
 
 A rule turns one equation into a `Signature` (see `_signature.py`). Rules are registered
-beside their definitions with `@register(...)`. A primitive with no rule gets the
-replicated strategy only, and the planner names it in the plan's warnings.
+beside their definitions with `@register(...)` into `PRIMITIVE_RULES`. Control flow (scan,
+while, cond) has its own rules in `_control_flow.py`; `_registry.py` puts the two tables
+together, explicitly, into `SHARDING_RULES`. A primitive with no rule gets the replicated
+strategy only, and the planner names it in the plan's warnings.
 """
 
 from __future__ import annotations
@@ -26,21 +28,22 @@ class OpInfo:
 
 
 Rule = Callable[[OpInfo], Signature | None]
-SHARDING_RULES: dict[str, Rule] = {}
+PRIMITIVE_RULES: dict[str, Rule] = {}
 
 
 def register(*names: str) -> Callable[[Rule], Rule]:
+    """Register a rule for the primitives `names` (here, or for a user's own primitive)."""
     def deco(rule: Rule) -> Rule:
         for name in names:
-            SHARDING_RULES[name] = rule
+            PRIMITIVE_RULES[name] = rule
         return rule
 
     return deco
 
 
-def signature_of(op: OpInfo) -> Signature | None:
-    """The signature of `op`, or None when no rule covers it (replicate it)."""
-    rule = SHARDING_RULES.get(op.primitive)
+def primitive_signature(op: OpInfo) -> Signature | None:
+    """The signature of a single primitive, or None when no rule covers it."""
+    rule = PRIMITIVE_RULES.get(op.primitive)
     return None if rule is None else rule(op)
 
 
@@ -391,8 +394,3 @@ def _scatter_add(op: OpInfo) -> Signature:
         operand[d] = f"v{d}"
     ins = (tuple(operand), tuple(indices), tuple(updates))
     return Signature(ins, (tuple(operand),), reductions)
-
-
-# ---- control flow: scan, while, cond (registered in _control_flow.py) -------------------
-
-from autopar.intra import _control_flow  # noqa: E402, F401  (imported for its registrations)

@@ -92,7 +92,12 @@ class ShardingPlan:
                 "argument shapes, or load the plan that was saved for them."
             )
 
-    def to_json(self) -> dict:
+    def to_json(self, *, timings: bool = False) -> dict:
+        """JSON-ready data; `timings` keeps the wall-clock entries of `stats` (keys ending
+        in "_time"), left out by default so equal plans give equal JSON."""
+        stats = {
+            k: v for k, v in self.stats.items() if timings or not k.endswith(TIMING_SUFFIX)
+        }
         return {
             "mesh": self.mesh.to_json(),
             "var_specs": [None if s is None else [list(d) for d in s] for s in self.var_specs],
@@ -104,7 +109,7 @@ class ShardingPlan:
             "graph_fingerprint": self.graph_fingerprint,
             "num_vars": len(self.var_specs),
             "warnings": list(self.warnings),
-            "stats": self.stats,
+            "stats": stats,
         }
 
     @staticmethod
@@ -128,6 +133,10 @@ class ShardingPlan:
             warnings=tuple(d.get("warnings", ())),
             stats=d.get("stats", {}),
         )
+
+
+# `ShardingPlan.stats` entries whose key ends so are wall-clock measurements.
+TIMING_SUFFIX = "_time"
 
 
 def graph_fingerprint(graph: OpGraph) -> str:

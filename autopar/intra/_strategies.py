@@ -16,7 +16,8 @@ import numpy as np
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
 from autopar.cost import bytes_per_device, collective_time, compute_time
 from autopar.graph import Node, OpGraph, Role
-from autopar.intra._rules import OpInfo, signature_of
+from autopar.intra._registry import signature_of
+from autopar.intra._rules import OpInfo
 from autopar.intra._signature import (
     Signature,
     enumerate_assignments,
@@ -33,7 +34,7 @@ class Collective:
     axes: tuple[str, ...]
     nbytes: float
     # Times per planned unit of work: 1/microbatches for what runs once per step in a
-    # pipeline stage planned per microbatch (see `autopar.inter._deferred.step_weights`).
+    # pipeline stage planned per microbatch (see `autopar.inter.passes._deferred.step_weights`).
     weight: float = 1.0
 
 

@@ -1,6 +1,13 @@
-"""Lowering: a plan and devices in, compiled SPMD executables out."""
+"""Lowering: a plan and devices in, compiled SPMD executables out.
+
+In: a `ShardingPlan` (or a stage segment of one) and its graph, and JAX devices. Out:
+`jax.jit` functions with in/out shardings and `with_sharding_constraint` per the plan, the
+`NamedSharding`s of a plan's inputs (`plan_shardings`), and collective counts of compiled
+HLO (`count_collectives`).
+"""
 
 from autopar.lower._hlo import count_collectives
+from autopar.lower._shardings import plan_shardings
 from autopar.lower._spmd import (
     constraint_hooks,
     jax_mesh,
@@ -16,6 +23,7 @@ __all__ = [
     "jax_mesh",
     "local_devices",
     "lower_segment",
-    "stack_spec",
     "lower_sharding_plan",
+    "plan_shardings",
+    "stack_spec",
 ]

@@ -129,7 +129,7 @@ def lower_segment(
       accumulated gradients).
     - `output_specs`: output variable -> spec overriding the plan's.
     - `stacked`: variable -> mesh axes, for values kept as a stack of unreduced partial sums
-      (see `autopar.inter._deferred`): a new leading dimension split over those axes, one
+      (see `autopar.inter.passes._deferred`): a new leading dimension split over those axes, one
       partial sum per device. Nodes producing them run per device (`shard_map`) or per
       slice (`vmap`); a stacked input is summed on entry (the deferred reduction).
 
@@ -198,7 +198,7 @@ def _run_stacked(graph: OpGraph, plan, mesh: Mesh, node, env: dict, stacked, sha
     to its own shards, and its result is its slice of the stack. A linear op on stacks runs
     per slice (`vmap`). Either way nothing is communicated.
     """
-    from autopar.inter._deferred import operand_spec
+    from autopar.inter import operand_spec
 
     (out,) = node.outputs
     ins = [

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autopar._planning import microbatch_args, resolve_cluster
 from autopar.graph import OpGraph, Role, trace
 from autopar.manual._layout import MegatronConfig
 from autopar.manual._megatron import megatron_plan_for_graph
 from autopar.plan import Plan
+from autopar.search import microbatch_args, resolve_cluster
 
 log = logging.getLogger("autopar")
 

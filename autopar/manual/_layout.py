@@ -13,14 +13,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cluster._mesh import Spec, replicated, spec_str
 from autopar.graph import OpGraph, Role
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
 
-Schedule = Literal["gpipe", "1f1b"]
-SCHEDULES = ("gpipe", "1f1b")
 # Path components under which a state tree keeps its parameters (see autopar.graph.trace).
 PARAM_TREE_KEY = "params"
 
@@ -65,10 +64,7 @@ class MegatronConfig:
                 "sequence_parallel=True splits the sequence over the tensor-parallel devices, "
                 "but tp=1; use tp > 1 or sequence_parallel=False"
             )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
-            )
+        check_choice("schedule", self.schedule, SCHEDULES)
 
     @property
     def num_devices(self) -> int:

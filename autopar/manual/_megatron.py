@@ -33,9 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from autopar._planning import input_infos, microbatch_args, resolve_cluster, tied_state
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.graph import OpGraph, Role, trace
+from autopar.graph import OpGraph, Role, tied_state, trace
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
@@ -43,7 +42,8 @@ from autopar.intra._problem import build_problem
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 from autopar.manual._layout import AXIS_NAMES, MegatronConfig, Schedule, megatron_specs
 from autopar.manual._sequence import pin_activations, residual_specs
-from autopar.plan import Plan, Stage
+from autopar.plan import Plan, Stage, input_infos
+from autopar.search import microbatch_args, resolve_cluster
 
 # Inputs a Megatron plan never reshards (see `plan_keeping_state`).
 PINNED_ROLES = (Role.PARAM, Role.OPT_STATE, Role.BATCH)
@@ -239,9 +239,8 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     from its layers' plans (the same layer-wise planning as `method="auto"`), so large
     models plan in seconds.
     """
-    from autopar.inter._layers import assign_layers
-    from autopar.inter._partition import partition
-    from autopar.inter._planner import LayerCostTable, in_flight_microbatches, stage_memory
+    from autopar.cost import in_flight_microbatches, memory_budget, stage_memory
+    from autopar.inter import LayerCostTable, assign_layers, partition
 
     layers = assign_layers(graph)
     if config.pp > layers.num_layers:
@@ -266,7 +265,7 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     )
     part = partition(graph, layers, bounds)
     shape = (config.dp, config.tp)
-    budget = options.memory_budget or cluster.device_memory
+    budget = memory_budget(cluster, options.memory_budget)
     stages = []
     for s, layer_range in enumerate(bounds):
         costs = []

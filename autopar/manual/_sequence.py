@@ -152,7 +152,7 @@ def forward_nodes(graph: OpGraph) -> set[int]:
     The loss is the first operand of the step's one grad boundary (the value that
     `value_and_grad` returns first); it must be a scalar.
     """
-    from autopar.inter._layers import ancestors
+    from autopar.inter import ancestors
 
     boundaries = [n for n in graph.nodes if n.primitive == "grad_boundary"]
     producer = {v: n.id for n in graph.nodes for v in n.outputs}

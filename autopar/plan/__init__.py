@@ -1,5 +1,10 @@
-"""The Plan: plain data describing how a train step runs on a cluster."""
+"""The Plan: plain data describing how a train step runs on a cluster.
 
-from autopar.plan._plan import InputInfo, Plan, Stage
+In: the search's (or a hand-made layout's) stages, each a layer range with its
+`ShardingPlan`, and the traced graph's inputs. Out: a frozen `Plan` with a JSON round trip
+and its predicted step time (`autopar.cost.pipeline_latency`). Imports nothing downstream.
+"""
 
-__all__ = ["InputInfo", "Plan", "Stage"]
+from autopar.plan._plan import InputInfo, Plan, Stage, input_infos
+
+__all__ = ["InputInfo", "Plan", "Stage", "input_infos"]

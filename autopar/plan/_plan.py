@@ -1,18 +1,25 @@
 """`Plan`: stages, meshes, specs, schedule and predicted costs, as JSON-ready data.
 
-A plan holds no JAX objects: device ids, axis names and specs as tuples of strings.
-`plan.shardings(devices)` turns it into `NamedSharding`s for a hand-written `jax.jit`.
+A plan holds no JAX objects: device ids, axis names and specs as tuples of strings. It
+imports nothing downstream of it: turning it into `NamedSharding`s is
+`autopar.lower.plan_shardings`, explaining and diffing it `autopar.report.explain` and
+`autopar.report.diff_plans`. The methods `shardings`, `explain` and `diff` are
+conveniences that look those functions up when called (`_downstream`), so the plan part
+never imports them.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from autopar.choices import Runtime, Schedule
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
-from autopar.graph import OpGraph
-from autopar.intra._sharding_plan import ShardingPlan
+from autopar.cost import bubble_fraction, pipeline_latency
+from autopar.graph import OpGraph, Role
+from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 
 PLAN_FORMAT_VERSION = 1
 
@@ -57,8 +64,8 @@ class Stage:
     def mesh(self) -> LogicalMesh:
         return self.sharding.mesh
 
-    def to_json(self) -> dict:
-        return {"layers": list(self.layers), "sharding": self.sharding.to_json()}
+    def to_json(self, *, timings: bool = False) -> dict:
+        return {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
 
     @staticmethod
     def from_json(d: dict) -> Stage:
@@ -78,13 +85,15 @@ class Plan:
     inputs: tuple[InputInfo, ...]
     graph_fingerprint: str
     num_microbatches: int = 1
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     warnings: tuple[str, ...] = ()
-    timings: dict = field(default_factory=dict)
+    # Wall-clock seconds of the search's phases: a measurement, not part of the plan's
+    # identity, so `to_json` leaves it out unless asked (plans save byte-identically).
+    timings: dict = field(default_factory=dict, compare=False)
     auto_layers: int | None = None  # layers cut automatically (no layer marks in the model)
     # "spmd": one jax.jit of the whole step; "pipeline": per-stage forward, backward and
     # update programs run by the pipeline runtime (microbatches, gradient accumulation)
-    runtime: str = "spmd"
+    runtime: Runtime = "spmd"
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -94,18 +103,19 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
-        """Predicted seconds per step from the shared cost model."""
-        if self.runtime == "spmd" and len(self.stages) == 1:
-            return self.stages[0].sharding.cost.total
-        # Each stage's cost is per microbatch; Alpa's pipeline latency (REFERENCES.md).
+        """Predicted seconds per step: `autopar.cost.pipeline_latency` of the stages' costs.
+
+        Each stage is costed per microbatch (one microbatch is the whole batch when
+        `num_microbatches` is 1), so this holds for every runtime: one stage accumulating B
+        microbatches takes B times its cost, a pipeline Alpa's latency.
+        """
         times = [s.sharding.cost.total for s in self.stages]
-        return sum(times) + (self.num_microbatches - 1) * max(times)
+        return pipeline_latency(times, self.num_microbatches)
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a GPipe/1F1B pipeline: (p - 1) / (m + p - 1)."""
-        p, m = len(self.stages), self.num_microbatches
-        return (p - 1) / (m + p - 1)
+        """Idle share of a GPipe/1F1B pipeline (`autopar.cost.bubble_fraction`)."""
+        return bubble_fraction(len(self.stages), self.num_microbatches)
 
     def specs_by_path(self) -> dict[str, Spec]:
         return {i.path: i.spec for i in self.inputs}
@@ -115,53 +125,32 @@ class Plan:
         if self.runtime == "spmd":
             self.stages[0].sharding.check_graph(graph)
         elif self.graph_fingerprint:
-            from autopar.intra._sharding_plan import graph_fingerprint
-
             if graph_fingerprint(graph) != self.graph_fingerprint:
                 raise ValueError(
                     "this plan was made for a different program (model code or shapes); "
                     "plan again for this function, or load the plan saved for it"
                 )
 
-    # ---- use ---------------------------------------------------------------------------
+    # ---- use (conveniences over functions of later parts) -----------------------------
 
     def shardings(self, devices=None) -> dict[str, object]:
-        """`NamedSharding` of every input, keyed by pytree path, for a plain `jax.jit`.
-
-        **Example:**
-
-        ```python
-        sh = plan.shardings()
-        state = jax.device_put(state, ...)  # place leaves with sh[path]
-        ```
-        """
-        if len(self.stages) != 1:
-            raise ValueError(
-                "shardings() describes a one-stage plan; this plan has "
-                f"{len(self.stages)} pipeline stages. Use stage.sharding per stage instead."
-            )
-        from jax.sharding import NamedSharding
-
-        from autopar.cluster._mesh import to_partition_spec
-        from autopar.lower import jax_mesh
-
-        mesh = jax_mesh(self.stages[0].mesh, devices)
-        return {i.path: NamedSharding(mesh, to_partition_spec(i.spec)) for i in self.inputs}
+        """`autopar.lower.plan_shardings(self, devices)`."""
+        return _downstream("lower").plan_shardings(self, devices)
 
     def explain(self, detail: int = 1) -> str:
-        from autopar.report import explain
-
-        return explain(self, detail=detail)
+        """`autopar.report.explain(self, detail)`."""
+        return _downstream("report").explain(self, detail=detail)
 
     def diff(self, other: Plan) -> str:
-        from autopar.report import diff_plans
-
-        return diff_plans(self, other)
+        """`autopar.report.diff_plans(self, other)`."""
+        return _downstream("report").diff_plans(self, other)
 
     # ---- JSON --------------------------------------------------------------------------
 
-    def to_json(self) -> dict:
-        return {
+    def to_json(self, *, timings: bool = False) -> dict:
+        """The plan as JSON-ready data; `timings` adds the search's wall-clock phases
+        (measurements, left out by default so equal plans give equal JSON)."""
+        data = {
             "format_version": PLAN_FORMAT_VERSION,
             "method": self.method,
             "cluster": self.cluster,
@@ -169,12 +158,14 @@ class Plan:
             "schedule": self.schedule,
             "graph_fingerprint": self.graph_fingerprint,
             "inputs": [i.to_json() for i in self.inputs],
-            "stages": [s.to_json() for s in self.stages],
+            "stages": [s.to_json(timings=timings) for s in self.stages],
             "warnings": list(self.warnings),
-            "timings": self.timings,
             "auto_layers": self.auto_layers,
             "runtime": self.runtime,
         }
+        if timings:
+            data["timings"] = self.timings
+        return data
 
     @staticmethod
     def from_json(d: dict) -> Plan:
@@ -198,8 +189,10 @@ class Plan:
             runtime=d.get("runtime", "spmd"),
         )
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+    def save(self, path: str | Path, *, timings: bool = False) -> None:
+        """Write the plan as sorted JSON; equal plans give byte-identical files (the
+        search's `timings` are left out unless `timings=True`)."""
+        Path(path).write_text(json.dumps(self.to_json(timings=timings), indent=1, sort_keys=True))
 
     @staticmethod
     def load(path: str | Path) -> Plan:
@@ -225,3 +218,34 @@ class Plan:
             f"Plan({self.method}, {self.num_stages} stage(s), "
             f"{self.predicted_step_time * 1e3:.3f} ms predicted, {specs}, ...)"
         )
+
+
+def _downstream(part: str):
+    """A later part of autopar, imported when a convenience method is called (the plan part
+    itself imports nothing downstream; see the module docstring)."""
+    return importlib.import_module(f"autopar.{part}")
+
+
+def input_infos(
+    graph: OpGraph, specs_of, home: dict[int, int] | None = None
+) -> tuple[InputInfo, ...]:
+    """`InputInfo` of every non-constant input of `graph`.
+
+    **Arguments:**
+    - `specs_of`: the `ShardingPlan` holding every input (one-mesh plans), or a function
+      from a stage index to that stage's `ShardingPlan` (pipelines).
+    - `home`: the stage holding each input var (default: stage 0).
+    """
+    home = home or {}
+    infos = []
+    for v in graph.invars:
+        var = graph.vars[v]
+        if var.role is Role.CONST:
+            continue
+        stage = home.get(v, 0)
+        sharding = specs_of(stage) if callable(specs_of) else specs_of
+        spec = sharding.var_specs[v] or ((),) * len(var.shape)
+        infos.append(InputInfo(
+            var.path or f"input{v}", var.shape, var.dtype, var.role.value, spec, stage
+        ))
+    return tuple(infos)

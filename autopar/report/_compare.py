@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from autopar.cost import bubble_fraction
 from autopar.plan import Plan
 from autopar.report._explain import _fmt_bytes, _fmt_time
 
@@ -19,20 +20,8 @@ MISSING = "-"
 TERA = 1e12
 
 
-def pipeline_bubble(num_stages: int, num_microbatches: int) -> float:
-    """Idle fraction of a GPipe or 1F1B pipeline: (p - 1) / (m + p - 1).
-
-    For p stages and m microbatches (Narayanan et al. 2021; REFERENCES.md "Megatron-LM
-    plans"). One stage has no bubble.
-
-    **Example:** ``pipeline_bubble(4, 8) == 3 / 11``.
-    """
-    if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(
-            f"a pipeline needs at least one stage and one microbatch, got "
-            f"{num_stages} stage(s) and {num_microbatches} microbatch(es)"
-        )
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+# The bubble of a GPipe/1F1B pipeline, one formula for every part (`autopar.cost`).
+pipeline_bubble = bubble_fraction
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.report._pictures import new_figure
 from autopar.runtime import stage_order
 from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
 
 Kind = Literal["forward", "backward", "apply"]
-Schedule = Literal["gpipe", "1f1b"]
-SCHEDULES = ("gpipe", "1f1b")
 
 # The microbatch number of an "apply" task, which updates the weights once per step.
 APPLY_MICROBATCH = -1
@@ -130,8 +129,7 @@ def _check_inputs(forward_times, backward_times, num_microbatches, schedule, app
         )
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    check_choice("schedule", schedule, SCHEDULES)
     times = [*forward_times, *backward_times, *(apply_times or ())]
     if any(t < 0 for t in times):
         raise ValueError(f"task times must be >= 0 seconds, got {min(times)}")

@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.graph import OpGraph, Role
-from autopar.inter._layers import assign_layers
-from autopar.inter._partition import partition
+from autopar.inter import assign_layers, partition
 
 # Ops through which a matmul still reads its weight whole, slice for slice.
 _PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "copy"})
@@ -39,7 +38,7 @@ def matmul_weight_splits(plan, graph: OpGraph) -> list[tuple[int, str, tuple[str
     """The mesh axes each matmul weight is split over where the matmul reads it.
 
     **Arguments:**
-    - `plan`: a `Plan`; `graph`: the graph it runs (`autopar._planning.graph_for_plan`: one
+    - `plan`: a `Plan`; `graph`: the graph it runs (`autopar.search.graph_for_plan`: one
       microbatch of the step for a pipelined plan).
 
     **Returns:** ``(stage, weight path, axes)`` for every matmul operand that is a weight

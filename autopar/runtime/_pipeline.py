@@ -21,8 +21,7 @@ from jax.sharding import NamedSharding
 
 from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
-from autopar.inter._deferred import stacked_layout
-from autopar.inter._partition import Partition, Segment
+from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._schedule import dispatch_order, stage_order
 
@@ -72,7 +71,7 @@ class PipelineExecutable:
         self.stage_plans = list(stage_plans)
         self.timeline: list[TaskRecord] | None = None
         # Gradients kept as stacks of per-device partial sums until the update (one
-        # reduction per step; see autopar.inter._deferred).
+        # reduction per step; see autopar.inter.passes._deferred).
         self.stacked = [
             stacked_layout(partition.stage_graphs[s], plan, partition.deferrable)
             for s, plan in enumerate(self.stage_plans)

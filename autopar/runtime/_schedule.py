@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from autopar.choices import Schedule
 
-Schedule = Literal["gpipe", "1f1b"]
 Task = tuple[str, int, int]  # (phase "forward"|"backward", stage, microbatch)
 
 

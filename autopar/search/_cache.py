@@ -26,6 +26,7 @@ if plan is None:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autopar._version import __version__
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -86,11 +88,16 @@ def default_cache_dir() -> Path:
 
 
 def _package_version() -> str:
-    # Imported when used, not at module import: autopar/__init__ imports the planner, which
-    # imports this module.
-    from autopar import __version__
-
     return __version__
+
+
+@functools.cache
+def code_version() -> str:
+    """autopar's version and a hash of its source, so a code change never reuses a plan."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
 
 
 class PlanCache:
@@ -154,7 +161,7 @@ class PlanCache:
         if not self.enabled:
             return
         path = self.path(key)
-        entry = {"autopar_version": self.version, "key": key, "plan": plan.to_json()}
+        entry = {"autopar_version": self.version, "key": key, "plan": plan.to_json(timings=True)}
         text = json.dumps(entry, sort_keys=True)
         temp = None
         try:

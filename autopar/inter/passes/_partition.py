@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.graph import Node, OpGraph, Role
-from autopar.inter._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
-from autopar.inter._layers import LayerAssignment, accumulated_values
+from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
+from autopar.inter.passes._layers import LayerAssignment, accumulated_values
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def examples_dir() -> Path:
 
     Raises ValueError when autopar was installed without its source checkout.
     """
-    folder = Path(__file__).resolve().parent.parent / EXAMPLES_PACKAGE
+    folder = Path(__file__).resolve().parents[2] / EXAMPLES_PACKAGE  # autopar/app/ -> checkout
     if not (folder / "gpt.py").is_file():
         raise ValueError(
             f"the example models are not installed (looked for {folder}/gpt.py). They live "

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autopar._examples import LEARNING_RATE, load_example
+from autopar.app._examples import LEARNING_RATE, load_example
 
 # The demo model: small enough to plan and train in well under a minute on 2 CPU cores,
 # large enough that splitting its matrices across 8 devices is a real choice.
@@ -81,7 +81,7 @@ def run_demo(
     import jax
     import optax
 
-    from autopar._autoparallel import autoparallel
+    from autopar.app._autoparallel import autoparallel
     from autopar.cluster import Cluster
 
     gpt = load_example("gpt")

@@ -10,17 +10,19 @@ from typing import Any
 
 import jax
 
-from autopar._planning import (
-    Method,
-    PlanOptions,
-    Schedule,
-    graph_for_plan,
-    resolve_cluster,
-    search,
-)
 from autopar.graph import OpGraph, Role
+from autopar.inter import assign_layers, partition
 from autopar.lower import lower_sharding_plan
 from autopar.plan import Plan
+from autopar.runtime import PipelineExecutable
+from autopar.search import (
+    PlanOptions,
+    graph_for_plan,
+    options_from,
+    resolve_cluster,
+    search,
+    takes_plan_options,
+)
 
 log = logging.getLogger("autopar")
 
@@ -95,10 +97,6 @@ class AutoParallel:
         return self._compile_pipeline(graph, plan)
 
     def _compile_pipeline(self, graph: OpGraph, plan: Plan) -> _Compiled:
-        from autopar.inter._layers import assign_layers
-        from autopar.inter._partition import partition
-        from autopar.runtime import PipelineExecutable
-
         layers = assign_layers(graph)
         stage_layers = [stage.layers for stage in plan.stages]
         if stage_layers[-1][1] != layers.num_layers:
@@ -197,38 +195,25 @@ def _flat_indices(in_tree, argnums: Sequence[int]) -> list[int]:
     return sorted(i for a in argnums if a < len(args) for i in jax.tree.leaves(args[a]))
 
 
+@takes_plan_options
 def autoparallel(
     fn: Callable | None = None,
     *,
     cluster: Any = None,
-    method: Method = "auto",
-    num_microbatches: int | str = "auto",
-    schedule: Schedule = "1f1b",
-    memory_budget: float | None = None,
-    donate_argnums: Sequence[int] = (0,),
-    batch_argnums: Sequence[int] = (1,),
     plan: Plan | str | None = None,
-    mesh_shape: tuple[int, ...] | None = None,
-    num_stages: int | None = None,
-    submeshes: Sequence[tuple[int, int]] | None = None,
-    logical_shapes: Sequence[tuple[int, ...]] | None = None,
     cache: Any = None,
+    **options: Any,
 ) -> Any:
     """Parallelise a single-device train step over the devices it is given.
 
     **Arguments:**
     - `cluster`: a `Cluster`, a profile name or path; None uses the local devices.
-    - `method`: "auto" (search), "shard" (operator parallelism on one mesh), "data",
-      "zero2", "zero3".
-    - `num_microbatches` ("auto" or an int dividing the batch), `schedule` ("gpipe" or
-      "1f1b"): pipeline options; `num_stages`, `submeshes` ((hosts, devices per host)
-      pairs a stage may use) and `logical_shapes` fix parts of the pipeline search.
-    - `memory_budget`: bytes per device; default from the cluster.
-    - `donate_argnums`: arguments whose buffers the step may reuse (the state);
-      `batch_argnums`: arguments holding the batch.
     - `plan`: a `Plan` or a path to a saved one: reuse it, no search.
-    - `mesh_shape`: fix the logical mesh shape, e.g. (2, 4).
     - `cache`: a `PlanCache`, False for none, None for the default on-disk plan cache.
+    - `**options`: the `PlanOptions`, as `autopar.plan` takes them: `method` ("auto",
+      "shard", "data", "zero2", "zero3"), `num_microbatches`, `schedule`,
+      `memory_budget`, `donate_argnums`, `batch_argnums`, `mesh_shape`, `num_stages`,
+      `submeshes`, `logical_shapes`, ...
 
     **Example:**
 
@@ -241,14 +226,9 @@ def autoparallel(
     print(train_step.plan.explain())
     ```
     """
-    options = PlanOptions(
-        method=method, memory_budget=memory_budget, mesh_shape=mesh_shape,
-        donate_argnums=donate_argnums, batch_argnums=batch_argnums,
-        num_microbatches=num_microbatches, schedule=schedule, num_stages=num_stages,
-        submeshes=submeshes, logical_shapes=logical_shapes,
-    )
+    resolved = options_from("autoparallel", options)
 
     def wrap(f: Callable) -> AutoParallel:
-        return AutoParallel(f, options, cluster, plan, cache)
+        return AutoParallel(f, resolved, cluster, plan, cache)
 
     return wrap if fn is None else wrap(fn)

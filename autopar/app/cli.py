@@ -105,7 +105,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     if args.coordinator:
         _initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     from autopar.cluster._cluster import local_profile_path
-    from autopar.cluster._profile import FULL, QUICK, measure_profile
+    from autopar.profile._measure import FULL, QUICK, measure_profile
 
     out = args.out or local_profile_path()
     start = time.perf_counter()
@@ -183,7 +183,7 @@ def _add_demo(subparsers) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     use_virtual_cpu_devices(DEFAULT_CPU_DEVICES)
-    from autopar._demo import DEFAULT_STEPS, LOSS_TOLERANCE, run_demo
+    from autopar.app._demo import DEFAULT_STEPS, LOSS_TOLERANCE, run_demo
 
     start = time.perf_counter()
     result = run_demo(
@@ -231,9 +231,9 @@ def _add_plan(subparsers) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from autopar._examples import named_model
-    from autopar._planning import plan
+    from autopar.app._examples import named_model
     from autopar.cluster import Cluster
+    from autopar.search import plan
 
     for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
         if value is not None and value < 1:
@@ -256,7 +256,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _methods() -> tuple[str, ...]:
-    from autopar._planning import METHODS
+    from autopar.choices import METHODS
 
     return METHODS
 
@@ -305,12 +305,12 @@ def _add_compare(subparsers) -> None:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from autopar._examples import named_model
-    from autopar._planning import plan
+    from autopar.app._examples import named_model
     from autopar.cluster import Cluster
     from autopar.graph import trace
     from autopar.manual import MegatronConfig, megatron_configs, megatron_plan_for_graph
     from autopar.report import compare
+    from autopar.search import plan
 
     model = named_model(args.model, args.batch)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)

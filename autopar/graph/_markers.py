@@ -6,6 +6,10 @@
   is the per-microbatch gradient computation, everything after it is the optimizer update.
 
 Both are identities when run; they only survive in the jaxpr so that the planner can see them.
+
+``value_and_grad``/``grad`` also apply the layer marker a planner installs with
+`marking_layers` (the pipeline search cuts models without marks into layers this way,
+`autopar.inter.auto_layers`); this module knows nothing of how the marker cuts.
 """
 
 from __future__ import annotations
@@ -84,8 +88,8 @@ def value_and_grad(
     what follows (the optimizer update) runs once per step.
     """
     def wrapped(*args: Any, **kw: Any) -> Any:
-        num_layers = _AUTO_LAYERS.get()
-        f = fun if num_layers is None else _with_auto_marks(fun, num_layers)
+        marker = _LAYER_MARKER.get()
+        f = fun if marker is None else marker(fun)
         inner = jax.value_and_grad(f, argnums=argnums, has_aux=has_aux, **kwargs)
         return _mark_grad_boundary(inner(*args, **kw))
 
@@ -97,79 +101,30 @@ def grad(
 ) -> Callable:
     """Like `jax.grad`, and marks the gradient boundary for autopar (see `value_and_grad`)."""
     def wrapped(*args: Any, **kw: Any) -> Any:
-        num_layers = _AUTO_LAYERS.get()
-        f = fun if num_layers is None else _with_auto_marks(fun, num_layers)
+        marker = _LAYER_MARKER.get()
+        f = fun if marker is None else marker(fun)
         inner = jax.grad(f, argnums=argnums, has_aux=has_aux, **kwargs)
         return _mark_grad_boundary(inner(*args, **kw))
 
     return wrapped
 
 
-# ---- automatic layers ----------------------------------------------------------------------
-#
-# When a model has no `layer_boundary` marks, the planner traces the step inside
-# `auto_layers(L)`: `value_and_grad` then cuts the loss function's forward equations into L
-# layers of balanced FLOPs with the least bytes crossing the cuts (Alpa's layer
-# construction) and marks the values crossing each cut before differentiating, so the
-# backward pass carries the matching marks.
+# ---- layer markers installed by a planner ----------------------------------------------------
 
-_AUTO_LAYERS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "autopar_auto_layers", default=None
+LayerMarker = Callable[[Callable], Callable]
+"""Takes the loss function and returns one that marks layer edges with `layer_boundary`."""
+
+_LAYER_MARKER: contextvars.ContextVar[LayerMarker | None] = contextvars.ContextVar(
+    "autopar_layer_marker", default=None
 )
 
 
 @contextlib.contextmanager
-def auto_layers(num_layers: int | None):
-    """Within this block, `autopar.value_and_grad` marks `num_layers` layers itself."""
-    token = _AUTO_LAYERS.set(num_layers)
+def marking_layers(marker: LayerMarker | None):
+    """Within this block, `value_and_grad` and `grad` apply `marker` to the loss function
+    before differentiating it (None: no marking)."""
+    token = _LAYER_MARKER.set(marker)
     try:
         yield
     finally:
-        _AUTO_LAYERS.reset(token)
-
-
-def _with_auto_marks(fun: Callable, num_layers: int) -> Callable:
-    def marked(*args: Any) -> Any:
-
-        from autopar.graph import Role, trace
-        from autopar.inter._clustering import cluster_layers
-
-        graph = trace(fun, *args, batch_argnums=())
-        if len(graph.nodes) < 2 * num_layers:
-            return fun(*args)
-        index = {n.id: i for i, n in enumerate(graph.nodes)}
-        producer = {v: n.id for n in graph.nodes for v in n.outputs}
-        edges = [
-            (index[producer[v]], index[n.id], float(graph.vars[v].nbytes))
-            for n in graph.nodes
-            for v in n.inputs
-            if v in producer
-        ]
-        flops = [max(n.flops, 1.0) for n in graph.nodes]
-        cuts = [end for _, end in cluster_layers(flops, edges, num_layers)][:-1]
-        last_use = {}
-        for n in graph.nodes:
-            for v in n.inputs:
-                last_use[v] = n.id
-        for v in graph.outvars:
-            last_use[v] = len(graph.nodes)
-        env: dict[int, Any] = dict(zip(graph.invars, jax.tree.leaves(args)))
-        start = 0
-        for cut in [*cuts, len(graph.nodes)]:
-            graph.run_nodes(env, graph.nodes[start:cut])
-            if cut < len(graph.nodes):
-                crossing = [
-                    v for v in env
-                    if graph.vars[v].role is Role.ACTIVATION
-                    and last_use.get(v, -1) >= cut
-                    and jax.numpy.issubdtype(graph.vars[v].dtype, jax.numpy.floating)
-                ]
-                if crossing:
-                    marked_values = layer_boundary_p.bind(*(env[v] for v in crossing))
-                    env.update(zip(crossing, marked_values))
-            start = cut
-        outs = [graph.vars[v].value if graph.vars[v].role is Role.CONST else env[v]
-                for v in graph.outvars]
-        return jax.tree.unflatten(graph.out_tree, outs)
-
-    return marked
+        _LAYER_MARKER.reset(token)

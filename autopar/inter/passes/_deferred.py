@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from autopar.cluster._mesh import Spec, replicated
 from autopar.graph import OpGraph, Role
-from autopar.inter._layers import LayerAssignment, accumulated_values
+from autopar.inter.passes._layers import LayerAssignment, accumulated_values
 from autopar.intra._problem import summed_axes
 
 # Producers whose split contracting or reduced dimensions leave partial sums that can be

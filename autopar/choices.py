@@ -1,0 +1,46 @@
+"""Every named choice autopar offers, declared once.
+
+In: nothing (this module imports no other part of autopar). Out: one `Literal` type per
+choice and the tuple of its values, plus `check_choice`, which every part uses to reject an
+unknown value with the same message. Plans store choices as these plain strings, so they
+stay JSON-ready.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Method = Literal["auto", "shard", "data", "zero2", "zero3"]
+"""How `autoparallel` plans: "auto" searches pipeline stages and operator parallelism;
+"shard" operator parallelism on one mesh; "data", "zero2", "zero3" fixed data-parallel
+layouts (replicated state; sharded optimizer state; sharded parameters too)."""
+
+ShardMethod = Literal["shard", "data", "zero2", "zero3"]
+"""The methods the single-mesh (intra-operator) planner takes."""
+
+Schedule = Literal["gpipe", "1f1b"]
+"""Pipeline schedules the runtime and the cost model know."""
+
+Runtime = Literal["spmd", "pipeline"]
+"""How a plan runs: "spmd" one `jax.jit` of the whole step; "pipeline" per-stage forward,
+backward and update programs run by the pipeline runtime (microbatches, accumulation)."""
+
+SolverName = Literal["auto", "highs", "cbc"]
+"""The MILP solver of the sharding ILP; "auto" is HiGHS when highspy is installed."""
+
+METHODS: tuple[str, ...] = get_args(Method)
+SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+RUNTIMES: tuple[str, ...] = get_args(Runtime)
+SOLVERS: tuple[str, ...] = get_args(SolverName)
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """Raise a ValueError naming `name`, the bad `value` and the allowed values.
+
+    **Example:** ``check_choice("schedule", "zigzag", SCHEDULES)`` raises
+    ``ValueError: unknown schedule 'zigzag'; choose one of 'gpipe', '1f1b'``.
+    """
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"unknown {name} {value!r}; choose one of {choices}")

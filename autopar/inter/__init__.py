@@ -1,0 +1,61 @@
+"""Pipeline parallelism: an `OpGraph` traced at microbatch size in, stages out.
+
+In: the graph (with `layer_boundary` marks, or cut automatically), a `Cluster`, the number
+of microbatches, the schedule and the single-mesh planner's options. Out: a
+`PipelineChoice`: layer ranges on submeshes, each stage's logical mesh shape and its
+`ShardingPlan` (the `plan`/`search` parts turn it into a `Plan`).
+
+- `passes/`: graph passes (layers, automatic layers, per-stage partition, deferred
+  gradient reductions);
+- `_submesh`: the submesh shapes a stage may take and how they pack onto hosts;
+- `_stage_dp`: Alpa's dynamic program over layer ranges x submeshes;
+- `_planner`: layer costs from the intra-op ILPs (`LayerCostTable`), memory levels, and
+  `choose_stages`, which runs the DP and plans each chosen stage;
+- `_stitch`: one `ShardingPlan` for a stage from its layers' plans.
+"""
+
+from autopar.inter._planner import LEVEL_FRACTIONS, LayerCostTable, PipelineChoice, choose_stages
+from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
+from autopar.inter._stitch import stitch
+from autopar.inter._submesh import (
+    SubmeshShape,
+    assign_devices,
+    logical_mesh_shapes,
+    submesh_shapes,
+)
+from autopar.inter.passes import (
+    LayerAssignment,
+    Partition,
+    accumulated_values,
+    ancestors,
+    assign_layers,
+    auto_layers,
+    operand_spec,
+    partition,
+    stacked_layout,
+)
+
+__all__ = [
+    "LEVEL_FRACTIONS",
+    "LayerAssignment",
+    "LayerCostTable",
+    "Partition",
+    "PipelineChoice",
+    "StageCost",
+    "StagePlan",
+    "SubmeshShape",
+    "accumulated_values",
+    "ancestors",
+    "assign_devices",
+    "assign_layers",
+    "auto_layers",
+    "brute_force_stages",
+    "choose_stages",
+    "logical_mesh_shapes",
+    "operand_spec",
+    "partition",
+    "plan_stages",
+    "stacked_layout",
+    "stitch",
+    "submesh_shapes",
+]

@@ -1,0 +1,51 @@
+"""Graph passes of the pipeline planner: an `OpGraph` in, its layer structure out.
+
+- `assign_layers` (`_layers`): which layer each equation belongs to, from the
+  `layer_boundary` marks (forward and matching backward);
+- `cluster_layers` / `auto_layers` (`_clustering`, `_auto_layers`): Alpa's layer
+  construction for models without marks;
+- `partition` (`_partition`): the step cut into per-stage forward, backward and update
+  segments for given layer ranges;
+- `deferrable_gradients` and friends (`_deferred`): weight gradients kept as unreduced
+  per-device partial sums over the microbatches and reduced once per step.
+"""
+
+from autopar.inter.passes._auto_layers import auto_layers
+from autopar.inter.passes._clustering import cluster_layers, cluster_layers_detailed, cut_bytes
+from autopar.inter.passes._deferred import (
+    NOTHING_DEFERRED,
+    Deferrable,
+    deferrable_gradients,
+    gradient_roots,
+    operand_spec,
+    stacked_layout,
+    step_weights,
+)
+from autopar.inter.passes._layers import (
+    LayerAssignment,
+    accumulated_values,
+    ancestors,
+    assign_layers,
+)
+from autopar.inter.passes._partition import Partition, Segment, partition
+
+__all__ = [
+    "NOTHING_DEFERRED",
+    "Deferrable",
+    "LayerAssignment",
+    "Partition",
+    "Segment",
+    "accumulated_values",
+    "ancestors",
+    "assign_layers",
+    "auto_layers",
+    "cluster_layers",
+    "cluster_layers_detailed",
+    "cut_bytes",
+    "deferrable_gradients",
+    "gradient_roots",
+    "operand_spec",
+    "partition",
+    "stacked_layout",
+    "step_weights",
+]

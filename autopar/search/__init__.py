@@ -1,0 +1,41 @@
+"""The search: a train step, its arguments, a cluster and `PlanOptions` in, a `Plan` out.
+
+- `_options`: `PlanOptions`, every option declared once with its default and check;
+- `_api`: `plan()` (a dry run) and `search()` (trace, cache, search), `graph_for_plan`;
+- `_pipeline`: method "auto": microbatch counts x the stage DP (`autopar.inter`);
+- `_single_mesh`: operator parallelism on one mesh (`autopar.intra`);
+- `_microbatch`: the batch's size and arguments cut to one microbatch;
+- `_cache`: plans on disk, keyed by program, cluster, options and autopar's code.
+"""
+
+from autopar.search._api import graph_for_plan, plan, search
+from autopar.search._cache import PlanCache, cache_key, code_version
+from autopar.search._microbatch import batch_size, microbatch_args
+from autopar.search._options import (
+    OPTION_NAMES,
+    PlanOptions,
+    options_from,
+    resolve_cluster,
+    takes_plan_options,
+)
+from autopar.search._pipeline import search_plan
+from autopar.search._single_mesh import plan_one_mesh, shard_options
+
+__all__ = [
+    "OPTION_NAMES",
+    "PlanCache",
+    "PlanOptions",
+    "batch_size",
+    "cache_key",
+    "code_version",
+    "graph_for_plan",
+    "microbatch_args",
+    "options_from",
+    "plan",
+    "plan_one_mesh",
+    "resolve_cluster",
+    "search",
+    "search_plan",
+    "shard_options",
+    "takes_plan_options",
+]

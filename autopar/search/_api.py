@@ -1,0 +1,91 @@
+"""`autopar.plan`: trace a train step and search for a plan, without running anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from autopar._progress import phase
+from autopar.graph import OpGraph, trace
+from autopar.inter import auto_layers
+from autopar.intra._sharding_plan import graph_fingerprint
+from autopar.plan import Plan
+from autopar.search._cache import PlanCache, cache_key, code_version
+from autopar.search._microbatch import microbatch_args
+from autopar.search._options import PlanOptions, options_from, resolve_cluster, takes_plan_options
+from autopar.search._pipeline import search_plan
+
+log = logging.getLogger("autopar")
+
+
+@takes_plan_options
+def plan(fn: Callable, *args: Any, cluster: Any = None, cache: Any = None, **options: Any) -> Plan:
+    """Plan `fn(*args)` on a cluster without running it (a dry run; no devices needed).
+
+    **Arguments:**
+    - `args`: arrays or `jax.ShapeDtypeStruct` pytrees, as `fn` takes them.
+    - `cluster`: a `Cluster`, a profile name or path (`"dgx-a100-80g"`), or None for the
+      local devices.
+    - `cache`: a `PlanCache`, False for none, None for the default on-disk cache
+      (``AUTOPAR_PLAN_CACHE=0`` turns it off).
+    - `**options`: the `PlanOptions` (method, memory_budget, num_microbatches, schedule,
+      mesh_shape, num_stages, submeshes, logical_shapes, ...), as `autoparallel` takes them.
+
+    **Returns:** the `Plan`.
+
+    **Example:**
+
+    ```python
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=2)
+    plan = autopar.plan(train_step, abstract_state, abstract_batch, cluster=cluster)
+    print(plan.explain())
+    ```
+    """
+    resolved = options_from("plan", options)
+    result, _ = search(fn, args, resolve_cluster(cluster), resolved, cache)
+    return result
+
+
+def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
+    """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
+    plan runs at (one microbatch for a pipelined plan, the whole batch otherwise).
+
+    `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
+    search; the key covers the traced program, the cluster, the options and autopar's code.
+    """
+    timings: dict[str, float] = {}
+    with phase("trace", timings):
+        graph = trace(fn, *args, batch_argnums=options.batch_argnums)
+    if cache is None:
+        cache = PlanCache(version=code_version())
+    key = None
+    if cache:
+        key = cache_key(
+            graph_fingerprint(graph), cluster.to_json(), dataclasses.asdict(options),
+            code_version(),
+        )
+        cached = cache.get(key)
+        if cached is not None:
+            log.info("plan cache hit: %s", cache.path(key))
+            return cached, graph_for_plan(fn, args, cached, options, graph)
+    with phase("search", timings):
+        result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings))
+    result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
+    if cache and key is not None:
+        cache.put(key, result)
+    return result, run_graph
+
+
+def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) -> OpGraph:
+    """The graph a plan runs: the whole step, or one microbatch of it for the pipeline."""
+    if plan.runtime == "spmd" and full_graph is not None:
+        return full_graph
+    run_args = args
+    if plan.runtime == "pipeline":
+        run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
+    with auto_layers(plan.auto_layers):
+        graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
+    plan.check_graph(graph)
+    return graph

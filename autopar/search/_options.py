@@ -1,0 +1,138 @@
+"""`PlanOptions`: every planning option, its default and its check, declared once.
+
+`autopar.plan` and `autopar.autoparallel` take these as keyword arguments (their
+signatures are built from this class, `takes_plan_options`); the search resolves the
+defaults that depend on the cluster or the batch here (`memory_budget_for`,
+`microbatch_counts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from autopar.choices import METHODS, SCHEDULES, Method, Schedule, check_choice
+from autopar.cluster import Cluster
+from autopar.cost import memory_budget
+
+# With num_microbatches="auto": one microbatch (no bubble to fill, no accumulation) and the
+# largest few powers of two up to this that divide the batch (the bubble shrinks as they grow).
+MAX_MICROBATCH_CANDIDATES = 3
+MICROBATCH_POWERS = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Everything the search takes besides the function, its arguments and the cluster.
+
+    **Arguments** (all keyword, all optional):
+    - `method`: "auto" (search pipeline stages and operator parallelism), "shard"
+      (operator parallelism on one mesh), "data", "zero2", "zero3".
+    - `memory_budget`: bytes per device; None: the cluster's device memory.
+    - `mesh_shape`: fix the logical mesh shape of a one-mesh plan, e.g. (2, 4).
+    - `donate_argnums`: arguments whose buffers the step may reuse (the state);
+      `batch_argnums`: arguments holding the batch.
+    - `ilp_time_limit`: seconds for one sharding ILP solve.
+    - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe" or
+      "1f1b"; `num_stages`, `submeshes` ((hosts, devices per host) pairs a stage may use)
+      and `logical_shapes` fix parts of the pipeline search (method "auto").
+    - `num_layers`: layers cut automatically when the model has no `layer_boundary` marks.
+    """
+
+    method: Method = "auto"
+    memory_budget: float | None = None
+    mesh_shape: tuple[int, ...] | None = None
+    donate_argnums: tuple[int, ...] = (0,)
+    batch_argnums: tuple[int, ...] = (1,)
+    ilp_time_limit: float = 60.0
+    num_microbatches: int | Literal["auto"] = "auto"
+    schedule: Schedule = "1f1b"
+    num_stages: int | None = None
+    submeshes: tuple[tuple[int, int], ...] | None = None
+    logical_shapes: tuple[tuple[int, ...], ...] | None = None
+    num_layers: int = 8
+
+    def __post_init__(self):
+        # Callers may pass lists; keep the frozen options hashable plain tuples.
+        def tuples(value, depth):
+            if value is None:
+                return None
+            return tuple(tuples(v, depth - 1) for v in value) if depth else value
+
+        for name, depth in (("mesh_shape", 1), ("donate_argnums", 1), ("batch_argnums", 1),
+                            ("submeshes", 2), ("logical_shapes", 2)):
+            object.__setattr__(self, name, tuples(getattr(self, name), depth))
+        check_choice("method", self.method, METHODS)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        m = self.num_microbatches
+        if m != "auto" and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
+            )
+
+    def memory_budget_for(self, cluster: Cluster) -> float:
+        """Bytes per device plans may use on `cluster` (`autopar.cost.memory_budget`)."""
+        return memory_budget(cluster, self.memory_budget)
+
+    def microbatch_counts(self, rows: int | None) -> list[int]:
+        """The microbatch counts the search tries for a batch of `rows` (None: no batch)."""
+        if self.num_microbatches != "auto":
+            if rows is not None and rows % self.num_microbatches:
+                raise ValueError(
+                    f"the batch has {rows} rows, which is not divisible by num_microbatches="
+                    f"{self.num_microbatches}; choose a number of microbatches that divides "
+                    f"{rows}"
+                )
+            return [self.num_microbatches]
+        if rows is None:
+            return [1]
+        powers = [b for b in MICROBATCH_POWERS if rows % b == 0 and b <= rows]
+        return [1, *powers[-(MAX_MICROBATCH_CANDIDATES - 1):]]
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PlanOptions))
+
+
+def options_from(caller: str, keywords: dict[str, Any]) -> PlanOptions:
+    """`PlanOptions(**keywords)`, with a TypeError naming an unknown option and the known."""
+    unknown = sorted(set(keywords) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unknown option(s) {', '.join(map(repr, unknown))}; the options "
+            f"are {', '.join(OPTION_NAMES)} (see autopar.PlanOptions)"
+        )
+    return PlanOptions(**keywords)
+
+
+def takes_plan_options(fn: Callable) -> Callable:
+    """Give `fn(..., **options)` a signature that lists every `PlanOptions` field as a
+    keyword argument with its default, so `help()` and editors show them."""
+    signature = inspect.signature(fn)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                          annotation=f.type)
+        for f in dataclasses.fields(PlanOptions)
+    ]
+    fn.__signature__ = signature.replace(parameters=params)
+    return fn
+
+
+def resolve_cluster(cluster: Any) -> Cluster:
+    """A `Cluster` from None (local devices), a profile name, a path, or a Cluster."""
+    if cluster is None:
+        return Cluster.local()
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, str):
+        return Cluster.from_profile(cluster)
+    raise TypeError(
+        f"cluster must be None, a Cluster, or a profile name or path, got {type(cluster).__name__}"
+    )

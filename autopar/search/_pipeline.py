@@ -1,0 +1,142 @@
+"""The pipeline search (method "auto"): stages, their meshes and the microbatch count.
+
+In: the step, its arguments, the graph traced at full batch, a cluster and `PlanOptions`.
+Out: a `Plan` (runtime "pipeline") and the graph traced at one microbatch, which it runs;
+or the one-mesh plan when the step has no gradient boundary or the cluster one device.
+
+Steps: for each candidate microbatch count, trace one microbatch (`_trace_microbatch`) and
+run the stage DP (`inter.choose_stages`); pick the fastest (`_pick`); assemble the `Plan`
+(`_pipeline_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from autopar.graph import OpGraph, tied_state, trace
+from autopar.inter import PipelineChoice, SubmeshShape, assign_layers, auto_layers, choose_stages
+from autopar.intra._sharding_plan import graph_fingerprint
+from autopar.plan import Plan, Stage, input_infos
+from autopar.search._microbatch import batch_size, microbatch_args
+from autopar.search._options import PlanOptions
+from autopar.search._single_mesh import plan_one_mesh, shard_options
+
+log = logging.getLogger("autopar")
+
+NO_BOUNDARY_WARNING = (
+    "pipeline stages not searched: the step does not use autopar.value_and_grad "
+    "or autopar.grad, so its gradient boundary is unknown"
+)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    choice: PipelineChoice
+    graph: OpGraph  # traced at one microbatch
+    num_microbatches: int
+
+
+def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict):
+    """The plan for `fn(*args)` and the graph it runs (see the module docstring)."""
+    if options.method != "auto":
+        return _one_mesh(graph, cluster, options, timings), graph
+    has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
+    if not has_boundary or cluster.num_devices == 1:
+        plan = _one_mesh(graph, cluster, options, timings)
+        if cluster.num_devices > 1:
+            plan = dataclasses.replace(plan, warnings=(*plan.warnings, NO_BOUNDARY_WARNING))
+        return plan, graph
+    has_marks = any(n.primitive == "layer_boundary" for n in graph.nodes)
+    num_auto_layers = None if has_marks else options.num_layers
+    candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
+                                num_auto_layers, timings)
+    best = _pick(candidates)
+    return _pipeline_plan(best, cluster, options, num_auto_layers, timings), best.graph
+
+
+def _one_mesh(graph, cluster, options, timings) -> Plan:
+    plan = plan_one_mesh(graph, cluster, options)
+    plan.timings.update(timings)
+    return plan
+
+
+def _trace_microbatch(fn, args, options: PlanOptions, num_microbatches, num_auto_layers):
+    with auto_layers(num_auto_layers):
+        return trace(
+            fn, *microbatch_args(args, options.batch_argnums, num_microbatches),
+            batch_argnums=options.batch_argnums,
+        )
+
+
+def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings):
+    """The stage DP's choice for each microbatch count that has a plan; raises the last
+    count's error when none has."""
+    submeshes = None
+    if options.submeshes is not None:
+        submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
+    single = shard_options(options, cluster)
+    candidates: list[_Candidate] = []
+    last_error: ValueError | None = None
+    for num_micro in options.microbatch_counts(rows):
+        start = time.perf_counter()
+        mb_graph = _trace_microbatch(fn, args, options, num_micro, num_auto_layers)
+        timings["trace"] = timings.get("trace", 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            choice = choose_stages(
+                mb_graph, assign_layers(mb_graph), cluster, num_micro, options.schedule,
+                single, tied_state(mb_graph, options.donate_argnums),
+                num_stages=options.num_stages, submeshes=submeshes,
+                logical_shapes=options.logical_shapes,
+            )
+        except ValueError as err:
+            last_error = err
+            log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
+            continue
+        finally:
+            timings["stage_dp_and_ilps"] = (
+                timings.get("stage_dp_and_ilps", 0.0) + time.perf_counter() - start
+            )
+        log.info("%d microbatch(es): %d stage(s), predicted %.4g s",
+                 num_micro, len(choice.stage_layers), choice.latency)
+        candidates.append(_Candidate(choice, mb_graph, num_micro))
+    if not candidates:
+        raise last_error
+    return candidates
+
+
+def _pick(candidates: list[_Candidate]) -> _Candidate:
+    """The fastest candidate; when it is one stage and one microbatch also gives one stage,
+    that one (no pipeline, so no microbatches either: the whole batch at once). A number of
+    microbatches the user fixed is the only candidate, so one stage keeps them (gradient
+    accumulation, as asked)."""
+    best = min(candidates, key=lambda c: c.choice.latency)  # first of equals: fewer microbatches
+    single = next((c for c in candidates if c.num_microbatches == 1), None)
+    if (len(best.choice.stage_layers) == 1 and best.num_microbatches > 1
+            and single is not None and len(single.choice.stage_layers) == 1):
+        return single
+    return best
+
+
+def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings) -> Plan:
+    choice = best.choice
+    stages = tuple(
+        Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
+    )
+    warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
+    return Plan(
+        method="auto",
+        cluster=cluster.to_json(),
+        stages=stages,
+        inputs=input_infos(best.graph, lambda s: choice.stage_plans[s], choice.partition.home),
+        graph_fingerprint=graph_fingerprint(best.graph),
+        num_microbatches=best.num_microbatches,
+        schedule=options.schedule,
+        warnings=warnings,
+        timings=dict(timings),
+        auto_layers=num_auto_layers,
+        runtime="pipeline",
+    )
