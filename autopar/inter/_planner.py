@@ -144,59 +144,64 @@ class LayerCostTable:
         least + `LEVEL_FRACTIONS`[L] x (fastest - least): a leaner plan for stages whose
         fastest layer plans together do not fit. A layer that cannot get leaner (no
         footprint to give up, or the limit infeasible under the peak memory) keeps its
-        plan of the level below.
+        plan of the level below. Each (layer structure, shape, level) is solved once.
         """
-        budget = None
         key = (self.fingerprints[layer], shape, level)
-        if level and key not in self._cache:
-            fastest = self.cost(layer, shape)
-            if fastest is None or self.solve is not None or level >= len(LEVEL_FRACTIONS):
-                return None
-            least, at_fastest = self.footprint_span(layer, shape)
-            if least >= at_fastest * (1 - 1e-6):
-                return self._same_as(key, 0, layer)  # no leaner plan than the fastest
-            budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
         if key not in self._cache:
-            sub = self.per_layer.stage_graphs[layer]
-            mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
-            self.num_ilps += 1
-            ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
-            weights = self.weights[layer]
-            try:
-                if self.solve is not None:
-                    plan = self.solve(sub, mesh, ties, weights)
-                else:
-                    plan = plan_on_mesh(
-                        sub, self.cluster, mesh, self.options, ties, weights=weights,
-                        footprint=self.footprint(layer, shape, budget),
-                    )
-            except MemoryBudgetError:
-                if not level:
-                    self._cache[key] = None
-                    return None
-                # The least footprint is a lower bound the peak memory may not allow: this
-                # layer stays at its leanest feasible plan.
-                return self._same_as(key, level - 1, layer)
-            else:
-                self._cache[key] = LayerCost(
-                    plan.cost.total,
-                    plan.cost.memory_per_device,
-                    _activation_bytes(sub, plan, self.kept_for_backward(layer)),
-                    _state_bytes(sub, plan),
-                    _gradient_bytes(sub, plan, self.per_layer),
-                )
-                self._plans[key] = (plan, sub)
+            self._cache[key], plan = self._plan_level(layer, shape, level)
+            if plan is not None:
+                self._plans[key] = plan
         return self._cache[key]
 
-    def _same_as(self, key, level: int, layer: int | None = None) -> LayerCost | None:
-        """Make `key`'s level use the plan of `level` (of the same layer and shape)."""
-        if layer is not None:
-            self.cost(layer, key[1], level)
-        lower = (key[0], key[1], level)
-        self._cache[key] = self._cache[lower]
-        if lower in self._plans:
-            self._plans[key] = self._plans[lower]
-        return self._cache[key]
+    def _plan_level(self, layer: int, shape, level: int):
+        """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
+        if level == 0:
+            return self._solve(layer, shape, footprint_budget=None)
+        if self.cost(layer, shape) is None or self.solve is not None:
+            return None, None
+        if level >= len(LEVEL_FRACTIONS):
+            return None, None
+        least, at_fastest = self.footprint_span(layer, shape)
+        if least >= at_fastest * (1 - 1e-6):
+            return self._level_as(layer, shape, 0)  # no leaner plan than the fastest
+        budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
+        solved = self._solve(layer, shape, footprint_budget=budget)
+        if solved[0] is None:
+            # The least footprint is a lower bound the peak memory may not allow: this
+            # layer stays at its leanest feasible plan.
+            return self._level_as(layer, shape, level - 1)
+        return solved
+
+    def _level_as(self, layer: int, shape, level: int):
+        """The cost and plan of `level` (solved if needed), to reuse at another level."""
+        cost = self.cost(layer, shape, level)
+        return cost, self._plans.get((self.fingerprints[layer], shape, level))
+
+    def _solve(self, layer: int, shape, footprint_budget: float | None):
+        """Plan the layer on a mesh of `shape` (one ILP, or the caller's `solve`)."""
+        sub = self.per_layer.stage_graphs[layer]
+        mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
+        self.num_ilps += 1
+        ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
+        weights = self.weights[layer]
+        try:
+            if self.solve is not None:
+                plan = self.solve(sub, mesh, ties, weights)
+            else:
+                plan = plan_on_mesh(
+                    sub, self.cluster, mesh, self.options, ties, weights=weights,
+                    footprint=self.footprint(layer, shape, footprint_budget),
+                )
+        except MemoryBudgetError:
+            return None, None
+        cost = LayerCost(
+            plan.cost.total,
+            plan.cost.memory_per_device,
+            _activation_bytes(sub, plan, self.kept_for_backward(layer)),
+            _state_bytes(sub, plan),
+            _gradient_bytes(sub, plan, self.per_layer),
+        )
+        return cost, (plan, sub)
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
         """(least, fastest plan's) footprint of the layer on a mesh of `shape`, bytes per
@@ -394,14 +399,18 @@ def choose_stages(
     submeshes: Sequence[SubmeshShape] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
 ) -> PipelineChoice:
-    """Run the stage DP over layer costs, then plan each chosen stage on its submesh."""
+    """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
+
+    Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
+    (`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
+    layers' plans (`_stage_plans`).
+    """
     budget = memory_budget(cluster, options.memory_budget)
-    total_devices = cluster.num_devices
 
     def in_flight(shape) -> int:
         # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
         # stage, bounded here by the number of stages that could follow on the devices left.
-        later = max(1, total_devices // math.prod(shape))
+        later = max(1, cluster.num_devices // math.prod(shape))
         return in_flight_microbatches(schedule, num_microbatches, later)
 
     table = LayerCostTable(
@@ -411,37 +420,11 @@ def choose_stages(
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
-
-    def stage_cost(start: int, end: int, index: int) -> StageCost:
-        sub = all_submeshes[index]
-        shapes = logical_shapes or logical_mesh_shapes(sub)
-        shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
-        best = None
-        least_memory = math.inf
-        for shape in shapes:
-            shape = tuple(shape)
-            found = _fitting_level(table, range(start, end), shape, in_flight(shape), budget)
-            if found is None:
-                continue
-            level, costs, memory = found
-            least_memory = min(least_memory, memory)
-            if memory <= budget:
-                latency = sum(c.latency for c in costs)
-                if best is None or latency < best.latency:
-                    best = StageCost(latency, True, memory, (shape, level))
-        if best is None:
-            return StageCost(math.inf, False, least_memory, None)
-        return best
-
+    stage_cost = _StageCosts(table, all_submeshes, logical_shapes, in_flight, budget)
     start_time = time.perf_counter()
     dp = plan_stages(
-        layers.num_layers,
-        cluster.num_hosts,
-        cluster.devices_per_host,
-        stage_cost,
-        num_microbatches,
-        submeshes=all_submeshes,
-        num_stages=num_stages,
+        layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
+        num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
         memory_budget=budget,
     )
     log.info(
@@ -450,22 +433,60 @@ def choose_stages(
     )
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
     shapes = tuple(c.detail[0] for c in dp.stage_costs)
-    levels = tuple(c.detail[1] for c in dp.stage_costs)
     part = partition(graph, layers, list(stage_layers))
-    plans = []
-    for s, (ids, shape) in enumerate(zip(dp.device_ids, shapes)):
-        mesh = LogicalMesh.create(shape, ids)
-        plans.append(
-            table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied, levels[s])
-        )
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
         device_ids=tuple(dp.device_ids),
         logical_shapes=shapes,
         latency=dp.latency,
-        stage_plans=tuple(plans),
+        stage_plans=_stage_plans(table, graph, part, dp, stage_layers, tied),
         partition=part,
         dp=dp,
         num_layer_ilps=table.num_ilps,
     )
+
+
+@dataclass
+class _StageCosts:
+    """The stage DP's cost of layers [start, end) on submesh `index`: the fastest logical
+    mesh shape and memory level at which the layers fit the budget together."""
+
+    table: LayerCostTable
+    submeshes: list[SubmeshShape]
+    logical_shapes: Sequence[tuple[int, ...]] | None
+    in_flight: object  # shape -> microbatches in flight
+    budget: float
+
+    def __call__(self, start: int, end: int, index: int) -> StageCost:
+        sub = self.submeshes[index]
+        shapes = self.logical_shapes or logical_mesh_shapes(sub)
+        shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
+        best = None
+        least_memory = math.inf
+        for shape in shapes:
+            shape = tuple(shape)
+            found = _fitting_level(
+                self.table, range(start, end), shape, self.in_flight(shape), self.budget
+            )
+            if found is None:
+                continue
+            level, costs, memory = found
+            least_memory = min(least_memory, memory)
+            if memory <= self.budget:
+                latency = sum(c.latency for c in costs)
+                if best is None or latency < best.latency:
+                    best = StageCost(latency, True, memory, (shape, level))
+        if best is None:
+            return StageCost(math.inf, False, least_memory, None)
+        return best
+
+
+def _stage_plans(table: LayerCostTable, graph, part, dp, stage_layers, tied) -> tuple:
+    """Each chosen stage's plan, stitched from its layers' plans on its mesh."""
+    plans = []
+    for s, (ids, cost) in enumerate(zip(dp.device_ids, dp.stage_costs)):
+        shape, level = cost.detail
+        mesh = LogicalMesh.create(shape, ids)
+        plans.append(table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied, level))
+    return tuple(plans)

@@ -9,6 +9,7 @@ layers), the consumer's operand is resharded, and its cost is added.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph, Role
@@ -40,6 +41,30 @@ def translate(plan: ShardingPlan, source: OpGraph, target: OpGraph, mesh: Logica
     return specs, operands, plan
 
 
+@dataclass
+class _Stitched:
+    """What `stitch` gathers from the layer plans, then adds edge and tie costs to."""
+
+    var_specs: list[Spec | None]
+    node_strategies: list[str]
+    expected: dict[tuple[int, int], Spec] = field(default_factory=dict)  # operand -> wanted
+    layer_view: dict[tuple[int, int], Spec] = field(default_factory=dict)  # its layer's view
+    layout_from: dict[int, int] = field(default_factory=dict)  # input -> layer setting it
+    produced_by: dict[int, int] = field(default_factory=dict)  # var -> layer computing it
+    paid_to: dict[int, Spec] = field(default_factory=dict)  # output -> layout paid for
+    compute: float = 0.0
+    communication: float = 0.0
+    resharding: float = 0.0
+    memory: float = 0.0
+    collectives: dict[str, list] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def add_collective(self, kind: str, count: float, nbytes: float) -> None:
+        entry = self.collectives.setdefault(kind, [0, 0.0])
+        entry[0] += count
+        entry[1] += nbytes
+
+
 def stitch(
     stage_graph: OpGraph,
     stage_index: dict[int, int],
@@ -65,110 +90,120 @@ def stitch(
     - `handed_on`: per layer, (output var, input var) activation pairs its ILP tied (see
       `LayerCostTable.chain_ties`): that layer already paid for moving the output to its
       input's layout, so a next layer taking it in that layout costs nothing more here.
+
+    Steps: the union of the layer plans (`_place_layers`), the resharding where a layer
+    takes a value in another layout than it arrives in (`_edge_resharding`), and moving
+    updated state shared across layers back to its input's layout (`_tie_overrides`).
     """
-    weights = dict(weights or {})
-    var_specs: list[Spec | None] = [None] * len(stage_graph.vars)
-    node_strategies = [""] * len(stage_graph.nodes)
-    expected: dict[tuple[int, int], Spec] = {}  # (stage node, operand) -> layout wanted
-    layer_view: dict[tuple[int, int], Spec] = {}  # the layout its layer planned it to have
-    compute = communication = resharding = memory = 0.0
-    collectives: dict[str, list] = {}
-    warnings: list[str] = []
-
-    def add(kind, n, nbytes):
-        entry = collectives.setdefault(kind, [0, 0.0])
-        entry[0] += n
-        entry[1] += nbytes
-
-    layout_from: dict[int, int] = {}  # input var -> the layer whose plan set its layout
-    produced_by: dict[int, int] = {}  # var -> the layer computing it
-    paid_to: dict[int, Spec] = {}  # output var -> the layout its layer paid to move it to
-    for k, (layer_graph, layer_index, plan, solved_on) in enumerate(layer_parts):
-        specs, operands, _ = translate(plan, solved_on, layer_graph, mesh)
-        for out_var, in_var in handed_on[k] if k < len(handed_on) else ():
-            if specs.get(in_var) is not None:
-                paid_to[out_var] = specs[in_var]
-        inverse = {sub: full for full, sub in layer_index.items()}
-        for node in layer_graph.nodes:
-            full = inverse[node.id]
-            stage_node = stage_index[full]
-            node_strategies[stage_node] = plan.node_strategies[node.id]
-            for v in node.outputs:
-                var_specs[v] = specs.get(v)
-                produced_by[v] = k
-            for p, v in enumerate(node.inputs):
-                if layer_graph.vars[v].role is Role.CONST:
-                    continue
-                view = specs.get(v) or replicated(len(layer_graph.vars[v].shape))
-                expected[(stage_node, p)] = operands.get((node.id, p), view)
-                layer_view[(stage_node, p)] = view
-        for v in layer_graph.invars:
-            if var_specs[v] is None and v in stage_graph.invars:
-                var_specs[v] = specs.get(v)  # the first layer reading an input sets its layout
-                layout_from[v] = k
-        cost = plan.cost
-        compute += cost.compute
-        communication += cost.communication
-        resharding += cost.resharding
-        memory += cost.memory_per_device
-        for kind, (n, nbytes) in cost.collectives.items():
-            add(kind, n, nbytes)
-        warnings.extend(w for w in plan.warnings if w not in warnings)
-
-    operand_specs = []
+    found = _Stitched([None] * len(stage_graph.vars), [""] * len(stage_graph.nodes))
+    for k, part in enumerate(layer_parts):
+        _place_layers(found, k, part, stage_graph, stage_index, mesh,
+                      handed_on[k] if k < len(handed_on) else ())
     cache: dict = {}
-    for node in stage_graph.nodes:
-        for p, v in enumerate(node.inputs):
-            var = stage_graph.vars[v]
-            if var.role is Role.CONST or (node.id, p) not in expected:
-                continue
-            have = var_specs[v] or replicated(len(var.shape))
-            want = expected[(node.id, p)]
-            if want != have:
-                operand_specs.append((node.id, p, want))
-            # The layer plan paid for going from its own view of the input to `want`; at a
-            # layer edge the value arrives in the producer's layout: pay for the difference.
-            view = layer_view[(node.id, p)]
-            if view != have and paid_to.get(v) != view:
-                resharding += weights.get(node.id, 1.0) * reshard_time(
-                    var.shape, var.dtype, have, view, mesh, cluster, cache
-                )
-                w = weights.get(node.id, 1.0)
-                for c in reshard_collectives(var.shape, var.dtype, have, view, mesh):
-                    add(c.kind, w, w * c.nbytes)
-    # A tie inside one layer was charged by that layer's ILP (the layer planner ties the
-    # state a layer updates); a tie across layers (shared weights) is charged here.
-    charged = {
-        (o, i) for o, i in tied
-        if o in produced_by and produced_by[o] == layout_from.get(i)
-        and i in layer_parts[produced_by[o]][0].invars
-    }
-    overrides = []
-    for out_var, in_var in tied:
-        if var_specs[out_var] is None or var_specs[in_var] is None:
-            continue
-        overrides.append((out_var, var_specs[in_var]))
-        var = stage_graph.vars[out_var]
-        if var_specs[out_var] != var_specs[in_var] and (out_var, in_var) not in charged:
-            resharding += tie_weight * reshard_time(
-                var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh, cluster, cache
-            )
+    operand_specs = _edge_resharding(found, stage_graph, mesh, cluster, dict(weights or {}), cache)
+    overrides = _tie_overrides(found, stage_graph, layer_parts, tied, mesh, cluster,
+                               tie_weight, cache)
     constrained = tuple(
         v for node in stage_graph.nodes for v in node.outputs
-        if stage_graph.vars[v].shape and var_specs[v] is not None
+        if stage_graph.vars[v].shape and found.var_specs[v] is not None
     )
     return ShardingPlan(
         mesh=mesh,
-        var_specs=tuple(var_specs),
-        node_strategies=tuple(node_strategies),
+        var_specs=tuple(found.var_specs),
+        node_strategies=tuple(found.node_strategies),
         constrained=constrained,
         cost=PredictedCost(
-            compute, communication, resharding, memory,
-            {k: (n, b) for k, (n, b) in collectives.items()},
+            found.compute, found.communication, found.resharding, found.memory,
+            {k: (n, b) for k, (n, b) in found.collectives.items()},
         ),
         graph_fingerprint=graph_fingerprint(stage_graph),
         output_overrides=tuple(sorted(overrides)),
         operand_specs=tuple(operand_specs),
-        warnings=tuple(warnings),
+        warnings=tuple(found.warnings),
         stats={"stitched_from_layers": len(layer_parts)},
     )
+
+
+def _place_layers(found: _Stitched, k, part, stage_graph, stage_index, mesh, handed_on):
+    """Layer `k`'s plan carried onto the stage graph, its costs added."""
+    layer_graph, layer_index, plan, solved_on = part
+    specs, operands, _ = translate(plan, solved_on, layer_graph, mesh)
+    for out_var, in_var in handed_on:
+        if specs.get(in_var) is not None:
+            found.paid_to[out_var] = specs[in_var]
+    inverse = {sub: full for full, sub in layer_index.items()}
+    for node in layer_graph.nodes:
+        stage_node = stage_index[inverse[node.id]]
+        found.node_strategies[stage_node] = plan.node_strategies[node.id]
+        for v in node.outputs:
+            found.var_specs[v] = specs.get(v)
+            found.produced_by[v] = k
+        for p, v in enumerate(node.inputs):
+            if layer_graph.vars[v].role is Role.CONST:
+                continue
+            view = specs.get(v) or replicated(len(layer_graph.vars[v].shape))
+            found.expected[(stage_node, p)] = operands.get((node.id, p), view)
+            found.layer_view[(stage_node, p)] = view
+    for v in layer_graph.invars:
+        if found.var_specs[v] is None and v in stage_graph.invars:
+            found.var_specs[v] = specs.get(v)  # the first layer reading an input sets its layout
+            found.layout_from[v] = k
+    cost = plan.cost
+    found.compute += cost.compute
+    found.communication += cost.communication
+    found.resharding += cost.resharding
+    found.memory += cost.memory_per_device
+    for kind, (n, nbytes) in cost.collectives.items():
+        found.add_collective(kind, n, nbytes)
+    found.warnings.extend(w for w in plan.warnings if w not in found.warnings)
+
+
+def _edge_resharding(found: _Stitched, stage_graph, mesh, cluster, weights, cache) -> list:
+    """Operands a layer takes in another layout than they arrive in: the operand specs the
+    lowering reshards, and the cost no layer's ILP paid. **Returns:** the operand specs."""
+    operand_specs = []
+    for node in stage_graph.nodes:
+        for p, v in enumerate(node.inputs):
+            var = stage_graph.vars[v]
+            if var.role is Role.CONST or (node.id, p) not in found.expected:
+                continue
+            have = found.var_specs[v] or replicated(len(var.shape))
+            want = found.expected[(node.id, p)]
+            if want != have:
+                operand_specs.append((node.id, p, want))
+            # The layer plan paid for going from its own view of the input to `want`; at a
+            # layer edge the value arrives in the producer's layout: pay for the difference.
+            view = found.layer_view[(node.id, p)]
+            if view != have and found.paid_to.get(v) != view:
+                w = weights.get(node.id, 1.0)
+                found.resharding += w * reshard_time(
+                    var.shape, var.dtype, have, view, mesh, cluster, cache
+                )
+                for c in reshard_collectives(var.shape, var.dtype, have, view, mesh):
+                    found.add_collective(c.kind, w, w * c.nbytes)
+    return operand_specs
+
+
+def _tie_overrides(found: _Stitched, stage_graph, layer_parts, tied, mesh, cluster,
+                   tie_weight, cache) -> list:
+    """Updated state returned in its input's layout, and the cost of moving it there when
+    no layer's ILP paid it. **Returns:** (output var, spec) overrides."""
+    # A tie inside one layer was charged by that layer's ILP (the layer planner ties the
+    # state a layer updates); a tie across layers (shared weights) is charged here.
+    charged = {
+        (o, i) for o, i in tied
+        if o in found.produced_by and found.produced_by[o] == found.layout_from.get(i)
+        and i in layer_parts[found.produced_by[o]][0].invars
+    }
+    specs = found.var_specs
+    overrides = []
+    for out_var, in_var in tied:
+        if specs[out_var] is None or specs[in_var] is None:
+            continue
+        overrides.append((out_var, specs[in_var]))
+        var = stage_graph.vars[out_var]
+        if specs[out_var] != specs[in_var] and (out_var, in_var) not in charged:
+            found.resharding += tie_weight * reshard_time(
+                var.shape, var.dtype, specs[out_var], specs[in_var], mesh, cluster, cache
+            )
+    return overrides

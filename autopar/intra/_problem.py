@@ -100,27 +100,57 @@ def build_problem(
     - `footprint`: memory held for the whole run, limited besides the peak (a pipeline
       stage's view of one layer, `Footprint`).
     """
-    fixed = dict(fixed or {})
     weights = dict(weights or {})
     ctx = CostContext(cluster, mesh)
     ilp_nodes: list[IlpNode] = []
-    source_of: dict[int, tuple[int, int]] = {}
+    source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}
-    warnings: list[str] = []
-    missing: dict[str, int] = {}
+    _add_input_nodes(graph, ctx, options, dict(fixed or {}), ilp_nodes, source_of)
+    missing = _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers)
+    warnings = [
+        f"no sharding rule for primitive '{prim}' ({count} node(s)): planned as replicated"
+        for prim, count in sorted(missing.items())
+    ]
 
+    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
+    node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
+    node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
+    groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
+    budget = memory_budget(cluster, options.memory_budget)
+    problem = ShardingProblem(
+        node_costs=node_costs,
+        edges=tuple(edges),
+        edge_costs=tuple(edge_costs),
+        node_memory=node_memory,
+        memory_groups=groups,
+        memory_budget=budget,
+        followers=followers,
+        names=tuple(n.name for n in ilp_nodes),
+        **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
+    )
+    return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights)
+
+
+def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:
+    """One ILP node per non-constant input: its layouts (pinned ones only when `fixed`)."""
     for v in graph.invars:
         var = graph.vars[v]
         if var.role is Role.CONST or v in source_of:
             continue
         strategies = input_strategies(var, ctx)
         if v in fixed:
-            strategies = _pin(var, strategies, fixed[v], mesh)
+            strategies = _pin(var, strategies, fixed[v], ctx.mesh)
         else:
-            strategies = _restrict_input(var, strategies, mesh, options)
+            strategies = _restrict_input(var, strategies, ctx.mesh, options)
         source_of[v] = (len(ilp_nodes), 0)
         ilp_nodes.append(IlpNode(var.path or f"input {v}", strategies, var=v))
 
+
+def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers):
+    """One ILP node per equation (identity markers pass their operand's node on), with
+    its strategies from the rule registry, weighted per `weights`.
+    **Returns:** primitive -> count of equations without a rule (planned replicated)."""
+    missing: dict[str, int] = {}
     for node in graph.nodes:
         if node.primitive in TRANSPARENT:
             # Identity markers: each result is its operand, with the operand's layout.
@@ -144,29 +174,7 @@ def build_problem(
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", strategies, node=node.id))
-
-    for prim, count in sorted(missing.items()):
-        warnings.append(
-            f"no sharding rule for primitive '{prim}' ({count} node(s)): planned as replicated"
-        )
-
-    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
-    node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
-    node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
-    groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
-    budget = memory_budget(cluster, options.memory_budget)
-    problem = ShardingProblem(
-        node_costs=node_costs,
-        edges=tuple(edges),
-        edge_costs=tuple(edge_costs),
-        node_memory=node_memory,
-        memory_groups=groups,
-        memory_budget=budget,
-        followers=followers,
-        names=tuple(n.name for n in ilp_nodes),
-        **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
-    )
-    return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights)
+    return missing
 
 
 def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
