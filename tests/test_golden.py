@@ -5,7 +5,10 @@ import json
 
 import pytest
 
+import autopar.intra._ilp as ilp
 import autopar.intra._planner as planner
+from autopar.intra import ShardOptions
+from autopar.intra._ilp import Solution, SolveStats
 from autopar.intra._ilp_model import resolve_solver
 
 from scripts.regenerate_golden import (
@@ -59,6 +62,51 @@ def test_other_solver_gives_the_golden_plan(case, monkeypatch):
         f"with solver={other!r} the plan of {case.name} differs from {case.path.name} in "
         f"{len(differences)} place(s):\n  " + "\n  ".join(differences)
     )
+
+
+def test_time_limit_becomes_a_plan_warning(monkeypatch):
+    """A solve stopped by its time limit (forced here: a real one is not repeatable) is
+    named in the plan's warnings."""
+    from autopar._examples import LEARNING_RATE, load_example
+    from autopar._planning import plan
+    from autopar.cluster import Cluster
+    import optax
+
+    run_pulp = ilp.run_pulp
+
+    def stopped(*args, **kwargs):
+        values, status = run_pulp(*args, **kwargs)
+        return values, "time_limit" if status == "optimal" else status
+
+    monkeypatch.setattr(ilp, "run_pulp", stopped)
+    case = next(c for c in GOLDEN_CASES if c.name == "mlp_2x4")
+    module, config = load_example(case.model.family), case.model.config()
+    optimizer = optax.adamw(LEARNING_RATE)
+    result = plan(
+        module.make_train_step(config, optimizer),
+        module.abstract_state(config, optimizer),
+        module.abstract_batch(config, 8),
+        cluster=Cluster.from_profile("cpu-local"),
+        method="shard",
+        mesh_shape=(2, 4),
+    )
+    assert result.stages[0].sharding.stats["status"] == "time_limit"
+    assert any(
+        "the sharding ILP on mesh (2, 4) stopped at its 60 s time limit; the plan may not be "
+        "optimal: raise the ILP time limit" in warning
+        for warning in result.warnings
+    ), result.warnings
+
+    # Stopped in the tie-break: optimal, but maybe not the plan another solver gives.
+    stats = SolveStats(num_nodes=1, num_nodes_after_merge=1, num_ilp_nodes=1,
+                       num_variables_before_merge=2, num_variables=2, num_constraints=1,
+                       build_time=0.0, solve_time=5.0, solver="cbc", formulation="marginal",
+                       tie_break="incomplete")
+    (warning,) = planner._solve_warnings(
+        Solution((0,), 0.0, "optimal", stats), result.stages[0].mesh, ShardOptions(time_limit=5)
+    )
+    assert warning.startswith("the sharding ILP on mesh (2, 4) found an optimal plan but its "
+                              "tie-break among equal-cost plans stopped at the 5 s time limit")
 
 
 def test_golden_files_are_written_canonically():
