@@ -331,3 +331,89 @@ def test_footprint_error_names_the_least_footprint():
     assert error.value.kind == "footprint" and error.value.least_memory == 5.0
     # Footprints 13, 10, 8, 5 at costs 0, 1, 1, 2: under 9 the cheapest that fits is (1, 0).
     assert solve(dataclasses.replace(problem, footprint_budget=9.0)).choices == (1, 0)
+
+
+def coupled_tie_problem():
+    """Six nodes, every pair joined (so nothing is reduced away), with a unique optimum;
+    then nodes 1 and 4 get a copy of their optimal strategy at index 0 (the others move up
+    one), and the edge between them charges 10 for a copy beside a non-copy. Two plans are
+    optimal: both copies, or both originals; moving either node alone costs 10 more, so a
+    node-by-node tie-break cannot get from one to the other.
+
+    **Returns:** the problem, its canonical plan (both copies: the lowest indices) and the
+    other optimum (both originals).
+    """
+    rng = np.random.default_rng(21)
+    n, pair = 6, (1, 4)
+    edges = tuple((u, v) for u in range(n) for v in range(u + 1, n))
+    costs = [rng.random(2) for _ in range(n)]
+    matrices = [rng.random((2, 2)) for _ in edges]
+    best = solve_brute_force(ShardingProblem(tuple(costs), edges, tuple(matrices))).choices
+    # index map of each node: its new strategies as old ones
+    old = [np.array([best[v], 0, 1]) if v in pair else np.arange(2) for v in range(n)]
+    copy = [np.array([True, False, False]) if v in pair else np.zeros(2, bool) for v in range(n)]
+    new_matrices = []
+    for (u, v), m in zip(edges, matrices):
+        m = m[np.ix_(old[u], old[v])]
+        if (u, v) == pair:
+            m = m + 10.0 * (copy[u][:, None] != copy[v][None, :])
+        new_matrices.append(m)
+    problem = ShardingProblem(tuple(c[k] for c, k in zip(costs, old)), edges, tuple(new_matrices))
+    canonical = tuple(0 if v in pair else best[v] for v in range(n))
+    originals = tuple(1 + best[v] if v in pair else best[v] for v in range(n))
+    return problem, canonical, originals
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_coupled_tie_goes_to_the_lowest_strategies(solver):
+    problem, canonical, originals = coupled_tie_problem()
+    assert evaluate(problem, originals) == pytest.approx(evaluate(problem, canonical), rel=1e-12)
+    one_moved = tuple(k if v == 1 else o for v, (k, o) in enumerate(zip(canonical, originals)))
+    assert evaluate(problem, one_moved) > evaluate(problem, canonical) + 9
+    solution = solve(problem, solver=solver)
+    assert solution.stats.num_ilp_nodes == 6 and solution.stats.tie_break == "canonical"
+    assert solution.choices == canonical == solve_brute_force(problem).choices
+
+
+@pytest.mark.parametrize("seed", [0, 4, 8])
+def test_highs_and_cbc_break_ties_alike(seed):
+    # Every strategy duplicated at a higher index, and some nodes given equal strategies:
+    # many equal-cost optima, one canonical plan.
+    base = random_problem(seed)
+    twice = lambda c: np.concatenate([c, c])
+    costs = [twice(c) for c in base.node_costs]
+    for v in range(0, base.num_nodes, 3):
+        costs[v] = np.full_like(costs[v], costs[v].min())
+    matrices = [np.block([[m, m], [m, m]]) for m in base.edge_costs]
+    problem = ShardingProblem(tuple(costs), base.edges, tuple(matrices))
+    highs, cbc = solve(problem, solver="highs"), solve(problem, solver="cbc")
+    assert highs.choices == cbc.choices
+    assert highs.objective == pytest.approx(solve_brute_force(problem).objective, rel=1e-9)
+
+
+def test_time_limit_is_reported(monkeypatch):
+    # The solver's status is forced: a real time limit that stops with a plan is not
+    # repeatable. Stopped in the first solve: status "time_limit", no tie-break.
+    import autopar.intra._ilp as ilp
+
+    real = ilp.run_pulp
+
+    def stopped(*args, **kwargs):
+        values, status = real(*args, **kwargs)
+        return values, "time_limit" if status == "optimal" else status
+
+    monkeypatch.setattr(ilp, "run_pulp", stopped)
+    problem, _, _ = coupled_tie_problem()
+    solution = solve(problem)
+    assert solution.status == "time_limit" and solution.stats.tie_break == "skipped"
+    assert solution.objective == pytest.approx(solve_brute_force(problem).objective, rel=1e-9)
+
+    # Stopped in the tie-break solve (the one with gap_rel=0): optimal, not canonical.
+    def tie_break_stopped(*args, **kwargs):
+        values, status = real(*args, **kwargs)
+        stop = kwargs.get("gap_rel") == 0.0 and status == "optimal"
+        return values, "time_limit" if stop else status
+
+    monkeypatch.setattr(ilp, "run_pulp", tie_break_stopped)
+    solution = solve(problem)
+    assert solution.status == "optimal" and solution.stats.tie_break == "incomplete"

@@ -15,8 +15,18 @@ Before the ILP is built the problem is reduced, exactly (`merge_followers`, `red
    products and recovered after the solve (bucket elimination);
 5. each edge matrix is shifted by its row and column minima (so it is >= 0 with a zero in
    every row and column), and all costs are scaled so the largest coefficient is 1.
-Edges are linearised with Alpa's marginal constraints; ties are broken towards lower
-strategy indices (`_prefer_lower_indices`).
+Edges are linearised with Alpa's marginal constraints.
+
+Equal-cost optima are common (symmetric layers, a matrix sharded along either of two equal
+dimensions), and which one a MILP solver returns depends on its version and search. So the
+plan is made canonical by a lexicographic second solve (`_break_ties`): the same model with
+the row "cost <= optimum found (plus `TIE_RELATIVE_TOLERANCE`)", minimising a weighted sum
+of strategy indices whose minimiser is unique (`tie_break_weights`), started from the first
+solve's plan. To keep it small, strategies that the LP relaxation's duals prove too dear
+for any such plan are left out first (reduced-cost fixing, `plans_within`). Eliminated
+nodes are recovered by the lowest index of least cost given their neighbours, so the whole
+plan is a function of the problem alone, not of the solver or its version. The second
+solve is skipped when no ILP is left, and when the first stopped at its time limit.
 
 The code is split by stage; this module holds the entry points `solve` and `least_memory`
 and re-exports the names of the others, so `from autopar.intra._ilp import X` works for all:
@@ -30,8 +40,9 @@ The slow reference used by the tests is `autopar.intra._ilp_reference.solve_brut
 
 from __future__ import annotations
 
-import math
 import time
+
+import numpy as np
 
 from autopar.intra._ilp_model import (
     CHOSEN_THRESHOLD,
@@ -39,14 +50,21 @@ from autopar.intra._ilp_model import (
     MIP_RELATIVE_GAP,
     SOLVER_RANDOM_SEED,
     SOLVER_THREADS,
+    TIE_ABSOLUTE_TOLERANCE,
+    TIE_RELATIVE_TOLERANCE,
     Formulation,
     SolverName,
     least_memory_model,
+    lp_row_duals,
     node_choices,
+    plans_within,
     resolve_solver,
     run_pulp,
     sharding_model,
+    tie_break_costs,
+    tie_break_weights,
     to_pulp,
+    with_cost_bound,
 )
 from autopar.intra._ilp_problem import (
     MemoryBudgetError,
@@ -61,13 +79,13 @@ from autopar.intra._ilp_problem import (
     resolve_followers,
 )
 from autopar.intra._ilp_reduce import (
-    CostGraph,
     MemoryGroup,
     binding_groups,
     merge_followers,
     merged_footprint_group,
     merged_memory_groups,
     reduce_graph,
+    restrict_strategies,
 )
 
 __all__ = [
@@ -76,6 +94,8 @@ __all__ = [
     "MIP_RELATIVE_GAP",
     "SOLVER_RANDOM_SEED",
     "SOLVER_THREADS",
+    "TIE_ABSOLUTE_TOLERANCE",
+    "TIE_RELATIVE_TOLERANCE",
     "Formulation",
     "MemoryBudgetError",
     "ShardingProblem",
@@ -95,32 +115,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------
-
-
-def _prefer_lower_indices(
-    graph: CostGraph, groups: list[MemoryGroup], budget: float | None, choice: dict[int, int]
-) -> None:
-    """Deterministic tie-break: in node order, move each node to the lowest strategy that
-    costs no more with its neighbours fixed and keeps every memory group within budget."""
-    groups_of: dict[int, list[MemoryGroup]] = {}
-    for group in groups:
-        for v, _ in group.terms:
-            groups_of.setdefault(v, []).append(group)
-
-    def fits(v: int) -> bool:
-        return all(
-            group.constant + math.fsum(float(t[choice[w]]) for w, t in group.terms) <= budget
-            for group in groups_of.get(v, ())
-        )
-
-    for v in sorted(graph.node_cost):
-        local, current = graph.local_cost(v, choice), choice[v]
-        for k in range(current):
-            if local[k] <= local[current]:
-                choice[v] = k
-                if fits(v):
-                    break
-                choice[v] = current
 
 
 def _limit(problem: ShardingProblem) -> float | None:
@@ -210,7 +204,6 @@ def solve(
     build_time = time.perf_counter() - start
     start = time.perf_counter()
     values, status = run_pulp(built, solver_name, time_limit, msg)
-    solve_time = time.perf_counter() - start
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
         raise _infeasible(problem, solver)
@@ -219,8 +212,19 @@ def solve(
             f"the {solver_name} solver found no plan within time_limit={time_limit} s "
             f"({len(model.cost)} variables); pass a larger time_limit to solve()."
         )
-    choice = reduction.recover(node_choices(model, values))
-    _prefer_lower_indices(graph, groups, budget, choice)
+    ilp_choice = node_choices(model, values)
+    tie_break, tie_break_time = "canonical", 0.0
+    if built is not None and status == "time_limit":
+        tie_break = "skipped"
+    elif built is not None:
+        tie_start = time.perf_counter()
+        remaining = time_limit - (tie_start - start)
+        ilp_choice, tie_break = _break_ties(
+            reduction, model, built, ilp_choice, solver_name, remaining, msg, budget, formulation
+        )
+        tie_break_time = time.perf_counter() - tie_start
+    solve_time = time.perf_counter() - start
+    choice = reduction.recover(ilp_choice)
     choices = tuple(int(strategy_of[v][choice[int(root[v])]]) for v in range(problem.num_nodes))
     stats = SolveStats(
         num_nodes=problem.num_nodes,
@@ -233,8 +237,68 @@ def solve(
         solve_time=solve_time,
         solver=solver_name if model.cost else "none",
         formulation=formulation,
+        tie_break=tie_break,
+        tie_break_time=tie_break_time,
     )
     return Solution(choices, evaluate(problem, choices), status, stats)
+
+
+# Below this many seconds left of the time limit the tie-break solve is not started.
+_LEAST_TIE_BREAK_TIME = 0.01
+
+
+def _break_ties(
+    reduction, model, built, choice: dict[int, int], solver, time_limit: float, msg,
+    budget: float | None, formulation: Formulation,
+) -> tuple[dict[int, int], str]:
+    """The canonical plan among those as cheap as `choice`, an optimum of `model` (the ILP
+    of `reduction.graph`, built for pulp as `built`): the second, lexicographic solve.
+
+    The tie set is every plan whose scaled cost is within `TIE_RELATIVE_TOLERANCE` (plus
+    `TIE_ABSOLUTE_TOLERANCE`) of the cost of `choice`, computed exactly. Its plans use few
+    strategies: those reduced-cost fixing with the LP relaxation's duals cannot exclude
+    (`plans_within`, exact whatever the duals, so a solver's choice of duals only changes
+    how much is excluded). The tie-break ILP is the reduced graph restricted to those
+    strategies (`restrict_strategies`), with the row "cost <= bound" and the objective
+    `tie_break_costs`, whose minimiser over the tie set is unique; `choice` is feasible
+    and is the start. The weights are those of every node of `reduction.graph`, not only
+    of the nodes left, so that they do not depend on the fixing either. The relative gap
+    is 0: tie-break values are a few units apart and must be told apart exactly.
+
+    **Returns:** (ILP choice, "canonical" or "incomplete": the solver stopped at the time
+    limit or failed, and the best plan it had, still of optimal cost, is returned).
+    """
+    if time_limit < _LEAST_TIE_BREAK_TIME:
+        return choice, "incomplete"
+    deadline = time.perf_counter() + time_limit
+    cost = model.objective_of(choice)
+    window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
+    duals = lp_row_duals(built, solver, time_limit, msg=msg)
+    keep = None if duals is None else plans_within(model, duals, cost + window)
+    if keep is None or any(choice[v] not in kept for v, kept in keep.items()):
+        # no fixing: the LP failed, or rounding excluded the optimum itself
+        keep = {v: np.arange(len(c)) for v, c in reduction.graph.node_cost.items()}
+    graph, groups = restrict_strategies(reduction.graph, reduction.groups, budget, keep)
+    tie_model = sharding_model(graph, groups, budget, formulation)
+    if not tie_model.node_columns:  # one plan left: `choice`
+        return choice, "canonical"
+    remaining = deadline - time.perf_counter()
+    if remaining < _LEAST_TIE_BREAK_TIME:
+        return choice, "incomplete"
+    position = {v: int(np.searchsorted(keep[v], choice[v])) for v in tie_model.node_columns}
+    index = {v: reduction.kept[v][keep[v]] for v in tie_model.node_columns}
+    secondary = tie_break_costs(tie_model, tie_break_weights(reduction.graph.node_cost), index)
+    bound = tie_model.objective_of(position) + window * model.scale / tie_model.scale
+    tie_built = to_pulp(tie_model)
+    with_cost_bound(tie_model, tie_built, bound, secondary)
+    values, status = run_pulp(
+        tie_built, solver, remaining, msg, start=tie_model.values_of(position), gap_rel=0.0
+    )
+    if values is None:
+        return choice, "incomplete"
+    found = node_choices(tie_model, values)
+    canonical = {v: int(keep[v][found[v]]) if v in found else int(keep[v][0]) for v in keep}
+    return canonical, "canonical" if status == "optimal" else "incomplete"
 
 
 def _alpa_variable_count(problem: ShardingProblem) -> int:

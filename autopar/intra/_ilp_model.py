@@ -12,11 +12,19 @@ coefficient is 1 (`_normalised_costs`). Edges are linearised with Alpa's margina
 constraints (`_add_marginal_edge`, Zheng et al. 2022, REFERENCES.md) or product bounds
 (`_add_product_edge`). Solver gaps, seed and threads are fixed so plans are exact and
 repeatable.
+
+Equal-cost optima are told apart by a second solve: the same model with its cost bounded
+by the optimum found (`with_cost_bound`), minimising a weighted sum of strategy indices
+whose minimiser is unique (`tie_break_weights`, `tie_break_costs`), so the plan does not
+depend on the solver; strategies the LP relaxation's duals (`lp_row_duals`) prove too dear
+are left out of it first (`plans_within`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -37,6 +45,15 @@ MIP_ABSOLUTE_GAP = 1e-10
 # Fixed seed and one thread: the same problem always gives the same search and choices.
 SOLVER_RANDOM_SEED = 0
 SOLVER_THREADS = 1
+# The tie-break solve keeps every plan whose scaled cost is within this of the optimum
+# found: relative, like the MIP gap (the solvers cannot tell plans this close apart, and
+# float noise in equal costs is some 1e-15 of them), plus an absolute term for an optimum
+# of 0. The solvers' feasibility tolerance (1e-7 absolute) widens the window a little more.
+TIE_RELATIVE_TOLERANCE = 1e-9
+TIE_ABSOLUTE_TOLERANCE = 1e-12
+# Reduced-cost fixing (`plans_within`) keeps a strategy unless it provably costs more than
+# the tie window plus this (the solvers' primal feasibility tolerance, in scaled units).
+_FIXING_MARGIN = 1e-7
 # Solution values above this count as "strategy chosen" (HiGHS's integrality tolerance is
 # 1e-6, so a chosen binary reads at least 1 - 1e-6).
 CHOSEN_THRESHOLD = 0.5
@@ -62,6 +79,10 @@ class _Model:
     binary: list[bool] = field(default_factory=list)
     rows: list[tuple[np.ndarray, np.ndarray, int, float]] = field(default_factory=list)
     node_columns: dict[int, np.ndarray] = field(default_factory=dict)
+    # (v, w, grid): grid[i, j] is the column of edge {v, w} at strategies (i, j), -1 if none
+    edge_columns: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    # cost units per unit of `cost` (`sharding_model` scales the largest coefficient to 1)
+    scale: float = 1.0
 
     def add_columns(self, costs: np.ndarray, binary: bool) -> np.ndarray:
         start = len(self.cost)
@@ -77,6 +98,29 @@ class _Model:
         self.add_row(columns, np.ones(len(columns)), _EQ, 1.0)
         self.node_columns[v] = columns
         return columns
+
+    def add_edge_columns(self, v: int, w: int, shape, pairs: np.ndarray, costs) -> np.ndarray:
+        """Continuous columns for the strategy pairs `pairs` of edge {v, w}."""
+        columns = self.add_columns(costs, binary=False)
+        grid = np.full(shape, -1)
+        grid[pairs[:, 0], pairs[:, 1]] = columns
+        self.edge_columns.append((v, w, grid))
+        return columns
+
+    def values_of(self, choice: Mapping[int, int]) -> np.ndarray:
+        """The exact column values of a choice: one-hot nodes, edge products s_v s_w."""
+        values = np.zeros(len(self.cost))
+        for v, columns in self.node_columns.items():
+            values[columns[choice[v]]] = 1.0
+        for v, w, grid in self.edge_columns:
+            if grid[choice[v], choice[w]] >= 0:
+                values[grid[choice[v], choice[w]]] = 1.0
+        return values
+
+    def objective_of(self, choice: Mapping[int, int]) -> float:
+        """cost . x of a choice, summed exactly."""
+        values = self.values_of(choice)
+        return math.fsum(c for c, x in zip(self.cost, values) if x)
 
 
 def _normalised_costs(graph: CostGraph):
@@ -104,7 +148,8 @@ def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> Non
     sum_i e[i, j] = s_w[j] (the last column's equation is implied and left out). With
     one-hot s the only such e is the outer product s_v s_w^T, so continuous e is exact."""
     s_v, s_w = model.node_columns[v], model.node_columns[w]
-    e = model.add_columns(matrix.ravel(), binary=False).reshape(matrix.shape)
+    pairs = np.argwhere(np.ones(matrix.shape, dtype=bool))  # row-major, as matrix.ravel()
+    e = model.add_edge_columns(v, w, matrix.shape, pairs, matrix.ravel()).reshape(matrix.shape)
     for i in range(matrix.shape[0]):
         model.add_row(np.append(e[i, :], s_v[i]), [1.0] * matrix.shape[1] + [-1.0], _EQ, 0.0)
     for j in range(matrix.shape[1] - 1):
@@ -117,7 +162,7 @@ def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None
     for one-hot s; exact, smaller than the marginal form, but a weaker LP relaxation."""
     s_v, s_w = model.node_columns[v], model.node_columns[w]
     pairs = np.argwhere(matrix > 0)
-    e = model.add_columns(matrix[pairs[:, 0], pairs[:, 1]], binary=False)
+    e = model.add_edge_columns(v, w, matrix.shape, pairs, matrix[pairs[:, 0], pairs[:, 1]])
     for column, (i, j) in zip(e, pairs):
         model.add_row([column, s_v[i], s_w[j]], [1.0, -1.0, -1.0], _GE, -1.0)
 
@@ -127,7 +172,7 @@ def sharding_model(
 ) -> _Model:
     """The ILP of the reduced problem: costs scaled to <= 1, memory scaled by the budget."""
     node_cost, edges, scale = _normalised_costs(graph)
-    model = _Model()
+    model = _Model(scale=scale)
     for v in sorted(node_cost):
         model.add_one_hot_node(v, node_cost[v] / scale)
     add_edge = _add_marginal_edge if form == "marginal" else _add_product_edge
@@ -138,6 +183,90 @@ def sharding_model(
         bytes_ = np.concatenate([t for _, t in group.terms])
         model.add_row(columns, bytes_ / budget, _LE, (budget - group.constant) / budget)
     return model
+
+
+def tie_break_weights(nodes) -> dict[int, float]:
+    """The weight w_v of each node in the tie-break objective sum_v w_v * (v's original
+    strategy index), which is least at the canonical plan among equal-cost optima.
+
+    With r the rank of v among the n `nodes` in sorted order and p_r the (r+1)-th prime,
+    w_v = 1 + (n - r + frac(sqrt(p_r))) / (n + 1), in (1, 2) and decreasing in r. So:
+    - a plan lower at one node and no higher elsewhere is always preferred (lower indices);
+    - swapping which of two nodes takes the lower index favours the earlier node, as a
+      lexicographic order would;
+    - the minimiser is unique: two plans s != s' differ by sum_v w_v (s_v - s'_v), a
+      rational number plus sum_v (s_v - s'_v) sqrt(p_v) / (n + 1), and 1 and the square
+      roots of distinct primes are linearly independent over the rationals (Besicovitch
+      1940), so the difference is never 0. (In floating point the ties of real models,
+      which trade a few nodes, are separated by far more than the solver's gap.)
+    Plain rational weights such as 1 + (n - r) / n would tie (ranks a + b = c + d).
+    """
+    nodes = sorted(nodes)
+    n = len(nodes)
+    return {
+        v: 1.0 + (n - rank + math.sqrt(prime) % 1.0) / (n + 1)
+        for rank, (v, prime) in enumerate(zip(nodes, _first_primes(n)))
+    }
+
+
+def tie_break_costs(model: _Model, weights: Mapping[int, float],
+                    strategy_index: Mapping[int, np.ndarray]) -> np.ndarray:
+    """The tie-break objective per column: weights[v] * strategy_index[v][k] on the column
+    of strategy k of node v (`strategy_index`: original indices), 0 on edge columns."""
+    costs = np.zeros(len(model.cost))
+    for v, columns in model.node_columns.items():
+        costs[columns] = weights[v] * np.asarray(strategy_index[v], float)
+    return costs
+
+
+def plans_within(model: _Model, duals: np.ndarray, bound: float) -> dict[int, np.ndarray] | None:
+    """The strategies of each node that some plan of cost <= `bound` may use, by
+    reduced-cost fixing with the LP relaxation's row duals `duals` (exact for any duals).
+
+    With y the duals (clipped to the sign their row's sense allows) and d = c - A^T y, every
+    feasible x has cost c.x = y.b + d.x + sum_i y_i (a_i.x - b_i) >= y.b + d.x, and at a plan
+    every column is in [0, 1] (edge columns are products of two strategy columns). So
+    c.x >= D + sum_(d_j > 0) d_j x_j + sum_(d_j < 0) |d_j| (1 - x_j), D = y.b + sum min(0, d),
+    and a plan within `bound` has x_j = 0 where d_j > slack = bound - D, and x_j = 1 where
+    d_j < -slack. `_FIXING_MARGIN` widens the slack by the solvers' feasibility tolerance.
+
+    **Returns:** the kept strategy indices (into the model's) of every node, or None when
+    the duals prove nothing (slack not finite).
+    """
+    cost = np.asarray(model.cost)
+    y = np.asarray(duals, float)
+    senses = np.array([sense for _, _, sense, _ in model.rows])
+    y = np.where(senses == _LE, np.minimum(y, 0.0), np.where(senses == _GE, np.maximum(y, 0.0), y))
+    columns = np.concatenate([c for c, _, _, _ in model.rows])
+    weights = np.concatenate([a * y_i for (_, a, _, _), y_i in zip(model.rows, y)])
+    reduced = cost - np.bincount(columns, weights, minlength=len(cost))
+    rhs = np.array([b for _, _, _, b in model.rows])
+    lower = math.fsum((y * rhs).tolist()) + math.fsum(np.minimum(reduced, 0.0).tolist())
+    slack = bound - lower + _FIXING_MARGIN
+    if not math.isfinite(slack):
+        return None
+    keep = {}
+    for v, node_columns in model.node_columns.items():
+        d = reduced[node_columns]
+        allowed = d <= slack
+        forced = d < -slack
+        if forced.any():
+            allowed &= forced
+        keep[v] = np.flatnonzero(allowed)
+    return keep
+
+
+def _first_primes(count: int) -> list[int]:
+    """The first `count` primes (sieve of Eratosthenes)."""
+    limit = max(16, int(count * (math.log(count + 2) + math.log(math.log(count + 2)) + 2)))
+    sieve = np.ones(limit, dtype=bool)
+    sieve[:2] = False
+    for k in range(2, math.isqrt(limit) + 1):
+        if sieve[k]:
+            sieve[k * k :: k] = False
+    primes = np.flatnonzero(sieve)
+    assert len(primes) >= count
+    return [int(p) for p in primes[:count]]
 
 
 def least_memory_model(groups: list[MemoryGroup]) -> tuple[_Model, int]:
@@ -172,22 +301,46 @@ def resolve_solver(solver: SolverName) -> Literal["highs", "cbc"]:
     return solver
 
 
-def _pulp_solver(name: Literal["highs", "cbc"], time_limit: float, msg: bool):
-    common = dict(msg=msg, timeLimit=time_limit, gapRel=MIP_RELATIVE_GAP,
+class _HiGHS(pulp.HiGHS):
+    """pulp's HiGHS, started from the variables' initial values when `warm_start` (as
+    pulp's CBC does; pulp's HiGHS interface has no warm start)."""
+
+    def __init__(self, warm_start: bool = False, **options):
+        super().__init__(**options)
+        self.warm_start = warm_start
+
+    def callSolver(self, lp):
+        if self.warm_start:
+            variables = lp.variables()
+            index = np.array([v.index for v in variables], dtype=np.int32)
+            values = np.array([v.varValue or 0.0 for v in variables], dtype=np.float64)
+            lp.solverModel.setSolution(len(index), index, values)
+        super().callSolver(lp)
+
+
+def _pulp_solver(name: Literal["highs", "cbc"], time_limit: float, msg: bool,
+                 warm_start: bool, gap_rel: float, mip: bool = True, **highs_options):
+    common = dict(mip=mip, msg=msg, timeLimit=time_limit, gapRel=gap_rel,
                   gapAbs=MIP_ABSOLUTE_GAP, threads=SOLVER_THREADS)
     if name == "highs":
-        return pulp.HiGHS(random_seed=SOLVER_RANDOM_SEED, **common)
+        return _HiGHS(warm_start, random_seed=SOLVER_RANDOM_SEED, **common, **highs_options)
     options = [f"randomCbcSeed {SOLVER_RANDOM_SEED + 1}"]  # CBC reads 0 as "seed from clock"
     if pulp.COIN_CMD(msg=False).available():  # a CBC binary on PATH
-        return pulp.COIN_CMD(options=options, **common)
+        return pulp.COIN_CMD(options=options, warmStart=warm_start, **common)
     with warnings.catch_warnings():  # pulp 3.3 deprecates its bundled CBC, still shipped
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(options=options, **common)
+        return pulp.PULP_CBC_CMD(options=options, warmStart=warm_start, **common)
 
 
-def to_pulp(model: _Model) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+def _expression(variables: list[pulp.LpVariable], costs) -> pulp.LpAffineExpression:
+    return pulp.LpAffineExpression([(variables[i], c) for i, c in enumerate(costs) if c != 0])
+
+
+def to_pulp(
+    model: _Model,
+) -> tuple[pulp.LpProblem, list[pulp.LpVariable], list[pulp.LpConstraint]]:
     """The model as a pulp problem; zero-padded names keep pulp's name-sorted column order
-    equal to ours."""
+    equal to ours. **Returns:** (problem, its variables, its rows), in the model's order."""
     problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
     width = len(str(len(model.cost)))
     variables = [
@@ -195,31 +348,72 @@ def to_pulp(model: _Model) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
                              pulp.LpBinary if b else pulp.LpContinuous)
         for i, b in enumerate(model.binary)
     ]
-    problem.setObjective(pulp.LpAffineExpression(
-        [(variables[i], c) for i, c in enumerate(model.cost) if c != 0]))
+    problem.setObjective(_expression(variables, model.cost))
     width = len(str(len(model.rows)))
+    rows = []
     for r, (columns, coefficients, sense, rhs) in enumerate(model.rows):
         terms = pulp.LpAffineExpression([(variables[c], a) for c, a in zip(columns, coefficients)])
-        problem.addConstraint(pulp.LpConstraint(terms, sense, f"c{r:0{width}d}", rhs))
-    return problem, variables
+        rows.append(pulp.LpConstraint(terms, sense, f"c{r:0{width}d}", rhs))
+        problem.addConstraint(rows[-1])
+    return problem, variables, rows
 
 
-def run_pulp(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool):
+def with_cost_bound(model: _Model, built, bound: float, secondary: np.ndarray) -> None:
+    """Turn the pulp problem `built` of `model` into the tie-break problem: the row
+    cost . x <= bound is added and `secondary` (per column) becomes the objective."""
+    problem, variables, _ = built
+    problem.addConstraint(
+        pulp.LpConstraint(_expression(variables, model.cost), _LE, "cost_bound", bound))
+    problem.setObjective(_expression(variables, secondary))
+
+
+def run_pulp(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool,
+             start: np.ndarray | None = None, gap_rel: float = MIP_RELATIVE_GAP):
     """Solve a model built by `to_pulp` (None: a model without columns).
+
+    `start`: a feasible solution to start from (one value per column); `gap_rel`: the
+    relative MIP gap (the absolute one is `MIP_ABSOLUTE_GAP`).
 
     **Returns:** (column values or None, status), status one of "optimal", "time_limit",
     "infeasible", "no_solution".
     """
     if built is None:
         return np.zeros(0), "optimal"
-    problem, variables = built
-    problem.solve(_pulp_solver(solver, time_limit, msg))
+    problem, variables, _ = built
+    if start is not None:
+        for variable, value in zip(variables, start):
+            variable.setInitialValue(float(value))
+    problem.solve(_pulp_solver(solver, time_limit, msg, start is not None, gap_rel))
     if problem.status == pulp.LpStatusInfeasible:
         return None, "infeasible"
     if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None, "no_solution"
     values = np.array([v.varValue if v.varValue is not None else 0.0 for v in variables])
     return values, "optimal" if problem.sol_status == pulp.LpSolutionOptimal else "time_limit"
+
+
+# HiGHS solves the LP relaxation for `lp_row_duals` by interior point without crossover:
+# it ends near the analytic centre of the optimal face, where the duals are strictly
+# complementary (every column that is 0 on the whole face has a positive reduced cost), so
+# reduced-cost fixing keeps little more than the face; a simplex vertex's duals are
+# degenerate and keep far more (gpt_2x4 golden case, 93 nodes: 95 strategies kept, 2 nodes
+# left with a choice, against 1,114 strategies and all 93 nodes with dual simplex).
+# Presolve off: its postsolve gives the removed columns vertex-like duals (295 kept, 10).
+_HIGHS_LP_OPTIONS = dict(solver="ipm", run_crossover="off", presolve="off")
+
+
+def lp_row_duals(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool):
+    """Row duals of the LP relaxation of a model built by `to_pulp`, in row order; None
+    when the LP was not solved to optimality."""
+    problem, _, rows = built
+    options = _HIGHS_LP_OPTIONS if solver == "highs" else {}
+    problem.solve(
+        _pulp_solver(solver, time_limit, msg, False, MIP_RELATIVE_GAP, mip=False, **options)
+    )
+    if problem.sol_status != pulp.LpSolutionOptimal:
+        return None
+    duals = [row.pi for row in rows]
+    return None if None in duals else np.array(duals, float)
 
 
 def node_choices(model: _Model, values: np.ndarray) -> dict[int, int]:

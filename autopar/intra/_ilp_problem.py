@@ -82,6 +82,11 @@ class SolveStats:
     (one binary per node strategy, one variable per strategy pair of every edge);
     `num_variables` and `num_constraints` are those of the ILP actually solved, after
     merging, pruning and elimination. `num_ilp_nodes` is the nodes left in that ILP.
+    `solve_time` covers both solves: the least cost, then the tie-break among equal-cost
+    plans (`tie_break_time` of it). `tie_break` is "canonical" (the plan is the unique
+    canonical one among equal-cost optima, whatever the solver), "skipped" (the first
+    solve stopped at its time limit) or "incomplete" (the tie-break stopped at the time
+    limit; the plan is of optimal cost but another solver might pick another such plan).
     """
 
     num_nodes: int
@@ -94,6 +99,8 @@ class SolveStats:
     solve_time: float
     solver: str
     formulation: str
+    tie_break: str = "canonical"
+    tie_break_time: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,6 @@ class CostGraph:
             if v < w
         ]
 
-    def local_cost(self, v: int, choice: Mapping[int, int]) -> np.ndarray:
-        """Cost per strategy of v with all its neighbours fixed to `choice`."""
-        cost = self.node_cost[v]
-        for w, matrix in sorted(self.adjacent[v].items()):
-            cost = cost + matrix[:, choice[w]]
-        return cost
-
 
 @dataclass(frozen=True, eq=False)
 class MemoryGroup:
@@ -301,6 +294,23 @@ class Reduction:
         choice = {**ilp_choice, **{v: 0 for v in self.fixed}}
         _back_substitute(self.eliminated, choice)
         return {v: int(self.kept[v][k]) for v, k in choice.items()}
+
+
+def restrict_strategies(
+    graph: CostGraph, groups: list[MemoryGroup], budget: float | None,
+    keep: Mapping[int, np.ndarray],
+) -> tuple[CostGraph, list[MemoryGroup]]:
+    """`graph` and its memory `groups` with only the strategies `keep[v]` (ascending
+    indices) of every node v, nodes left with one strategy folded into their neighbours
+    (their own cost, a constant, dropped). `graph` is left unchanged."""
+    restricted = graph.copy()
+    for v, k in keep.items():
+        if len(k) < len(restricted.node_cost[v]):
+            restricted.restrict(v, k)
+    if groups:
+        groups = _restrict_groups(groups, keep, budget)
+    _fix_single_strategy_nodes(restricted)
+    return restricted, groups
 
 
 def reduce_graph(graph: CostGraph, groups: list[MemoryGroup], budget: float | None) -> Reduction:

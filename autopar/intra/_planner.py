@@ -70,6 +70,7 @@ def plan_on_mesh(
         num_variables_before_merge=solution.stats.num_variables_before_merge,
         num_variables=solution.stats.num_variables,
         solver=solution.stats.solver,
+        tie_break=solution.stats.tie_break,
     )
     if footprint is not None:
         stats.update(
@@ -77,7 +78,24 @@ def plan_on_mesh(
             least_footprint=least_footprint(built.problem),
         )
     object.__setattr__(plan, "stats", stats)
+    object.__setattr__(plan, "warnings", plan.warnings + _solve_warnings(solution, mesh, options))
     return plan
+
+
+def _solve_warnings(solution, mesh: LogicalMesh, options: ShardOptions) -> tuple[str, ...]:
+    """What the user should know about how the ILP solve ended."""
+    where = f"the sharding ILP on mesh {tuple(mesh.shape)}"
+    limit = f"{options.time_limit:g} s time limit"
+    fix = "raise the ILP time limit (ilp_time_limit, or ShardOptions.time_limit)"
+    if solution.status == "time_limit":
+        return (f"{where} stopped at its {limit}; the plan may not be optimal: {fix}",)
+    if solution.stats.tie_break == "incomplete":
+        return (
+            f"{where} found an optimal plan but its tie-break among equal-cost plans stopped "
+            f"at the {limit}; another solver or version may pick another plan of the same "
+            f"cost: {fix}",
+        )
+    return ()
 
 
 def plan_sharding(
