@@ -1,4 +1,10 @@
-"""Reports: text views of a Plan (explain, diff), pictures (layout, pipeline Gantt charts)."""
+"""Reports: what a plan means, for people.
+
+In: `Plan`s (and, for pictures and measured timelines, the graph they run or the runtime's
+task records). Out: text (`explain`, `diff_plans`, `compare` side by side from the same
+cost model), pictures (`plot_layout`: which device holds which shard; `gantt`: simulated
+or measured pipeline schedules) and host-level summaries.
+"""
 
 from autopar.report._compare import compare, pipeline_bubble, plan_figures
 from autopar.report._explain import diff_plans, explain
