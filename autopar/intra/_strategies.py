@@ -96,9 +96,20 @@ def node_strategies(
     in_vars = [graph.vars[v] for v in node.inputs]
     out_vars = [graph.vars[v] for v in node.outputs]
     mesh = ctx.mesh
-    assignments = enumerate_assignments(
-        sig, [v.shape for v in in_vars], [v.shape for v in out_vars], mesh
-    )
+    # Constants are used whole on every device (their spec is None), so a mesh axis given
+    # to a label that only constants carry would split nothing: the strategy would claim
+    # divided work and a reduction of partial results that no device computes (and over
+    # axes that no spec names, so its reduce-scatter variant would count them twice, as
+    # spare axes too). Such labels stay unsplit, e.g. the position index of a rotary
+    # sin/cos table gathered by position ids.
+    carried = _carried_labels(sig, in_vars)
+    assignments = [
+        assignment
+        for assignment in enumerate_assignments(
+            sig, [v.shape for v in in_vars], [v.shape for v in out_vars], mesh
+        )
+        if carried.issuperset(assignment)
+    ]
     strategies = []
     for assignment in assignments:
         in_specs = tuple(
@@ -143,6 +154,19 @@ def node_strategies(
                 )
             )
     return _dedupe(strategies)
+
+
+def _carried_labels(sig: Signature, in_vars) -> set[str]:
+    """Labels of some non-constant operand or some result: those a split can act on."""
+    carried = {
+        label
+        for labels, var in zip(sig.inputs, in_vars)
+        if var.role is not Role.CONST
+        for label in labels or ()
+    }
+    carried.update(label for labels in sig.outputs for label in labels)
+    carried.discard(None)
+    return carried
 
 
 def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
