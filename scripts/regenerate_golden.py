@@ -83,8 +83,9 @@ class GoldenCase:
 GOLDEN_CASES = tuple(GoldenCase(m, s) for m in GOLDEN_MODELS for s in MESH_SHAPES)
 
 
-def golden_plan(case: GoldenCase) -> dict:
-    """Plan `case` and return its golden record (see the module docstring)."""
+def golden_plan(case: GoldenCase, solver: str = "auto") -> dict:
+    """Plan `case` with the MILP `solver` (never from the plan cache) and return its golden
+    record (see the module docstring)."""
     import optax
 
     from autopar.app._examples import LEARNING_RATE, load_example
@@ -102,6 +103,8 @@ def golden_plan(case: GoldenCase) -> dict:
         cluster=Cluster.from_profile(PROFILE),
         method=METHOD,
         mesh_shape=case.mesh_shape,
+        solver=solver,
+        cache=False,
     )
     assert result.num_stages == 1, f"method {METHOD!r} gave {result.num_stages} stages"
     return {

@@ -10,7 +10,6 @@ import autopar.intra._planner as planner
 from autopar.intra import ShardOptions
 from autopar.intra._ilp import Solution, SolveStats
 from autopar.intra._ilp_model import resolve_solver
-
 from scripts.regenerate_golden import (
     GOLDEN_CASES,
     GOLDEN_DIR,
@@ -47,17 +46,13 @@ SLOW_WITH_CBC = {"gpt_2x4", "moe_2x4", "wide_resnet_2x4"}
      for c in GOLDEN_CASES],
     ids=lambda case: case.name,
 )
-def test_other_solver_gives_the_golden_plan(case, monkeypatch):
+def test_other_solver_gives_the_golden_plan(case):
     """Equal-cost plans are common (a matrix split along either of two equal dimensions);
     the ILP picks the canonical one, so HiGHS and CBC give the same plan."""
     if resolve_solver("auto") != "highs":
         pytest.skip("highspy is not installed: the golden files were checked with CBC above")
     other = "cbc"  # solver="auto" (the golden files and the test above) uses HiGHS
-    solve = planner.solve
-    monkeypatch.setattr(
-        planner, "solve", lambda problem, **kw: solve(problem, **{**kw, "solver": other})
-    )
-    differences = diff_records(json.loads(case.path.read_text()), golden_plan(case))
+    differences = diff_records(json.loads(case.path.read_text()), golden_plan(case, other))
     assert not differences, (
         f"with solver={other!r} the plan of {case.name} differs from {case.path.name} in "
         f"{len(differences)} place(s):\n  " + "\n  ".join(differences)
@@ -67,10 +62,11 @@ def test_other_solver_gives_the_golden_plan(case, monkeypatch):
 def test_time_limit_becomes_a_plan_warning(monkeypatch):
     """A solve stopped by its time limit (forced here: a real one is not repeatable) is
     named in the plan's warnings."""
-    from autopar._examples import LEARNING_RATE, load_example
-    from autopar._planning import plan
-    from autopar.cluster import Cluster
     import optax
+
+    from autopar.app._examples import LEARNING_RATE, load_example
+    from autopar.cluster import Cluster
+    from autopar.search import plan
 
     run_pulp = ilp.run_pulp
 

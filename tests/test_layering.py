@@ -66,5 +66,7 @@ def test_no_part_imports_a_later_one():
 def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     module = tmp_path / "autopar" / "plan" / "_probe.py"
     module.parent.mkdir(parents=True)
-    module.write_text("def f():\n    from autopar.report import explain\n    from .. import lower\n")
+    module.write_text(
+        "def f():\n    from autopar.report import explain\n    from .. import lower\n"
+    )
     assert imported_parts(module, tmp_path / "autopar") == {"report", "lower"}

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import autopar
-from autopar._examples import named_model
+from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
 from autopar.cost import collective_time
 from autopar.graph import Role, trace

@@ -14,7 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from autopar.choices import METHODS, SCHEDULES, Method, Schedule, check_choice
+from autopar.choices import (
+    METHODS,
+    SCHEDULES,
+    SOLVERS,
+    Method,
+    Schedule,
+    SolverName,
+    check_choice,
+)
 from autopar.cluster import Cluster
 from autopar.cost import memory_budget
 
@@ -35,7 +43,9 @@ class PlanOptions:
     - `mesh_shape`: fix the logical mesh shape of a one-mesh plan, e.g. (2, 4).
     - `donate_argnums`: arguments whose buffers the step may reuse (the state);
       `batch_argnums`: arguments holding the batch.
-    - `ilp_time_limit`: seconds for one sharding ILP solve.
+    - `ilp_time_limit`: seconds for one sharding ILP solve; `solver`: its MILP solver,
+      "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not depend
+      on it: ties between equal-cost plans are broken canonically.
     - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe" or
       "1f1b"; `num_stages`, `submeshes` ((hosts, devices per host) pairs a stage may use)
       and `logical_shapes` fix parts of the pipeline search (method "auto").
@@ -48,6 +58,7 @@ class PlanOptions:
     donate_argnums: tuple[int, ...] = (0,)
     batch_argnums: tuple[int, ...] = (1,)
     ilp_time_limit: float = 60.0
+    solver: SolverName = "auto"
     num_microbatches: int | Literal["auto"] = "auto"
     schedule: Schedule = "1f1b"
     num_stages: int | None = None
@@ -67,6 +78,7 @@ class PlanOptions:
             object.__setattr__(self, name, tuples(getattr(self, name), depth))
         check_choice("method", self.method, METHODS)
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("solver", self.solver, SOLVERS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

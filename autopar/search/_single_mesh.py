@@ -22,7 +22,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
     """The single-mesh planner's options, with the memory budget resolved for `cluster`."""
     return ShardOptions(
         method=method, memory_budget=options.memory_budget_for(cluster),
-        time_limit=options.ilp_time_limit,
+        time_limit=options.ilp_time_limit, solver=options.solver,
     )
 
 
