@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from autopar.graph import OpGraph, Role
+from autopar.graph import OpGraph, Role, abstract_args
 from autopar.inter import assign_layers, partition
 from autopar.lower import lower_sharding_plan
 from autopar.plan import Plan
@@ -86,6 +86,7 @@ class AutoParallel:
         fixed_plan = fixed_plan or self._fixed_plan
         if fixed_plan is not None:
             plan = fixed_plan
+            check_arguments_fit(plan, *abstract_args(self._fn, args))
             graph = graph_for_plan(self._fn, args, plan, options)
         else:
             cluster = _cluster(self._cluster_arg)
@@ -131,6 +132,7 @@ class AutoParallel:
         return out, getattr(self, "pipeline", None) and self.pipeline.timeline
 
     def __call__(self, *args: Any, _record: bool = False) -> Any:
+        abstract_args(self._fn, args)  # every leaf an array: a TypeError naming it, else
         leaves, treedef = jax.tree.flatten(args)
         key = self._key(leaves, treedef)
         compiled = self._compiled.get(key)
@@ -159,6 +161,35 @@ class AutoParallel:
             ]
             out = compiled.fn(*placed)
         return jax.tree.unflatten(compiled.graph.out_tree, out)
+
+
+def check_arguments_fit(plan: Plan, leaves, paths) -> None:
+    """Raise a ValueError naming the leaves whose path, shape or dtype differ from what
+    `plan` was made for, before anything is traced, compiled or donated. Batch leaves are
+    compared without their leading (batch) dimension: a pipelined plan records them at one
+    microbatch."""
+    given = {p: x for p, x in zip(paths, leaves)}
+    planned = {i.path: i for i in plan.inputs}
+    problems = [f"'{p}' is not an input of the plan" for p in given if p not in planned]
+    for path, info in planned.items():
+        x = given.get(path)
+        if x is None:
+            problems.append(f"'{path}' is missing (the plan has it)")
+            continue
+        shape, want = tuple(x.shape), tuple(info.shape)
+        if info.role == "batch":
+            shape, want = shape[1:], want[1:]
+        if shape != want or str(x.dtype) != info.dtype:
+            problems.append(
+                f"'{path}' is {x.dtype}{list(x.shape)}, the plan has {info.dtype}{list(info.shape)}"
+            )
+    if problems:
+        shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+        raise ValueError(
+            f"the arguments differ from those the plan was made for (a different program): "
+            f"{shown}. Plan again for these arguments (drop plan=...), or pass the arguments "
+            "the plan was saved for"
+        )
 
 
 def _named(mesh, spec, var):

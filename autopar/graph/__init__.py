@@ -8,13 +8,14 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._state import tied_state
-from autopar.graph._trace import trace
+from autopar.graph._trace import abstract_args, trace
 
 __all__ = [
     "Node",
     "OpGraph",
     "Role",
     "Var",
+    "abstract_args",
     "grad",
     "layer_boundary",
     "marking_layers",

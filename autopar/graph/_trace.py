@@ -161,6 +161,14 @@ def _arg_names(fn: Callable, num_args: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(num_args)]
 
 
+def abstract_args(fn: Callable, args: tuple) -> tuple[list[jax.ShapeDtypeStruct], list[str]]:
+    """Every leaf of `args` as a `jax.ShapeDtypeStruct`, with its path (as `trace` names
+    it). Raises a TypeError naming the leaf that is not an array, a Python scalar or a
+    `ShapeDtypeStruct`; reads nothing of the arrays but their shapes and dtypes."""
+    leaves, paths, _ = _flatten_args(args, _arg_names(fn, len(args)))
+    return [_abstractify(x, p) for x, p in zip(leaves, paths)], paths
+
+
 def _flatten_args(args: tuple, arg_names: list[str]) -> tuple[list, list[str], Any]:
     """Leaves of `args`, their paths (see the module docstring) and the tree."""
     with_path, in_tree = jax.tree_util.tree_flatten_with_path(args)
@@ -190,7 +198,7 @@ def _abstractify(x: Any, path: str) -> jax.ShapeDtypeStruct:
             np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))
         )
     raise TypeError(
-        f"trace: the argument leaf at '{path}' is a {type(x).__name__}, not an array; every "
+        f"the argument leaf at '{path}' is a {type(x).__name__}, not an array; every "
         "leaf must be an array, a Python scalar or a jax.ShapeDtypeStruct. Close over "
         "non-array settings instead (e.g. functools.partial(fn, cfg=cfg)) or register the "
         "containing class as a pytree with that field static."

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -87,6 +88,18 @@ class PlanOptions:
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"
+            )
+
+    def check_cluster(self, cluster: Cluster) -> None:
+        """Raise a ValueError naming the fix when an option cannot hold on `cluster`."""
+        if self.mesh_shape is not None and math.prod(self.mesh_shape) != cluster.num_devices:
+            n = cluster.num_devices
+            fitting = [(a, n // a) for a in range(1, n + 1) if n % a == 0]
+            raise ValueError(
+                f"mesh_shape {self.mesh_shape} needs {math.prod(self.mesh_shape)} devices but "
+                f"the cluster has {n}; pass a shape whose product is {n}, e.g. (" + str(n) +
+                ",) or one of " + ", ".join(map(str, fitting)) + ", or mesh_shape=None to "
+                "let the planner choose"
             )
 
     def memory_budget_for(self, cluster: Cluster) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 from autopar.graph import OpGraph, tied_state, trace
@@ -32,6 +33,13 @@ NO_BOUNDARY_WARNING = (
 )
 
 
+MESH_SHAPE_WARNING = (
+    "mesh_shape={} applies to one-mesh plans and method='auto' searches pipeline stages, "
+    "whose meshes it does not fix: pass logical_shapes=[...] to fix the stage mesh shapes, "
+    "or method='shard' for one mesh of that shape"
+)
+
+
 @dataclass(frozen=True)
 class _Candidate:
     choice: PipelineChoice
@@ -41,20 +49,34 @@ class _Candidate:
 
 def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict):
     """The plan for `fn(*args)` and the graph it runs (see the module docstring)."""
+    options.check_cluster(cluster)
     if options.method != "auto":
         return _one_mesh(graph, cluster, options, timings), graph
     has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
+    if not has_boundary and options.num_microbatches not in ("auto", 1):
+        raise ValueError(
+            f"num_microbatches={options.num_microbatches} needs the step's gradient boundary, "
+            "and this step computes its gradients with something autopar cannot see (e.g. "
+            "jax.value_and_grad); compute them with autopar.value_and_grad or autopar.grad "
+            "(the same functions on one device), or drop num_microbatches"
+        )
     if not has_boundary or cluster.num_devices == 1:
         plan = _one_mesh(graph, cluster, options, timings)
         if cluster.num_devices > 1:
             plan = dataclasses.replace(plan, warnings=(*plan.warnings, NO_BOUNDARY_WARNING))
         return plan, graph
+    if options.mesh_shape is not None:
+        warnings.warn(MESH_SHAPE_WARNING.format(options.mesh_shape), stacklevel=4)
     has_marks = any(n.primitive == "layer_boundary" for n in graph.nodes)
     num_auto_layers = None if has_marks else options.num_layers
     candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
                                 num_auto_layers, timings)
     best = _pick(candidates)
-    return _pipeline_plan(best, cluster, options, num_auto_layers, timings), best.graph
+    plan = _pipeline_plan(best, cluster, options, num_auto_layers, timings)
+    if options.mesh_shape is not None:
+        warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
+        plan = dataclasses.replace(plan, warnings=(*plan.warnings, warning))
+    return plan, best.graph
 
 
 def _one_mesh(graph, cluster, options, timings) -> Plan:

@@ -13,6 +13,7 @@ from autopar.graph import OpGraph, tied_state
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_sharding
 from autopar.plan import Plan, Stage, input_infos
+from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions
 
 log = logging.getLogger("autopar")
@@ -29,6 +30,8 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
 def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
     """Search operator parallelism for a traced graph on one mesh of the whole cluster."""
     method = "shard" if options.method == "auto" else options.method
+    if method in ("data", "zero2", "zero3"):
+        _check_data_parallel_batch(graph, cluster.num_devices, method)
     start = time.perf_counter()
     sharding = plan_sharding(
         graph, cluster, options=shard_options(options, cluster, method),
@@ -45,3 +48,14 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
         warnings=tuple(sharding.warnings),
         timings={"intra_op_ilp": seconds},
     )
+
+
+def _check_data_parallel_batch(graph: OpGraph, num_devices: int, method: str) -> None:
+    """The data-parallel methods split the batch over every device: its rows must divide."""
+    rows = batch_size(graph)
+    if rows is not None and rows % num_devices:
+        raise ValueError(
+            f"method={method!r} splits the batch over all {num_devices} devices, but the batch "
+            f"has {rows} rows; use a batch size divisible by {num_devices}, or method='shard' "
+            "or 'auto' (which may split other dimensions instead)"
+        )
