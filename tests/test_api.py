@@ -82,7 +82,7 @@ def test_shardings_eject_into_a_plain_jit():
     step, state, batch = _setup()
     par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
     expected, _ = par(state, batch)
-    by_path = par.plan.shardings()
+    by_path = par.plan.shardings_by_path()
     paths = [i.path for i in par.plan.inputs]
     shardings = [by_path[p] for p in paths]
     leaves, tree = jax.tree.flatten((state, batch))
@@ -90,6 +90,39 @@ def test_shardings_eject_into_a_plain_jit():
     out, _ = jax.jit(step)(*jax.tree.unflatten(tree, placed))
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_shardings_are_pytrees_shaped_like_the_arguments():
+    step, state, batch = _setup()
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", donate_argnums=())
+    expected, _ = par(state, batch)
+    in_sh = par.plan.shardings(like=(state, batch))
+    assert jax.tree.structure(in_sh) == jax.tree.structure((state, batch))
+    assert jax.tree.structure(par.shardings()) == jax.tree.structure((state, batch))
+    placed = jax.device_put((state, batch), in_sh)
+    for x, s in zip(jax.tree.leaves(placed), jax.tree.leaves(in_sh)):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+    out, _ = jax.jit(step, in_shardings=in_sh)(*placed)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    with pytest.raises(TypeError, match=r"pass like=\(state, batch\)"):
+        par.plan.shardings()
+
+
+def test_pipeline_shardings_put_each_leaf_on_its_stage():
+    cfg = mlp.MLPConfig(in_dim=16, hidden=32, out_dim=8, num_layers=4, layer_markers=True)
+    state = mlp.abstract_state(cfg, OPT)
+    batch = mlp.abstract_batch(cfg, 16)
+    plan = autopar.plan(
+        mlp.make_train_step(cfg, OPT), state, batch, cluster=_cluster(), cache=False,
+        num_stages=2, num_microbatches=2, submeshes=[(1, 4)], logical_shapes=[(4,)],
+    )
+    in_sh = plan.shardings(like=(state, batch))
+    by_path = {i.path: i for i in plan.inputs}
+    meshes = {tuple(sorted(d.id for d in s.device_set)) for s in jax.tree.leaves(in_sh)}
+    assert len(meshes) == 2, "leaves sit on both stages' devices"
+    assert all(s.mesh.devices.size == 4 for s in jax.tree.leaves(in_sh))
+    assert set(by_path) and {i.stage for i in by_path.values()} == {0, 1}
 
 
 def _count_solves(monkeypatch):

@@ -123,6 +123,16 @@ class AutoParallel:
             in_shardings.append(_named(mesh, spec, graph.vars[v]))
         return _Compiled(graph, plan, executable, in_shardings, None)
 
+    def shardings(self, devices=None) -> tuple:
+        """`plan.shardings` shaped like the arguments of the last call: one pytree of
+        `NamedSharding` per positional argument, for `jax.jit(in_shardings=...)`,
+        `jax.device_put` or a checkpoint restore target."""
+        graph = self.graph
+        like = jax.tree.unflatten(graph.in_tree, [
+            jax.ShapeDtypeStruct(graph.vars[v].shape, graph.vars[v].dtype) for v in graph.invars
+        ])
+        return self.plan.shardings(like=like, devices=devices)
+
     def record_timeline(self, *args: Any):
         """Run one step recording every pipeline task's start and end (seconds).
 

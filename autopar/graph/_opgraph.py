@@ -107,6 +107,8 @@ class OpGraph:
     in_tree: Any = None
     out_tree: Any = None
     name: str = "fn"
+    # The step's positional parameter names, which the input paths are named after.
+    arg_names: tuple[str, ...] = ()
 
     # ---- queries -----------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ def trace(
         in_tree=in_tree,
         out_tree=jax.tree.structure(out_shape),
         name=name or getattr(fn, "__name__", None) or "fn",
+        arg_names=tuple(arg_names),
     )
     _assign_roles(graph, paths, batch_argnums)
     return graph
@@ -161,11 +162,16 @@ def _arg_names(fn: Callable, num_args: int) -> list[str]:
     return [names[i] if i < len(names) else f"arg{i}" for i in range(num_args)]
 
 
-def abstract_args(fn: Callable, args: tuple) -> tuple[list[jax.ShapeDtypeStruct], list[str]]:
+def abstract_args(
+    fn: Callable | None, args: tuple, arg_names: Sequence[str] = ()
+) -> tuple[list[jax.ShapeDtypeStruct], list[str]]:
     """Every leaf of `args` as a `jax.ShapeDtypeStruct`, with its path (as `trace` names
-    it). Raises a TypeError naming the leaf that is not an array, a Python scalar or a
-    `ShapeDtypeStruct`; reads nothing of the arrays but their shapes and dtypes."""
-    leaves, paths, _ = _flatten_args(args, _arg_names(fn, len(args)))
+    it after `fn`'s parameters, or after `arg_names`). Raises a TypeError naming the leaf
+    that is not an array, a Python scalar or a `ShapeDtypeStruct`; reads nothing of the
+    arrays but their shapes and dtypes."""
+    names = list(arg_names) if fn is None else _arg_names(fn, len(args))
+    names += [f"arg{i}" for i in range(len(names), len(args))]
+    leaves, paths, _ = _flatten_args(args, names)
     return [_abstractify(x, p) for x, p in zip(leaves, paths)], paths
 
 

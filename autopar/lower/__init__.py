@@ -7,7 +7,7 @@ HLO (`count_collectives`).
 """
 
 from autopar.lower._hlo import count_collectives
-from autopar.lower._shardings import plan_shardings
+from autopar.lower._shardings import plan_shardings, shardings_by_path
 from autopar.lower._spmd import (
     constraint_hooks,
     jax_mesh,
@@ -25,5 +25,6 @@ __all__ = [
     "lower_segment",
     "lower_sharding_plan",
     "plan_shardings",
+    "shardings_by_path",
     "stack_spec",
 ]

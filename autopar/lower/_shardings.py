@@ -1,33 +1,66 @@
-"""A `Plan`'s inputs as `NamedSharding`s, for a hand-written `jax.jit` ("ejecting" a plan)."""
+"""A `Plan`'s inputs as `NamedSharding`s, for a hand-written `jax.jit` ("ejecting" a plan),
+`jax.device_put`, or a checkpoint restore target."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 from jax.sharding import NamedSharding
 
-from autopar.cluster._mesh import to_partition_spec
+from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.graph import abstract_args
 from autopar.lower._spmd import jax_mesh
 
 
-def plan_shardings(plan, devices: Sequence | None = None) -> dict[str, NamedSharding]:
-    """`NamedSharding` of every input of a one-stage plan, keyed by pytree path.
+def plan_shardings(plan, like: Sequence[Any], devices: Sequence | None = None) -> tuple:
+    """One pytree of `NamedSharding` per positional argument, shaped like `like`.
 
     **Arguments:**
-    - `plan`: an `autopar.Plan` with one stage.
+    - `plan`: an `autopar.Plan`; a multi-stage plan puts each leaf on the mesh of the stage
+      that holds it.
+    - `like`: the step's positional arguments (arrays or `jax.ShapeDtypeStruct`s), as a
+      tuple: their pytree structure is the result's.
     - `devices`: `devices[i]` is the plan's device `i`; default the local devices.
+
+    **Returns:** a tuple with one pytree per argument, usable as
+    ``jax.jit(step, in_shardings=...)`` and with ``jax.device_put``.
 
     **Example:**
 
     ```python
-    sh = autopar.lower.plan_shardings(plan)   # or plan.shardings()
-    state = jax.device_put(state, ...)        # place leaves with sh[path]
+    in_sh = plan.shardings(like=(state, batch))       # or autopar.lower.plan_shardings
+    state, batch = jax.device_put((state, batch), in_sh)
+    new_state, metrics = jax.jit(train_step, in_shardings=in_sh)(state, batch)
     ```
     """
-    if len(plan.stages) != 1:
-        raise ValueError(
-            "shardings() describes a one-stage plan; this plan has "
-            f"{len(plan.stages)} pipeline stages. Use stage.sharding per stage instead."
+    if not isinstance(like, (tuple, list)):
+        raise TypeError(
+            f"like must be the tuple of the step's positional arguments, got "
+            f"{type(like).__name__}; e.g. plan.shardings(like=(state, batch))"
         )
-    mesh = jax_mesh(plan.stages[0].mesh, devices)
-    return {i.path: NamedSharding(mesh, to_partition_spec(i.spec)) for i in plan.inputs}
+    like = tuple(like)
+    _, paths = abstract_args(None, like, plan.arg_names or ("state", "batch"))
+    by_path = shardings_by_path(plan, devices)
+    missing = [p for p in paths if p not in by_path]
+    if missing:
+        raise ValueError(
+            f"the plan has no input at {', '.join(missing[:5])}: these arguments are not the "
+            "ones the plan was made for; pass those, or plan again for these"
+        )
+    treedef = jax.tree.structure(like)
+    return tuple(jax.tree.unflatten(treedef, [by_path[p] for p in paths]))
+
+
+def shardings_by_path(plan, devices: Sequence | None = None) -> dict[str, NamedSharding]:
+    """`NamedSharding` of every input, keyed by its pytree path (the paths `explain`
+    prints); each on the mesh of the stage holding it."""
+    meshes = [jax_mesh(stage.mesh, devices) for stage in plan.stages]
+    return {
+        i.path: NamedSharding(
+            meshes[i.stage], to_partition_spec(i.spec or replicated(len(i.shape)))
+        )
+        for i in plan.inputs
+    }
+

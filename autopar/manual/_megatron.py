@@ -152,6 +152,7 @@ def megatron_plan_for_graph(
         warnings=tuple(dict.fromkeys(w for s in stages for w in s.sharding.warnings)),
         timings=timings,
         runtime="pipeline" if pipelined else "spmd",
+        arg_names=graph.arg_names,
     )
 
 

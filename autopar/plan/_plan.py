@@ -94,6 +94,8 @@ class Plan:
     # "spmd": one jax.jit of the whole step; "pipeline": per-stage forward, backward and
     # update programs run by the pipeline runtime (microbatches, gradient accumulation)
     runtime: Runtime = "spmd"
+    # The step's positional parameter names, after which the input paths are named.
+    arg_names: tuple[str, ...] = ()
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -133,9 +135,23 @@ class Plan:
 
     # ---- use (conveniences over functions of later parts) -----------------------------
 
-    def shardings(self, devices=None) -> dict[str, object]:
-        """`autopar.lower.plan_shardings(self, devices)`."""
-        return _downstream("lower").plan_shardings(self, devices)
+    def shardings(self, like=None, devices=None) -> tuple:
+        """One pytree of `NamedSharding` per positional argument, shaped like `like` (the
+        step's arguments, or their `jax.ShapeDtypeStruct`s): `autopar.lower.plan_shardings`.
+        Usable as ``jax.jit(step, in_shardings=plan.shardings(like=(state, batch)))``."""
+        if like is None:
+            raise TypeError(
+                "plan.shardings() needs the arguments' pytree structure, which a plan does "
+                "not keep: pass like=(state, batch) (arrays or jax.ShapeDtypeStruct), or call "
+                "train_step.shardings() on the decorated step; plan.shardings_by_path() "
+                "gives them keyed by path"
+            )
+        return _downstream("lower").plan_shardings(self, like, devices)
+
+    def shardings_by_path(self, devices=None) -> dict[str, object]:
+        """`NamedSharding` of every input keyed by its pytree path
+        (`autopar.lower.shardings_by_path`)."""
+        return _downstream("lower").shardings_by_path(self, devices)
 
     def explain(self, detail: int = 1) -> str:
         """`autopar.report.explain(self, detail)`."""
@@ -162,6 +178,7 @@ class Plan:
             "warnings": list(self.warnings),
             "auto_layers": self.auto_layers,
             "runtime": self.runtime,
+            "arg_names": list(self.arg_names),
         }
         if timings:
             data["timings"] = self.timings
@@ -187,6 +204,7 @@ class Plan:
             timings=d.get("timings", {}),
             auto_layers=d.get("auto_layers"),
             runtime=d.get("runtime", "spmd"),
+            arg_names=tuple(d.get("arg_names", ())),
         )
 
     def save(self, path: str | Path, *, timings: bool = False) -> None:

@@ -161,4 +161,5 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings)
         timings=dict(timings),
         auto_layers=num_auto_layers,
         runtime="pipeline",
+        arg_names=best.graph.arg_names,
     )

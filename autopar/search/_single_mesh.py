@@ -47,6 +47,7 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
         graph_fingerprint=sharding.graph_fingerprint,
         warnings=tuple(sharding.warnings),
         timings={"intra_op_ilp": seconds},
+        arg_names=graph.arg_names,
     )
 
 
