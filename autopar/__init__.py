@@ -21,13 +21,14 @@ This module only re-exports. The parts form a line, each importing only parts be
     search     plan(): options, microbatches, the pipeline search, the plan cache
     manual     Megatron-LM style plans scored by the same cost model
     lower      Plan -> jax.jit with shardings
+    checkpoint save a state, restore it onto another plan's shardings (orbax)
     distributed  several processes: launch, arrays across processes, agreeing on a plan
     runtime    the pipeline runtime
     report     explain, diff, compare, pictures, Gantt charts
     app        autoparallel, the command line, the demo, the examples
 """
 
-from autopar import cost, distributed
+from autopar import checkpoint, cost, distributed
 from autopar._version import __version__
 from autopar.app import AutoParallel, autoparallel
 from autopar.cluster import Cluster, Link, LogicalMesh
@@ -53,6 +54,7 @@ __all__ = [
     "__version__",
     "autoparallel",
     "compare",
+    "checkpoint",
     "cost",
     "diff_plans",
     "distributed",
