@@ -21,8 +21,8 @@ This module only re-exports. The parts form a line, each importing only parts be
     search     plan(): options, microbatches, the pipeline search, the plan cache
     manual     Megatron-LM style plans scored by the same cost model
     lower      Plan -> jax.jit with shardings
-    checkpoint save a state, restore it onto another plan's shardings (orbax)
     distributed  several processes: launch, arrays across processes, agreeing on a plan
+    checkpoint save a state, restore it onto another plan's shardings (orbax)
     runtime    the pipeline runtime
     report     explain, diff, compare, pictures, Gantt charts
     app        autoparallel, the command line, the demo, the examples

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 ORDER = (
     "choices", "_version", "_progress",
     "graph", "cluster", "cost", "profile", "intra", "inter", "plan", "search", "manual",
-    "lower", "checkpoint", "distributed", "runtime", "report", "app",
+    "lower", "distributed", "checkpoint", "runtime", "report", "app",
 )
 
 

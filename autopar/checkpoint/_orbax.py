@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
+from autopar.distributed import place
 from autopar.graph import abstract_args
 from autopar.lower import shardings_by_path
 from autopar.plan import Plan
@@ -67,11 +69,27 @@ def restore(path: str | Path, like: Any, target: Any = None, argnum: int = 0) ->
             f"the plan has no state leaf at {', '.join(missing[:5])}: the target is not the "
             f"state (argument {argnum}) the plan was made for; pass that structure as target="
         )
-    restore_as = jax.tree.unflatten(jax.tree.structure(target), [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_path[p])
-        for a, p in zip(abstract, paths)
+    shardings = [by_path[p] for p in paths]
+    if all(s.is_fully_addressable for s in shardings):
+        restore_as = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(abstract, shardings)
+        ]
+        return _checkpointer().restore(Path(path).absolute(), _like(target, restore_as))
+    # Several processes, and leaves on devices of other processes (a pipelined plan's
+    # stages): orbax cannot build an array with no shard here, so every process reads each
+    # whole leaf onto one of its own devices and builds the global array from it.
+    # (Memory: one full leaf at a time per process, on the host.)
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    local = _checkpointer().restore(Path(path).absolute(), _like(target, [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here) for a in abstract
+    ]))
+    return _like(target, [
+        place(np.asarray(x), s) for x, s in zip(jax.tree.leaves(local), shardings)
     ])
-    return _checkpointer().restore(Path(path).absolute(), restore_as)
+
+
+def _like(target: Any, leaves: list) -> Any:
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
 def _plan_and_target(like: Any, target: Any, argnum: int) -> tuple[Plan, Any]:
