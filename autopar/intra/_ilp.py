@@ -40,6 +40,7 @@ The slow reference used by the tests is `autopar.intra._ilp_reference.solve_brut
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -79,6 +80,7 @@ from autopar.intra._ilp_problem import (
     resolve_followers,
 )
 from autopar.intra._ilp_reduce import (
+    CostGraph,
     MemoryGroup,
     binding_groups,
     merge_followers,
@@ -225,6 +227,7 @@ def solve(
         tie_break_time = time.perf_counter() - tie_start
     solve_time = time.perf_counter() - start
     choice = reduction.recover(ilp_choice)
+    _prefer_lower_indices(graph, groups, budget, choice)
     choices = tuple(int(strategy_of[v][choice[int(root[v])]]) for v in range(problem.num_nodes))
     stats = SolveStats(
         num_nodes=problem.num_nodes,
@@ -241,6 +244,36 @@ def solve(
         tie_break_time=tie_break_time,
     )
     return Solution(choices, evaluate(problem, choices), status, stats)
+
+
+def _prefer_lower_indices(
+    graph: CostGraph, groups: list[MemoryGroup], budget: float | None, choice: dict[int, int]
+) -> None:
+    """After the canonical solve: in node order, move each node of the merged graph to the
+    lowest strategy that costs no more with its neighbours fixed and keeps every memory
+    group within budget. The reduced graph the tie-break ILP sees has dropped strategies
+    that are never cheaper but need more memory (a replicated weight beside its equally
+    cheap sharded twin); this puts such nodes back on the lower index, deterministically
+    (a function of the canonical choice)."""
+    groups_of: dict[int, list[MemoryGroup]] = {}
+    for group in groups:
+        for v, _ in group.terms:
+            groups_of.setdefault(v, []).append(group)
+
+    def fits(v: int) -> bool:
+        return all(
+            group.constant + math.fsum(float(t[choice[w]]) for w, t in group.terms) <= budget
+            for group in groups_of.get(v, ())
+        )
+
+    for v in sorted(graph.node_cost):
+        local, current = graph.local_cost(v, choice), choice[v]
+        for k in range(current):
+            if local[k] <= local[current]:
+                choice[v] = k
+                if fits(v):
+                    break
+                choice[v] = current
 
 
 # Below this many seconds left of the time limit the tie-break solve is not started.

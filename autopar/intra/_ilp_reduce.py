@@ -76,6 +76,14 @@ class CostGraph:
         ]
 
 
+    def local_cost(self, v: int, choice: Mapping[int, int]) -> np.ndarray:
+        """Cost per strategy of v with all its neighbours fixed to `choice`."""
+        cost = self.node_cost[v]
+        for w, matrix in sorted(self.adjacent[v].items()):
+            cost = cost + matrix[:, choice[w]]
+        return cost
+
+
 @dataclass(frozen=True, eq=False)
 class MemoryGroup:
     """A memory group on merged nodes: constant + sum_v terms[v][s_v] bytes, terms >= 0."""
