@@ -8,7 +8,7 @@ these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time
-from autopar.cost._compute import bytes_per_device, compute_time
+from autopar.cost._compute import MATMUL_PRIMITIVES, bytes_per_device, compute_time, rate_dtype
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -27,11 +27,13 @@ from autopar.cost._pipeline import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MATMUL_PRIMITIVES",
     "LayerCost",
     "bubble_fraction",
     "in_flight_microbatches",
     "memory_budget",
     "pipeline_latency",
+    "rate_dtype",
     "stage_memory",
     "AlphaBetaTerms",
     "CollectiveKind",

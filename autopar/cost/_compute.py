@@ -33,6 +33,34 @@ def compute_time(
     return max(flops / cluster.flops(dtype), bytes_accessed / cluster.hbm_bandwidth)
 
 
+# Primitives that run on the matrix units: their rate is set by the operand dtypes.
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def rate_dtype(primitive: str, operand_dtypes: Sequence[Any], result_dtype: Any) -> str:
+    """The dtype whose peak FLOP/s an operator runs at.
+
+    A dot or convolution runs at the rate of its operands, not of its result: a bf16 x bf16
+    dot with ``preferred_element_type=float32`` accumulates in f32 on the bf16 tensor cores
+    (REFERENCES.md, "Compute on GPUs"), so it costs at the bf16 rate. Operands of different
+    widths are promoted to the widest (XLA converts the narrower one), so a bf16 x f32 dot
+    runs at the f32 rate. Every other operator uses its result dtype.
+
+    **Arguments:**
+    - `primitive`: the primitive name, e.g. ``"dot_general"``.
+    - `operand_dtypes`: the dtypes of the array operands (constants included).
+    - `result_dtype`: the dtype of the (first) result.
+
+    **Returns:** a dtype name, e.g. ``"bfloat16"``.
+
+    **Example:** ``rate_dtype("dot_general", ["bfloat16", "bfloat16"], "float32") ==
+    "bfloat16"``.
+    """
+    if primitive in MATMUL_PRIMITIVES and operand_dtypes:
+        return max((np.dtype(d) for d in operand_dtypes), key=lambda d: d.itemsize).name
+    return np.dtype(result_dtype).name
+
+
 def bytes_per_device(
     shape: Sequence[int], dtype: Any, spec: Spec, mesh: LogicalMesh
 ) -> float:

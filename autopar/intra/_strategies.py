@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
-from autopar.cost import bytes_per_device, collective_time, compute_time
+from autopar.cost import bytes_per_device, collective_time, compute_time, rate_dtype
 from autopar.graph import Node, OpGraph, Role
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
@@ -119,7 +119,7 @@ def node_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
-        dtype = out_vars[0].dtype if out_vars else "float32"
+        dtype = _rate_dtype(node, in_vars, out_vars)
         work = (node.flops / parallelism, in_bytes + out_bytes, dtype)
         compute = compute_time(work[0], work[1], ctx.cluster, dtype)
         name = _assignment_name(assignment)
@@ -273,7 +273,7 @@ def follow_strategies(
             for v, s in zip(in_vars, in_specs)
             if s is not None
         )
-        dtype = out_vars[0].dtype
+        dtype = _rate_dtype(node, in_vars, out_vars)
         compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
@@ -281,6 +281,12 @@ def follow_strategies(
         cache[spec] = strategy
         result.append(strategy)
     return result
+
+
+def _rate_dtype(node: Node, in_vars, out_vars) -> str:
+    """The dtype whose FLOP rate the node runs at (`autopar.cost.rate_dtype`)."""
+    result = out_vars[0].dtype if out_vars else "float32"
+    return rate_dtype(node.primitive, [v.dtype for v in in_vars], result)
 
 
 def _divisible(shape, spec: Spec, mesh: LogicalMesh) -> bool:
