@@ -1,12 +1,14 @@
 """Issue 14, "Predictions you can trust": the cost model against hand computation on the
 DGX profiles: dot precision, collectives over NIC rails, GEMM efficiency by shape, fusion."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.cost import rate_dtype
+from autopar.cost import collective_time, rate_dtype
 from autopar.graph import trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
@@ -54,3 +56,63 @@ def test_bf16_dot_with_f32_accumulation_costs_bf16_rate(a100):
     bf16_rate = a100.flops("bfloat16")
     assert _replicated(graph, dot, a100).compute_cost == pytest.approx(flops / bf16_rate)
     assert flops / a100.flops("float32") == pytest.approx(2 * flops / bf16_rate)
+
+
+# ---- 2. collectives over NIC rails ------------------------------------------------------
+
+
+def test_all_reduce_over_two_dgx_a100_hosts_is_hierarchical(a100):
+    cluster = a100.with_shape(2, 8)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    # NCCL on 2 DGX A100 (8 GPUs each, one 25 GB/s HDR NIC per GPU), S = 1 GiB:
+    #   reduce-scatter inside each host:  7/8 · 2**30 / 300e9  = 3.131 ms, 7 steps · 5 us
+    #   all-reduce across the 2 hosts of S/8 per GPU, each GPU on its own rail:
+    #                                     2·1/2 · 2**30/8 / 25e9 = 5.369 ms, 2 steps · 10 us
+    #   all-gather inside each host:      7/8 · 2**30 / 300e9  = 3.131 ms, 7 steps · 5 us
+    #   total 11.63 ms + 0.09 ms = 11.72 ms   (one ring at one NIC: 2·15/16·2**30/25e9 = 80.5 ms)
+    by_hand = 2 * (7 / 8 * GiB / 300e9 + 7 * 5e-6) + (GiB / 8 / 25e9 + 2 * 10e-6)
+    assert by_hand == pytest.approx(11.72e-3, rel=1e-3)
+    predicted = collective_time("all_reduce", GiB, cluster, mesh, "x")
+    assert predicted == pytest.approx(by_hand, rel=0.10)
+
+
+def test_hierarchical_reduce_scatter_plus_all_gather_is_all_reduce(a100):
+    cluster = a100.with_shape(4, 8)
+    mesh = LogicalMesh.create((32,), axis_names=("x",))
+    parts = sum(
+        collective_time(k, GiB, cluster, mesh, "x") for k in ("reduce_scatter", "all_gather")
+    )
+    assert parts == pytest.approx(collective_time("all_reduce", GiB, cluster, mesh, "x"))
+
+
+def test_dgx_h100_rails(a100):
+    h100 = Cluster.from_profile("dgx-h100", num_hosts=2)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    # as above with NVLink 4 (450 GB/s) and NDR (50 GB/s per rail)
+    by_hand = 2 * (7 / 8 * GiB / 450e9 + 7 * 5e-6) + (GiB / 8 / 50e9 + 2 * 10e-6)
+    assert collective_time("all_reduce", GiB, h100, mesh, "x") == pytest.approx(by_hand)
+
+
+def test_profile_without_rails_keeps_per_device_network(a100):
+    """No `nics_per_host`: `inter_host.bandwidth` is each device's share, as before."""
+    plain = dataclasses.replace(a100, nics_per_host=None).with_shape(8, 8)
+    assert plain.network_link() == plain.inter_host
+    mesh = LogicalMesh.create((8,), [host * 8 for host in range(8)], ("x",))
+    expected = 2 * 7 / 8 * GiB / 25e9 + 2 * 7 * 10e-6
+    assert collective_time("all_reduce", GiB, plain, mesh, "x") == pytest.approx(expected)
+
+
+def test_one_nic_per_host_is_shared():
+    """p3.16xlarge: one 3.125 GB/s NIC for 8 GPUs; the cross-host level of 2 hosts moves
+    S/8 per GPU at 3.125/8 GB/s, i.e. S at 3.125 GB/s per host."""
+    v100 = Cluster.from_profile("p3.16xlarge-v100", num_hosts=2)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    by_hand = 2 * (7 / 8 * GiB / 150e9 + 7 * 5e-6) + (GiB / 8 / (3.125e9 / 8) + 2 * 50e-6)
+    assert collective_time("all_reduce", GiB, v100, mesh, "x") == pytest.approx(by_hand)
+
+
+def test_nics_per_host_round_trips_and_is_checked(a100, tmp_path):
+    assert Cluster.from_json(a100.to_json()) == a100
+    data = {**a100.to_json(), "nics_per_host": 0}
+    with pytest.raises(ValueError, match="nics_per_host must be an integer >= 1"):
+        Cluster.from_json(data)

@@ -77,7 +77,11 @@ class Cluster:
     - `peak_flops`: FLOP/s per device by dtype name (``"float32"`` is required).
     - `matmul_efficiency`: the fraction of peak a large matmul achieves, in (0, 1].
     - `hbm_bandwidth`: device memory bandwidth in bytes/s.
-    - `intra_host`, `inter_host`: the `Link` inside a host and between hosts.
+    - `intra_host`, `inter_host`: the `Link` inside a host and between hosts. With
+      `nics_per_host` set, `inter_host.bandwidth` is one NIC's (one rail's); without it,
+      each device's share of the network with every device communicating at once.
+    - `nics_per_host`: network ports (rails) per host, e.g. 8 on a DGX A100 or H100 (one
+      per GPU); None for a profile without rail information. See `network_link`.
 
     **Example:**
     ```python
@@ -97,6 +101,7 @@ class Cluster:
     hbm_bandwidth: float
     intra_host: Link
     inter_host: Link
+    nics_per_host: int | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -142,8 +147,25 @@ class Cluster:
         peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
         return peak * self.matmul_efficiency
 
+    def network_link(self) -> Link:
+        """Each device's link to other hosts when every device of its host talks at once.
+
+        With `nics_per_host` = r: the host's r rails shared by its devices, each device
+        using at most one rail (NCCL binds a GPU to its nearest NIC),
+        ``inter_host.bandwidth · min(r, devices_per_host) / devices_per_host``. Without it:
+        `inter_host` as given (the documented default: its bandwidth is already per device).
+
+        **Example:** DGX A100, 8 rails of 25 GB/s for 8 GPUs: 25 GB/s per GPU; a host with
+        one 3.125 GB/s NIC for 8 GPUs: 0.39 GB/s per GPU.
+        """
+        if self.nics_per_host is None:
+            return self.inter_host
+        share = min(self.nics_per_host, self.devices_per_host) / self.devices_per_host
+        return Link(self.inter_host.bandwidth * share, self.inter_host.latency)
+
     def to_json(self) -> dict:
         """A JSON-ready dict in the profile schema (``cost_profiles/README.md``)."""
+        optional = {} if self.nics_per_host is None else {"nics_per_host": self.nics_per_host}
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -155,6 +177,7 @@ class Cluster:
             "hbm_bandwidth": self.hbm_bandwidth,
             "intra_host": self.intra_host.to_json(),
             "inter_host": self.inter_host.to_json(),
+            **optional,
         }
 
     @staticmethod
@@ -331,6 +354,7 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             hbm_bandwidth=read.number("hbm_bandwidth"),
             intra_host=read.link("intra_host"),
             inter_host=read.link("inter_host"),
+            nics_per_host=read.field("nics_per_host", int) if "nics_per_host" in data else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -393,6 +417,7 @@ _FIELD_HELP = {
     "hbm_bandwidth": "a number: device memory bandwidth in bytes/s",
     "intra_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
+    "nics_per_host": "an integer: network ports (rails) per host",
 }
 
 
@@ -411,6 +436,9 @@ def _check_cluster(cluster: Cluster) -> None:
     for name in ("device_memory", "hbm_bandwidth"):
         if not getattr(cluster, name) > 0:
             problems.append(f"{name} must be > 0, got {getattr(cluster, name)!r}")
+    nics = cluster.nics_per_host
+    if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
+        problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")
     for name in ("intra_host", "inter_host"):
         if not isinstance(getattr(cluster, name), Link):
             problems.append(f"{name} must be a Link, got {getattr(cluster, name)!r}")
