@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import autopar
+from autopar.cost import compute_time, rate_dtype
 from autopar.graph import trace
 from autopar.manual import MegatronConfig, megatron_plan_for_graph
 from autopar.search import microbatch_args
@@ -34,6 +35,13 @@ def main(model: str = "1.3B", num_hosts: int = 4, microbatches: int = 32) -> Non
     print(f"  communication per microbatch  {cost.communication:.4f} s")
     print(f"  resharding per microbatch     {cost.resharding:.4f} s")
     print(f"  matmuls alone at 0.7 x 312 TFLOP/s  {dot_flops / n / (0.7 * 312e12):.4f} s")
+    dots = [nd for nd in graph.nodes if nd.primitive == "dot_general"]
+    table = sum(
+        compute_time(nd.flops / n, 0, cluster, rate_dtype(nd.primitive, [
+            graph.vars[v].dtype for v in nd.inputs], "float32"), matmul=True)
+        for nd in dots
+    )
+    print(f"  matmuls alone at the profile's GEMM efficiency table  {table:.4f} s")
     print(f"  predicted step time           {plan.predicted_step_time:.4f} s")
 
 

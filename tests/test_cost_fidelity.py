@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.cost import collective_time, rate_dtype
+from autopar.cost import collective_time, compute_time, gemm_efficiency, rate_dtype
 from autopar.graph import trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
@@ -50,12 +50,13 @@ def test_bf16_dot_with_f32_accumulation_costs_bf16_rate(a100):
     graph = trace(f, x, x)
     (dot,) = _dots(graph)
     assert graph.vars[dot.outputs[0]].dtype == "float32"
-    # By hand: 2·4096³ FLOPs at the bf16 rate; the bytes (two bf16 operands, one f32
-    # result: 2·4096²·2 + 4096²·4 = 134 MB, 67 us at 2 TB/s) do not bind.
+    # By hand: 2·4096³ FLOPs at the bf16 rate, 312 TFLOP/s x 0.8 (the profile's GEMM
+    # efficiency at size 4096); the bytes (two bf16 operands, one f32 result:
+    # 2·4096²·2 + 4096²·4 = 134 MB, 67 us at 2 TB/s) do not bind. 0.55 ms, where the f32
+    # (TF32, 156 TFLOP/s) rate would give 1.1 ms.
     flops = 2 * n**3
-    bf16_rate = a100.flops("bfloat16")
-    assert _replicated(graph, dot, a100).compute_cost == pytest.approx(flops / bf16_rate)
-    assert flops / a100.flops("float32") == pytest.approx(2 * flops / bf16_rate)
+    by_hand = flops / (312e12 * 0.8)
+    assert _replicated(graph, dot, a100).compute_cost == pytest.approx(by_hand)
 
 
 # ---- 2. collectives over NIC rails ------------------------------------------------------
@@ -116,3 +117,47 @@ def test_nics_per_host_round_trips_and_is_checked(a100, tmp_path):
     data = {**a100.to_json(), "nics_per_host": 0}
     with pytest.raises(ValueError, match="nics_per_host must be an integer >= 1"):
         Cluster.from_json(data)
+
+
+# ---- 3. GEMM efficiency by size -----------------------------------------------------------
+
+
+def test_gemm_efficiency_interpolates_the_profile_table(a100):
+    # dgx-a100-80g.json: 1024 -> 0.45, 2048 -> 0.7, 8192 -> 0.82 (size = (M·N·K)^(1/3))
+    assert gemm_efficiency(a100, 2 * 1024**3) == pytest.approx(0.45)
+    assert gemm_efficiency(a100, 2 * 8192**3) == pytest.approx(0.82)
+    assert gemm_efficiency(a100, 2 * 65536**3) == pytest.approx(0.82)  # held beyond the end
+    between = 2 * (1024 * 2**0.5) ** 3  # halfway in log(size)
+    assert gemm_efficiency(a100, between) == pytest.approx((0.45 + 0.7) / 2)
+    # a skinny 4096 x 4096 x 64 GEMM counts as size 1024
+    assert gemm_efficiency(a100, 2 * 4096 * 4096 * 64) == pytest.approx(0.45)
+
+
+def test_small_gemms_far_below_peak_large_ones_near_it(a100):
+    def seconds(n):
+        return compute_time(2 * n**3, 0, a100, "bfloat16", matmul=True)
+
+    assert seconds(256) == pytest.approx(2 * 256**3 / (312e12 * 0.06))
+    assert seconds(8192) == pytest.approx(2 * 8192**3 / (312e12 * 0.82))
+    # elementwise FLOPs keep the flat matmul_efficiency
+    assert compute_time(1e12, 0, a100, "bfloat16") == pytest.approx(1e12 / (312e12 * 0.7))
+
+
+def test_without_table_every_gemm_at_matmul_efficiency(a100):
+    flat = dataclasses.replace(a100, gemm_efficiency=None)
+    assert gemm_efficiency(flat, 2 * 256**3) == 0.7
+    assert Cluster.from_json(a100.to_json()) == a100
+    assert "gemm_efficiency" not in flat.to_json()
+    with pytest.raises(ValueError, match="gemm_efficiency sizes must be > 0 and increasing"):
+        Cluster.from_json({**a100.to_json(), "gemm_efficiency": [[512, 0.5], [256, 0.2]]})
+    with pytest.raises(ValueError, match=r"gemm_efficiency fractions must be in \(0, 1\]"):
+        Cluster.from_json({**a100.to_json(), "gemm_efficiency": [[512, 1.5]]})
+
+
+def test_profiler_fits_the_table_from_its_matmul_sizes():
+    from autopar.profile._measure import _gemm_table
+
+    measured = {"float32": {256: 1e9, 512: 2e9, 1024: 4e9}, "bfloat16": {256: 1e9, 512: 1e9}}
+    # sizes both dtypes measured; float32 at 1/4 and 2/4 of its best, bfloat16 at 1 and 1
+    assert _gemm_table(measured) == ((256.0, 0.625), (512.0, 0.75))
+    assert _gemm_table({"float32": {256: 1e9}}) is None

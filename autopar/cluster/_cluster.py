@@ -80,6 +80,10 @@ class Cluster:
     - `intra_host`, `inter_host`: the `Link` inside a host and between hosts. With
       `nics_per_host` set, `inter_host.bandwidth` is one NIC's (one rail's); without it,
       each device's share of the network with every device communicating at once.
+    - `gemm_efficiency`: optional ``((size, fraction of peak), ...)`` by increasing size,
+      where size is the geometric mean ``(M·N·K)**(1/3)`` of a GEMM per device; the cost
+      model interpolates it in log(size) (`autopar.cost.gemm_efficiency`). None: every
+      matmul runs at `matmul_efficiency`.
     - `nics_per_host`: network ports (rails) per host, e.g. 8 on a DGX A100 or H100 (one
       per GPU); None for a profile without rail information. See `network_link`.
 
@@ -102,10 +106,14 @@ class Cluster:
     intra_host: Link
     inter_host: Link
     nics_per_host: int | None = None
+    gemm_efficiency: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
         object.__setattr__(self, "peak_flops", dict(sorted(self.peak_flops.items())))
+        if self.gemm_efficiency is not None:
+            table = tuple((float(size), float(eff)) for size, eff in self.gemm_efficiency)
+            object.__setattr__(self, "gemm_efficiency", table)
         _check_cluster(self)
 
     def __hash__(self) -> int:
@@ -166,6 +174,8 @@ class Cluster:
     def to_json(self) -> dict:
         """A JSON-ready dict in the profile schema (``cost_profiles/README.md``)."""
         optional = {} if self.nics_per_host is None else {"nics_per_host": self.nics_per_host}
+        if self.gemm_efficiency is not None:
+            optional["gemm_efficiency"] = [list(point) for point in self.gemm_efficiency]
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -355,11 +365,21 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             intra_host=read.link("intra_host"),
             inter_host=read.link("inter_host"),
             nics_per_host=read.field("nics_per_host", int) if "nics_per_host" in data else None,
+            gemm_efficiency=_read_table(read, "gemm_efficiency") if "gemm_efficiency" in data
+            else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
             raise
         raise ValueError(f"cost profile {source}: {e}. Schema: cost_profiles/README.md") from None
+
+
+def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
+    rows = read.field(name, list)
+    if not all(isinstance(r, list) and len(r) == 2 for r in rows):
+        read.fail(name, f"must be a list of [size, fraction] pairs ({_FIELD_HELP[name]})")
+    return tuple((read.number(f"{name}.{i}", r[0]), read.number(f"{name}.{i}", r[1]))
+                 for i, r in enumerate(rows))
 
 
 _MISSING = object()
@@ -418,6 +438,8 @@ _FIELD_HELP = {
     "intra_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "nics_per_host": "an integer: network ports (rails) per host",
+    "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
+    "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }
 
 
@@ -436,6 +458,13 @@ def _check_cluster(cluster: Cluster) -> None:
     for name in ("device_memory", "hbm_bandwidth"):
         if not getattr(cluster, name) > 0:
             problems.append(f"{name} must be > 0, got {getattr(cluster, name)!r}")
+    table = cluster.gemm_efficiency
+    if table is not None:
+        sizes = [size for size, _ in table]
+        if not table or sizes != sorted(set(sizes)) or sizes[0] <= 0:
+            problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
+        if not all(0 < eff <= 1 for _, eff in table):
+            problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
     nics = cluster.nics_per_host
     if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
         problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")

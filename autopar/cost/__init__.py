@@ -8,7 +8,13 @@ these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time
-from autopar.cost._compute import MATMUL_PRIMITIVES, bytes_per_device, compute_time, rate_dtype
+from autopar.cost._compute import (
+    MATMUL_PRIMITIVES,
+    bytes_per_device,
+    compute_time,
+    gemm_efficiency,
+    rate_dtype,
+)
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -43,6 +49,7 @@ __all__ = [
     "collective_time",
     "compute_time",
     "fit_link",
+    "gemm_efficiency",
     "link_for",
     "transfer_time",
 ]
