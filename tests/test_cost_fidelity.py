@@ -9,7 +9,7 @@ import pytest
 
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.cost import collective_time, compute_time, gemm_efficiency, rate_dtype
-from autopar.graph import trace
+from autopar.graph import fusion_kind, fusion_traffic, trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
 GiB = 2**30
@@ -161,3 +161,72 @@ def test_profiler_fits_the_table_from_its_matmul_sizes():
     # sizes both dtypes measured; float32 at 1/4 and 2/4 of its best, bfloat16 at 1 and 1
     assert _gemm_table(measured) == ((256.0, 0.625), (512.0, 0.75))
     assert _gemm_table({"float32": {256: 1e9}}) is None
+
+
+# ---- 4. fusion-aware compute ---------------------------------------------------------------
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * (x + 0.044715 * x**3)))
+
+
+def test_dot_bias_gelu_costs_the_dot_plus_one_pass(a100):
+    m, k, n = 8192, 1024, 4096
+    bf16 = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16),
+            jax.ShapeDtypeStruct((n,), bf16))
+    graph = trace(lambda x, w, b: _gelu(x @ w + b), *args)
+    assert len(graph.nodes) > 8  # the dot, the bias broadcast and add, the GELU's ops
+    total = sum(_replicated(graph, node, a100).compute_cost for node in graph.nodes)
+    out_bytes = m * n * 2
+    # By hand: the dot reads x and w and would write its output (roofline, compute-bound:
+    # 2·8192·4096·1024 / (312e12 · 0.8) = 275 us); one more pass over the output (64 MiB at
+    # 2 TB/s = 34 us) is the most the bias and GELU may add in bytes, with the bias vector
+    # read once, plus their own FLOPs (about 12 ops x 33.5 M, 2 us).
+    dot_alone = compute_time(2 * m * n * k, (m * k + k * n) * 2 + out_bytes, a100, bf16,
+                             matmul=True)
+    elementwise_flops = sum(nd.flops for nd in graph.nodes if nd.primitive != "dot_general")
+    one_pass = (out_bytes + n * 2) / a100.hbm_bandwidth
+    assert total <= dot_alone + one_pass + elementwise_flops / a100.flops(bf16)
+    # Unfused, every one of the ~12 elementwise ops would read and write the output.
+    unfused_passes = sum(
+        node.primitive != "dot_general" for node in graph.nodes
+    ) * 2 * out_bytes / a100.hbm_bandwidth
+    assert total < dot_alone + unfused_passes / 4
+
+
+def test_fusion_traffic_of_dot_bias_gelu():
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    b = jax.ShapeDtypeStruct((16,), jnp.float32)
+    graph = trace(lambda x, w, b: _gelu(x @ w + b), x, w, b)
+    traffic = fusion_traffic(graph)
+    (dot,) = _dots(graph)
+    assert traffic.reads[dot.id] == (True, True) and traffic.writes[dot.id] == (False,)
+    written = [n.primitive for n in graph.nodes if any(traffic.writes[n.id])]
+    assert written == [graph.nodes[-1].primitive]  # only the GELU's last op writes
+
+
+def test_values_read_after_a_reduction_or_by_the_backward_are_written():
+    # x - mean(x): the reduction sits between the producer of x and the subtraction
+    graph = trace(lambda a: (a * 2) - jnp.mean(a * 2, axis=-1, keepdims=True),
+                  jax.ShapeDtypeStruct((8, 128), jnp.float32), batch_argnums=())
+    traffic = fusion_traffic(graph)
+    doubled = [n for n in graph.nodes if n.primitive == "mul"]
+    assert any(traffic.writes[n.id] == (True,) for n in doubled)
+    # the backward of tanh(x @ w) reads the forward's tanh output after a dot
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) @ w.T)
+
+    graph = trace(jax.grad(loss), jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                  jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    traffic = fusion_traffic(graph)
+    (tanh,) = [n for n in graph.nodes if n.primitive == "tanh"]
+    assert traffic.writes[tanh.id] == (True,)
+
+
+def test_fusion_kinds_registry():
+    assert fusion_kind("dot_general") == "matmul"
+    assert fusion_kind("reduce_sum") == "reduce"
+    assert fusion_kind("scan") == "kernel"
+    assert fusion_kind("some_new_elementwise_op") == "elementwise"  # the default

@@ -1,10 +1,11 @@
 """The cost model: pure functions, the single source of truth for every prediction.
 
 In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
-bytes. Collectives use the ring alpha-beta model, compute the roofline model
-(REFERENCES.md); pipelines Alpa's latency, the 1F1B bubble and in-flight
-microbatches. The ILP, the stage DP, the manual-plan scorer and the reports all call
-these functions.
+bytes. Collectives use the ring alpha-beta model (two-level, over every NIC rail, for
+groups spanning hosts), compute the roofline model with a GEMM efficiency by size and the
+bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, the 1F1B
+bubble and in-flight microbatches. The ILP, the stage DP, the manual-plan scorer and the
+reports all call these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time

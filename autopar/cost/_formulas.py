@@ -13,14 +13,15 @@ For n participants, link bandwidth b and latency a, every collective costs
 
 A group spanning k hosts with g > 1 devices on each uses the two-level (hierarchical,
 rail-parallel) algorithms NCCL runs on clusters with one NIC per GPU (REFERENCES.md,
-"Communication on real clusters"): every level is a ring with its own alpha and bandwidth,
+"Communication on real clusters"): every level is a ring with its own alpha and bandwidth
+(steps, wire bytes; RS, AG, AR: reduce-scatter, all-gather, all-reduce):
 
-| kind | inside each host (g) | across hosts (k), per rail |
+| kind | inside each host (g devices) | across hosts (k), on every rail |
 |---|---|---|
-| all_reduce | reduce-scatter + all-gather of S: 2(g−1) steps, 2(g−1)/g · S | all-reduce of S/g: 2(k−1), 2(k−1)/k · S/g |
-| all_gather | all-gather of S: g−1, (g−1)/g · S | all-gather of S/g: k−1, (k−1)/k · S/g |
-| reduce_scatter | reduce-scatter of S: g−1, (g−1)/g · S | reduce-scatter of S/g: k−1, (k−1)/k · S/g |
-| all_to_all | the S/n blocks for local peers: g−1, (g−1)/n · S | those for remote peers: n−g, (n−g)/n · S |
+| all_reduce | RS + AG of S: 2(g−1), 2(g−1)/g · S | AR of S/g: 2(k−1), 2(k−1)/k · S/g |
+| all_gather | AG of S: g−1, (g−1)/g · S | AG of S/g: k−1, (k−1)/k · S/g |
+| reduce_scatter | RS of S: g−1, (g−1)/g · S | RS of S/g: k−1, (k−1)/k · S/g |
+| all_to_all | local blocks: g−1, (g−1)/n · S | remote blocks: n−g, (n−g)/n · S |
 
 (`hierarchical_terms`). With g = 8 NVLink devices per host the cross-host level moves 1/8
 of the data per GPU, each GPU over its own rail, so the network time falls 8-fold against
@@ -146,7 +147,9 @@ def hierarchical_terms(
     if nbytes < 0:
         raise ValueError(f"{kind}: nbytes must be >= 0, got {nbytes}")
     if per_host < 1 or num_hosts < 1:
-        raise ValueError(f"{kind}: needs >= 1 host and device per host, got {num_hosts}, {per_host}")
+        raise ValueError(
+            f"{kind}: needs >= 1 host and >= 1 device per host, got {num_hosts}, {per_host}"
+        )
     if kind == "send_recv":
         return TwoLevelTerms(AlphaBetaTerms(0.0, 0.0), AlphaBetaTerms(1, nbytes))
     return HIERARCHICAL_FORMULAS[kind](nbytes, per_host, num_hosts)

@@ -21,7 +21,7 @@ from autopar.cost import (
     compute_time,
     rate_dtype,
 )
-from autopar.graph import Node, OpGraph, Role
+from autopar.graph import Node, OpGraph, Role, fusion_traffic
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
 from autopar.intra._signature import (
@@ -120,14 +120,10 @@ def node_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
-        in_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, mesh)
-            for v, s in zip(in_vars, in_specs)
-            if s is not None
-        )
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh)
         dtype = _rate_dtype(node, in_vars, out_vars)
         matmul = node.primitive in MATMUL_PRIMITIVES
-        work = (node.flops / parallelism, in_bytes + out_bytes, dtype, matmul)
+        work = (node.flops / parallelism, accessed, dtype, matmul)
         compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul)
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
@@ -275,14 +271,10 @@ def follow_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
         )
-        in_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, ctx.mesh)
-            for v, s in zip(in_vars, in_specs)
-            if s is not None
-        )
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh)
         dtype = _rate_dtype(node, in_vars, out_vars)
         compute = compute_time(
-            node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype,
+            node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,
         )
         strategy = Strategy(
@@ -291,6 +283,22 @@ def follow_strategies(
         cache[spec] = strategy
         result.append(strategy)
     return result
+
+
+def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMesh) -> float:
+    """Bytes per device the node moves to and from device memory: its operands and results
+    that cross its fusion's boundary (`autopar.graph.fusion_traffic`; constants count 0)."""
+    def nbytes(var_id, spec):
+        var = graph.vars[var_id]
+        return None if spec is None else bytes_per_device(var.shape, var.dtype, spec, mesh)
+
+    in_bytes = [nbytes(v, s) for v, s in zip(node.inputs, in_specs)]
+    out_bytes = [nbytes(v, s) for v, s in zip(node.outputs, out_specs)]
+    traffic = fusion_traffic(graph)
+    if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
+            or graph.nodes[node.id] is not node:
+        return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph
+    return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
 
 
 def _rate_dtype(node: Node, in_vars, out_vars) -> str:
