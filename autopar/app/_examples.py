@@ -8,7 +8,7 @@ from a checkout with or without installing, and says what to do when the folder 
 (a non-editable install).
 
 Model names are ``<family>-<size>``: a family (`FAMILIES`) and a key of that example's
-``CONFIGS``, e.g. ``gpt-1.3B``, ``moe-tiny``, ``wide_resnet-250M``, ``mlp-wide``.
+``CONFIGS``, e.g. ``gpt-1.3B``, ``moe-tiny``, ``wide_resnet-250M``, ``mlp-wide``, ``llama-8B``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-FAMILIES = ("gpt", "moe", "wide_resnet", "mlp")
+FAMILIES = ("gpt", "moe", "wide_resnet", "mlp", "llama")
 EXAMPLES_PACKAGE = "examples"
 # The demo and `autopar plan` train with AdamW, as the GPT, MoE and Wide-ResNet examples do;
 # the plan depends on the optimizer state's shapes, not on the learning rate.

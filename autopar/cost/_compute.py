@@ -11,6 +11,7 @@ import numpy as np
 
 from autopar.cluster._cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.graph._opgraph import dtype_itemsize
 
 
 def compute_time(
@@ -124,4 +125,12 @@ def bytes_per_device(
             f"unknown: {unknown}, used: {used}"
         )
     shard = [math.ceil(size / mesh.axis_size(dim)) for size, dim in zip(shape, spec)]
-    return float(math.prod(shard) * np.dtype(dtype).itemsize)
+    return float(math.prod(shard) * _itemsize(dtype))
+
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element; typed PRNG keys (``"key<fry>"``) count as their key data."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return dtype_itemsize(str(dtype))

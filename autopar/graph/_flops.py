@@ -11,6 +11,10 @@ default, `elementwise_flops`: one FLOP per output element. Explicit rules cover
   input element;
 * pure data movement (`reshape`, `transpose`, `broadcast_in_dim`, `slice`, `gather`,
   `concatenate`, `convert_element_type`, ...) and the autopar markers: zero;
+* random numbers: `random_bits` and key derivation count a Threefry hash per 32-bit word
+  (`THREEFRY_OPS_PER_WORD`), key views (`random_wrap`, ...) zero;
+* windows: generic `reduce_window` and `select_and_scatter_add` count one operation per
+  window element (the `reduce_window_*` monoids count one per input element);
 * control flow, whose FLOPs include the bodies: `scan` is body × length, `cond` the most
   expensive branch, `while` one body plus one condition evaluation (a lower bound: the trip
   count is not known when tracing);
@@ -169,6 +173,58 @@ def sort_flops(in_avals, out_avals, params) -> float:
         return 0.0
     n = shape[params["dimension"]]
     return float(aval_size(in_avals[0]) * max(1.0, math.log2(max(n, 1))))
+
+
+# ---- random numbers and windows --------------------------------------------------------
+
+# Threefry-2x32 (Salmon et al. 2011) with 20 rounds: each round adds, rotates (two shifts
+# and an or) and xors a pair of words, 5 integer ops; every 4 rounds a key injection adds
+# 3 more. That is 20·5 + 5·3 = 115 ops per pair of 32-bit words, ~58 per word. rbg's
+# RngBitGenerator (Philox on CPU and GPU) is of the same order, so one figure serves both.
+THREEFRY_OPS_PER_WORD = 58
+
+
+@register_flops("random_bits")
+def random_bits_flops(in_avals, out_avals, params) -> float:
+    """A hash per generated 32-bit word: `THREEFRY_OPS_PER_WORD` per word, words rounded up."""
+    words_per_element = max(1, math.ceil(params.get("bit_width", 32) / 32))
+    return float(aval_size(out_avals[0]) * words_per_element * THREEFRY_OPS_PER_WORD)
+
+
+@register_flops("random_split", "random_fold_in", "random_seed")
+def key_derivation_flops(in_avals, out_avals, params) -> float:
+    """One threefry hash of a pair of words per derived key."""
+    return float(aval_size(out_avals[0]) * 2 * THREEFRY_OPS_PER_WORD)
+
+
+@register_flops("threefry2x32")
+def threefry_flops(in_avals, out_avals, params) -> float:
+    """The raw hash: `THREEFRY_OPS_PER_WORD` for each word of each of its two results."""
+    return float(sum(aval_size(a) for a in out_avals) * THREEFRY_OPS_PER_WORD)
+
+
+@register_flops("random_wrap", "random_unwrap", "random_clone")
+def key_data_flops(in_avals, out_avals, params) -> float:
+    """Views of key data as keys and back: no arithmetic."""
+    return 0.0
+
+
+def _window_size(params) -> int:
+    return math.prod(params["window_dimensions"])
+
+
+@register_flops("reduce_window")
+def reduce_window_flops(in_avals, out_avals, params) -> float:
+    """The generic window reduction: one application of its computation per window element
+    per result element, for each reduced operand."""
+    return float(sum(aval_size(a) for a in out_avals) * _window_size(params))
+
+
+@register_flops("select_and_scatter_add")
+def select_and_scatter_add_flops(in_avals, out_avals, params) -> float:
+    """Per window (one per `source` element): a comparison per window element to select,
+    then one add to scatter."""
+    return float(aval_size(in_avals[0]) * (_window_size(params) + 1))
 
 
 # ---- contractions ---------------------------------------------------------------------

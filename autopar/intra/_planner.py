@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
@@ -24,9 +25,13 @@ from autopar.intra._options import ShardOptions
 from autopar.intra._problem import BuiltProblem, Footprint, build_problem, operands
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
+from autopar.intra._strategies import node_signature
 
 log = logging.getLogger("autopar")
 DEFAULT_OPTIONS = ShardOptions()
+# A node replicated for lack of a sharding rule is named, with its size, in the plan's
+# warnings when its results take more than this per device: a candidate for a rule.
+LARGE_REPLICATED_BYTES = 1 << 20
 
 
 def mesh_shapes(num_devices: int) -> list[tuple[int, ...]]:
@@ -78,8 +83,48 @@ def plan_on_mesh(
             least_footprint=least_footprint(built.problem),
         )
     object.__setattr__(plan, "stats", stats)
-    object.__setattr__(plan, "warnings", plan.warnings + _solve_warnings(solution, mesh, options))
+    warnings = plan.warnings + large_replicated_warnings(graph)
+    object.__setattr__(plan, "warnings", warnings + _solve_warnings(solution, mesh, options))
     return plan
+
+
+def large_replicated_warnings(
+    graph: OpGraph, threshold: float = LARGE_REPLICATED_BYTES
+) -> tuple[str, ...]:
+    """One warning per node that no sharding rule covers whose results, replicated, take
+    more than `threshold` bytes per device, largest first: what to write a rule for.
+    The same on every mesh, so computed once per graph (the stage DP plans a graph on many
+    meshes)."""
+    by_threshold = _LARGE_REPLICATED.setdefault(graph, {})
+    if threshold not in by_threshold:
+        by_threshold[threshold] = _large_replicated(graph, threshold)
+    return by_threshold[threshold]
+
+
+# graph -> {threshold: warnings}; forgets graphs nothing else holds.
+_LARGE_REPLICATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _large_replicated(graph: OpGraph, threshold: float) -> tuple[str, ...]:
+    large = []
+    for node in graph.nodes:
+        nbytes = sum(graph.vars[v].nbytes for v in node.outputs)
+        if nbytes > threshold and node_signature(node, graph) is None:
+            large.append((nbytes, node))
+    large.sort(key=lambda item: (-item[0], item[1].id))
+    return tuple(_large_replicated_message(graph, node, nbytes) for nbytes, node in large)
+
+
+def _large_replicated_message(graph: OpGraph, node, nbytes: float) -> str:
+    results = ", ".join(
+        f"{graph.vars[v].dtype}[{','.join(map(str, graph.vars[v].shape))}]" for v in node.outputs
+    )
+    where = f" at {node.source}" if node.source else ""
+    return (
+        f"no sharding rule for primitive '{node.primitive}': node #{node.id}{where} "
+        f"({results}) is replicated, {nbytes / 2**20:.1f} MiB per device; a rule "
+        "registered with autopar.intra.register lets the planner split it"
+    )
 
 
 def _solve_warnings(solution, mesh: LogicalMesh, options: ShardOptions) -> tuple[str, ...]:

@@ -394,3 +394,107 @@ def _scatter_add(op: OpInfo) -> Signature:
         operand[d] = f"v{d}"
     ins = (tuple(operand), tuple(indices), tuple(updates))
     return Signature(ins, (tuple(operand),), reductions)
+
+
+# ---- random numbers (dropout, initialisation inside the step) ---------------------------
+#
+# Which splits keep the bits: the generated values must not depend on the split, so that a
+# sharded step draws exactly what one device draws with the same key. JAX's PRNG
+# implementations all meet this under XLA's SPMD partitioner (the "identical across
+# shardings" row of the jax.random docs): threefry2x32 (the default; since JAX 0.5
+# `jax_threefry_partitionable` is on) hashes each element's global index, so a device
+# computes only its own block of any dimension; rbg/unsafe_rbg lower to XLA's
+# RngBitGenerator, which the partitioner runs whole on every device and slices (the same
+# bits, though not less work; the TPU-only flag `xla_tpu_spmd_rng_bit_generator_unsafe`
+# gives that up, and plans do not assume it). tests/test_rules_rng_pool.py checks every
+# split of each implementation against one device.
+
+
+@register("random_bits", "random_split")
+def _key_batch(op: OpInfo) -> Signature:
+    """``random_bits(keys[*b], shape=s) -> bits[*b, *s]`` and ``random_split(keys[*b],
+    shape=s) -> keys[*b, *s]``: each element is a function of its key and its index alone,
+    so every dimension splits, the key batch together with the result's leading dims."""
+    batch = _fresh("k", len(op.in_shapes[0]))
+    new = _fresh("n", len(op.out_shapes[0]) - len(batch))
+    return Signature((batch,), (batch + new,))
+
+
+@register("random_seed", "random_wrap", "random_unwrap", "random_clone", "random_fold_in")
+def _key_map(op: OpInfo) -> Signature:
+    """Per-key maps over a batch of keys ``[*b]``: `random_wrap` takes key data
+    ``uint32[*b, 2]`` to ``key[*b]``, `random_unwrap` the reverse, `random_seed` takes
+    seeds ``[*b]``, `random_fold_in` keys and messages (``[*b]`` or a scalar). Only the key
+    batch dimensions split; the key-data dimension stays whole."""
+    key_shape = op.out_shapes[0] if op.primitive == "random_wrap" else op.in_shapes[0]
+    batch = _fresh("k", len(key_shape))
+
+    def labels(shape: tuple[int, ...]) -> Labels | None:
+        if len(shape) == 0:
+            return ()
+        if tuple(shape[: len(batch)]) != tuple(key_shape):
+            return None  # broadcast against the keys: used whole
+        return batch + (None,) * (len(shape) - len(batch))
+
+    ins = tuple(labels(s) for s in op.in_shapes)
+    return Signature(ins, tuple(labels(s) for s in op.out_shapes))
+
+
+# threefry2x32(key0, key1, count0, count1) -> (bits0, bits1): a pure elementwise hash of
+# same-shaped (or scalar) operands, as `jax.random.threefry_2x32` binds it.
+register("threefry2x32")(_elementwise)
+
+
+# ---- windows (pooling) ------------------------------------------------------------------
+#
+# A window that spans one element of a dimension, steps by one and is not padded or dilated
+# there maps each element to itself: that dimension splits (the batch and channels of a
+# pooling layer). Any other dimension stays whole here; splitting it would need halo
+# exchanges between neighbouring devices, which the cost model does not price.
+
+
+def _window_labels(op: OpInfo, shape: tuple[int, ...], with_dilation: bool = True) -> Labels:
+    params = op.params
+    nd = len(shape)
+    window = params["window_dimensions"]
+    strides = params["window_strides"]
+    padding = params.get("padding", ((0, 0),) * nd)
+    base = params.get("base_dilation", (1,) * nd) if with_dilation else (1,) * nd
+    dilation = params.get("window_dilation", (1,) * nd) if with_dilation else (1,) * nd
+    return tuple(
+        f"d{d}"
+        if (window[d], strides[d], tuple(padding[d]), base[d], dilation[d]) == (1, 1, (0, 0), 1, 1)
+        else None
+        for d in range(nd)
+    )
+
+
+@register("reduce_window_max", "reduce_window_min", "reduce_window_sum")
+def _reduce_window_monoid(op: OpInfo) -> Signature:
+    labels = _window_labels(op, op.in_shapes[0])
+    return Signature((labels,), (labels,))
+
+
+@register("reduce_window")
+def _reduce_window_generic(op: OpInfo) -> Signature:
+    """``reduce_window(*operands, *init_values)``: operands and results share the window's
+    pass-through dimensions; the scalar initial values are used whole."""
+    num_operands = len(op.out_shapes)
+    labels = _window_labels(op, op.in_shapes[0])
+    ins = (labels,) * num_operands + ((),) * (len(op.in_shapes) - num_operands)
+    return Signature(ins, (labels,) * num_operands)
+
+
+@register("select_and_scatter_add")
+def _select_and_scatter_add(op: OpInfo) -> Signature:
+    """``select_and_scatter_add(source[pooled], operand) -> [operand]``: the gradient of a
+    max pool, routed to each window's selected element."""
+    labels = _window_labels(op, op.in_shapes[1], with_dilation=False)
+    return Signature((labels, labels), (labels,))
+
+
+@register("select_and_gather_add")
+def _select_and_gather_add(op: OpInfo) -> Signature:
+    """``select_and_gather_add(tangents, operand) -> [pooled]``: the JVP of a max pool."""
+    labels = _window_labels(op, op.in_shapes[1])
+    return Signature((labels, labels), (labels,))
