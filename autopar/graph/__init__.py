@@ -8,7 +8,7 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._state import tied_state
-from autopar.graph._trace import trace
+from autopar.graph._trace import trace, trace_jaxpr
 
 __all__ = [
     "Node",
@@ -20,5 +20,6 @@ __all__ = [
     "marking_layers",
     "tied_state",
     "trace",
+    "trace_jaxpr",
     "value_and_grad",
 ]
