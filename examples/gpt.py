@@ -4,7 +4,8 @@ Pre-layer-norm blocks, causal multi-head attention, a GELU (tanh approximation) 
 position embeddings and an output layer tied to the token embedding; no dropout. Layers are
 a Python list, so every layer's equations appear separately in a trace, or, with
 `GPTConfig.scan_layers`, one stack of parameters (a leading layer axis) run by
-`jax.lax.scan`, as MaxText, levanter and flax's `nn.scan` write them. Run ``python examples/gpt.py`` for three single-device steps at the "tiny" size.
+`jax.lax.scan`, as MaxText, levanter and flax's `nn.scan` write them. Run
+``python examples/gpt.py`` for three single-device steps at the "tiny" size.
 
 **Example:**
 

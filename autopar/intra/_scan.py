@@ -200,10 +200,9 @@ def collapse_plan(plan: ShardingPlan, expansion: Expansion) -> ShardingPlan:
                 if start <= n < end:
                     body_operands[s.scan].append((n - start, p, spec))
     bodies = []
-    strategies = list(plan.node_strategies)
-    node_strategies = []
-    for g, p in enumerate(expansion.planning_node):
-        node_strategies.append(strategies[p] if p is not None else "")
+    node_strategies = [
+        plan.node_strategies[p] if p is not None else "" for p in expansion.planning_node
+    ]
     for s in expansion.scans:
         specs = plan.var_specs[s.var_offset : s.var_offset + len(s.body.vars)]
         first_carry = original.nodes[s.scan].params["num_consts"]

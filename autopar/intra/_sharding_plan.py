@@ -157,7 +157,7 @@ class ShardingPlan:
             "num_vars": len(self.var_specs),
             "warnings": list(self.warnings),
             "stats": stats,
-            **({"scan_bodies": [b.to_json() for b in self.scan_bodies]} if self.scan_bodies else {}),
+            **_bodies_json(self.scan_bodies),
         }
 
     @staticmethod
@@ -182,6 +182,11 @@ class ShardingPlan:
             stats=d.get("stats", {}),
             scan_bodies=tuple(BodyPlan.from_json(b) for b in d.get("scan_bodies", ())),
         )
+
+
+def _bodies_json(bodies: tuple[BodyPlan, ...]) -> dict:
+    """The "scan_bodies" entry, left out when empty (plans without scans read as before)."""
+    return {"scan_bodies": [b.to_json() for b in bodies]} if bodies else {}
 
 
 # `ShardingPlan.stats` entries whose key ends so are wall-clock measurements.
