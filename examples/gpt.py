@@ -2,8 +2,10 @@
 
 Pre-layer-norm blocks, causal multi-head attention, a GELU (tanh approximation) MLP, learned
 position embeddings and an output layer tied to the token embedding; no dropout. Layers are
-a Python list, not a scanned stack, so every layer's equations appear separately in a
-trace. Run ``python examples/gpt.py`` for three single-device steps at the "tiny" size.
+a Python list, so every layer's equations appear separately in a trace, or, with
+`GPTConfig.scan_layers`, one stack of parameters (a leading layer axis) run by
+`jax.lax.scan`, as MaxText, levanter and flax's `nn.scan` write them. Run
+``python examples/gpt.py`` for three single-device steps at the "tiny" size.
 
 **Example:**
 
@@ -49,6 +51,11 @@ class GPTConfig:
     mlp_ratio: int = 4
     dtype: str = "float32"
     layer_markers: bool = False
+    # Stack the layers' parameters on a leading layer axis and run them with
+    # `jax.lax.scan` (MaxText's scan_layers); `remat_layers` wraps each layer in
+    # `jax.checkpoint`. Parameters are initialised as in the Python loop, then stacked.
+    scan_layers: bool = False
+    remat_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden % self.num_heads:
@@ -74,6 +81,7 @@ class GPTConfig:
 # sequence length of 2048, with 13B at Megatron's h=5120 (40 heads of 128).
 CONFIGS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=128, seq_len=16, hidden=32, num_layers=4, num_heads=4),
+    "wide-test": GPTConfig(vocab_size=256, seq_len=16, hidden=256, num_layers=4, num_heads=4),
     "small-test": GPTConfig(vocab_size=512, seq_len=64, hidden=128, num_layers=4, num_heads=4),
     "125M": GPTConfig(PADDED_VOCAB, 1024, 768, 12, 12),
     "350M": GPTConfig(PADDED_VOCAB, 1024, 1024, 24, 16),
@@ -127,13 +135,17 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
 
     **Returns:** ``{"wte": [V, h], "wpe": [S, h], "layers": [layer, ...], "ln_f": {...}}``,
     each layer ``{"ln1", "attn": {"wqkv", "bqkv", "wo", "bo"}, "ln2",
-    "mlp": {"w1", "b1", "w2", "b2"}}``. The output layer reuses ``wte``.
+    "mlp": {"w1", "b1", "w2", "b2"}}``. The output layer reuses ``wte``. With
+    `cfg.scan_layers`, ``"layers"`` is one such dict whose leaves have a leading layer axis.
     """
     k_te, k_pe, *k_layers = jax.random.split(key, 2 + cfg.num_layers)
+    layers = [_init_layer(cfg, k) for k in k_layers]
+    if cfg.scan_layers:  # the same values as the loop, stacked: the two models compare
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
     return {
         "wte": _normal(k_te, (cfg.vocab_size, cfg.hidden), cfg.dtype),
         "wpe": _normal(k_pe, (cfg.seq_len, cfg.hidden), cfg.dtype),
-        "layers": [_init_layer(cfg, k) for k in k_layers],
+        "layers": layers,
         "ln_f": _layer_norm_params(cfg.hidden, cfg.dtype),
     }
 
@@ -183,10 +195,21 @@ def forward(params: dict, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
     """Logits ``[B, S, V]`` for ``tokens: int32[B, S]``."""
     s = tokens.shape[1]
     h = jnp.take(params["wte"], tokens, axis=0) + params["wpe"][:s]
-    for layer_params in params["layers"]:
-        h = block(layer_params, h, cfg)
-        if cfg.layer_markers:
-            h = layer_boundary(h)
+    layer = functools.partial(block, cfg=cfg)
+    if cfg.remat_layers:
+        layer = jax.checkpoint(layer)
+    if cfg.scan_layers:
+
+        def scanned(h, layer_params):
+            h = layer(layer_params, h)
+            return (layer_boundary(h) if cfg.layer_markers else h), None
+
+        h, _ = jax.lax.scan(scanned, h, params["layers"])
+    else:
+        for layer_params in params["layers"]:
+            h = layer(layer_params, h)
+            if cfg.layer_markers:
+                h = layer_boundary(h)
     h = layer_norm(params["ln_f"], h)
     return h @ params["wte"].T
 

@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.graph import Role, trace
+from autopar.intra import plan_sharding
+from autopar.intra._options import ShardOptions
 from autopar.intra._strategies import node_signature
 from autopar.lower import count_collectives
 
@@ -127,9 +129,12 @@ def _check_matches_one_device(step, params, batch):
 def test_rnn_loops_are_batch_split_and_match_one_device():
     params, batch = _params(), _batch()
     graph, sharding, par = _check_matches_one_device(rnn_step, params, batch)
+    # The scan's body is planned with the step (autopar/intra/_scan.py); while and cond
+    # take the rule's batch split.
+    expected = {"scan": f"body plan x{T}", "while": "batch:x", "cond": "batch:x"}
     for primitive in CONTROL_FLOW:
         (node,) = _nodes(graph, primitive)
-        assert sharding.node_strategies[node.id] == "batch:x", (
+        assert sharding.node_strategies[node.id] == expected[primitive], (
             f"{primitive} should be split on the batch, got {sharding.node_strategies[node.id]}"
         )
     scan, while_, cond = (_nodes(graph, p)[0] for p in CONTROL_FLOW)
@@ -148,7 +153,11 @@ def test_body_summing_over_batch_is_planned_replicated():
     graph, sharding, _ = _check_matches_one_device(batch_sum_step, params, batch)
     (scan,) = _nodes(graph, "scan")
     assert node_signature(scan, graph).labels() == (), "the batch split must not be offered"
-    assert sharding.node_strategies[scan.id] == "replicated"
+    # Opened, its body is planned as the ILP finds cheapest (and still matches one device);
+    # as one node it is replicated.
+    assert sharding.node_strategies[scan.id] == f"body plan x{T}"
+    as_node = plan_sharding(graph, CPU, options=ShardOptions(open_scans=False), mesh_shape=(8,))
+    assert as_node.node_strategies[scan.id] == "replicated"
 
 
 # ---- which operands the rule labels ------------------------------------------------------

@@ -9,7 +9,7 @@ from autopar.graph._fusion import FusionTraffic, fusion_kind, fusion_traffic, re
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._state import tied_state
-from autopar.graph._trace import abstract_args, trace
+from autopar.graph._trace import abstract_args, trace, trace_jaxpr
 
 __all__ = [
     "FusionTraffic",
@@ -26,5 +26,6 @@ __all__ = [
     "register_fusion",
     "tied_state",
     "trace",
+    "trace_jaxpr",
     "value_and_grad",
 ]

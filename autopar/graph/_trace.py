@@ -108,6 +108,22 @@ def trace(
     return graph
 
 
+def trace_jaxpr(jaxpr: Any, name: str = "body") -> OpGraph:
+    """The `OpGraph` of a jaxpr already traced, such as a `scan` body (`params["jaxpr"]`).
+
+    Flattened as `trace` flattens a step (nested calls and remat inlined, control flow
+    kept whole); the inputs are `ACTIVATION` variables without paths. The same jaxpr gives
+    the same graph, variable and node ids included, every time (the planner and the
+    lowering each rebuild a scan body's graph and meet on those ids).
+    """
+    consts = jaxpr.consts if isinstance(jaxpr, core.ClosedJaxpr) else ()
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+    builder = _GraphBuilder()
+    invars = [builder.new_var(v.aval, Role.ACTIVATION) for v in jaxpr.invars]
+    outvars = builder.inline(jaxpr, consts, invars, remat=False)
+    return OpGraph(builder.vars, builder.nodes, tuple(invars), tuple(outvars), name=name)
+
+
 # ---- arguments ----------------------------------------------------------------------
 
 

@@ -400,4 +400,30 @@ def control_flow_rule(op: OpInfo) -> Signature:
     )
 
 
-CONTROL_FLOW_RULES: dict[str, Rule] = dict.fromkeys(("scan", "while", "cond"), control_flow_rule)
+# ---- the markers of an opened scan (see `_scan.py`) -------------------------------------
+
+# A stacked operand -> its slice, an operand or initial carry -> the body, the final carry
+# -> the result, the body's per-iteration result -> the stacked result.
+SLICE, ENTER, EXIT, STACK = "scan_slice", "scan_enter", "scan_exit", "scan_stack"
+
+
+def scan_marker_rule(op: OpInfo) -> Signature:
+    """Identity on the body's dimensions; a stack's scanned (leading) dim is never split."""
+    (in_shape,), (out_shape,) = op.in_shapes, op.out_shapes
+    if op.primitive == SLICE:
+        labels = _dim_labels(len(out_shape))
+        return Signature(((None, *labels),), (labels,))
+    labels = _dim_labels(len(in_shape))
+    if op.primitive == STACK:
+        return Signature((labels,), ((None, *labels),))
+    return Signature((labels,), (labels,))
+
+
+def _dim_labels(n: int) -> Labels:
+    return tuple(f"d{i}" for i in range(n))
+
+
+CONTROL_FLOW_RULES: dict[str, Rule] = {
+    **dict.fromkeys(("scan", "while", "cond"), control_flow_rule),
+    **dict.fromkeys((SLICE, ENTER, EXIT, STACK), scan_marker_rule),
+}

@@ -20,6 +20,9 @@ class ShardOptions:
     - `solver`: "auto" uses HiGHS when installed, else CBC.
     - `num_memory_points`: program points whose live bytes are constrained.
     - `merge_followers`: let elementwise-like ops share their producer's choice.
+    - `open_scans`: plan a `scan`'s body once, jointly with the step (`_scan.py`: its
+      layers' weights and activations split like one unrolled layer); False plans a scan
+      as one node, split along a batch its body keeps apart or replicated.
     """
 
     method: ShardMethod = "shard"
@@ -28,6 +31,7 @@ class ShardOptions:
     solver: SolverName = "auto"
     num_memory_points: int = 4
     merge_followers: bool = True
+    open_scans: bool = True
 
     def __post_init__(self):
         check_choice("sharding method", self.method, SHARD_METHODS)

@@ -24,6 +24,7 @@ from autopar.intra._ilp import (
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import BuiltProblem, Footprint, build_problem, operands
 from autopar.intra._reshard import reshard_collectives
+from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import node_signature
 
@@ -189,6 +190,14 @@ def plan_sharding(
 
 
 def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
+    if built.expansion is None:
+        return _graph_plan(graph, mesh, cluster, built, choices, tied)
+    expansion = built.expansion
+    plan = _graph_plan(expansion.graph, mesh, cluster, built, choices, expansion.tied)
+    return collapse_plan(plan, expansion)
+
+
+def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied):
     chosen = [n.strategies[c] for n, c in zip(built.ilp_nodes, choices)]
     var_specs: list = [None] * len(graph.vars)
     for v, (index, k) in built.source_of.items():

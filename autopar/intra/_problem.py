@@ -20,6 +20,7 @@ from autopar.graph import OpGraph, Role
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._reshard import reshard_time
+from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
     CostContext,
     Strategy,
@@ -70,6 +71,9 @@ class BuiltProblem:
     source_of: dict[int, tuple[int, int]]  # var id -> (ilp node index, result index)
     warnings: list[str] = field(default_factory=list)
     weights: dict[int, tuple[float, float]] = field(default_factory=dict)  # see build_problem
+    # With scans opened (`_scan.py`): the planning graph the ILP is about, with the ties
+    # of its carries; `graph` is None otherwise (the ILP is about the given graph).
+    expansion: Expansion | None = None
 
     def weight(self, node_id: int | None) -> float:
         """The weight of a graph node's cost and of resharding its operands."""
@@ -100,6 +104,9 @@ def build_problem(
     - `footprint`: memory held for the whole run, limited besides the peak (a pipeline
       stage's view of one layer, `Footprint`).
     """
+    expansion = expand_scans(graph, weights, tied) if options.open_scans else None
+    if expansion is not None:  # the ILP is about the planning graph from here on
+        graph, weights, tied = expansion.graph, expansion.weights, expansion.tied
     weights = dict(weights or {})
     ctx = CostContext(cluster, mesh)
     ilp_nodes: list[IlpNode] = []
@@ -128,7 +135,7 @@ def build_problem(
         names=tuple(n.name for n in ilp_nodes),
         **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
     )
-    return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights)
+    return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights, expansion)
 
 
 def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:
@@ -169,6 +176,10 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             strategies = _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index)
         if strategies is None:
             strategies = node_strategies(node, graph, sig, ctx)
+        if node.primitive in SCAN_MARKERS:
+            # Slicing a stacked operand and stacking results fuse into the body's
+            # operations (XLA reads and writes the slices in place): no time of their own.
+            strategies = [replace(s, compute_cost=0.0) for s in strategies]
         if node.id in weights:
             strategies = [_weighted(s, *weights[node.id]) for s in strategies]
         for k, v in enumerate(node.outputs):

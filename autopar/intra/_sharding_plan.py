@@ -51,6 +51,51 @@ class PredictedCost:
 
 
 @dataclass(frozen=True)
+class BodyPlan:
+    """The layouts inside one `scan` node's body, planned once for every iteration.
+
+    Ids are those of the body's own graph (`autopar.intra._scan.opened_body`): a spec per
+    body variable (None for constants), operands the body reshards (node, operand index,
+    spec), and the layout each body result is returned in (a carry: its layout on entry).
+    """
+
+    node: int
+    var_specs: tuple[Spec | None, ...]
+    operand_specs: tuple[tuple[int, int, Spec], ...]
+    out_specs: tuple[Spec | None, ...]
+
+    @property
+    def constrained(self) -> tuple[int, ...]:
+        """Body variables the lowering pins: every one with a spec, scalars aside."""
+        return tuple(v for v, spec in enumerate(self.var_specs) if spec)
+
+    def to_json(self) -> dict:
+        return {
+            "node": self.node,
+            "var_specs": [_spec_json(s) for s in self.var_specs],
+            "operand_specs": [[n, p, _spec_json(s)] for n, p, s in self.operand_specs],
+            "out_specs": [_spec_json(s) for s in self.out_specs],
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> BodyPlan:
+        return BodyPlan(
+            int(d["node"]),
+            tuple(_spec_from_json(s) for s in d["var_specs"]),
+            tuple((int(n), int(p), _spec_from_json(s)) for n, p, s in d["operand_specs"]),
+            tuple(_spec_from_json(s) for s in d["out_specs"]),
+        )
+
+
+def _spec_json(spec: Spec | None):
+    return None if spec is None else [list(d) for d in spec]
+
+
+def _spec_from_json(spec) -> Spec | None:
+    return None if spec is None else tuple(tuple(d) for d in spec)
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     mesh: LogicalMesh
     var_specs: tuple[Spec | None, ...]  # by variable id; None for constants
@@ -66,6 +111,8 @@ class ShardingPlan:
     operand_specs: tuple[tuple[int, int, Spec], ...] = ()
     warnings: tuple[str, ...] = ()
     stats: dict = field(default_factory=dict)
+    # the plans inside scan bodies (scanned layers), one per planned scan node
+    scan_bodies: tuple[BodyPlan, ...] = ()
 
     def input_specs(self, graph: OpGraph) -> list[Spec | None]:
         return [self.var_specs[v] for v in graph.invars]
@@ -110,6 +157,7 @@ class ShardingPlan:
             "num_vars": len(self.var_specs),
             "warnings": list(self.warnings),
             "stats": stats,
+            **_bodies_json(self.scan_bodies),
         }
 
     @staticmethod
@@ -132,7 +180,13 @@ class ShardingPlan:
             graph_fingerprint=d["graph_fingerprint"],
             warnings=tuple(d.get("warnings", ())),
             stats=d.get("stats", {}),
+            scan_bodies=tuple(BodyPlan.from_json(b) for b in d.get("scan_bodies", ())),
         )
+
+
+def _bodies_json(bodies: tuple[BodyPlan, ...]) -> dict:
+    """The "scan_bodies" entry, left out when empty (plans without scans read as before)."""
+    return {"scan_bodies": [b.to_json() for b in bodies]} if bodies else {}
 
 
 # `ShardingPlan.stats` entries whose key ends so are wall-clock measurements.

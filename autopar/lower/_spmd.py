@@ -1,13 +1,16 @@
 """Lower a `ShardingPlan` to one `jax.jit` program on its mesh.
 
 The graph is re-run by `OpGraph.evaluate` inside `jax.jit`; arguments and results get the
-plan's shardings, and every result the plan pins gets a `with_sharding_constraint`. XLA's
-SPMD partitioner then inserts the collectives.
+plan's shardings, and every result the plan pins gets a `with_sharding_constraint`. A scan
+whose body the planner opened (scanned layers, `ShardingPlan.scan_bodies`) runs as a
+`jax.lax.scan` of its body graph with the body's constraints inside. XLA's SPMD
+partitioner then inserts the collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -15,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
+from autopar.intra._scan import opened_body
 
 
 def local_devices() -> list:
@@ -59,6 +63,7 @@ def lower_sharding_plan(
     """
     plan.check_graph(graph)
     mesh = jax_mesh(plan.mesh, devices)
+    graph = with_scan_bodies(graph, plan, mesh)
     in_vars = [graph.vars[v] for v in graph.invars]
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
@@ -106,6 +111,60 @@ def constraint_hooks(plan, mesh: Mesh):
     return on_input, on_output
 
 
+def with_scan_bodies(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
+    """`graph` whose planned scans run their bodies under the plan's constraints.
+
+    Each scan node with a `BodyPlan` gets a `prim` that runs `jax.lax.scan` over its body
+    graph (`opened_body`), every body result pinned to its planned spec, the operands the
+    body reshards pinned before use, and each carry returned in its layout on entry.
+    """
+    bodies = getattr(plan, "scan_bodies", ())
+    if not bodies:
+        return graph
+    nodes = list(graph.nodes)
+    for body_plan in bodies:
+        node = nodes[body_plan.node]
+        assert node.primitive == "scan", f"node {node.id} is a {node.primitive}, not a scan"
+        nodes[node.id] = replace(node, prim=PlannedScan(node.params, body_plan, mesh))
+    return replace(graph, nodes=nodes)
+
+
+class PlannedScan:
+    """Stands in for `scan_p` in one node: `bind` runs the planned body in a `lax.scan`."""
+
+    multiple_results = True
+
+    def __init__(self, params: Mapping, body_plan, mesh: Mesh) -> None:
+        self.body = opened_body(params)
+        self.body_plan = body_plan
+        self.mesh = mesh
+
+    def bind(self, *operands, **params):
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+        consts = list(operands[:num_consts])
+        init = list(operands[num_consts : num_consts + num_carry])
+        xs = list(operands[num_consts + num_carry :])
+        on_input, on_output = constraint_hooks(self.body_plan, self.mesh)
+        out_shardings = [
+            None if spec is None or not spec else NamedSharding(self.mesh, to_partition_spec(spec))
+            for spec in self.body_plan.out_specs
+        ]
+
+        def step(carry, x):
+            outs = self.body.evaluate([*consts, *carry, *x], on_output, on_input=on_input)
+            outs = [
+                x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                for x, sh in zip(outs, out_shardings)
+            ]
+            return outs[:num_carry], outs[num_carry:]
+
+        carry, ys = jax.lax.scan(
+            step, init, xs, length=params["length"], reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+        return [*carry, *ys]
+
+
 def lower_segment(
     graph: OpGraph,
     plan,
@@ -139,6 +198,7 @@ def lower_segment(
     output_specs = output_specs or {}
     stacked = dict(stacked or {})
     on_input, on_output = constraint_hooks(plan, mesh)
+    graph = with_scan_bodies(graph, plan, mesh)
     node_list = [graph.nodes[i] for i in nodes]
     accumulate = [v for v in outputs if v in set(accumulate)]
 
