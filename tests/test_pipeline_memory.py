@@ -23,8 +23,7 @@ from jax.sharding import NamedSharding
 import autopar
 from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.cost import bytes_per_device
-from autopar.runtime import PipelineExecutable
-from autopar.runtime._memory import peak_live_bytes
+from autopar.runtime import PipelineExecutable, peak_live_bytes
 from autopar.runtime._values import MicrobatchValues
 from autopar.search import PlanOptions
 from autopar.search._pipeline import _stage_choices

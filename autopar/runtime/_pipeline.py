@@ -6,6 +6,12 @@ forward or backward segment runs on its submesh (its inputs moved there with
 that computes them (data-parallel weight gradients as unreduced per-device partial sums,
 reduced once per step); then the update fragments run once, each on its stage, with the
 summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
+
+Memory: every per-microbatch value is dropped after its last reader on each stage
+(`autopar.runtime._values`, reader counts computed once here at build time), so a stage
+holds the activations of the microbatches its schedule keeps in flight, not of the whole
+step; each stage keeps one running sum per gradient. `record_memory` samples the live bytes
+per device between tasks (`autopar.runtime._memory`).
 """
 
 from __future__ import annotations
@@ -243,12 +249,13 @@ class PipelineExecutable:
             "values of a microbatch outlived their last reader: "
             f"{[m.held() for m in micro if m.copies]}"
         )
-        del micro, step_values
+        micro.clear()
+        step_values.copies.clear()  # parameters moved for the microbatches' tasks
         for stage, sums in enumerate(stage_sums):
             for v, reduce in self.handoff[stage].items():
                 sums[v] = reduce(sums[v])
             step_env.update(sums)
-        del stage_sums
+        stage_sums.clear()
         for compiled in self.apply:
             start = time.perf_counter()
             args = self._fetch(step_env, compiled)
