@@ -7,7 +7,10 @@ Stage DP: a GPT-like synthetic cost model (identical layers; a stage of n layers
 submesh of d devices takes n / d time units plus a tensor-parallel communication term that
 grows with log2(d) and is 4x larger across hosts; it fits in memory only if n / d <= 2
 layers per device) and a random-cost model (every (range, submesh) latency drawn at random,
-the worst case for the number of distinct candidate t_max). For each: wall time of the
+the worst case for the number of distinct candidate t_max). "gpt-1f1b" is the GPT-like
+model under 1F1B: a stage's memory also counts the activations of the min(B, S - i)
+microbatches stage i of S keeps, so the DP passes each stage's position (`num_positions`).
+For each: wall time of the
 search (callback excluded), stage_cost evaluations, DP passes, and how many DP passes
 Alpa's increasing-t_max order would need at least (the candidates t with B * t below the
 optimum, which its pruning cannot skip).
@@ -52,6 +55,26 @@ def gpt_like_cost(submeshes):
         return StageCost(layers * (1.0 / devices + comm), memory <= LAYERS_PER_DEVICE_LIMIT, memory)
 
     return stage_cost
+
+
+# 1F1B memory by position: a stage i of S keeps min(B, S - i) microbatches of activations,
+# each ACTIVATION_PER_LAYER of a layer's state; the DP passes each stage's position.
+ACTIVATION_PER_LAYER = 0.05
+
+
+def gpt_like_1f1b_cost(num_microbatches):
+    def make(submeshes):
+        base = gpt_like_cost(submeshes)
+
+        def stage_cost(start, end, index, position):
+            cost = base(start, end, index)
+            in_flight = min(num_microbatches, position)
+            memory = cost.memory * (1.0 + ACTIVATION_PER_LAYER * in_flight)
+            return StageCost(cost.latency, memory <= LAYERS_PER_DEVICE_LIMIT, memory)
+
+        return stage_cost
+
+    return make
 
 
 def random_cost(submeshes, seed):
@@ -125,6 +148,10 @@ def main():
         run_stage_dp("gpt-like", num_layers, cluster, 32, gpt_like_cost)
     run_stage_dp("gpt-like", 48, (8, 8), 32, gpt_like_cost, num_stages=8)
     run_stage_dp("gpt-like", 48, (8, 8), 32, gpt_like_cost, max_stages=16)
+    for num_layers, cluster in [(24, (2, 8)), (48, (8, 8))]:
+        for num_microbatches in (8, 32):
+            run_stage_dp("gpt-1f1b", num_layers, cluster, num_microbatches,
+                         gpt_like_1f1b_cost(num_microbatches), num_positions=num_microbatches)
     for num_microbatches in (1, 8, 64):
         run_stage_dp("random", 48, (8, 8), num_microbatches, lambda s: random_cost(s, 0))
     run_clustering()

@@ -270,3 +270,97 @@ def test_medium_instance_is_fast_and_uses_few_dp_runs():
     assert plan.num_dp_runs < 30
     assert len(plan.stages) > 1  # with 16 microbatches a pipeline beats pure sharding
     check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
+
+
+# ---- stage memory by position (1F1B: stage i of S keeps min(B, S - i) microbatches) ------
+
+
+def positional_cost_table(rng, num_layers, submeshes, num_microbatches):
+    """A 1F1B-like callback: a stage at position p (from the last) keeps min(B, p)
+    microbatches of activations and must fit a memory budget; a stage that does not fit
+    at its fastest may fit slower (a leaner plan), so latency depends on position too."""
+    state = [rng.uniform(0.2, 1.0) for _ in range(num_layers)]
+    activation = [rng.uniform(0.1, 1.0) for _ in range(num_layers)]
+    budget = rng.uniform(1.0, 3.0)
+    table = {}
+    for start in range(num_layers):
+        for end in range(start + 1, num_layers + 1):
+            for index, sub in enumerate(submeshes):
+                work = sum(rng.uniform(0.5, 2.0) for _ in range(end - start))
+                latency = work / sub.num_devices ** rng.uniform(0.5, 1.0)
+                for position in range(1, num_microbatches + 1):
+                    in_flight = min(num_microbatches, position)
+                    memory = (
+                        sum(state[start:end]) + in_flight * sum(activation[start:end])
+                    ) / sub.num_devices
+                    lean = memory > budget and memory * 0.7 <= budget
+                    table[(start, end, index, position)] = StageCost(
+                        round(latency * (1.3 if lean else 1.0), 3),
+                        memory <= budget or lean,
+                        memory=memory,
+                    )
+    return table
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_positional_dp_equals_brute_force(seed):
+    rng = random.Random(1000 + seed)
+    cluster = SMALL_CLUSTERS[seed % len(SMALL_CLUSTERS)]
+    num_layers = rng.randint(1, 6)
+    num_microbatches = [1, 2, 3, 8][(seed // len(SMALL_CLUSTERS)) % 4]
+    options = {"num_positions": num_microbatches}
+    pick = rng.random()
+    if pick < 0.2:
+        options["num_stages"] = rng.randint(1, min(num_layers, math.prod(cluster)))
+    elif pick < 0.35:
+        options["max_stages"] = rng.randint(1, num_layers)
+    subs = submesh_shapes(*cluster)
+    table = positional_cost_table(rng, num_layers, subs, num_microbatches)
+    calls = collections.Counter()
+
+    def stage_cost(start, end, index, position):
+        assert 1 <= position <= num_microbatches
+        calls[(start, end, index, position)] += 1
+        return table[(start, end, index, position)]
+
+    try:
+        plan = plan_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+    except ValueError:
+        with pytest.raises(ValueError):
+            brute_force_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+        return
+    assert max(calls.values()) == 1, "one call per (start, end, mesh, position)"
+    reference = brute_force_stages(num_layers, *cluster, stage_cost, num_microbatches, **options)
+    assert plan.latency == pytest.approx(reference.latency, rel=1e-12)
+    count = len(plan.stages)
+    keys = [(s, e, j, min(count - i, num_microbatches)) for i, (s, e, j) in enumerate(plan.stages)]
+    assert all(table[key].feasible for key in keys), "each stage fits at its own position"
+    assert plan.stage_costs == tuple(table[key] for key in keys)
+    latencies = [table[key].latency for key in keys]
+    assert plan.latency == pytest.approx(sum(latencies) + (num_microbatches - 1) * max(latencies))
+    check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
+
+
+def test_last_stage_may_hold_more_layers_than_the_first():
+    """Hand-computed, 1F1B with B = 4 on 1x2 devices, layers of 1 unit of state and 1 of
+    activations per microbatch, budget 4. Stage 0 of 2 keeps 2 microbatches, stage 1 one:
+    layers [0, 1) + [1, 3) need 1 + 2 = 3 and 2 + 2 = 4, so they fit; [0, 2) + [2, 3) need
+    2 + 4 = 6 on the first stage and do not. Counting 2 in flight on every stage (the
+    estimate from devices alone) would reject both and leave no plan."""
+
+    def stage_cost(start, end, index, position):
+        if index != 0:
+            return StageCost(math.inf, False)
+        layers = end - start
+        memory = layers + min(4, position) * layers
+        return StageCost(float(layers), memory <= 4, memory=memory)
+
+    plan = plan_stages(3, 1, 2, stage_cost, 4, num_positions=4, submeshes=[SubmeshShape(1, 1)])
+    assert plan.stages == ((0, 1, 0), (1, 3, 0))
+    assert [c.memory for c in plan.stage_costs] == [3, 4]
+    with pytest.raises(ValueError, match=r"shortfall is 2 B.*\[0, 2\) on submesh 1x1 as "
+                       r"stage 1 from the last needs 6 B"):
+        plan_stages(  # every stage holding 2 microbatches: no plan
+            3, 1, 2, lambda s, e, i, p: stage_cost(s, e, i, 2), 4, num_positions=4,
+            submeshes=[SubmeshShape(1, 1)], memory_budget=4,
+        )

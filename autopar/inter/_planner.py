@@ -408,8 +408,10 @@ def choose_stages(
     budget = memory_budget(cluster, options.memory_budget)
 
     def in_flight(shape) -> int:
-        # Activations in flight: GPipe keeps all microbatches; 1F1B at most one per later
-        # stage, bounded here by the number of stages that could follow on the devices left.
+        # The layer ILPs' estimate of the activations in flight (a weight in the footprint
+        # their leaner levels limit; they do not know the stage's position): GPipe keeps all
+        # microbatches, 1F1B at most one per stage that could follow on the devices left.
+        # The stage DP's memory check uses each stage's exact position (`_StageCosts`).
         later = max(1, cluster.num_devices // math.prod(shape))
         return in_flight_microbatches(schedule, num_microbatches, later)
 
@@ -420,12 +422,14 @@ def choose_stages(
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
-    stage_cost = _StageCosts(table, all_submeshes, logical_shapes, in_flight, budget)
+    stage_cost = _StageCosts(
+        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget
+    )
     start_time = time.perf_counter()
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
-        memory_budget=budget,
+        memory_budget=budget, num_positions=stage_cost.num_positions,
     )
     log.info(
         "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs, %.2f s",
@@ -449,26 +453,34 @@ def choose_stages(
 
 @dataclass
 class _StageCosts:
-    """The stage DP's cost of layers [start, end) on submesh `index`: the fastest logical
-    mesh shape and memory level at which the layers fit the budget together."""
+    """The stage DP's cost of layers [start, end) on submesh `index` as the stage
+    `stages_from_here` stages from the end (1: the last): the fastest logical mesh shape
+    and memory level at which the layers, with the activations of the microbatches that
+    position keeps in flight (`in_flight_microbatches`), fit the budget together."""
 
     table: LayerCostTable
     submeshes: list[SubmeshShape]
     logical_shapes: Sequence[tuple[int, ...]] | None
-    in_flight: object  # shape -> microbatches in flight
+    schedule: str
+    num_microbatches: int
     budget: float
 
-    def __call__(self, start: int, end: int, index: int) -> StageCost:
+    @property
+    def num_positions(self) -> int | None:
+        """Positions whose memory differs: under 1F1B stage i of S keeps min(B, S - i)
+        microbatches, the same from S - i = B on; under GPipe every stage keeps B."""
+        return self.num_microbatches if self.schedule == "1f1b" else None
+
+    def __call__(self, start: int, end: int, index: int, stages_from_here: int = 1) -> StageCost:
         sub = self.submeshes[index]
         shapes = self.logical_shapes or logical_mesh_shapes(sub)
         shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
+        in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         best = None
         least_memory = math.inf
         for shape in shapes:
             shape = tuple(shape)
-            found = _fitting_level(
-                self.table, range(start, end), shape, self.in_flight(shape), self.budget
-            )
+            found = _fitting_level(self.table, range(start, end), shape, in_flight, self.budget)
             if found is None:
                 continue
             level, costs, memory = found

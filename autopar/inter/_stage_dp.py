@@ -21,9 +21,14 @@ or when ``F + (B - 1) * t_low >= best``, t_low being a lower bound on any plan's
 stage (F only grows as t_max falls). The DP runs once per point of the (largest stage,
 sum of stages) Pareto front that can still win.
 
-Stage count. Alpa's F also indexes the number of stages because its memory check depends
-on it; here the callback has already checked memory, so the count is only tracked when
-`num_stages` or `max_stages` constrain it.
+Stage count and position. Alpa's F also indexes the number of stages because a stage's
+memory depends on its position: under 1F1B stage i of S keeps min(B, S - i) microbatches
+of activations (`autopar.cost.in_flight_microbatches`). With `num_positions` P the callback
+takes a fourth argument, the stage's position counted from the last stage (1 = the last),
+capped at P (its answer may not change beyond P: for 1F1B, P = B), and F(b, k, d) indexes
+the stages from layer k to the end, b, exactly up to P - 1, with b = P meaning "P or
+more". Without positions the count is only tracked when `num_stages` or `max_stages`
+constrain it (then exactly, up to the most stages allowed).
 
 Packing. When the host-local submesh sizes are powers of two dividing `devices_per_host`
 (always so for Alpa's shapes with a power-of-two `devices_per_host`), every plan that uses
@@ -94,13 +99,13 @@ class StagePlan:
     num_dp_runs: int = 0
 
 
-StageCostFn = Callable[[int, int, int], StageCost]
+StageCostFn = Callable[..., StageCost]  # (start, end, index[, stages_from_here])
 
 # When the submeshes do not always pack (see "Packing" above), give up the search over all
 # of them after this many plans that do not pack, each of which costs a DP pass; the exact
 # search over the submeshes that always pack still runs.
 MAX_UNPACKABLE_PLANS = 32
-StageKey = tuple[int, int, int]  # (start, end, submesh_index)
+StageKey = tuple[int, int, int, int]  # (start, end, submesh_index, position)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,8 @@ class _Problem:
     allowed: tuple[int, ...]
     num_stages: int | None
     max_stages: int | None
+    num_positions: int = 1  # positions the callback tells apart (1: it takes 3 arguments)
+    positional: bool = False
 
     @property
     def num_devices(self) -> int:
@@ -126,6 +133,15 @@ class _Problem:
             return self.num_stages, self.num_stages
         most = min(self.num_layers, self.num_devices)
         return 1, (most if self.max_stages is None else min(most, self.max_stages))
+
+    def position(self, stages_from_here: int) -> int:
+        """The position the callback is asked about: capped at `num_positions`."""
+        return min(stages_from_here, self.num_positions)
+
+    def keys(self, stages: Sequence[tuple[int, int, int]]) -> list[StageKey]:
+        """`(start, end, index, position)` of a plan's stages, in pipeline order."""
+        count = len(stages)
+        return [(s, e, j, self.position(count - i)) for i, (s, e, j) in enumerate(stages)]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -160,6 +176,13 @@ def _prepare(num_layers, num_hosts, devices_per_host, stage_cost, num_microbatch
     num_stages, max_stages = _check_stage_counts(
         num_layers, num_hosts * devices_per_host, options["num_stages"], options["max_stages"]
     )
+    positions = options.get("num_positions")
+    if positions is not None:
+        positions = _positive_int("num_positions", positions)
+        most = min(num_layers, num_hosts * devices_per_host)
+        if max_stages is not None or num_stages is not None:
+            most = min(most, num_stages or max_stages)
+        positions = min(positions, most)  # no stage has more stages from it than that
     return _Problem(
         num_layers=num_layers,
         num_hosts=num_hosts,
@@ -169,6 +192,8 @@ def _prepare(num_layers, num_hosts, devices_per_host, stage_cost, num_microbatch
         allowed=allowed,
         num_stages=num_stages,
         max_stages=max_stages,
+        num_positions=positions or 1,
+        positional=positions is not None,
     )
 
 
@@ -204,7 +229,8 @@ def _submesh_index(index: Any, num_submeshes: int) -> int:
     return int(index)
 
 
-def _call_cost(stage_cost: StageCostFn, key: StageKey) -> StageCost:
+def _call_cost(problem: _Problem, stage_cost: StageCostFn, key: StageKey) -> StageCost:
+    key = key if problem.positional else key[:3]
     cost = stage_cost(*key)
     if not isinstance(cost, StageCost):
         raise TypeError(f"stage_cost{key} returned {type(cost).__name__}, expected StageCost")
@@ -217,43 +243,77 @@ def _call_cost(stage_cost: StageCostFn, key: StageKey) -> StageCost:
 
 
 def _evaluate(problem: _Problem, stage_cost: StageCostFn) -> dict[StageKey, StageCost]:
-    """Call the callback once for every (layer range, submesh) a plan could use."""
+    """Call the callback once for every (layer range, submesh, position) a plan could use."""
     fewest, _ = problem.stage_count_range()
-    longest = problem.num_layers - fewest + 1  # the other stages need a layer each
-    most_devices = problem.num_devices - fewest + 1  # ... and a device each
     costs = {}
-    for index in problem.allowed:
-        if problem.submeshes[index].num_devices > most_devices:
-            continue
-        for start in range(problem.num_layers):
-            for end in range(start + 1, min(problem.num_layers, start + longest) + 1):
-                costs[(start, end, index)] = _call_cost(stage_cost, (start, end, index))
+    for position in range(1, problem.num_positions + 1):
+        # The other stages need a layer and a device each: at least `fewest` stages in
+        # all, and at least `position - 1` after this one.
+        others = max(fewest, position) - 1
+        longest = problem.num_layers - others
+        most_devices = problem.num_devices - others
+        for index in problem.allowed:
+            if problem.submeshes[index].num_devices > most_devices:
+                continue
+            for start in range(problem.num_layers - position + 1):
+                last = min(problem.num_layers - position + 1, start + longest)
+                for end in range(start + 1, last + 1):
+                    key = (start, end, index, position)
+                    costs[key] = _call_cost(problem, stage_cost, key)
     return costs
 
 
 def _group_latency(problem: _Problem, costs: dict[StageKey, StageCost]):
-    """Best latency per (start, end, device count); inf where no feasible stage.
+    """Best latency per (start, end, device count, position); inf where no feasible stage.
 
     **Returns:**
-    ``(latency[start, end, group], submesh[start, end, group], device_counts[group])``:
+    ``(latency[start, end, group, position - 1], submesh[...], device_counts[group])``:
     submeshes with the same number of devices form one group, which keeps the cheapest.
     """
     num_layers = problem.num_layers
     device_counts = sorted({problem.submeshes[i].num_devices for i in problem.allowed})
     group_of = {count: g for g, count in enumerate(device_counts)}
-    latency = np.full((num_layers, num_layers + 1, len(device_counts)), np.inf)
+    shape = (num_layers, num_layers + 1, len(device_counts), problem.num_positions)
+    latency = np.full(shape, np.inf)
     submesh = np.full(latency.shape, -1, dtype=np.int64)
-    for (start, end, index), cost in costs.items():
+    for (start, end, index, position), cost in costs.items():
         g = group_of.get(problem.submeshes[index].num_devices)
+        at = (start, end, g, position - 1)
         if (
             g is not None
             and index in problem.allowed
             and cost.feasible
-            and cost.latency < latency[start, end, g]
+            and cost.latency < latency[at]
         ):
-            latency[start, end, g] = cost.latency
-            submesh[start, end, g] = index
+            latency[at] = cost.latency
+            submesh[at] = index
     return latency, submesh, np.asarray(device_counts, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    """What the DP's first index counts: the stages from a layer to the end, exactly in
+    0..`top` (`saturating` False), or exactly below `top` and `top` meaning "`top` or more"
+    (`saturating` True; `top` 0: not counted at all)."""
+
+    top: int
+    saturating: bool
+
+    @staticmethod
+    def of(problem: _Problem, num_positions: int) -> _Buckets:
+        if problem.num_stages is not None or problem.max_stages is not None:
+            fewest, most = problem.stage_count_range()
+            return _Buckets(most, False, fewest)
+        return _Buckets(num_positions if num_positions > 1 else 0, True)
+
+    fewest: int = 1
+
+    @property
+    def final_range(self) -> range:
+        """The buckets a whole plan may end in."""
+        if not self.saturating:
+            return range(self.fewest, self.top + 1)
+        return range(min(1, self.top), self.top + 1)
 
 
 def _store_shifted(shifted, total, row, device_counts) -> None:
@@ -263,66 +323,73 @@ def _store_shifted(shifted, total, row, device_counts) -> None:
         shifted[g, :, row, count:] = total[:, row, : num_columns - count]
 
 
-def _bounded_dp(latency, device_counts, num_devices, t_max, count_range):
+def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets):
     """The DP for one t_max: least total latency with every stage <= t_max.
 
     **Arguments:**
-    - `latency`: ``[start, end, group]`` stage latencies (inf = infeasible).
+    - `latency`: ``[start, end, group, position - 1]`` stage latencies (inf = infeasible).
     - `device_counts`: devices of each group.
     - `num_devices`: devices the plan must use in total.
     - `t_max`: the bound on every stage.
-    - `count_range`: ``(fewest, most)`` stages, or None when the count is free.
+    - `buckets`: what the stage counts index (`_Buckets`); a stage in bucket b (itself and
+      the stages after it) is at position min(b, P), P = ``latency.shape[3]``.
 
     **Returns:**
     ``[(start, end, group), ...]`` of the best plan, or None if there is none.
     """
-    num_layers = latency.shape[0]
+    num_layers, num_positions = latency.shape[0], latency.shape[3]
     num_groups = len(device_counts)
-    counting = count_range is not None
-    num_buckets = count_range[1] + 1 if counting else 1  # bucket = stages used so far
+    top, saturating = buckets.top, buckets.saturating
     cost = np.where(latency <= t_max, latency, np.inf)
-    total = np.full((num_buckets, num_layers + 1, num_devices + 1), np.inf)
+    total = np.full((top + 1, num_layers + 1, num_devices + 1), np.inf)
     total[0, num_layers, 0] = 0.0
     choice = np.full(total.shape, -1, dtype=np.int64)
+    # Where the "top or more" bucket came from the top bucket itself (not from top - 1).
+    from_top = np.zeros(total.shape, dtype=bool)
     shifted = np.full((num_groups,) + total.shape, np.inf)
     _store_shifted(shifted, total, num_layers, device_counts)
+    sources = np.arange(top + 1) if saturating else np.arange(top)
+    targets = np.minimum(sources + 1, top)
+    positions = np.minimum(np.maximum(targets, 1), num_positions) - 1
     for start in range(num_layers - 1, -1, -1):
-        num_ends = num_layers - start
-        if counting:
-            top = min(num_buckets - 1, num_ends)  # at most one stage per layer
-            source, targets = shifted[:, :top, start + 1 :], slice(1, top + 1)
-        else:
-            source, targets = shifted[:, :, start + 1 :], slice(0, 1)
-        stage = cost[start, start + 1 :, :].T  # [group, end]
-        candidates = stage[:, None, :, None] + source  # [group, bucket, end, devices]
-        flat = candidates.transpose(1, 3, 0, 2).reshape(source.shape[1], num_devices + 1, -1)
+        stage = cost[start, start + 1 :].transpose(1, 2, 0)[:, positions]  # [group, src, end]
+        source = shifted[:, sources, start + 1 :]  # [group, source bucket, end, devices]
+        candidates = stage[..., None] + source
+        flat = candidates.transpose(1, 3, 0, 2).reshape(len(sources), num_devices + 1, -1)
         best = flat.argmin(axis=2)  # encodes group * num_ends + (end - start - 1)
-        total[targets, start] = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
-        choice[targets, start] = best
+        value = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
+        if not saturating:
+            total[1:, start], choice[1:, start] = value, best
+        elif top == 0:
+            total[0, start], choice[0, start], from_top[0, start] = value[0], best[0], True
+        else:
+            total[1:top, start], choice[1:top, start] = value[: top - 1], best[: top - 1]
+            stays = value[top] < value[top - 1]
+            total[top, start] = np.where(stays, value[top], value[top - 1])
+            choice[top, start] = np.where(stays, best[top], best[top - 1])
+            from_top[top, start] = stays
         _store_shifted(shifted, total, start, device_counts)
-    if counting:
-        fewest, most = count_range
-        bucket = fewest + int(np.argmin(total[fewest : most + 1, 0, num_devices]))
-    else:
-        bucket = 0
+    final = buckets.final_range
+    bucket = final.start + int(np.argmin(total[final.start : final.stop, 0, num_devices]))
     if not np.isfinite(total[bucket, 0, num_devices]):
         return None
-    return _reconstruct(choice, device_counts, bucket, counting)
+    return _reconstruct(choice, from_top, device_counts, bucket)
 
 
-def _reconstruct(choice, device_counts, bucket, counting) -> list[tuple[int, int, int]]:
+def _reconstruct(choice, from_top, device_counts, bucket) -> list[tuple[int, int, int]]:
     num_layers = choice.shape[1] - 1
     devices = choice.shape[2] - 1
     stages, start = [], 0
     while start < num_layers:
         code = int(choice[bucket, start, devices])
         assert code >= 0, f"DP state (stages={bucket}, layer={start}) has no recorded choice"
+        came_from_top = bool(from_top[bucket, start, devices])
         group, offset = divmod(code, num_layers - start)
         end = start + 1 + offset
         stages.append((start, end, group))
         devices -= int(device_counts[group])
         start = end
-        bucket -= 1 if counting else 0
+        bucket -= 0 if came_from_top else 1
     assert devices == 0, f"DP plan leaves {devices} devices unused"
     return stages
 
@@ -330,7 +397,7 @@ def _reconstruct(choice, device_counts, bucket, counting) -> list[tuple[int, int
 def _largest_stage_lower_bound(latency) -> float:
     """max over layers of the cheapest feasible stage containing it: every plan's largest
     stage is at least this."""
-    cheapest = latency.min(axis=2)
+    cheapest = latency.min(axis=(2, 3))
     num_layers = latency.shape[0]
     return max(float(cheapest[: i + 1, i + 1 :].min()) for i in range(num_layers))
 
@@ -338,7 +405,7 @@ def _largest_stage_lower_bound(latency) -> float:
 def _is_packable(problem: _Problem, stages: Sequence[StageKey]) -> bool:
     try:
         assign_devices(
-            [problem.submeshes[j] for _, _, j in stages],
+            [problem.submeshes[key[2]] for key in stages],
             problem.num_hosts,
             problem.devices_per_host,
         )
@@ -387,29 +454,44 @@ def _plan_latency(problem: _Problem, stages: Sequence[StageKey], costs) -> float
     return pipeline_latency([costs[key].latency for key in stages], problem.num_microbatches)
 
 
+def _distinct_positions(latency, submesh) -> int:
+    """The fewest positions P' such that every position from P' on has the same stage
+    options as P' (latency and submesh): the DP then counts stages only up to P', which
+    costs it a factor P' (often 1: when every stage fits wherever it sits)."""
+    num_positions = latency.shape[3]
+    while num_positions > 1 and np.array_equal(
+        latency[..., num_positions - 2], latency[..., num_positions - 1]
+    ) and np.array_equal(submesh[..., num_positions - 2], submesh[..., num_positions - 1]):
+        num_positions -= 1
+    return num_positions
+
+
 def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
     """Visit candidate t_max from the largest down (see the module docstring).
 
     **Returns:**
-    ``(stages, num_dp_runs)``: the best plan as ``(start, end, submesh_index)`` tuples
+    ``(stages, num_dp_runs)``: the best plan as ``(start, end, submesh_index, position)``
     (None if there is none) and the number of DP passes.
     """
     latency, submesh, device_counts = _group_latency(problem, costs)
+    num_positions = _distinct_positions(latency, submesh)
+    latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
     candidates = np.unique(latency[np.isfinite(latency)])
-    counted = problem.num_stages is not None or problem.max_stages is not None
-    count_range = problem.stage_count_range() if counted else None
+    buckets = _Buckets.of(problem, num_positions)
     extra = problem.num_microbatches - 1
     t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
     best, best_latency, num_runs, num_unpackable = None, math.inf, 0, 0
     index = candidates.size - 1
     while index >= 0:
         t_max = candidates[index]
-        groups = _bounded_dp(latency, device_counts, problem.num_devices, t_max, count_range)
+        groups = _bounded_dp(latency, device_counts, problem.num_devices, t_max, buckets)
         num_runs += 1
         if groups is None:
             break
-        stages = [(s, e, int(submesh[s, e, g])) for s, e, g in groups]
-        stage_latencies = [float(latency[s, e, g]) for s, e, g in groups]
+        stages = problem.keys(groups)  # (start, end, group, position)
+        at = [(s, e, g, min(p, num_positions) - 1) for s, e, g, p in stages]
+        stage_latencies = [float(latency[key]) for key in at]
+        stages = [(s, e, int(submesh[key]), p) for key, (s, e, _, p) in zip(at, stages)]
         total, largest = sum(stage_latencies), max(stage_latencies)
         if _is_packable(problem, stages):
             if total + extra * largest < best_latency:
@@ -433,8 +515,10 @@ def _memory_note(problem: _Problem, costs, memory_budget: float | None) -> str:
     short = [(c.memory, key) for key, c in costs.items() if not c.feasible and c.memory > 0]
     if not short:
         return ""
-    memory, (start, end, index) = min(short)
+    memory, (start, end, index, position) = min(short)
     where = f"layers [{start}, {end}) on submesh {problem.submeshes[index]}"
+    if problem.positional:
+        where += f" as stage {position} from the last"
     if memory_budget is None:
         return (
             f" The least memory an infeasible stage needs is {_format_bytes(memory)} per "
@@ -473,10 +557,11 @@ def _make_plan(problem, stages, costs, num_evaluations, solve_time, num_runs) ->
     latencies = [c.latency for c in stage_costs]
     total, largest = float(sum(latencies)), float(max(latencies))
     device_ids = assign_devices(
-        [problem.submeshes[j] for _, _, j in stages], problem.num_hosts, problem.devices_per_host
+        [problem.submeshes[key[2]] for key in stages], problem.num_hosts,
+        problem.devices_per_host,
     )
     return StagePlan(
-        stages=tuple(stages),
+        stages=tuple(key[:3] for key in stages),
         latency=pipeline_latency(latencies, problem.num_microbatches),
         max_stage_latency=largest,
         sum_stage_latency=total,
@@ -500,6 +585,7 @@ def plan_stages(
     max_stages: int | None = None,
     allowed_submeshes: Collection[int] | None = None,
     memory_budget: float | None = None,
+    num_positions: int | None = None,
 ) -> StagePlan:
     """Slice layers into pipeline stages on submeshes, minimising the pipeline latency.
 
@@ -513,6 +599,11 @@ def plan_stages(
     - `num_stages`: fix the number of stages; `max_stages`: bound it.
     - `allowed_submeshes`: indices into `submeshes` a stage may use; default all.
     - `memory_budget`: bytes per device, only to explain infeasibility in errors.
+    - `num_positions`: P; when given, `stage_cost` takes a fourth argument, the stage's
+      position from the last stage (1 = the last; S - i for stage i of S), capped at P:
+      ``stage_cost(start, end, submesh_index, min(S - i, P))``. Give it when a stage's
+      cost depends on where it sits (its memory under 1F1B: P = B, see the module
+      docstring); called at most once per argument quadruple.
 
     **Returns:**
     The `StagePlan` minimising ``sum_i t_i + (B - 1) * max_j t_j``.
@@ -529,6 +620,7 @@ def plan_stages(
         num_stages=num_stages,
         max_stages=max_stages,
         allowed_submeshes=allowed_submeshes,
+        num_positions=num_positions,
     )
     costs = _evaluate(problem, stage_cost)
     started = time.perf_counter()
@@ -550,6 +642,7 @@ def brute_force_stages(
     num_stages: int | None = None,
     max_stages: int | None = None,
     allowed_submeshes: Collection[int] | None = None,
+    num_positions: int | None = None,
 ) -> StagePlan:
     """The slow reference for `plan_stages`: try every slicing and every submesh choice.
 
@@ -566,6 +659,7 @@ def brute_force_stages(
         num_stages=num_stages,
         max_stages=max_stages,
         allowed_submeshes=allowed_submeshes,
+        num_positions=num_positions,
     )
     started = time.perf_counter()
     costs: dict[StageKey, StageCost] = {}
@@ -577,10 +671,12 @@ def brute_force_stages(
             for choice in itertools.product(problem.allowed, repeat=count):
                 if sum(problem.submeshes[j].num_devices for j in choice) != problem.num_devices:
                     continue
-                stages = [(bounds[i], bounds[i + 1], j) for i, j in enumerate(choice)]
+                stages = problem.keys(
+                    [(bounds[i], bounds[i + 1], j) for i, j in enumerate(choice)]
+                )
                 for key in stages:
                     if key not in costs:
-                        costs[key] = _call_cost(stage_cost, key)
+                        costs[key] = _call_cost(problem, stage_cost, key)
                 if not all(costs[key].feasible for key in stages):
                     continue
                 latency = pipeline_latency(

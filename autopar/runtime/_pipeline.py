@@ -6,10 +6,17 @@ forward or backward segment runs on its submesh (its inputs moved there with
 that computes them (data-parallel weight gradients as unreduced per-device partial sums,
 reduced once per step); then the update fragments run once, each on its stage, with the
 summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
+
+Memory: every per-microbatch value is dropped after its last reader on each stage
+(`autopar.runtime._values`, reader counts computed once here at build time), so a stage
+holds the activations of the microbatches its schedule keeps in flight, not of the whole
+step; each stage keeps one running sum per gradient. `record_memory` samples the live bytes
+per device between tasks (`autopar.runtime._memory`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +30,9 @@ from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
+from autopar.runtime._memory import MemoryRecorder, MemorySample
 from autopar.runtime._schedule import dispatch_order, stage_order
+from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,17 @@ class PipelineExecutable:
                 self.tasks[(phase, seg.stage)] = self._lower(seg, grad_set, None, output_specs)
         self.apply = [self._lower(seg, (), scale, output_specs) for seg in partition.apply]
         self.batch_vars = [v for v in graph.invars if graph.vars[v].role is Role.BATCH]
+        # Values made once per microbatch (its batch rows and everything its tasks
+        # produce), and how many tasks of each stage read each: a value goes once its
+        # last reader has run (see `autopar.runtime._values`).
+        per_microbatch = set(self.batch_vars)
+        for seg in (*partition.forward, *partition.backward):
+            per_microbatch.update(seg.outputs)
+        self.per_microbatch = frozenset(per_microbatch)
+        self.readers = readers_by_stage(
+            (*partition.forward, *partition.backward), self.per_microbatch
+        )
+        self.memory_samples: list[MemorySample] | None = None
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -124,37 +144,54 @@ class PipelineExecutable:
     # ---- running ---------------------------------------------------------------------------
 
     def _fetch(self, env: dict, compiled: _Compiled) -> list:
+        """The arguments of a once-per-step segment (the update) from `env`."""
         args = []
         for v, sharding in zip(compiled.segment.inputs, compiled.in_shardings):
-            x = env[v]
-            current = getattr(x, "sharding", None)
-            if current is None or not current.is_equivalent_to(sharding, x.ndim):
-                x = _move(x, sharding)
-                env[v] = x  # later readers on this stage reuse the moved copy
+            x = _placed(env[v], sharding)
+            env[v] = x  # later readers on this stage reuse the moved copy
             args.append(x)
         return args
 
-    def _split_batch(self, flat_args: dict) -> list[dict]:
+    def _batch_sources(self, step_env: dict) -> list[dict]:
+        """Per microbatch, var -> a function slicing its rows out of a batch input (called
+        when a stage first reads them, so that a microbatch's rows exist only while it
+        runs)."""
         m = self.num_microbatches
-        parts = [dict() for _ in range(m)]
         for v in self.batch_vars:
-            x = flat_args[v]
-            size = self.graph.vars[v].shape[0]
-            if x.shape[0] != size * m:
+            size, rows = self.graph.vars[v].shape[0], step_env[v].shape[0]
+            if rows != size * m:
                 raise ValueError(
-                    f"batch input {self.graph.vars[v].path} has {x.shape[0]} rows; with "
+                    f"batch input {self.graph.vars[v].path} has {rows} rows; with "
                     f"{m} microbatches of {size} it needs {size * m}"
                 )
-            for i in range(m):
-                parts[i][v] = x[i * size : (i + 1) * size]
-        return parts
 
-    def __call__(self, flat_args: Sequence, record: bool = False) -> list:
-        """Run one step. With `record`, `self.timeline` gets every task's start and end."""
+        def rows(x, start, stop):
+            return lambda: x[start:stop]
+
+        return [
+            {
+                v: rows(step_env[v], i * self.graph.vars[v].shape[0],
+                        (i + 1) * self.graph.vars[v].shape[0])
+                for v in self.batch_vars
+            }
+            for i in range(m)
+        ]
+
+    def __call__(self, flat_args: Sequence, record: bool = False,
+                 record_memory: bool = False) -> list:
+        """Run one step. With `record`, `self.timeline` gets every task's start and end;
+        with `record_memory`, `self.memory_samples` gets the live bytes per device after
+        every task (`MemorySample`; slow, for tests and debugging)."""
         graph, part = self.graph, self.partition
+        recorder = MemoryRecorder(flat_args) if record_memory else None
         step_env: dict[int, Any] = dict(zip(graph.invars, flat_args))
-        envs = [{**step_env, **m} for m in self._split_batch(step_env)]
-        num_micro = len(envs)
+        lock = threading.Lock()
+        micro = [
+            MicrobatchValues(self.readers, sources, lock)
+            for sources in self._batch_sources(step_env)
+        ]
+        step_values = _StepValues(step_env, lock)
+        num_micro = len(micro)
         stage_sums: list[dict[int, Any]] = [{} for _ in range(part.num_stages)]
         records: list[TaskRecord] = []
         done = {
@@ -164,6 +201,8 @@ class PipelineExecutable:
             for i in range(num_micro)
         }
         errors: list[BaseException] = []
+        if recorder:
+            recorder.sample(0, "start", 0)
         t0 = time.perf_counter()
         if jax.process_count() > 1:
             # Several processes: each dispatches every task in one global order (a task on
@@ -172,8 +211,10 @@ class PipelineExecutable:
             # waits for its own shards only, so stages on different processes overlap.
             for phase, stage, i in dispatch_order(self.schedule, part.num_stages, num_micro):
                 start = time.perf_counter()
-                self._run_task(phase, stage, envs[i], stage_sums[stage])
+                self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
                 records.append(TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0))
+                if recorder:
+                    recorder.sample(stage, phase, i)
 
         def run_stage(stage: int) -> None:
             # One thread per stage: XLA releases the GIL while it computes, so stages run
@@ -185,9 +226,11 @@ class PipelineExecutable:
                             if errors:
                                 return
                     start = time.perf_counter()
-                    self._run_task(phase, stage, envs[i], stage_sums[stage])
+                    self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
                     end = time.perf_counter()
                     records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
+                    if recorder:
+                        recorder.sample(stage, phase, i)
                     done[(phase, stage, i)].set()
             except BaseException as err:  # re-raised by the caller's thread
                 errors.append(err)
@@ -202,39 +245,60 @@ class PipelineExecutable:
             t.join()
         if errors:
             raise errors[0]
+        assert all(not m.copies for m in micro), (
+            "values of a microbatch outlived their last reader: "
+            f"{[m.held() for m in micro if m.copies]}"
+        )
+        micro.clear()
+        step_values.copies.clear()  # parameters moved for the microbatches' tasks
         for stage, sums in enumerate(stage_sums):
             for v, reduce in self.handoff[stage].items():
                 sums[v] = reduce(sums[v])
             step_env.update(sums)
+        stage_sums.clear()
         for compiled in self.apply:
             start = time.perf_counter()
             args = self._fetch(step_env, compiled)
             outs = compiled.fn(*args)
+            del args
             for v, x in zip(compiled.segment.outputs, outs):
                 step_env[v] = x
-            if record:
+            if record or recorder:
                 jax.block_until_ready(outs)
                 end = time.perf_counter()
                 stage = compiled.segment.stage
                 records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
+                if recorder:
+                    recorder.sample(stage, "apply", 0)
         if record:
             self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
+        if recorder:
+            self.memory_samples = recorder.finish()
         return [self._result(step_env, v) for v in graph.outvars]
 
-    def _run_task(self, phase: str, stage: int, env: dict, sums: dict) -> None:
+    def _run_task(self, phase: str, stage: int, values: MicrobatchValues,
+                  step_values: _StepValues, sums: dict) -> None:
         compiled = self.tasks[(phase, stage)]
-        if not compiled.segment.nodes:
+        seg = compiled.segment
+        if not seg.nodes:
             return
-        args = self._fetch(env, compiled)
+        args = [
+            values.read(v, stage, functools.partial(_placed, sharding=sharding))
+            if v in self.per_microbatch
+            else step_values.read(v, stage, sharding)
+            for v, sharding in zip(seg.inputs, compiled.in_shardings)
+        ]
         if compiled.sums and all(v in sums for v in compiled.sums):
-            outs = compiled.fn_sum(*args, *[sums[v] for v in compiled.sums])
+            outs = compiled.fn_sum(*args, *[sums.pop(v) for v in compiled.sums])
         else:
             outs = compiled.fn(*args)
+        del args
         jax.block_until_ready(outs)  # with several processes: only this process's shards
-        for v, x in zip(compiled.segment.outputs, outs):
-            env[v] = x
+        for v, x in zip(seg.outputs, outs):
             if v in compiled.sums:
-                sums[v] = x
+                sums[v] = x  # the stage's one running sum (the old one was donated)
+            values.put(v, x, stage)
+        values.done(stage, seg.inputs)
 
     def _result(self, step_env: dict, v: int):
         v = self.partition.resolve(v)
@@ -246,6 +310,30 @@ class PipelineExecutable:
         if v in set(self.partition.grad_vars) and self.num_microbatches > 1:
             return x / self.num_microbatches  # a mean over microbatches (e.g. the loss)
         return x
+
+
+class _StepValues:
+    """The step's inputs read by every microbatch (parameters, optimizer state), with one
+    copy moved to each stage that reads them in another layout, kept for the step."""
+
+    def __init__(self, step_env: dict, lock: threading.Lock):
+        self.step_env = step_env
+        self.copies: dict[tuple[int, int], Any] = {}  # (var, stage) -> array
+        self.lock = lock
+
+    def read(self, v: int, stage: int, sharding) -> Any:
+        with self.lock:
+            x = self.copies.get((v, stage), self.step_env[v])
+            x = self.copies[(v, stage)] = _placed(x, sharding)
+            return x
+
+
+def _placed(x, sharding):
+    """`x` laid out as `sharding`: `x` itself when it already is, else a moved copy."""
+    current = getattr(x, "sharding", None)
+    if current is not None and current.is_equivalent_to(sharding, x.ndim):
+        return x
+    return _move(x, sharding)
 
 
 def _move(x, sharding):
