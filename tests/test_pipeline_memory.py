@@ -3,8 +3,10 @@ bytes it holds per device stay within the plan's predicted stage memory.
 
 The tiny GPT under a 2-stage 1F1B plan and a 1-stage plan accumulating gradients: the peak
 live bytes per device sampled between tasks (`record_memory`) must be within 15% (plus one
-microbatch's kept activations) of the stage DP's predicted stage memory, and must not grow
-with the number of microbatches (4 to 16 at a fixed microbatch size).
+microbatch's kept activations) of the stage DP's predicted stage memory (measured: 0.86 to
+0.97 of it; the prediction's extra is one layer's working memory, XLA temporaries that
+live arrays do not show), and must not grow with the number of microbatches (4 to 16 at a
+fixed microbatch size; within 5%).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from examples import gpt
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
 ROWS_PER_MICROBATCH = 16
 TOLERANCE = 0.15
+# Measured (2 stages, 16 rows per microbatch): 1.578 MB at B = 4 and 1.575 MB at B = 16 on
+# stage 0, 0.922 / 0.921 MB on stage 1; the old runtime held every microbatch's values to
+# the end of the step (3.1 MB at B = 8 with 8 rows, growing linearly).
+GROWTH = 0.05
 
 
 def _stage_run(num_stages: int, num_microbatches: int):
@@ -97,8 +103,8 @@ def test_peak_live_bytes_match_the_plan_and_do_not_grow(num_stages):
             )
             peaks[(s, num_microbatches)] = (measured, activations)
     for s in range(num_stages):
-        (few, activations), (many, _) = peaks[(s, 4)], peaks[(s, 16)]
-        assert many <= few + activations, (
+        (few, _), (many, _) = peaks[(s, 4)], peaks[(s, 16)]
+        assert many <= few * (1 + GROWTH), (
             f"stage {s}: live bytes grow with microbatches, {few} B at 4, {many} B at 16"
         )
 
