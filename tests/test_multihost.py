@@ -44,12 +44,12 @@ def multihost_run(tmp_path_factory):
     command = [
         sys.executable, "-m", "autopar.app.cli", "launch", "-n", str(NUM_PROCESSES),
         "--devices-per-process", str(DEVICES_PER_PROCESS), "--log-dir", str(out), "--",
-        sys.executable, WORKER, "--out", str(out), "--modes", ",".join((*MODES, "checkpoint")),
+        sys.executable, WORKER, "--out", str(out), "--modes", ",".join(MODES),
     ]
     # No on-disk plan cache: every process must derive its plan itself for the test.
     env = {**os.environ, "AUTOPAR_PLAN_CACHE": "0"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=400)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("process_*.log")))
     assert done.returncode == 0, f"launch failed: {done.stderr}\n{logs}"
     return out
@@ -84,18 +84,6 @@ def test_losses_match_one_process(multihost_run, reference_losses, mode):
         assert result["losses"] == pytest.approx(single, rel=1e-5)
         assert result["losses"] == pytest.approx(eight["shard" if mode == "disagree" else mode],
                                                  rel=1e-5)
-
-
-def test_checkpoint_restored_under_another_plan_continues_training(multihost_run):
-    """3 steps under the 1-stage (2, 4) plan, saved by both processes, restored under the
-    2-stage plan (one stage per process): the 6 losses are those of 6 steps on one device."""
-    optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(GPT, 8, jax.random.key(1))
-    single, _ = run_steps(jax.jit(gpt.make_train_step(GPT, optimizer)), state, batch, 6)
-    for result in _results(multihost_run, "checkpoint"):
-        assert result["stages"] == 2
-        assert result["losses"] == pytest.approx(single, rel=1e-5)
 
 
 def test_pipeline_plan_has_one_stage_per_process(multihost_run):
