@@ -42,7 +42,7 @@ SLOW_WITH_CBC = {"gpt_2x4", "moe_2x4", "wide_resnet_2x4"}
 
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_WITH_CBC else c
+    [pytest.param(c, marks=pytest.mark.extended) if c.name in SLOW_WITH_CBC else c
      for c in GOLDEN_CASES],
     ids=lambda case: case.name,
 )

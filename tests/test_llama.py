@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import optax
+import pytest
 from helpers import run_steps
 
 import autopar
@@ -41,6 +42,7 @@ def test_tiny_llama_shard_on_2x4_matches_one_device():
     assert plan.stages[0].sharding.mesh.shape == (2, 4)
 
 
+@pytest.mark.extended  # the pipeline path is covered by the transformers Llama (GQA) tests
 def test_tiny_llama_auto_two_stages_matches_one_device():
     cfg = dataclasses.replace(TINY, layer_markers=True)
     plan = _check(cfg, method="auto", num_stages=2, num_microbatches=2)

@@ -35,7 +35,10 @@ def _check(cfg, **options):
     return par.plan, model
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["layers", "nnx_scan"])
+@pytest.mark.parametrize(
+    "scan_layers", [pytest.param(False, marks=pytest.mark.extended), True],
+    ids=["layers", "nnx_scan"],
+)
 def test_nnx_llama_shard_matches_one_device(scan_layers):
     plan, model = _check(
         dataclasses.replace(TINY, scan_layers=scan_layers), method="shard", mesh_shape=(2, 4)
@@ -45,6 +48,7 @@ def test_nnx_llama_shard_matches_one_device(scan_layers):
     assert any(p.startswith("opt_state/") for p in paths)
 
 
+@pytest.mark.extended
 def test_nnx_llama_pipelined_matches_one_device():
     plan, _ = _check(TINY, method="auto", num_stages=2, num_microbatches=2)
     assert plan.num_stages == 2

@@ -77,6 +77,7 @@ def test_scanned_gpt_plans_like_its_loop_twin(mesh_shape):
     _assert_like_loop(scanned, looped)
 
 
+@pytest.mark.extended  # (8,) and (2, 4) are in the default run
 def test_scanned_gpt_plans_like_its_loop_twin_on_two_dgx_hosts():
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=2)
     # GPT-3 XL's width with two layers: large enough that the weights are worth splitting.

@@ -41,14 +41,18 @@ def _setup(name):
 @pytest.mark.parametrize(
     ("name", "method", "options"),
     [
-        pytest.param(name, method, options, id=f"{name}-{method}")
+        pytest.param(name, method, options, id=f"{name}-{method}" + ("-free" if (
+            method == "auto" and "num_stages" not in options) else ""),
+            marks=[pytest.mark.extended] if method == "auto" and "num_stages" not in options
+            else [])
         for name, method, options in [
             ("llama", "shard", dict(mesh_shape=(2, 4))),
             ("mistral", "shard", dict(mesh_shape=(8,))),
             ("gemma", "shard", dict(mesh_shape=(8,))),
-            ("llama", "auto", dict(num_microbatches=2)),
+            ("llama", "auto", dict(num_microbatches=2, num_stages=2)),
             ("mistral", "auto", dict(num_microbatches=2, num_stages=2)),
             ("gemma", "auto", dict(num_microbatches=2, num_stages=2)),
+            ("llama", "auto", dict(num_microbatches=2)),  # the free search: extended
         ]
     ],
 )
