@@ -6,6 +6,7 @@ import re
 from collections import defaultdict
 
 from autopar.cluster._mesh import spec_axes, spec_str
+from autopar.graph._opgraph import dtype_itemsize
 
 _LAYER = re.compile(r"(?:^|/)(layers?|blocks?|h)[/_](\d+)(?:/|$)")
 
@@ -130,7 +131,7 @@ def _largest_replicated(plan, top: int = 3) -> list[str]:
     for i in plan.inputs:
         if spec_axes(i.spec):
             continue
-        nbytes = int(np.prod(i.shape, dtype=np.int64)) * np.dtype(i.dtype).itemsize
+        nbytes = int(np.prod(i.shape, dtype=np.int64)) * dtype_itemsize(i.dtype)
         if nbytes > 0 and len(i.shape) > 0:
             rows.append((nbytes, i.path))
     rows.sort(reverse=True)
