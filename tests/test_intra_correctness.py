@@ -73,7 +73,12 @@ def test_gpt_adamw(mesh_shape):
     _check(gpt, cfg, optax.adamw(LR, eps=1e-6), 16, mesh_shape, atol=0.1 * LR)
 
 
-@pytest.mark.parametrize("mesh_shape", MESHES)
+# (4, 2) plans MoE's 2-D ILP for 80 s on 2 cores (with the canonical tie-break solve):
+# extended; (8,) and (2, 4) stay in the default run.
+@pytest.mark.parametrize(
+    "mesh_shape", [pytest.param(m, marks=pytest.mark.extended) if m == (4, 2) else m
+                   for m in MESHES],
+)
 def test_moe_adamw(mesh_shape):
     cfg = moe.CONFIGS["tiny"]
     _check(moe, cfg, optax.adamw(LR, eps=1e-6), 16, mesh_shape, atol=0.1 * LR)
