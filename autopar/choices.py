@@ -25,6 +25,15 @@ Runtime = Literal["spmd", "pipeline"]
 """How a plan runs: "spmd" one `jax.jit` of the whole step; "pipeline" per-stage forward,
 backward and update programs run by the pipeline runtime (microbatches, accumulation)."""
 
+Remat = Literal["none", "selective", "full"]
+"""What a layer recomputes in its backward: "none" keeps every activation; "selective" drops
+and recomputes the attention core (scores, softmax, dropout; Korthikanti et al. 2022);
+"full" keeps only the layer's input and reruns its forward."""
+
+RematOption = Literal["auto", "none", "selective", "full"]
+"""The user's remat option: one `Remat` for every layer, or "auto" to let the planner choose
+per layer."""
+
 SolverName = Literal["auto", "highs", "cbc"]
 """The MILP solver of the sharding ILP; "auto" is HiGHS when highspy is installed."""
 
@@ -33,6 +42,8 @@ SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 RUNTIMES: tuple[str, ...] = get_args(Runtime)
 SOLVERS: tuple[str, ...] = get_args(SolverName)
+REMATS: tuple[str, ...] = get_args(Remat)
+REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
