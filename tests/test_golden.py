@@ -68,13 +68,13 @@ def test_time_limit_becomes_a_plan_warning(monkeypatch):
     from autopar.cluster import Cluster
     from autopar.search import plan
 
-    run_pulp = ilp.run_pulp
+    run_model = ilp.run_model
 
     def stopped(*args, **kwargs):
-        values, status = run_pulp(*args, **kwargs)
+        values, status = run_model(*args, **kwargs)
         return values, "time_limit" if status == "optimal" else status
 
-    monkeypatch.setattr(ilp, "run_pulp", stopped)
+    monkeypatch.setattr(ilp, "run_model", stopped)
     case = next(c for c in GOLDEN_CASES if c.name == "mlp_2x4")
     module, config = load_example(case.model.family), case.model.config()
     optimizer = optax.adamw(LEARNING_RATE)

@@ -396,13 +396,13 @@ def test_time_limit_is_reported(monkeypatch):
     # repeatable. Stopped in the first solve: status "time_limit", no tie-break.
     import autopar.intra._ilp as ilp
 
-    real = ilp.run_pulp
+    real = ilp.run_model
 
     def stopped(*args, **kwargs):
         values, status = real(*args, **kwargs)
         return values, "time_limit" if status == "optimal" else status
 
-    monkeypatch.setattr(ilp, "run_pulp", stopped)
+    monkeypatch.setattr(ilp, "run_model", stopped)
     problem, _, _ = coupled_tie_problem()
     solution = solve(problem)
     assert solution.status == "time_limit" and solution.stats.tie_break == "skipped"
@@ -414,6 +414,6 @@ def test_time_limit_is_reported(monkeypatch):
         stop = kwargs.get("gap_rel") == 0.0 and status == "optimal"
         return values, "time_limit" if stop else status
 
-    monkeypatch.setattr(ilp, "run_pulp", tie_break_stopped)
+    monkeypatch.setattr(ilp, "run_model", tie_break_stopped)
     solution = solve(problem)
     assert solution.status == "optimal" and solution.stats.tie_break == "incomplete"

@@ -33,7 +33,7 @@ and re-exports the names of the others, so `from autopar.intra._ilp import X` wo
 - `_ilp_problem.py`: `ShardingProblem`, `Solution`, `SolveStats`, `MemoryBudgetError`,
   validation, `resolve_followers`, `evaluate`, `peak_memory`;
 - `_ilp_reduce.py`: steps 1-4 (follower merging, memory groups, pruning, elimination);
-- `_ilp_model.py`: step 5, the MILP model and running it with pulp (HiGHS or CBC).
+- `_ilp_model.py`: step 5, the MILP model and running it (HiGHS through highspy, CBC through pulp).
 
 The slow reference used by the tests is `autopar.intra._ilp_reference.solve_brute_force`.
 """
@@ -55,16 +55,16 @@ from autopar.intra._ilp_model import (
     TIE_RELATIVE_TOLERANCE,
     Formulation,
     SolverName,
+    build_solver_model,
     least_memory_model,
     lp_row_duals,
     node_choices,
     plans_within,
     resolve_solver,
-    run_pulp,
+    run_model,
     sharding_model,
     tie_break_costs,
     tie_break_weights,
-    to_pulp,
     with_cost_bound,
 )
 from autopar.intra._ilp_problem import (
@@ -177,7 +177,7 @@ def solve(
     - `problem`: the numbers (see `ShardingProblem`).
     - `time_limit`: seconds the MILP solver may run; past it the best plan found so far is
       returned with status "time_limit".
-    - `solver`: "highs" (pulp + highspy), "cbc" (pulp's bundled CBC) or "auto" (HiGHS when
+    - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC) or "auto" (HiGHS when
       highspy is installed, else CBC).
     - `msg`: print the solver's log.
     - `formulation`: edge linearisation, "marginal" (Alpa's, the default: fastest in
@@ -202,10 +202,10 @@ def solve(
     groups = _budget_groups(problem, root, strategy_of, solver)
     reduction = reduce_graph(graph, groups, budget)
     model = sharding_model(reduction.graph, reduction.groups, budget, formulation)
-    built = to_pulp(model) if model.cost else None
+    built = build_solver_model(model, solver_name) if model.cost else None
     build_time = time.perf_counter() - start
     start = time.perf_counter()
-    values, status = run_pulp(built, solver_name, time_limit, msg)
+    values, status = run_model(built, time_limit, msg)
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
         raise _infeasible(problem, solver)
@@ -285,7 +285,7 @@ def _break_ties(
     budget: float | None, formulation: Formulation,
 ) -> tuple[dict[int, int], str]:
     """The canonical plan among those as cheap as `choice`, an optimum of `model` (the ILP
-    of `reduction.graph`, built for pulp as `built`): the second, lexicographic solve.
+    of `reduction.graph`, built for the solver as `built`): the second, lexicographic solve.
 
     The tie set is every plan whose scaled cost is within `TIE_RELATIVE_TOLERANCE` (plus
     `TIE_ABSOLUTE_TOLERANCE`) of the cost of `choice`, computed exactly. Its plans use few
@@ -306,7 +306,7 @@ def _break_ties(
     deadline = time.perf_counter() + time_limit
     cost = model.objective_of(choice)
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
-    duals = lp_row_duals(built, solver, time_limit, msg=msg)
+    duals = lp_row_duals(built, time_limit, msg=msg)
     keep = None if duals is None else plans_within(model, duals, cost + window)
     if keep is None or any(choice[v] not in kept for v, kept in keep.items()):
         # no fixing: the LP failed, or rounding excluded the optimum itself
@@ -322,10 +322,10 @@ def _break_ties(
     index = {v: reduction.kept[v][keep[v]] for v in tie_model.node_columns}
     secondary = tie_break_costs(tie_model, tie_break_weights(reduction.graph.node_cost), index)
     bound = tie_model.objective_of(position) + window * model.scale / tie_model.scale
-    tie_built = to_pulp(tie_model)
-    with_cost_bound(tie_model, tie_built, bound, secondary)
-    values, status = run_pulp(
-        tie_built, solver, remaining, msg, start=tie_model.values_of(position), gap_rel=0.0
+    tie_built = build_solver_model(tie_model, solver)
+    with_cost_bound(tie_built, bound, secondary)
+    values, status = run_model(
+        tie_built, remaining, msg, start=tie_model.values_of(position), gap_rel=0.0
     )
     if values is None:
         return choice, "incomplete"
@@ -359,7 +359,8 @@ def least_memory(
     if not any(group.terms for group in groups):
         return max((group.constant for group in groups), default=0.0)
     model, _ = least_memory_model(groups)
-    values, status = run_pulp(to_pulp(model), resolve_solver(solver), time_limit, msg=False)
+    solver_name = resolve_solver(solver)
+    values, status = run_model(build_solver_model(model, solver_name), time_limit, msg=False)
     if values is None:
         raise RuntimeError(
             f"the solver found no strategy choice within time_limit={time_limit} s while "

@@ -1,10 +1,11 @@
-"""The sharding ILP as a mixed-integer program, and running it with pulp (HiGHS or CBC).
+"""The sharding ILP as a mixed-integer program, and running it (HiGHS or CBC).
 
 In: a reduced `CostGraph` and its binding `MemoryGroup`s (from `_ilp_reduce.py`).
 Out: a `_Model` of plain arrays (column costs, binary flags, rows, the one-hot columns of
 each node) built by `sharding_model` (least cost under the memory budget) or
-`least_memory_model` (least peak memory); `to_pulp` and `run_pulp` solve it with the solver
-`resolve_solver` picks, and `node_choices` reads back one strategy per node.
+`least_memory_model` (least peak memory); `build_solver_model` and `run_model` solve it with
+the solver `resolve_solver` picks (HiGHS through highspy's arrays, CBC through pulp), and
+`node_choices` reads back one strategy per node.
 
 Before the model is built each edge matrix is shifted by its row and column minima (so it
 is >= 0 with a zero in every row and column), and all costs are scaled so the largest
@@ -301,29 +302,11 @@ def resolve_solver(solver: SolverName) -> Literal["highs", "cbc"]:
     return solver
 
 
-class _HiGHS(pulp.HiGHS):
-    """pulp's HiGHS, started from the variables' initial values when `warm_start` (as
-    pulp's CBC does; pulp's HiGHS interface has no warm start)."""
-
-    def __init__(self, warm_start: bool = False, **options):
-        super().__init__(**options)
-        self.warm_start = warm_start
-
-    def callSolver(self, lp):
-        if self.warm_start:
-            variables = lp.variables()
-            index = np.array([v.index for v in variables], dtype=np.int32)
-            values = np.array([v.varValue or 0.0 for v in variables], dtype=np.float64)
-            lp.solverModel.setSolution(len(index), index, values)
-        super().callSolver(lp)
-
-
-def _pulp_solver(name: Literal["highs", "cbc"], time_limit: float, msg: bool,
-                 warm_start: bool, gap_rel: float, mip: bool = True, **highs_options):
+def _pulp_solver(time_limit: float, msg: bool, warm_start: bool, gap_rel: float,
+                 mip: bool = True):
+    """pulp's CBC (a CBC binary on PATH, else pulp's bundled one)."""
     common = dict(mip=mip, msg=msg, timeLimit=time_limit, gapRel=gap_rel,
                   gapAbs=MIP_ABSOLUTE_GAP, threads=SOLVER_THREADS)
-    if name == "highs":
-        return _HiGHS(warm_start, random_seed=SOLVER_RANDOM_SEED, **common, **highs_options)
     options = [f"randomCbcSeed {SOLVER_RANDOM_SEED + 1}"]  # CBC reads 0 as "seed from clock"
     if pulp.COIN_CMD(msg=False).available():  # a CBC binary on PATH
         return pulp.COIN_CMD(options=options, warmStart=warm_start, **common)
@@ -336,40 +319,189 @@ def _expression(variables: list[pulp.LpVariable], costs) -> pulp.LpAffineExpress
     return pulp.LpAffineExpression([(variables[i], c) for i, c in enumerate(costs) if c != 0])
 
 
-def to_pulp(
-    model: _Model,
-) -> tuple[pulp.LpProblem, list[pulp.LpVariable], list[pulp.LpConstraint]]:
-    """The model as a pulp problem; zero-padded names keep pulp's name-sorted column order
-    equal to ours. **Returns:** (problem, its variables, its rows), in the model's order."""
-    problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
-    width = len(str(len(model.cost)))
-    variables = [
-        problem.add_variable(f"x{i:0{width}d}", 0, 1 if b else None,
-                             pulp.LpBinary if b else pulp.LpContinuous)
-        for i, b in enumerate(model.binary)
-    ]
-    problem.setObjective(_expression(variables, model.cost))
-    width = len(str(len(model.rows)))
-    rows = []
-    for r, (columns, coefficients, sense, rhs) in enumerate(model.rows):
-        terms = pulp.LpAffineExpression([(variables[c], a) for c, a in zip(columns, coefficients)])
-        rows.append(pulp.LpConstraint(terms, sense, f"c{r:0{width}d}", rhs))
-        problem.addConstraint(rows[-1])
-    return problem, variables, rows
+class _PulpBuilt:
+    """A model built for CBC through pulp."""
+
+    def __init__(self, model: _Model):
+        self.model = model
+        self.problem = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+        width = len(str(len(model.cost)))  # zero-padded: pulp's name order is ours
+        self.variables = [
+            self.problem.add_variable(f"x{i:0{width}d}", 0, 1 if b else None,
+                                      pulp.LpBinary if b else pulp.LpContinuous)
+            for i, b in enumerate(model.binary)
+        ]
+        self.problem.setObjective(_expression(self.variables, model.cost))
+        width = len(str(len(model.rows)))
+        self.rows = []
+        for r, (columns, coefficients, sense, rhs) in enumerate(model.rows):
+            terms = pulp.LpAffineExpression(
+                [(self.variables[c], a) for c, a in zip(columns, coefficients)])
+            self.rows.append(pulp.LpConstraint(terms, sense, f"c{r:0{width}d}", rhs))
+            self.problem.addConstraint(self.rows[-1])
+
+    def add_cost_bound(self, bound: float, secondary: np.ndarray) -> None:
+        self.problem.addConstraint(pulp.LpConstraint(
+            _expression(self.variables, self.model.cost), _LE, "cost_bound", bound))
+        self.problem.setObjective(_expression(self.variables, secondary))
+
+    def run(self, time_limit, msg, start, gap_rel):
+        if start is not None:
+            for variable, value in zip(self.variables, start):
+                variable.setInitialValue(float(value))
+        self.problem.solve(_pulp_solver(time_limit, msg, start is not None, gap_rel))
+        if self.problem.status == pulp.LpStatusInfeasible:
+            return None, "infeasible"
+        if self.problem.sol_status not in (pulp.LpSolutionOptimal,
+                                           pulp.LpSolutionIntegerFeasible):
+            return None, "no_solution"
+        values = np.array([v.varValue if v.varValue is not None else 0.0
+                           for v in self.variables])
+        optimal = self.problem.sol_status == pulp.LpSolutionOptimal
+        return values, "optimal" if optimal else "time_limit"
+
+    def row_duals(self, time_limit, msg):
+        self.problem.solve(_pulp_solver(time_limit, msg, False, MIP_RELATIVE_GAP, mip=False))
+        if self.problem.sol_status != pulp.LpSolutionOptimal:
+            return None
+        duals = [row.pi for row in self.rows]
+        return None if None in duals else np.array(duals, float)
 
 
-def with_cost_bound(model: _Model, built, bound: float, secondary: np.ndarray) -> None:
-    """Turn the pulp problem `built` of `model` into the tie-break problem: the row
-    cost . x <= bound is added and `secondary` (per column) becomes the objective."""
-    problem, variables, _ = built
-    problem.addConstraint(
-        pulp.LpConstraint(_expression(variables, model.cost), _LE, "cost_bound", bound))
-    problem.setObjective(_expression(variables, secondary))
+def _quiet_highs():
+    """A `highspy.Highs` with its log off. Its constructor prints a banner to the C-level
+    standard output, once per instance (pulp makes one per solve): it is sent to /dev/null."""
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    highs.setOptionValue("output_flag", False)
+    return highs
 
 
-def run_pulp(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool,
-             start: np.ndarray | None = None, gap_rel: float = MIP_RELATIVE_GAP):
-    """Solve a model built by `to_pulp` (None: a model without columns).
+class _HighsBuilt:
+    """A model passed to highspy directly, as whole arrays: the same columns and rows, in
+    the same order, as pulp would pass one by one (pulp's per-variable calls cost more than
+    the solve on small models), hence the same search."""
+
+    def __init__(self, model: _Model):
+        import highspy
+
+        self.model = model
+        n = len(model.cost)
+        self.cost = np.asarray(model.cost, float)
+        self.integer = np.asarray(model.binary, bool)
+        self.upper = np.where(self.integer, 1.0, highspy.kHighsInf)
+        starts, index, value, lower, upper = [0], [], [], [], []
+        for columns, coefficients, sense, rhs in model.rows:
+            keep = coefficients != 0
+            index.append(np.asarray(columns)[keep])
+            value.append(coefficients[keep])
+            starts.append(starts[-1] + int(keep.sum()))
+            lower.append(rhs if sense in (_EQ, _GE) else -highspy.kHighsInf)
+            upper.append(rhs if sense in (_EQ, _LE) else highspy.kHighsInf)
+        self.starts = np.asarray(starts, np.int32)
+        self.index = (np.concatenate(index) if index else np.zeros(0)).astype(np.int32)
+        self.value = np.concatenate(value) if value else np.zeros(0)
+        self.lower, self.row_upper = np.asarray(lower, float), np.asarray(upper, float)
+        self.objective = self.cost
+        self.num_col = n
+
+    def add_cost_bound(self, bound: float, secondary: np.ndarray) -> None:
+        import highspy
+
+        keep = self.cost != 0
+        columns = np.flatnonzero(keep).astype(np.int32)
+        self.index = np.concatenate([self.index, columns])
+        self.value = np.concatenate([self.value, self.cost[keep]])
+        self.starts = np.append(self.starts, self.starts[-1] + len(columns)).astype(np.int32)
+        self.lower = np.append(self.lower, -highspy.kHighsInf)
+        self.row_upper = np.append(self.row_upper, bound)
+        self.objective = np.asarray(secondary, float)
+
+    def _highs(self, mip: bool, options: Mapping[str, object]):
+        import highspy
+
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = self.num_col, len(self.lower)
+        lp.col_cost_, lp.col_lower_ = self.objective, np.zeros(self.num_col)
+        lp.col_upper_ = self.upper
+        lp.row_lower_, lp.row_upper_ = self.lower, self.row_upper
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = self.num_col, len(self.lower)
+        lp.a_matrix_.start_, lp.a_matrix_.index_ = self.starts, self.index
+        lp.a_matrix_.value_ = self.value
+        if mip:
+            lp.integrality_ = [highspy.HighsVarType.kInteger if b
+                               else highspy.HighsVarType.kContinuous for b in self.integer]
+        highs = _quiet_highs()
+        for key, value in options.items():
+            highs.setOptionValue(key, value)
+        highs.passModel(lp)
+        return highs
+
+    @staticmethod
+    def _options(time_limit, msg, gap_rel) -> dict:
+        return dict(output_flag=bool(msg), mip_rel_gap=gap_rel, mip_abs_gap=MIP_ABSOLUTE_GAP,
+                    threads=SOLVER_THREADS, time_limit=float(time_limit),
+                    random_seed=SOLVER_RANDOM_SEED)
+
+    def run(self, time_limit, msg, start, gap_rel):
+        import highspy
+
+        highs = self._highs(True, self._options(time_limit, msg, gap_rel))
+        if start is not None:
+            solution = highspy.HighsSolution()
+            solution.col_value = np.asarray(start, float)
+            highs.setSolution(solution)
+        highs.run()
+        status = highs.getModelStatus()
+        kind = highspy.HighsModelStatus
+        if status in (kind.kInfeasible, kind.kUnboundedOrInfeasible):
+            return None, "infeasible"
+        if status == kind.kOptimal:
+            return np.array(highs.getSolution().col_value), "optimal"
+        stopped = (kind.kTimeLimit, kind.kIterationLimit, kind.kInterrupt,
+                   kind.kObjectiveBound, kind.kObjectiveTarget)
+        if status in stopped and highs.getInfo().primal_solution_status == 2:
+            return np.array(highs.getSolution().col_value), "time_limit"
+        return None, "no_solution"
+
+    def row_duals(self, time_limit, msg):
+        import highspy
+
+        options = self._options(time_limit, msg, MIP_RELATIVE_GAP) | _HIGHS_LP_OPTIONS
+        highs = self._highs(False, options)
+        highs.run()
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        return np.array(highs.getSolution().row_dual, float)
+
+
+def build_solver_model(model: _Model, solver: Literal["highs", "cbc"]):
+    """The model ready for `solver`: HiGHS through highspy directly, CBC through pulp."""
+    return _HighsBuilt(model) if solver == "highs" else _PulpBuilt(model)
+
+
+def with_cost_bound(built, bound: float, secondary: np.ndarray) -> None:
+    """Turn `built` into the tie-break problem: the row cost . x <= bound is added and
+    `secondary` (per column) becomes the objective."""
+    built.add_cost_bound(bound, secondary)
+
+
+def run_model(built, time_limit: float, msg: bool, start: np.ndarray | None = None,
+              gap_rel: float = MIP_RELATIVE_GAP):
+    """Solve a model built by `build_solver_model` (None: a model without columns).
 
     `start`: a feasible solution to start from (one value per column); `gap_rel`: the
     relative MIP gap (the absolute one is `MIP_ABSOLUTE_GAP`).
@@ -379,17 +511,7 @@ def run_pulp(built, solver: Literal["highs", "cbc"], time_limit: float, msg: boo
     """
     if built is None:
         return np.zeros(0), "optimal"
-    problem, variables, _ = built
-    if start is not None:
-        for variable, value in zip(variables, start):
-            variable.setInitialValue(float(value))
-    problem.solve(_pulp_solver(solver, time_limit, msg, start is not None, gap_rel))
-    if problem.status == pulp.LpStatusInfeasible:
-        return None, "infeasible"
-    if problem.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        return None, "no_solution"
-    values = np.array([v.varValue if v.varValue is not None else 0.0 for v in variables])
-    return values, "optimal" if problem.sol_status == pulp.LpSolutionOptimal else "time_limit"
+    return built.run(time_limit, msg, start, gap_rel)
 
 
 # HiGHS solves the LP relaxation for `lp_row_duals` by interior point without crossover:
@@ -402,18 +524,10 @@ def run_pulp(built, solver: Literal["highs", "cbc"], time_limit: float, msg: boo
 _HIGHS_LP_OPTIONS = dict(solver="ipm", run_crossover="off", presolve="off")
 
 
-def lp_row_duals(built, solver: Literal["highs", "cbc"], time_limit: float, msg: bool):
-    """Row duals of the LP relaxation of a model built by `to_pulp`, in row order; None
-    when the LP was not solved to optimality."""
-    problem, _, rows = built
-    options = _HIGHS_LP_OPTIONS if solver == "highs" else {}
-    problem.solve(
-        _pulp_solver(solver, time_limit, msg, False, MIP_RELATIVE_GAP, mip=False, **options)
-    )
-    if problem.sol_status != pulp.LpSolutionOptimal:
-        return None
-    duals = [row.pi for row in rows]
-    return None if None in duals else np.array(duals, float)
+def lp_row_duals(built, time_limit: float, msg: bool):
+    """Row duals of the LP relaxation of a model built by `build_solver_model`, in row
+    order; None when the LP was not solved to optimality."""
+    return built.row_duals(time_limit, msg)
 
 
 def node_choices(model: _Model, values: np.ndarray) -> dict[int, int]:

@@ -13,6 +13,8 @@ Nothing here solves anything: the solver (`_ilp.py`) and the brute-force referen
 
 from __future__ import annotations
 
+import functools
+
 import math
 import types
 from collections.abc import Mapping, Sequence
@@ -69,8 +71,9 @@ class ShardingProblem:
     def num_nodes(self) -> int:
         return len(self.node_costs)
 
-    @property
+    @functools.cached_property
     def num_strategies(self) -> tuple[int, ...]:
+        # cached: loops over nodes read it per node (quadratic before, issue 18)
         return tuple(len(c) for c in self.node_costs)
 
 

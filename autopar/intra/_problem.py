@@ -19,7 +19,7 @@ from autopar.cost import memory_budget
 from autopar.graph import OpGraph, Role
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
-from autopar.intra._reshard import reshard_time
+from autopar.intra._reshard import reshard_time, shared_reshard_cache
 from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
     CostContext,
@@ -274,7 +274,7 @@ def operands(graph: OpGraph, ilp_nodes):
 
 
 def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
-    cache: dict = {}
+    cache = shared_reshard_cache(mesh, cluster)
 
     def weight(index: int) -> float:
         node = ilp_nodes[index].node
@@ -284,14 +284,16 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
     costs: list[np.ndarray] = []
 
     def matrix(var, src_specs: list[Spec], dst_specs: list[Spec]) -> np.ndarray:
-        src_unique = list(dict.fromkeys(src_specs))
-        dst_unique = list(dict.fromkeys(dst_specs))
-        small = np.array(
-            [
-                [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache) for b in dst_unique]
+        src_unique = tuple(dict.fromkeys(src_specs))
+        dst_unique = tuple(dict.fromkeys(dst_specs))
+        key = ("matrix", tuple(var.shape), var.dtype, src_unique, dst_unique)
+        small = cache.get(key)
+        if small is None:
+            small = cache[key] = np.array([
+                [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache)
+                 for b in dst_unique]
                 for a in src_unique
-            ]
-        )
+            ])
         rows = [src_unique.index(s) for s in src_specs]
         cols = [dst_unique.index(s) for s in dst_specs]
         return small[np.ix_(rows, cols)]

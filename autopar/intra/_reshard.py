@@ -277,6 +277,28 @@ class _Route:
         return tuple(self.out)
 
 
+# Resharding times shared by every problem of a process (issue 18: 1.78 million calls, most
+# repeats across layers, memory levels and microbatch counts). Keyed by the mesh up to a
+# shift by whole hosts (the cost model sees only which devices share a host, and a
+# cluster's hosts are alike) and by the cluster; bounded, cleared when full.
+_SHARED: dict[tuple, dict] = {}
+_SHARED_LIMIT = 2_000_000  # entries, some 200 bytes each
+
+
+def shared_reshard_cache(mesh: LogicalMesh, cluster) -> dict:
+    """The process-wide memo of `reshard_time` for `mesh` on `cluster` (pass it as
+    `cache`): meshes that differ only by a shift of whole hosts share one."""
+    per_host = cluster.devices_per_host
+    base = (min(mesh.device_ids) // per_host) * per_host if mesh.device_ids else 0
+    key = (mesh.shape, mesh.axis_names, tuple(d - base for d in mesh.device_ids), cluster)
+    cache = _SHARED.get(key)
+    if cache is None:
+        if sum(len(c) for c in _SHARED.values()) > _SHARED_LIMIT:
+            _SHARED.clear()
+        cache = _SHARED[key] = {}
+    return cache
+
+
 def reshard_time(
     shape: tuple[int, ...],
     dtype: str,
