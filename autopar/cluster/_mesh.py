@@ -82,9 +82,16 @@ class LogicalMesh:
         return len(self.device_ids)
 
     def axis_size(self, axes: str | tuple[str, ...]) -> int:
-        if isinstance(axes, str):
-            axes = (axes,)
-        return math.prod(self.shape[self.axis_names.index(a)] for a in axes)
+        # memoised: the planner asks this hundreds of thousands of times per search
+        sizes = self.__dict__.get("_axis_sizes")
+        if sizes is None:
+            sizes = {}
+            object.__setattr__(self, "_axis_sizes", sizes)
+        size = sizes.get(axes)
+        if size is None:
+            names = (axes,) if isinstance(axes, str) else axes
+            size = sizes[axes] = math.prod(self.shape[self.axis_names.index(a)] for a in names)
+        return size
 
     def sizes(self) -> dict[str, int]:
         return dict(zip(self.axis_names, self.shape))
@@ -97,11 +104,16 @@ class LogicalMesh:
         """
         if isinstance(axes, str):
             axes = (axes,)
+        cached = self.__dict__.setdefault("_groups", {}).get(axes)
+        if cached is not None:
+            return list(cached)
         ids = np.asarray(self.device_ids).reshape(self.shape)
         idx = [self.axis_names.index(a) for a in axes]
         rest = [i for i in range(len(self.shape)) if i not in idx]
         arr = np.transpose(ids, rest + idx).reshape(-1, math.prod(self.shape[i] for i in idx))
-        return [tuple(int(d) for d in row) for row in arr]
+        groups = tuple(tuple(int(d) for d in row) for row in arr)
+        self.__dict__["_groups"][axes] = groups
+        return list(groups)
 
     def to_json(self) -> dict:
         return {

@@ -7,6 +7,7 @@ step time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -61,7 +62,7 @@ def plan_on_mesh(
     give its "footprint" and the "least_footprint" any plan reaches (bytes per device).
     """
     start = time.perf_counter()
-    built = build_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
+    built = _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
     build_time = time.perf_counter() - start
     solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
@@ -87,6 +88,35 @@ def plan_on_mesh(
     warnings = plan.warnings + large_replicated_warnings(graph)
     object.__setattr__(plan, "warnings", warnings + _solve_warnings(solution, mesh, options))
     return plan
+
+
+def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint):
+    """`build_problem`, memoised per graph: the stage DP plans a layer on one mesh at
+    several footprint limits (its memory levels), which differ only in
+    `ShardingProblem.footprint_budget` (issue 18: rebuilding took most of the search)."""
+    key = (
+        mesh, cluster, options, tuple(tied),
+        tuple(sorted((fixed or {}).items())),
+        tuple(sorted((weights or {}).items())),
+        None if footprint is None else (
+            tuple(sorted(footprint.held.items())), tuple(sorted(footprint.unreduced.items()))
+        ),
+    )
+    by_key = _BUILT.setdefault(graph, {})
+    built = by_key.get(key)
+    if built is None:
+        built = by_key[key] = build_problem(
+            graph, mesh, cluster, options, tied, fixed, weights, footprint
+        )
+    if footprint is not None and built.problem.footprint_budget != footprint.budget:
+        built = dataclasses.replace(
+            built, problem=dataclasses.replace(built.problem, footprint_budget=footprint.budget)
+        )
+    return built
+
+
+# graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds.
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def large_replicated_warnings(

@@ -32,6 +32,7 @@ the local quarter and an all-gather of pairs, not an all-gather of the whole ten
 
 from __future__ import annotations
 
+import functools
 import math
 
 from autopar.cluster._mesh import LogicalMesh, Spec
@@ -44,7 +45,8 @@ Layout = list[list[Digit]]  # per tensor dimension, its digits major to minor
 Move = tuple[int, int, int]  # an all-to-all: (from dimension, to dimension, factor)
 
 
-def _axis_digits(axis: str, size: int) -> list[Digit]:
+@functools.lru_cache(maxsize=None)
+def _axis_digits(axis: str, size: int) -> tuple[Digit, ...]:
     """The prime factors of an axis, as digits major to minor."""
     factors = []
     rest, prime = size, 2
@@ -53,7 +55,7 @@ def _axis_digits(axis: str, size: int) -> list[Digit]:
             factors.append(prime)
             rest //= prime
         prime += 1
-    return [(axis, i, f) for i, f in enumerate(factors)]
+    return tuple((axis, i, f) for i, f in enumerate(factors))
 
 
 def _layout(spec: Spec, mesh: LogicalMesh) -> Layout:
