@@ -66,23 +66,24 @@ class StackedSplit:
     split_inputs: frozenset[int]
     split_outputs: frozenset[int]
 
-    def graph_leaves(self, leaves: Sequence[Any], piece) -> list[Any]:
-        """The split graph's flat inputs from the caller's: ``piece(x, a, b, i)`` for
-        each piece of a split leaf ``x`` (position `i`), the leaf itself otherwise."""
+    def graph_leaves(self, leaves: Sequence[Any], split) -> list[Any]:
+        """The split graph's flat inputs from the caller's: ``split(x, positions)`` gives
+        the pieces of a split leaf ``x`` (their positions among the graph's inputs), in
+        range order; other leaves pass as they are."""
         out: list[Any] = [None] * sum(len(p) for p in self.inputs)
         for i, (x, where) in enumerate(zip(leaves, self.inputs)):
             if i in self.split_inputs:
-                for (a, b), w in zip(self.ranges, where):
-                    out[w] = piece(x, a, b, i)
+                for w, piece in zip(where, split(x, where)):
+                    out[w] = piece
             else:
                 out[where[0]] = x
         return out
 
     def caller_outputs(self, outs: Sequence[Any], join) -> list[Any]:
-        """The caller's flat results from the split graph's: ``join(pieces, i)`` for a
-        split result (position `i`), the value itself otherwise."""
+        """The caller's flat results from the split graph's: ``join(pieces)`` for a split
+        result, the value itself otherwise."""
         return [
-            join([outs[w] for w in where], i) if i in self.split_outputs else outs[where[0]]
+            join([outs[w] for w in where]) if i in self.split_outputs else outs[where[0]]
             for i, where in enumerate(self.outputs)
         ]
 

@@ -8,6 +8,7 @@ HLO (`count_collectives`).
 
 from autopar.lower._hlo import count_collectives
 from autopar.lower._shardings import plan_shardings, shardings_by_path
+from autopar.lower._stacked import join_pieces, pieces_of, stacked_sharding
 from autopar.lower._spmd import (
     constraint_hooks,
     jax_mesh,
@@ -21,10 +22,13 @@ __all__ = [
     "constraint_hooks",
     "count_collectives",
     "jax_mesh",
+    "join_pieces",
     "local_devices",
     "lower_segment",
     "lower_sharding_plan",
+    "pieces_of",
     "plan_shardings",
     "shardings_by_path",
     "stack_spec",
+    "stacked_sharding",
 ]
