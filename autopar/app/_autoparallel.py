@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from autopar.graph import OpGraph, Role, abstract_args
+from autopar.graph import OpGraph, Role, abstract_args, tied_state
 from autopar.inter import assign_layers, partition
 from autopar.lower import join_pieces, lower_sharding_plan, pieces_of
 from autopar.plan import Plan
@@ -173,7 +173,7 @@ class AutoParallel:
             ]
             out = compiled.fn(placed, record=_record)
             if stacked is not None:
-                out = stacked.caller_outputs(out, _join)
+                out = stacked.caller_outputs(out, _joiner(compiled, self._options))
                 return jax.tree.unflatten(stacked.original.out_tree, out)
         else:
             placed = [
@@ -213,9 +213,25 @@ def check_arguments_fit(plan: Plan, leaves, paths) -> None:
         )
 
 
-def _join(pieces: list):
-    """A stacked leaf's pieces (one per stage) as one array over those stages."""
-    return join_pieces(pieces, [p.sharding for p in pieces])
+def _joiner(compiled: _Compiled, options: PlanOptions) -> Callable:
+    """`join(pieces)`: a stacked leaf's pieces (one per stage) as one array over those
+    stages, laid out as the step takes the leaf when it is updated state (so that passing
+    it back moves nothing), else as the pieces come."""
+    stacked = compiled.graph.stacked
+    original = stacked.original
+    in_position = {v: i for i, v in enumerate(original.invars)}
+    out_position = {v: i for i, v in enumerate(original.outvars)}
+    taken = {}
+    for out_var, in_var in tied_state(original, options.donate_argnums):
+        i, j = out_position[out_var], in_position[in_var]
+        if i in stacked.split_outputs and j in stacked.split_inputs:
+            taken[tuple(stacked.outputs[i])] = [compiled.in_shardings[w] for w in stacked.inputs[j]]
+
+    def join(pieces: list, where: tuple | None = None):
+        shardings = taken.get(where) or [p.sharding for p in pieces]
+        return join_pieces(pieces, shardings)
+
+    return lambda pieces, where: join(pieces, tuple(where))
 
 
 def _named(mesh, spec, var):

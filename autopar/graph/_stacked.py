@@ -80,10 +80,12 @@ class StackedSplit:
         return out
 
     def caller_outputs(self, outs: Sequence[Any], join) -> list[Any]:
-        """The caller's flat results from the split graph's: ``join(pieces)`` for a split
-        result, the value itself otherwise."""
+        """The caller's flat results from the split graph's: ``join(pieces, positions)``
+        for a split result (its pieces and their positions among the graph's outputs),
+        the value itself otherwise."""
         return [
-            join([outs[w] for w in where]) if i in self.split_outputs else outs[where[0]]
+            join([outs[w] for w in where], where) if i in self.split_outputs
+            else outs[where[0]]
             for i, where in enumerate(self.outputs)
         ]
 

@@ -8,7 +8,6 @@ HLO (`count_collectives`).
 
 from autopar.lower._hlo import count_collectives
 from autopar.lower._shardings import plan_shardings, shardings_by_path
-from autopar.lower._stacked import join_pieces, pieces_of, stacked_sharding
 from autopar.lower._spmd import (
     constraint_hooks,
     jax_mesh,
@@ -17,6 +16,7 @@ from autopar.lower._spmd import (
     lower_sharding_plan,
     stack_spec,
 )
+from autopar.lower._stacked import join_pieces, pieces_of, stacked_sharding
 
 __all__ = [
     "constraint_hooks",
