@@ -63,10 +63,9 @@ def test_split_graph_computes_the_step_and_holds_no_whole_stack():
     assert not whole, f"equations hold a whole stacked array: {whole[:5]}"
     leaves = jax.tree.leaves((state, batch))
     flat = stacked.graph_leaves(leaves, lambda x, where: [x[a:b] for a, b in ranges])
-    got = stacked.caller_outputs(
-        jax.jit(split.evaluate)(flat), lambda pieces, where: np.concatenate(pieces)
-    )
-    want = jax.jit(graph.evaluate)(leaves)
+    # One program computes both (one compilation).
+    got, want = jax.jit(lambda a, b: (split.evaluate(a), graph.evaluate(b)))(flat, leaves)
+    got = stacked.caller_outputs(got, lambda pieces, where: np.concatenate(pieces))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -81,13 +80,38 @@ def test_layers_come_from_the_scan_iterations():
     assert assign_layers(graph).num_layers == SCANNED.num_layers + 2
 
 
-@pytest.mark.extended  # ~2 min on a loaded 2-core machine; the 4-layer twin runs by default
+@pytest.mark.extended  # minutes on a loaded 2-core machine; the plan test below is default
 def test_scanned_gpt_on_two_stages_holds_slices_and_trains_like_one_device(tmp_path):
     _train_on_two_stages(SCANNED, tmp_path, num_steps=3)
 
 
+@pytest.mark.extended  # compiling the stages' programs dominates; the plan test is default
 def test_small_scanned_gpt_on_two_stages_holds_slices_and_trains_like_one_device(tmp_path):
     _train_on_two_stages(SMALL, tmp_path, num_steps=2)
+
+
+def test_scanned_gpt_plan_on_two_stages_gives_each_stage_its_slice():
+    """The default-tier twin of the training tests: the plan alone."""
+    step, optimizer = _step(SMALL)
+    plan = autopar.plan(
+        step, gpt.abstract_state(SMALL, optimizer), gpt.abstract_batch(SMALL, BATCH),
+        cluster=CPU, cache=False, **PIPELINE,
+    )
+    assert plan.num_stages == 2 and plan.scan_ranges == ((0, 2), (2, 4))
+    split = plan.split_inputs()
+    assert "params/layers/mlp/w1" in split and "opt_state/0/nu/layers/mlp/w1" in split
+    for path, pieces in split.items():
+        assert [(i.shape[0], i.stage) for i in pieces] == [(2, 0), (2, 1)], path
+        assert all(not i.spec[0] for i in pieces), f"{path}: a piece's layer dim is split"
+    # Whole leaves for the caller: one sharding over both stages' devices.
+    by_path = plan.shardings_by_path()
+    w1 = by_path["params/layers/mlp/w1"]
+    assert w1.mesh.axis_names[0] == "stage" and w1.mesh.devices.size == 8
+    assert w1.spec[0] == "stage"
+    whole = {i.path: i.shape for i in plan.caller_inputs()}
+    assert whole["params/layers/mlp/w1"][0] == SMALL.num_layers
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again == plan and again.split_inputs().keys() == split.keys()
 
 
 def _train_on_two_stages(cfg, tmp_path, num_steps):
