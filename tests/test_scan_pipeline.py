@@ -18,10 +18,11 @@ import pytest
 from helpers import assert_trees_close, run_steps
 
 import autopar
-from autopar.graph import split_stacked, trace
-from autopar.inter import assign_layers, layer_scan, scan_layers
+from autopar.graph import split_stacked, tied_state, trace
+from autopar.inter import LayerCostTable, assign_layers, layer_scan, scan_layers
 from autopar.inter.passes import per_iteration
 from autopar.inter.passes._scan_layers import check_ranges
+from autopar.intra import ShardOptions
 from autopar.search._pipeline import _even_shares
 from examples import gpt
 
@@ -77,7 +78,12 @@ def test_layers_come_from_the_scan_iterations():
     ranges = per_iteration(SCANNED.num_layers)
     with scan_layers(ranges):
         graph = split_stacked(trace(step, *abstract), ranges)
-    assert assign_layers(graph).num_layers == SCANNED.num_layers + 2
+    layers = assign_layers(graph)
+    assert layers.num_layers == SCANNED.num_layers + 2
+    # Every iteration is the same layer: the stage DP solves its ILP once per mesh.
+    table = LayerCostTable(graph, layers, CPU, ShardOptions(), tied_state(graph, (0,)))
+    assert len(set(table.fingerprints[1:-1])) == 1
+    assert len(set(table.fingerprints)) == 3  # embeddings, an iteration, the head
 
 
 @pytest.mark.extended  # minutes on a loaded 2-core machine; the plan test below is default
