@@ -10,6 +10,7 @@ as one array laid out over the stages. It trains like one device.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -23,7 +24,7 @@ from autopar.inter import LayerCostTable, assign_layers, layer_scan, scan_layers
 from autopar.inter.passes import per_iteration
 from autopar.inter.passes._scan_layers import check_ranges
 from autopar.intra import ShardOptions
-from autopar.search._pipeline import _even_shares
+from autopar.search._pipeline import _Candidate, _even_shares, _regroup
 from examples import gpt
 
 CPU = autopar.Cluster.from_profile("cpu-local")
@@ -188,3 +189,11 @@ def test_even_shares_and_ranges():
     assert not allowed(1, 6)  # five
     with pytest.raises(ValueError, match="do not cover the layer scan's 8 iterations"):
         check_ranges(((0, 4), (5, 8)), 8)
+
+
+def test_pieces_of_different_lengths_are_refused_with_the_fix():
+    # Should the DP mix shares (2 + 4 of 6 layers), the search says what to pass instead.
+    choice = SimpleNamespace(stage_layers=((0, 3), (3, 8)), logical_shapes=((2, 2), (2, 2)))
+    best = _Candidate(choice, None, 1)
+    with pytest.raises(ValueError, match="pass num_stages= a divisor of 6"):
+        _regroup(best, None, (), CPU, None, 6)

@@ -59,6 +59,11 @@ MESH_SHAPE_WARNING = (
 )
 
 
+class _NotALayerStack(Exception):
+    """The step's scan over stacked inputs is not run by the differentiated loss function
+    (`scan_layers` found nothing to cut there)."""
+
+
 @dataclass(frozen=True)
 class _Candidate:
     choice: PipelineChoice
@@ -90,8 +95,13 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     stack = None if has_marks else layer_scan(graph)
     scan_length = None if stack is None else stack.params["length"]
     num_auto_layers = None if has_marks or stack is not None else options.num_layers
-    candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
-                                num_auto_layers, timings, scan_length)
+    try:
+        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
+                                    num_auto_layers, timings, scan_length)
+    except _NotALayerStack:  # the scan is not in the loss function: layers cut as usual
+        scan_length, num_auto_layers = None, options.num_layers
+        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
+                                    num_auto_layers, timings)
     best = _pick(candidates)
     scan_ranges = ()
     if scan_length is not None:
@@ -200,8 +210,11 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
         timings["trace"] = timings.get("trace", 0.0) + time.perf_counter() - start
         start = time.perf_counter()
         try:
+            layers = assign_layers(mb_graph)
+            if scan_length is not None and layers.num_layers != scan_length + 2:
+                raise _NotALayerStack()
             choice = choose_stages(
-                mb_graph, assign_layers(mb_graph), cluster, num_micro, options.schedule,
+                mb_graph, layers, cluster, num_micro, options.schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
                 num_stages=options.num_stages, submeshes=submeshes,
                 logical_shapes=options.logical_shapes, allowed=allowed,
