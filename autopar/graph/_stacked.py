@@ -196,12 +196,14 @@ class _Splitter:
         self.vars.append(var)
         return var.id
 
-    def _emit(self, like: Node | None, prim, params, inputs, out_shapes, dtype, scale=1.0,
-              primitive=None) -> list[int]:
-        outs = [self._new_var(s, d) for s, d in zip(out_shapes, dtype)]
+    def _emit(self, like: Node | None, prim, params, inputs, out_shapes, dtypes,
+              scale=1.0) -> list[int]:
+        """Append an equation of `prim`; `like` (scaled by `scale`) gives its costs and
+        source, else it costs nothing (a slice, concatenate or zeros the rewrite adds)."""
+        outs = [self._new_var(s, d) for s, d in zip(out_shapes, dtypes)]
         node = Node(
             id=len(self.nodes),
-            primitive=primitive or (like.primitive if like is not None else prim.name),
+            primitive=like.primitive if like is not None else prim.name,
             inputs=tuple(inputs),
             outputs=tuple(outs),
             params=params,
