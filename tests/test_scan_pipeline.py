@@ -19,11 +19,13 @@ import pytest
 from helpers import assert_trees_close, run_steps
 
 import autopar
-from autopar.graph import split_stacked, tied_state, trace
+from autopar.app._autoparallel import check_arguments_fit
+from autopar.graph import abstract_args, split_stacked, tied_state, trace
 from autopar.inter import LayerCostTable, assign_layers, layer_scan, scan_layers
 from autopar.inter.passes import per_iteration
 from autopar.inter.passes._scan_layers import check_ranges
 from autopar.intra import ShardOptions
+from autopar.search import PlanOptions, graph_for_plan
 from autopar.search._pipeline import _Candidate, _even_shares, _regroup
 from examples import gpt
 
@@ -119,6 +121,12 @@ def test_scanned_gpt_plan_on_two_stages_gives_each_stage_its_slice():
     assert whole["params/layers/mlp/w1"][0] == SMALL.num_layers
     again = autopar.Plan.from_json(plan.to_json())
     assert again == plan and again.split_inputs().keys() == split.keys()
+    # Reused (plan=..., or a cache hit): the step is traced and cut again as the plan says,
+    # and the caller's arguments, whole, fit it.
+    abstract = (gpt.abstract_state(SMALL, optimizer), gpt.abstract_batch(SMALL, BATCH))
+    check_arguments_fit(again, *abstract_args(step, abstract))
+    graph = graph_for_plan(step, abstract, again, PlanOptions(**PIPELINE))
+    assert graph.stacked.ranges == plan.scan_ranges
 
 
 def _train_on_two_stages(cfg, tmp_path, num_steps):
