@@ -205,3 +205,21 @@ def test_pieces_of_different_lengths_are_refused_with_the_fix():
     best = _Candidate(choice, None, 1)
     with pytest.raises(ValueError, match="pass num_stages= a divisor of 6"):
         _regroup(best, None, (), CPU, None, 6)
+
+
+@pytest.mark.extended  # minutes of ILPs; the fixed two-stage plan test is default
+def test_auto_pipelines_a_scanned_gpt_across_slow_hosts():
+    # Two V100 hosts joined by 25 Gbit/s: splitting a 1024-wide layer stack across them
+    # costs more than handing activations from one host's stage to the other's, so the
+    # search (method "auto", stages not fixed) pipelines, and cuts the stack in halves.
+    cfg = dataclasses.replace(gpt.GPTConfig(gpt.PADDED_VOCAB, 1024, 2048, 8, 16),
+                              scan_layers=True)
+    step, optimizer = _step(cfg)
+    plan = autopar.plan(
+        step, gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, 32),
+        cluster=autopar.Cluster.from_profile("p3.16xlarge-v100", num_hosts=2),
+        num_microbatches=4, cache=False,
+    )
+    assert plan.num_stages == 2 and plan.scan_ranges == ((0, 4), (4, 8))
+    for path, pieces in plan.split_inputs().items():
+        assert [(i.shape[0], i.stage) for i in pieces] == [(4, 0), (4, 1)], path
