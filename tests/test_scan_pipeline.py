@@ -209,9 +209,8 @@ def test_pieces_of_different_lengths_are_refused_with_the_fix():
 
 @pytest.mark.extended  # minutes of ILPs; the fixed two-stage plan test is default
 def test_auto_pipelines_a_scanned_gpt_across_slow_hosts():
-    # Two V100 hosts joined by 25 Gbit/s: splitting a 1024-wide layer stack across them
-    # costs more than handing activations from one host's stage to the other's, so the
-    # search (method "auto", stages not fixed) pipelines, and cuts the stack in halves.
+    # Two V100 hosts (p3.16xlarge: a slow link between hosts): with the stages not fixed,
+    # the search (method "auto") picks one stage per host and cuts the stack in halves.
     cfg = dataclasses.replace(gpt.GPTConfig(gpt.PADDED_VOCAB, 1024, 2048, 8, 16),
                               scan_layers=True)
     step, optimizer = _step(cfg)
