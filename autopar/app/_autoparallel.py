@@ -10,9 +10,9 @@ from typing import Any
 
 import jax
 
-from autopar.graph import OpGraph, Role, abstract_args
+from autopar.graph import OpGraph, Role, abstract_args, tied_state
 from autopar.inter import assign_layers, partition
-from autopar.lower import lower_sharding_plan
+from autopar.lower import join_pieces, lower_sharding_plan, pieces_of
 from autopar.plan import Plan
 from autopar.runtime import PipelineExecutable
 from autopar.search import (
@@ -66,9 +66,12 @@ class AutoParallel:
 
     @property
     def graph(self) -> OpGraph:
+        """The traced step as the caller sees it (for a plan that holds a scanned stack in
+        pieces, the step before its stacked leaves were cut: `OpGraph.stacked`)."""
         if self._last is None:
             raise ValueError("not traced yet: call the function once")
-        return self._last.graph
+        graph = self._last.graph
+        return graph if graph.stacked is None else graph.stacked.original
 
     def _key(self, leaves, treedef) -> Any:
         return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
@@ -159,11 +162,19 @@ class AutoParallel:
             }
             if jax.process_count() > 1:
                 batch = set()  # every input becomes a global array on its stage's devices
+            stacked = compiled.graph.stacked
+            if stacked is not None:  # a stacked leaf held in pieces: one per stage
+                leaves = stacked.graph_leaves(leaves, lambda x, where: pieces_of(
+                    x, stacked.ranges, [compiled.in_shardings[w] for w in where]
+                ))
             placed = [
                 x if i in batch or _has_sharding(x, s) else _put(x, s)
                 for i, (x, s) in enumerate(zip(leaves, compiled.in_shardings))
             ]
             out = compiled.fn(placed, record=_record)
+            if stacked is not None:
+                out = stacked.caller_outputs(out, _joiner(compiled, self._options))
+                return jax.tree.unflatten(stacked.original.out_tree, out)
         else:
             placed = [
                 x if _has_sharding(x, s) else _put(x, s)
@@ -179,7 +190,7 @@ def check_arguments_fit(plan: Plan, leaves, paths) -> None:
     compared without their leading (batch) dimension: a pipelined plan records them at one
     microbatch."""
     given = {p: x for p, x in zip(paths, leaves)}
-    planned = {i.path: i for i in plan.inputs}
+    planned = {i.path: i for i in plan.caller_inputs()}
     problems = [f"'{p}' is not an input of the plan" for p in given if p not in planned]
     for path, info in planned.items():
         x = given.get(path)
@@ -200,6 +211,27 @@ def check_arguments_fit(plan: Plan, leaves, paths) -> None:
             f"{shown}. Plan again for these arguments (drop plan=...), or pass the arguments "
             "the plan was saved for"
         )
+
+
+def _joiner(compiled: _Compiled, options: PlanOptions) -> Callable:
+    """`join(pieces)`: a stacked leaf's pieces (one per stage) as one array over those
+    stages, laid out as the step takes the leaf when it is updated state (so that passing
+    it back moves nothing), else as the pieces come."""
+    stacked = compiled.graph.stacked
+    original = stacked.original
+    in_position = {v: i for i, v in enumerate(original.invars)}
+    out_position = {v: i for i, v in enumerate(original.outvars)}
+    taken = {}
+    for out_var, in_var in tied_state(original, options.donate_argnums):
+        i, j = out_position[out_var], in_position[in_var]
+        if i in stacked.split_outputs and j in stacked.split_inputs:
+            taken[tuple(stacked.outputs[i])] = [compiled.in_shardings[w] for w in stacked.inputs[j]]
+
+    def join(pieces: list, where: tuple | None = None):
+        shardings = taken.get(where) or [p.sharding for p in pieces]
+        return join_pieces(pieces, shardings)
+
+    return lambda pieces, where: join(pieces, tuple(where))
 
 
 def _named(mesh, spec, var):

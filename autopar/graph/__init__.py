@@ -7,6 +7,7 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
+from autopar.graph._stacked import StackedSplit, split_stacked
 from autopar.graph._state import tied_state
 from autopar.graph._trace import abstract_args, trace, trace_jaxpr
 
@@ -14,11 +15,13 @@ __all__ = [
     "Node",
     "OpGraph",
     "Role",
+    "StackedSplit",
     "Var",
     "abstract_args",
     "grad",
     "layer_boundary",
     "marking_layers",
+    "split_stacked",
     "tied_state",
     "trace",
     "trace_jaxpr",

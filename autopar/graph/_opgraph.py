@@ -109,6 +109,9 @@ class OpGraph:
     name: str = "fn"
     # The step's positional parameter names, which the input paths are named after.
     arg_names: tuple[str, ...] = ()
+    # A step whose stacked layer leaves were cut into pieces (`split_stacked`): how its
+    # inputs and outputs map to the caller's leaves (a `StackedSplit`); None otherwise.
+    stacked: Any = None
 
     # ---- queries -----------------------------------------------------------------------
 

@@ -14,7 +14,13 @@ of microbatches, the schedule and the single-mesh planner's options. Out: a
 - `_stitch`: one `ShardingPlan` for a stage from its layers' plans.
 """
 
-from autopar.inter._planner import LEVEL_FRACTIONS, LayerCostTable, PipelineChoice, choose_stages
+from autopar.inter._planner import (
+    LEVEL_FRACTIONS,
+    LayerCostTable,
+    PipelineChoice,
+    choose_stages,
+    plan_chosen_stages,
+)
 from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
 from autopar.inter._stitch import stitch
 from autopar.inter._submesh import (
@@ -30,8 +36,10 @@ from autopar.inter.passes import (
     ancestors,
     assign_layers,
     auto_layers,
+    layer_scan,
     operand_spec,
     partition,
+    scan_layers,
     stacked_layout,
 )
 
@@ -51,6 +59,9 @@ __all__ = [
     "auto_layers",
     "brute_force_stages",
     "choose_stages",
+    "layer_scan",
+    "plan_chosen_stages",
+    "scan_layers",
     "logical_mesh_shapes",
     "operand_spec",
     "partition",

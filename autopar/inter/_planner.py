@@ -13,6 +13,7 @@ solved once per mesh, never twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -398,33 +399,25 @@ def choose_stages(
     num_stages: int | None = None,
     submeshes: Sequence[SubmeshShape] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
+    allowed=None,
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
 
     Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
     (`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
-    layers' plans (`_stage_plans`).
+    layers' plans (`_stage_plans`). `allowed(start, end) -> bool`, when given, rules out
+    the stages whose layer range it rejects (e.g. uneven slices of a scanned stack).
     """
     budget = memory_budget(cluster, options.memory_budget)
-
-    def in_flight(shape) -> int:
-        # The layer ILPs' estimate of the activations in flight (a weight in the footprint
-        # their leaner levels limit; they do not know the stage's position): GPipe keeps all
-        # microbatches, 1F1B at most one per stage that could follow on the devices left.
-        # The stage DP's memory check uses each stage's exact position (`_StageCosts`).
-        later = max(1, cluster.num_devices // math.prod(shape))
-        return in_flight_microbatches(schedule, num_microbatches, later)
-
-    table = LayerCostTable(
-        graph, layers, cluster, options, tied, num_microbatches=num_microbatches,
-        in_flight=in_flight,
-    )
+    table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
     stage_cost = _StageCosts(
         table, all_submeshes, logical_shapes, schedule, num_microbatches, budget
     )
+    if allowed is not None:
+        stage_cost = _Restricted(stage_cost, allowed)
     start_time = time.perf_counter()
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
@@ -449,6 +442,64 @@ def choose_stages(
         dp=dp,
         num_layer_ilps=table.num_ilps,
     )
+
+
+def _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied):
+    def in_flight(shape) -> int:
+        # The layer ILPs' estimate of the activations in flight (a weight in the footprint
+        # their leaner levels limit; they do not know the stage's position): GPipe keeps all
+        # microbatches, 1F1B at most one per stage that could follow on the devices left.
+        # The stage DP's memory check uses each stage's exact position (`_StageCosts`).
+        later = max(1, cluster.num_devices // math.prod(shape))
+        return in_flight_microbatches(schedule, num_microbatches, later)
+
+    return LayerCostTable(
+        graph, layers, cluster, options, tied, num_microbatches=num_microbatches,
+        in_flight=in_flight,
+    )
+
+
+def plan_chosen_stages(
+    graph: OpGraph,
+    layers: LayerAssignment,
+    cluster,
+    num_microbatches: int,
+    schedule: str,
+    options: ShardOptions,
+    tied: Sequence[tuple[int, int]],
+    stage_layers: Sequence[tuple[int, int]],
+    chosen: PipelineChoice,
+) -> PipelineChoice:
+    """`chosen` (the DP's answer on another tracing of the same step) re-planned on
+    `graph`, whose layers `stage_layers` are those of `chosen`'s stages: the same
+    submeshes, logical mesh shapes and memory levels, each stage's plan stitched from
+    `graph`'s layers (a scanned stack traced as one sub-scan per stage,
+    `autopar.inter.passes.scan_layers`)."""
+    table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    stage_layers = tuple(tuple(r) for r in stage_layers)
+    part = partition(graph, layers, list(stage_layers))
+    plans = _stage_plans(table, graph, part, chosen.dp, stage_layers, tied)
+    return dataclasses.replace(
+        chosen, stage_layers=stage_layers, stage_plans=plans, partition=part,
+        num_layer_ilps=chosen.num_layer_ilps + table.num_ilps,
+    )
+
+
+@dataclass
+class _Restricted:
+    """A stage cost function that rules out the layer ranges `allowed` rejects."""
+
+    stage_cost: _StageCosts
+    allowed: object
+
+    @property
+    def num_positions(self) -> int | None:
+        return self.stage_cost.num_positions
+
+    def __call__(self, start: int, end: int, *rest) -> StageCost:
+        if not self.allowed(start, end):
+            return StageCost(math.inf, False, math.inf, None)
+        return self.stage_cost(start, end, *rest)
 
 
 @dataclass

@@ -16,15 +16,19 @@ from autopar.lower._spmd import (
     lower_sharding_plan,
     stack_spec,
 )
+from autopar.lower._stacked import join_pieces, pieces_of, stacked_sharding
 
 __all__ = [
     "constraint_hooks",
     "count_collectives",
     "jax_mesh",
+    "join_pieces",
     "local_devices",
     "lower_segment",
     "lower_sharding_plan",
+    "pieces_of",
     "plan_shardings",
     "shardings_by_path",
     "stack_spec",
+    "stacked_sharding",
 ]

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.graph import abstract_args
 from autopar.lower._spmd import jax_mesh
+from autopar.lower._stacked import stacked_sharding
 
 
 def plan_shardings(plan, like: Sequence[Any], devices: Sequence | None = None) -> tuple:
@@ -55,12 +56,19 @@ def plan_shardings(plan, like: Sequence[Any], devices: Sequence | None = None) -
 
 def shardings_by_path(plan, devices: Sequence | None = None) -> dict[str, NamedSharding]:
     """`NamedSharding` of every input, keyed by its pytree path (the paths `explain`
-    prints); each on the mesh of the stage holding it."""
+    prints); each on the mesh of the stage holding it. A stacked leaf the plan holds in
+    pieces on several stages (`Plan.split_inputs`) appears once, under the caller's path,
+    with the sharding of the whole array over those stages (`stacked_sharding`: the stage
+    meshes stacked on a leading ``"stage"`` axis that splits the layer dim); its pieces'
+    own shardings stay under their paths ``<path>[a:b]``."""
     meshes = [jax_mesh(stage.mesh, devices) for stage in plan.stages]
-    return {
+    found = {
         i.path: NamedSharding(
             meshes[i.stage], to_partition_spec(i.spec or replicated(len(i.shape)))
         )
         for i in plan.inputs
     }
+    for path, pieces in plan.split_inputs().items():
+        found[path] = stacked_sharding([found[i.path] for i in pieces])
+    return found
 

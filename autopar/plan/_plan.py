@@ -96,6 +96,10 @@ class Plan:
     runtime: Runtime = "spmd"
     # The step's positional parameter names, after which the input paths are named.
     arg_names: tuple[str, ...] = ()
+    # A scanned layer stack cut over stages: the iteration ranges of its pieces (one
+    # sub-scan each); its stacked leaves are inputs ``<path>[a:b]``, one per range
+    # (`split_inputs`). Empty: no stack is cut.
+    scan_ranges: tuple[tuple[int, int], ...] = ()
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -118,6 +122,34 @@ class Plan:
     def bubble_fraction(self) -> float:
         """Idle share of a GPipe/1F1B pipeline (`autopar.cost.bubble_fraction`)."""
         return bubble_fraction(len(self.stages), self.num_microbatches)
+
+    def split_inputs(self) -> dict[str, tuple[InputInfo, ...]]:
+        """The caller's leaves held in pieces (a scanned stack cut over stages): path ->
+        the pieces' inputs (paths ``<path>[a:b]``), in range order."""
+        found: dict[str, list[InputInfo]] = {}
+        if not self.scan_ranges:
+            return {}
+        suffixes = [f"[{a}:{b}]" for a, b in self.scan_ranges]
+        for info in self.inputs:
+            for suffix in suffixes:
+                if info.path.endswith(suffix):
+                    found.setdefault(info.path[: -len(suffix)], []).append(info)
+        return {
+            path: tuple(pieces) for path, pieces in found.items()
+            if len(pieces) == len(suffixes)
+        }
+
+    def caller_inputs(self) -> tuple[InputInfo, ...]:
+        """`inputs` as the caller passes them: a leaf held in pieces appears once, whole
+        (its leading dim the stack's length), with its first piece's spec and stage."""
+        split = self.split_inputs()
+        piece_paths = {i.path for pieces in split.values() for i in pieces}
+        infos = [i for i in self.inputs if i.path not in piece_paths]
+        for path, pieces in split.items():
+            first = pieces[0]
+            shape = (sum(p.shape[0] for p in pieces), *first.shape[1:])
+            infos.append(InputInfo(path, shape, first.dtype, first.role, first.spec, first.stage))
+        return tuple(infos)
 
     def specs_by_path(self) -> dict[str, Spec]:
         return {i.path: i.spec for i in self.inputs}
@@ -180,6 +212,8 @@ class Plan:
             "runtime": self.runtime,
             "arg_names": list(self.arg_names),
         }
+        if self.scan_ranges:
+            data["scan_ranges"] = [list(r) for r in self.scan_ranges]
         if timings:
             data["timings"] = self.timings
         return data
@@ -205,6 +239,7 @@ class Plan:
             auto_layers=d.get("auto_layers"),
             runtime=d.get("runtime", "spmd"),
             arg_names=tuple(d.get("arg_names", ())),
+            scan_ranges=tuple(tuple(r) for r in d.get("scan_ranges", ())),
         )
 
     def save(self, path: str | Path, *, timings: bool = False) -> None:

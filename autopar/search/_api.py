@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar._progress import phase
-from autopar.graph import OpGraph, trace
-from autopar.inter import auto_layers
+from autopar.graph import OpGraph, split_stacked, trace
+from autopar.inter import auto_layers, scan_layers
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
@@ -85,7 +85,12 @@ def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) 
     run_args = args
     if plan.runtime == "pipeline":
         run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
-    with auto_layers(plan.auto_layers):
-        graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
+    if plan.scan_ranges:
+        with scan_layers(plan.scan_ranges):
+            graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
+        graph = split_stacked(graph, plan.scan_ranges)
+    else:
+        with auto_layers(plan.auto_layers):
+            graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
     plan.check_graph(graph)
     return graph

@@ -7,6 +7,15 @@ or the one-mesh plan when the step has no gradient boundary or the cluster one d
 Steps: for each candidate microbatch count, trace one microbatch (`_trace_microbatch`) and
 run the stage DP (`inter.choose_stages`); pick the fastest (`_pick`); assemble the `Plan`
 (`_pipeline_plan`).
+
+A model whose layers are a scan over stacked parameters (and that has no layer marks) is
+traced with the scan run one iteration per sub-scan (`inter.scan_layers`), its stacked
+leaves cut into one piece per iteration (`graph.split_stacked`): the DP sees L identical
+layers between the embeddings and the head, planned by one ILP per mesh, and may cut the
+stack anywhere a stage gets an equal share of it (`_even_shares`). The chosen cut is then
+traced again with one sub-scan per stage (`_regroup`), so that each stage holds, runs and
+updates its slice ``w[a:b]`` of every stacked leaf; the plan records the ranges
+(`Plan.scan_ranges`).
 """
 
 from __future__ import annotations
@@ -17,8 +26,18 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from autopar.graph import OpGraph, tied_state, trace
-from autopar.inter import PipelineChoice, SubmeshShape, assign_layers, auto_layers, choose_stages
+from autopar.graph import OpGraph, split_stacked, tied_state, trace
+from autopar.inter import (
+    PipelineChoice,
+    SubmeshShape,
+    assign_layers,
+    auto_layers,
+    choose_stages,
+    layer_scan,
+    plan_chosen_stages,
+    scan_layers,
+)
+from autopar.inter.passes import per_iteration
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size, microbatch_args
@@ -38,6 +57,11 @@ MESH_SHAPE_WARNING = (
     "whose meshes it does not fix: pass logical_shapes=[...] to fix the stage mesh shapes, "
     "or method='shard' for one mesh of that shape"
 )
+
+
+class _NotALayerStack(Exception):
+    """The step's scan over stacked inputs is not run by the differentiated loss function
+    (`scan_layers` found nothing to cut there)."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +92,21 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     if options.mesh_shape is not None:
         warnings.warn(MESH_SHAPE_WARNING.format(options.mesh_shape), stacklevel=4)
     has_marks = any(n.primitive == "layer_boundary" for n in graph.nodes)
-    num_auto_layers = None if has_marks else options.num_layers
-    candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
-                                num_auto_layers, timings)
+    stack = None if has_marks else layer_scan(graph)
+    scan_length = None if stack is None else stack.params["length"]
+    num_auto_layers = None if has_marks or stack is not None else options.num_layers
+    try:
+        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
+                                    num_auto_layers, timings, scan_length)
+    except _NotALayerStack:  # the scan is not in the loss function: layers cut as usual
+        scan_length, num_auto_layers = None, options.num_layers
+        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
+                                    num_auto_layers, timings)
     best = _pick(candidates)
-    plan = _pipeline_plan(best, cluster, options, num_auto_layers, timings)
+    scan_ranges = ()
+    if scan_length is not None:
+        best, scan_ranges = _regroup(best, fn, args, cluster, options, scan_length)
+    plan = _pipeline_plan(best, cluster, options, num_auto_layers, timings, scan_ranges)
     if options.mesh_shape is not None:
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
         plan = dataclasses.replace(plan, warnings=(*plan.warnings, warning))
@@ -85,15 +119,77 @@ def _one_mesh(graph, cluster, options, timings) -> Plan:
     return plan
 
 
-def _trace_microbatch(fn, args, options: PlanOptions, num_microbatches, num_auto_layers):
+def _trace_microbatch(fn, args, options: PlanOptions, num_microbatches, num_auto_layers,
+                      scan_ranges=None):
+    """One microbatch of the step: layers marked automatically (`num_auto_layers`), or,
+    with `scan_ranges`, from the layer scan run as one sub-scan per range, its stacked
+    leaves cut into those ranges."""
+    mb_args = microbatch_args(args, options.batch_argnums, num_microbatches)
+    if scan_ranges is not None:
+        with scan_layers(scan_ranges):
+            graph = trace(fn, *mb_args, batch_argnums=options.batch_argnums)
+        return split_stacked(graph, scan_ranges)
     with auto_layers(num_auto_layers):
-        return trace(
-            fn, *microbatch_args(args, options.batch_argnums, num_microbatches),
-            batch_argnums=options.batch_argnums,
+        return trace(fn, *mb_args, batch_argnums=options.batch_argnums)
+
+
+def _even_shares(length: int, max_stages: int):
+    """`allowed(start, end)` for the DP over a stack of `length` iterations traced one
+    layer per iteration (layer 0 before the stack, layer `length` + 1 after it): a stage
+    holds none of the stack, or `length` / d iterations for a d that divides `length`.
+    (A leaf held in pieces is handed back as one array sharded over the stages, which
+    needs pieces of one length; `_regroup` checks that the chosen ones are.)"""
+    shares = {0} | {length // d for d in range(1, max_stages + 1) if length % d == 0}
+
+    def allowed(start: int, end: int) -> bool:
+        return max(0, min(end, length + 1) - max(start, 1)) in shares
+
+    return allowed
+
+
+def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
+    """The candidate traced with one sub-scan per stage (see the module docstring), and
+    the iteration ranges of those sub-scans."""
+    choice = best.choice
+    ranges, stage_of_piece = [], []
+    for s, (start, end) in enumerate(choice.stage_layers):
+        a, b = max(start, 1) - 1, min(end, length + 1) - 1
+        if b > a:
+            ranges.append((a, b))
+            stage_of_piece.append(s)
+    lengths = {b - a for a, b in ranges}
+    shapes = {choice.logical_shapes[s] for s in stage_of_piece}
+    if len(lengths) > 1 or len(shapes) > 1:
+        raise ValueError(
+            f"the stage DP cut the scanned stack of {length} layers into pieces {ranges} on "
+            f"stage meshes {sorted(shapes)}; a stacked leaf held in pieces is handed back as "
+            "one array sharded over the stages, which needs pieces of one length on meshes "
+            f"of one shape: pass num_stages= a divisor of {length} (and logical_shapes=[...] "
+            "to fix the stage mesh shape)"
         )
+    ranges = tuple(ranges)
+
+    def new_layer(old: int) -> int:
+        if old == 0:
+            return 0
+        if old > length:
+            return len(ranges) + 1
+        return 1 + next(k for k, (a, b) in enumerate(ranges) if a <= old - 1 < b)
+
+    stage_layers = [
+        (new_layer(start), new_layer(end - 1) + 1) for start, end in choice.stage_layers
+    ]
+    graph = _trace_microbatch(fn, args, options, best.num_microbatches, None, ranges)
+    regrouped = plan_chosen_stages(
+        graph, assign_layers(graph), cluster, best.num_microbatches, options.schedule,
+        shard_options(options, cluster), tied_state(graph, options.donate_argnums),
+        stage_layers, choice,
+    )
+    return _Candidate(regrouped, graph, best.num_microbatches), ranges
 
 
-def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings):
+def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
+                   scan_length=None):
     """The stage DP's choice for each microbatch count that has a plan; raises the last
     count's error when none has."""
     submeshes = None
@@ -102,17 +198,26 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings):
     single = shard_options(options, cluster)
     candidates: list[_Candidate] = []
     last_error: ValueError | None = None
+    allowed = None
+    if scan_length is not None:
+        allowed = _even_shares(scan_length, options.num_stages or cluster.num_devices)
     for num_micro in options.microbatch_counts(rows):
         start = time.perf_counter()
-        mb_graph = _trace_microbatch(fn, args, options, num_micro, num_auto_layers)
+        mb_graph = _trace_microbatch(
+            fn, args, options, num_micro, num_auto_layers,
+            None if scan_length is None else per_iteration(scan_length),
+        )
         timings["trace"] = timings.get("trace", 0.0) + time.perf_counter() - start
         start = time.perf_counter()
         try:
+            layers = assign_layers(mb_graph)
+            if scan_length is not None and layers.num_layers != scan_length + 2:
+                raise _NotALayerStack()
             choice = choose_stages(
-                mb_graph, assign_layers(mb_graph), cluster, num_micro, options.schedule,
+                mb_graph, layers, cluster, num_micro, options.schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
                 num_stages=options.num_stages, submeshes=submeshes,
-                logical_shapes=options.logical_shapes,
+                logical_shapes=options.logical_shapes, allowed=allowed,
             )
         except ValueError as err:
             last_error = err
@@ -143,7 +248,8 @@ def _pick(candidates: list[_Candidate]) -> _Candidate:
     return best
 
 
-def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings) -> Plan:
+def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
+                   scan_ranges=()) -> Plan:
     choice = best.choice
     stages = tuple(
         Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
@@ -162,4 +268,5 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings)
         auto_layers=num_auto_layers,
         runtime="pipeline",
         arg_names=best.graph.arg_names,
+        scan_ranges=tuple(scan_ranges),
     )

@@ -4,6 +4,8 @@
   `layer_boundary` marks (forward and matching backward);
 - `cluster_layers` / `auto_layers` (`_clustering`, `_auto_layers`): Alpa's layer
   construction for models without marks;
+- `scan_layers` (`_scan_layers`): layers from the iterations of a scan over stacked
+  layers, the scan run as one sub-scan per range of iterations;
 - `partition` (`_partition`): the step cut into per-stage forward, backward and update
   segments for given layer ranges;
 - `deferrable_gradients` and friends (`_deferred`): weight gradients kept as unreduced
@@ -28,6 +30,7 @@ from autopar.inter.passes._layers import (
     assign_layers,
 )
 from autopar.inter.passes._partition import Partition, Segment, partition
+from autopar.inter.passes._scan_layers import layer_scan, per_iteration, scan_layers
 
 __all__ = [
     "NOTHING_DEFERRED",
@@ -44,8 +47,11 @@ __all__ = [
     "cut_bytes",
     "deferrable_gradients",
     "gradient_roots",
+    "layer_scan",
     "operand_spec",
     "partition",
+    "per_iteration",
+    "scan_layers",
     "stacked_layout",
     "step_weights",
 ]
