@@ -33,6 +33,7 @@ from autopar.inter.passes import (
     operand_spec,
     partition,
     stacked_layout,
+    with_remat,
 )
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "logical_mesh_shapes",
     "operand_spec",
     "partition",
+    "with_remat",
     "plan_stages",
     "stacked_layout",
     "stitch",

@@ -112,7 +112,7 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings):
                 mb_graph, assign_layers(mb_graph), cluster, num_micro, options.schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
                 num_stages=options.num_stages, submeshes=submeshes,
-                logical_shapes=options.logical_shapes,
+                logical_shapes=options.logical_shapes, remat=options.remat,
             )
         except ValueError as err:
             last_error = err
@@ -146,7 +146,10 @@ def _pick(candidates: list[_Candidate]) -> _Candidate:
 def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings) -> Plan:
     choice = best.choice
     stages = tuple(
-        Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
+        Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds)
+        for layers, sp, remat, seconds in zip(
+            choice.stage_layers, choice.stage_plans, choice.stage_remat, choice.stage_recompute
+        )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
     return Plan(
