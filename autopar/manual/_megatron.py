@@ -307,7 +307,7 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
         )
         remat = fit.remat if any(r != "none" for r in fit.remat) else ()
         seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
-        stages.append(Stage(layer_range, sharding, remat, seconds))
+        stages.append(Stage(layer_range, sharding, remat, seconds, memory))
     return tuple(stages)
 
 

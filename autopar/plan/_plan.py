@@ -64,6 +64,10 @@ class Stage:
     # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost).
     remat: tuple[Remat, ...] = ()
     recompute_time: float = 0.0
+    # Bytes per device the planner predicted for the stage with the microbatches its
+    # schedule keeps in flight (`autopar.cost.stage_memory`); 0 when not recorded. A
+    # figure for reports, not part of the plan's identity or its JSON.
+    predicted_memory: float = field(default=0.0, compare=False)
 
     @property
     def mesh(self) -> LogicalMesh:

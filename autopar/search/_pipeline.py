@@ -146,9 +146,11 @@ def _pick(candidates: list[_Candidate]) -> _Candidate:
 def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings) -> Plan:
     choice = best.choice
     stages = tuple(
-        Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds)
-        for layers, sp, remat, seconds in zip(
-            choice.stage_layers, choice.stage_plans, choice.stage_remat, choice.stage_recompute
+        Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds,
+              cost.memory)
+        for layers, sp, remat, seconds, cost in zip(
+            choice.stage_layers, choice.stage_plans, choice.stage_remat,
+            choice.stage_recompute, choice.dp.stage_costs,
         )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))

@@ -1,0 +1,234 @@
+"""Rematerialization as a searched choice (issue 15): what a layer drops and reruns, what it
+costs, how the stage DP picks it, how it runs.
+
+- cost: full recompute adds exactly one forward and keeps only the layer input (by hand);
+  selective drops exactly the attention core's sequence x sequence tensors;
+- lowering: the rewritten segments compute the same loss and gradients as the whole step
+  (cheap: one device, no planning), and planned runs with selective and full recompute
+  match one device for GPT and MoE, one stage and two (`extended`, except one);
+- search: "auto" recomputes only where a stage would not fit; options are validated;
+  the plan JSON round-trips; the Megatron layouts of GPT-3 175B and MT-NLG 530B fit
+  80 GB with selective recompute (`extended`; figures in benchmarks/bench_remat_memory.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar.cost import (
+    LayerCost,
+    compute_time,
+    full_recompute_cost,
+    selective_recompute_cost,
+    stage_memory,
+)
+from autopar.graph import Role, trace
+from autopar.inter import LayerCostTable, assign_layers, partition, with_remat
+from autopar.inter._planner import choose_remat
+from autopar.inter.passes import attention_core, recompute
+from autopar.intra._options import ShardOptions
+from autopar.manual import MegatronConfig
+from autopar.plan import Plan
+from autopar.search import PlanOptions
+from examples import gpt, moe
+
+GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+MOE = dataclasses.replace(moe.CONFIGS["tiny"], layer_markers=True)
+
+
+def _gpt_graph(rows=4, cfg=GPT, module=gpt):
+    optimizer = optax.sgd(1e-2)
+    step = module.make_train_step(cfg, optimizer)
+    state = module.init_state(cfg, optimizer, jax.random.key(0))
+    batch = module.make_batch(cfg, rows, jax.random.key(1))
+    return step, state, batch, trace(step, state, batch)
+
+
+# ---- cost formulas, by hand --------------------------------------------------------------
+
+
+def test_full_recompute_adds_one_forward_and_keeps_the_input():
+    base = LayerCost(latency=10e-3, memory=300.0, activation_memory=100.0, state_memory=150.0,
+                     gradient_memory=30.0)  # transient 20
+    full = full_recompute_cost(base, forward_seconds=3e-3, input_bytes=8.0)
+    assert full.latency == pytest.approx(13e-3)
+    assert full.activation_memory == 8.0
+    assert full.transient_memory == pytest.approx(20.0 + 100.0)  # the layer's own, again
+    assert full.state_memory == 150.0 and full.gradient_memory == 30.0
+    # Four in flight: 150 + 30 + 4 x 8 + 120 instead of 150 + 30 + 4 x 100 + 20.
+    assert stage_memory([full], 4) == pytest.approx(332.0)
+    assert stage_memory([base], 4) == pytest.approx(600.0)
+
+
+def test_selective_recompute_drops_the_core_only():
+    base = LayerCost(latency=10e-3, memory=300.0, activation_memory=100.0, state_memory=150.0,
+                     gradient_memory=30.0)
+    sel = selective_recompute_cost(base, core_seconds=0.5e-3, core_bytes=40.0)
+    assert sel.latency == pytest.approx(10.5e-3)
+    assert sel.activation_memory == 60.0
+    assert sel.transient_memory == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        selective_recompute_cost(base, -1.0, 1.0)
+
+
+def test_layer_table_prices_full_as_one_forward_and_the_input():
+    """On one device the rerun of layer 1 (a transformer block) costs the roofline time of
+    every one of its forward nodes, and it keeps only its input, the residual stream."""
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    cluster = autopar.Cluster.from_profile("cpu-local", num_hosts=1)
+    table = LayerCostTable(graph, layers, cluster, ShardOptions(method="shard"), ())
+    base = table.cost(1, (1,))
+    full = table.remat_cost(1, (1,), 0, "full")
+    sub = table.per_layer.stage_graphs[1]
+    forward = table.per_layer.forward[1].nodes
+    by_hand = 0.0
+    for n in forward:
+        node = sub.nodes[n]
+        accessed = sum(sub.vars[v].nbytes for v in (*node.inputs, *node.outputs))
+        by_hand += compute_time(node.flops, accessed, cluster, sub.vars[node.outputs[0]].dtype)
+    assert full.latency - base.latency == pytest.approx(by_hand, rel=1e-12)
+    rows, seq, hidden = 4, GPT.seq_len, GPT.hidden
+    assert full.activation_memory == rows * seq * hidden * 4  # the block's float32 input
+    assert full.transient_memory == pytest.approx(base.transient_memory + base.activation_memory)
+
+
+def test_selective_drops_exactly_the_attention_scores():
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
+    kept = set(fwd.outputs) & set(bwd.inputs)
+    core = attention_core(sub, fwd.nodes, kept)
+    shape = (4, GPT.num_heads, GPT.seq_len, GPT.seq_len)
+    assert core and all(sub.vars[v].shape == shape for v in core)
+    assert not [v for v in kept - core if sub.vars[v].shape[-2:] == shape[-2:]]
+    rerun = recompute(sub, fwd.nodes, kept, "selective")
+    assert rerun.dropped == core
+    assert not rerun.added  # query and key are kept anyway
+    assert {sub.nodes[n].primitive for n in rerun.nodes} >= {"dot_general", "exp"}
+    assert "dot_general" in {sub.nodes[n].primitive for n in rerun.nodes}
+    # The rerun is the attention core only: no parameter-reading matmul (QKV, MLP).
+    assert not any(
+        sub.vars[v].role is Role.PARAM for n in rerun.nodes for v in sub.nodes[n].inputs
+    )
+
+
+# ---- lowering ----------------------------------------------------------------------------
+
+
+def _run_segments(graph, part, state, batch):
+    """Run the partition's forward then backward segments on one device, each reading only
+    its declared inputs; the grad-boundary operands (accumulated gradients) come back."""
+    flat = jax.tree.leaves((state, batch))
+    values = dict(zip(graph.invars, flat))
+    for seg in (*part.forward, *reversed(part.backward)):
+        sub = part.stage_graphs[seg.stage]
+        env = {v: values[v] for v in seg.inputs}
+        sub.run_nodes(env, [sub.nodes[n] for n in seg.nodes])
+        values.update({v: env[v] for v in seg.outputs})
+    return values
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_rewritten_segments_compute_the_same_gradients(model):
+    cfg, module = (GPT, gpt) if model == "gpt" else (MOE, moe)
+    _, state, batch, graph = _gpt_graph(cfg=cfg, module=module)
+    layers = assign_layers(graph)
+    n = layers.num_layers
+    stages = [(0, 2), (2, n)]
+    plain = partition(graph, layers, stages)
+    want = _run_segments(graph, plain, state, batch)
+    grads = list(plain.grad_vars)
+    for remat in ("selective", "full"):
+        remats = [(remat,) * (b - a) for a, b in stages]
+        part = with_remat(graph, partition(graph, layers, stages), layers, remats)
+        got = _run_segments(graph, part, state, batch)
+        for v in grads:
+            np.testing.assert_allclose(got[v], want[v], rtol=1e-5, atol=1e-7)
+        kept_before = sum(graph.vars[v].nbytes for v in plain.forward[0].outputs)
+        kept_after = sum(graph.vars[v].nbytes for v in part.forward[0].outputs)
+        assert kept_after < kept_before, remat
+        assert len(part.backward[0].nodes) > len(plain.backward[0].nodes)
+
+
+def _planned_loss(step, state, batch, remat, num_stages):
+    devices = 8 // num_stages
+    train = autopar.autoparallel(
+        step, cluster="cpu-local", remat=remat, num_stages=num_stages, num_microbatches=2,
+        submeshes=[(1, devices)], logical_shapes=[(devices,)], cache=False,
+        donate_argnums=(),
+    )
+    _, metrics = train(state, batch)
+    return train.plan, metrics["loss"]
+
+
+def test_full_remat_two_stages_matches_one_device():
+    step, state, batch, _ = _gpt_graph(rows=8)
+    _, want = jax.jit(step)(state, batch)
+    plan, loss = _planned_loss(step, state, batch, "full", 2)
+    assert all("full" in r for r in plan.stage_remat)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert "remat: layers" in plan.explain()
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("num_stages", [1, 2])
+@pytest.mark.parametrize("remat", ["selective", "full"])
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_remat_matches_one_device(model, remat, num_stages):
+    cfg, module = (GPT, gpt) if model == "gpt" else (MOE, moe)
+    step, state, batch, _ = _gpt_graph(rows=8, cfg=cfg, module=module)
+    _, want = jax.jit(step)(state, batch)
+    plan, loss = _planned_loss(step, state, batch, remat, num_stages)
+    assert any(remat in r for r in plan.stage_remat) or (model == "moe" and remat == "selective")
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+
+
+# ---- search ------------------------------------------------------------------------------
+
+
+def test_auto_recomputes_only_what_does_not_fit():
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    cluster = autopar.Cluster.from_profile("cpu-local", num_hosts=1)
+    table = LayerCostTable(graph, layers, cluster, ShardOptions(method="shard"), ())
+    blocks = range(1, layers.num_layers - 1)
+    roomy = choose_remat(table, blocks, (1,), 0, 4, math.inf)
+    assert set(roomy.remat) == {"none"}
+    full = choose_remat(table, blocks, (1,), 0, 4, math.inf, "full")
+    budget = (roomy.memory + full.memory) / 2
+    tight = choose_remat(table, blocks, (1,), 0, 4, budget)
+    assert tight.memory <= budget < roomy.memory
+    assert "none" in tight.remat or "selective" in tight.remat  # not everything recomputed
+    assert roomy.latency < tight.latency <= full.latency
+
+
+def test_remat_option_is_checked_and_keyed():
+    with pytest.raises(ValueError, match="unknown remat 'some'; choose one of 'auto'"):
+        autopar.autoparallel(lambda s, b: (s, {}), remat="some")
+    with pytest.raises(ValueError, match="unknown recompute 'all'"):
+        MegatronConfig(dp=1, tp=2, recompute="all")
+    assert PlanOptions().remat == "auto"
+    assert dataclasses.asdict(PlanOptions(remat="full")) != dataclasses.asdict(PlanOptions())
+    assert MegatronConfig(dp=1, tp=2, recompute="selective").name.endswith(
+        ",recompute=selective)")
+
+
+def test_plan_json_keeps_the_remat_choice(tmp_path):
+    step, state, batch, _ = _gpt_graph(rows=8)
+    plan = autopar.plan(step, state, batch, cluster="cpu-local", remat="selective",
+                        num_stages=1, num_microbatches=2, submeshes=[(1, 8)],
+                        logical_shapes=[(8,)], cache=False)
+    assert plan.stages[0].remat[1] == "selective" and plan.stages[0].recompute_time > 0
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again == plan and again.stage_remat == plan.stage_remat
+    assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
