@@ -490,7 +490,7 @@ def choose_remat(
             extra = c.latency - costs[i].latency
             upgrades.append((extra / saved, rank, i, option, c))
     upgrades.sort(key=lambda u: u[:3])
-    state = math.fsum(c.state_memory + c.gradient_memory for c in costs)
+    state = math.fsum(c.state_memory + c.gradient_memory for c in costs)  # recompute keeps it
     kept = math.fsum(c.activation_memory for c in costs)
     transient = max(c.transient_memory for c in costs)
     for _, _, i, option, c in upgrades:
@@ -498,7 +498,6 @@ def choose_remat(
             continue
         kept += c.activation_memory - costs[i].activation_memory
         transient = max(transient, c.transient_memory)
-        state += c.state_memory + c.gradient_memory - costs[i].state_memory - costs[i].gradient_memory
         costs[i], chosen[i] = c, option
         if state + in_flight * kept + transient <= budget:
             break
@@ -520,7 +519,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
         return None
-    if first_fit.memory <= budget and (remat != "auto" or all(r == "none" for r in first_fit.remat)):
+    unchanged = remat != "auto" or all(r == "none" for r in first_fit.remat)
+    if first_fit.memory <= budget and unchanged:
         return first_fit
     if table.solve is not None:
         return first_fit

@@ -128,9 +128,10 @@ class Plan:
     def predicted_step_time(self) -> float:
         """Predicted seconds per step: `autopar.cost.pipeline_latency` of the stages' costs.
 
-        Each stage is costed per microbatch (its sharding plan's cost plus its recompute) (one microbatch is the whole batch when
-        `num_microbatches` is 1), so this holds for every runtime: one stage accumulating B
-        microbatches takes B times its cost, a pipeline Alpa's latency.
+        Each stage is costed per microbatch (its sharding plan's cost plus its recompute;
+        one microbatch is the whole batch when `num_microbatches` is 1), so this holds for
+        every runtime: one stage accumulating B microbatches takes B times its cost, a
+        pipeline Alpa's latency.
         """
         times = [s.time_per_microbatch for s in self.stages]
         return pipeline_latency(times, self.num_microbatches)
