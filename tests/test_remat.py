@@ -232,3 +232,32 @@ def test_plan_json_keeps_the_remat_choice(tmp_path):
     again = Plan.load(tmp_path / "p.json")
     assert again == plan and again.stage_remat == plan.stage_remat
     assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
+
+
+def test_selective_reruns_the_attention_core_in_the_compiled_backward():
+    """The compiled backward program of a stage of two transformer blocks gains exactly
+    one matmul (queries x keys) and one exponential (softmax) per block with "selective",
+    and nothing else of the kind: the parameter matmuls are not rerun. (XLA:CPU, measured:
+    24 -> 26 dots, 0 -> 2 exponentials.)"""
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    stages = [(0, 2), (2, layers.num_layers)]
+
+    def compiled_backward(part):
+        seg, sub = part.backward[0], part.stage_graphs[0]
+
+        def run(*ins):
+            env = dict(zip(seg.inputs, ins))
+            sub.run_nodes(env, [sub.nodes[n] for n in seg.nodes])
+            return [env[v] for v in seg.outputs]
+
+        avals = [jax.ShapeDtypeStruct(graph.vars[v].shape, graph.vars[v].dtype)
+                 for v in seg.inputs]
+        return jax.jit(run).lower(*avals).compile().as_text()
+
+    plain = compiled_backward(partition(graph, layers, stages))
+    remats = [("selective",) * 2, ("none",) * (layers.num_layers - 2)]
+    selective = compiled_backward(with_remat(graph, partition(graph, layers, stages), layers,
+                                             remats))
+    assert selective.count(" dot(") - plain.count(" dot(") == 2
+    assert selective.count(" exponential(") - plain.count(" exponential(") == 2
