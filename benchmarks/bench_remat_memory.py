@@ -112,9 +112,13 @@ def main() -> None:
     parser.add_argument("--models", default="175B,530B")
     parser.add_argument("--recompute", default="none,selective,full")
     parser.add_argument("--auto", action="store_true", help="also autopar.plan GPT-3 175B")
+    parser.add_argument("--rows", default="", help="benchmark rows to plan with autopar at "
+                        "64 microbatches, e.g. gpt-13B@8,gpt-39B@8 (bench_large's models)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    for name in args.models.split(","):
+    for key in filter(None, args.rows.split(",")):
+        plan_row(key)
+    for name in filter(None, args.models.split(",")):
         for recompute in args.recompute.split(","):
             start = time.perf_counter()
             plan, fits, detail = megatron_memory(name, recompute)
@@ -140,6 +144,32 @@ def main() -> None:
               f"{sorted({tuple(s.mesh.shape) for s in p.stages})}, {p.num_microbatches} mb, "
               f"remat {sorted({r for s in p.stage_remat for r in s})}, step "
               f"{p.predicted_step_time:.3f} s; planned in {time.perf_counter() - start:.0f} s")
+
+
+def plan_row(key: str, num_microbatches: int = 64) -> None:
+    """`autopar.plan` of a `bench_large` row (e.g. "gpt-13B@8": its bf16 model, adamw,
+    global batch 1024) with `num_microbatches`, printing the plan and its remat."""
+    from autopar.search import plan as auto_plan
+    from benchmarks.bench_large import Row, model_step as row_step
+
+    family, rest = key.split("-", 1)
+    model, gpus = rest.split("@")
+    row = Row(family, model, int(gpus) // 8)
+    step, abstract = row_step(row)
+    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    start = time.perf_counter()
+    try:
+        p = auto_plan(step, *abstract, cluster=cluster, num_microbatches=num_microbatches,
+                      cache=False)
+    except ValueError as err:
+        print(f"{key} at {num_microbatches} mb: no plan ({str(err)[:300]}); "
+              f"{time.perf_counter() - start:.0f} s")
+        return
+    remat = [",".join(sorted(set(r))) for r in p.stage_remat]
+    print(f"{key} at {num_microbatches} mb: {p.num_stages} stage(s), meshes "
+          f"{[tuple(s.mesh.shape) for s in p.stages]}, remat per stage {remat}, memory "
+          f"{[round(s.predicted_memory / GiB, 1) for s in p.stages]} GiB, step "
+          f"{p.predicted_step_time:.3f} s; planned in {time.perf_counter() - start:.0f} s")
 
 
 def stage_peak(plan, stage: int) -> float:

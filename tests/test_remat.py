@@ -261,3 +261,49 @@ def test_selective_reruns_the_attention_core_in_the_compiled_backward():
                                              remats))
     assert selective.count(" dot(") - plain.count(" dot(") == 2
     assert selective.count(" exponential(") - plain.count(" exponential(") == 2
+
+
+# ---- large models: GPT-3 175B on 64 A100-80GB ---------------------------------------------
+
+GPT3 = dict(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, tp=8, pp=8)
+
+
+def test_gpt3_175b_megatron_fits_with_selective_by_arithmetic():
+    """Korthikanti et al. 2022 (section 4, with tensor and sequence parallelism t): a layer
+    keeps ``sbh (34 / t + 5 a s / (h t))`` bytes per microbatch, the second term the
+    attention core; state is 16 bytes per parameter (bf16 weights and gradients, fp32
+    master and Adam moments). Through the cost model's formulas, stage 0 of tp 8 x pp 8
+    (12 layers, 8 microbatches in flight under 1F1B) fits 80 GiB with selective recompute,
+    and selective removes exactly the attention term."""
+    from autopar.cost import in_flight_microbatches
+
+    g = GPT3
+    s, h, a, t = g["seq"], g["hidden"], g["heads"], g["tp"]
+    sbh = s * 1 * h
+    core = sbh * 5 * a * s / (h * t)
+    kept = sbh * 34 / t + core
+    params = 12 * h * h / t
+    base = LayerCost(latency=1.0, memory=params * 16 + kept, activation_memory=kept,
+                     state_memory=params * 14, gradient_memory=params * 2)
+    selective = selective_recompute_cost(base, core_seconds=0.01, core_bytes=core)
+    assert selective.activation_memory == pytest.approx(sbh * 34 / t)
+    layers_per_stage = g["layers"] // g["pp"]
+    in_flight = in_flight_microbatches("1f1b", 64, g["pp"])  # stage 0 of 8
+    assert in_flight == 8
+    embedding = g["vocab"] * h / t * 16
+    memory = stage_memory([selective] * layers_per_stage, in_flight) + embedding
+    assert memory < 80 * 2**30
+    assert stage_memory([base] * layers_per_stage, in_flight) - (memory - embedding) == (
+        pytest.approx(layers_per_stage * in_flight * core - core)
+    )
+
+
+@pytest.mark.extended
+def test_gpt3_175b_megatron_plan_fits_with_selective():
+    """The traced GPT-3 175B (abstract; benchmarks/bench_remat_memory.py): measured 67.8
+    GiB on stage 0 with selective recompute, 90.1 GiB without (does not fit)."""
+    from benchmarks.bench_remat_memory import megatron_memory
+
+    plan, fits, _ = megatron_memory("175B", "selective")
+    assert fits and max(s.predicted_memory for s in plan.stages) <= 80 * 2**30
+    assert all("selective" in s.remat for s in plan.stages[:-1])
