@@ -150,7 +150,8 @@ def plan_row(key: str, num_microbatches: int = 64) -> None:
     """`autopar.plan` of a `bench_large` row (e.g. "gpt-13B@8": its bf16 model, adamw,
     global batch 1024) with `num_microbatches`, printing the plan and its remat."""
     from autopar.search import plan as auto_plan
-    from benchmarks.bench_large import Row, model_step as row_step
+    from benchmarks.bench_large import Row
+    from benchmarks.bench_large import model_step as row_step
 
     family, rest = key.split("-", 1)
     model, gpus = rest.split("@")
