@@ -170,9 +170,10 @@ def _planned_loss(step, state, batch, remat, num_stages):
     return train.plan, metrics["loss"]
 
 
+@pytest.mark.extended
 def test_full_remat_two_stages_matches_one_device():
     step, state, batch, _ = _gpt_graph(rows=8)
-    _, want = jax.jit(step)(state, batch)
+    want = jax.jit(step)(state, batch)[1]["loss"]
     plan, loss = _planned_loss(step, state, batch, "full", 2)
     assert all("full" in r for r in plan.stage_remat)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -186,7 +187,7 @@ def test_full_remat_two_stages_matches_one_device():
 def test_remat_matches_one_device(model, remat, num_stages):
     cfg, module = (GPT, gpt) if model == "gpt" else (MOE, moe)
     step, state, batch, _ = _gpt_graph(rows=8, cfg=cfg, module=module)
-    _, want = jax.jit(step)(state, batch)
+    want = jax.jit(step)(state, batch)[1]["loss"]
     plan, loss = _planned_loss(step, state, batch, remat, num_stages)
     assert any(remat in r for r in plan.stage_remat) or (model == "moe" and remat == "selective")
     np.testing.assert_allclose(loss, want, rtol=1e-5)
@@ -222,7 +223,9 @@ def test_remat_option_is_checked_and_keyed():
         ",recompute=selective)")
 
 
-def test_plan_json_keeps_the_remat_choice(tmp_path):
+def test_plan_json_keeps_the_remat_choice_and_runs_it(tmp_path):
+    """A one-stage plan with selective recompute (gradient accumulation over two
+    microbatches) saves, loads, and runs as one device does."""
     step, state, batch, _ = _gpt_graph(rows=8)
     plan = autopar.plan(step, state, batch, cluster="cpu-local", remat="selective",
                         num_stages=1, num_microbatches=2, submeshes=[(1, 8)],
@@ -232,6 +235,11 @@ def test_plan_json_keeps_the_remat_choice(tmp_path):
     again = Plan.load(tmp_path / "p.json")
     assert again == plan and again.stage_remat == plan.stage_remat
     assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
+    assert "remat: layers" in again.explain()
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    train = autopar.autoparallel(step, plan=again, donate_argnums=())
+    _, metrics = train(state, batch)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
 
 
 def test_selective_reruns_the_attention_core_in_the_compiled_backward():
