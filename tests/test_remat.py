@@ -315,3 +315,18 @@ def test_gpt3_175b_megatron_plan_fits_with_selective():
     plan, fits, _ = megatron_memory("175B", "selective")
     assert fits and max(s.predicted_memory for s in plan.stages) <= 80 * 2**30
     assert all("selective" in s.remat for s in plan.stages[:-1])
+
+
+def test_a_users_checkpoint_is_left_as_written():
+    """Layers the user wrapped in `jax.checkpoint` already rerun their forward (the traced
+    backward holds the rerun); remat adds nothing to them."""
+    cfg = dataclasses.replace(GPT, remat_layers=True)
+    _, _, _, graph = _gpt_graph(cfg=cfg)
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
+    assert any(sub.nodes[n].remat for n in bwd.nodes)
+    kept = set(fwd.outputs) & set(bwd.inputs)
+    assert not kept  # the checkpoint keeps nothing of the forward but the layer's input
+    for remat in ("selective", "full"):
+        assert recompute(sub, fwd.nodes, kept, remat, bwd.nodes).nodes == ()

@@ -236,7 +236,10 @@ class LayerCostTable:
         if key not in self._recomputes:
             sub = self.per_layer.stage_graphs[layer]
             forward = self.per_layer.forward[layer].nodes
-            self._recomputes[key] = recompute(sub, forward, self.kept_for_backward(layer), remat)
+            backward = self.per_layer.backward[layer].nodes
+            self._recomputes[key] = recompute(
+                sub, forward, self.kept_for_backward(layer), remat, backward
+            )
         return self._recomputes[key]
 
     def _price_remat(self, layer, shape, level, remat, base: LayerCost) -> LayerCost:

@@ -51,7 +51,8 @@ NO_RECOMPUTE = Recompute(frozenset(), (), frozenset(), frozenset())
 
 
 def user_checkpointed(graph: OpGraph, nodes: Iterable[int]) -> bool:
-    """Whether any of `nodes` comes from the user's own `jax.checkpoint`."""
+    """Whether any of `nodes` comes from the user's own `jax.checkpoint` (in a
+    differentiated step: the backward's rerun of the checkpointed forward)."""
     return any(graph.nodes[n].remat for n in nodes)
 
 
@@ -80,13 +81,15 @@ def attention_core(graph: OpGraph, forward: Sequence[int], kept: Iterable[int]) 
 
 
 def recompute(
-    graph: OpGraph, forward: Sequence[int], kept: Iterable[int], remat: str
+    graph: OpGraph, forward: Sequence[int], kept: Iterable[int], remat: str,
+    backward: Sequence[int] = (),
 ) -> Recompute:
     """What `remat` drops and reruns for the layer whose forward nodes are `forward`
-    (program order) and whose backward reads `kept` from them (see the module docstring)."""
+    (program order) and whose backward reads `kept` from them (see the module docstring).
+    Nothing when the layer's `backward` nodes already rerun a user's `jax.checkpoint`."""
     check_choice("remat", remat, REMATS)
     kept = set(kept)
-    if remat == "none" or user_checkpointed(graph, forward):
+    if remat == "none" or user_checkpointed(graph, (*forward, *backward)):
         return NO_RECOMPUTE
     producer = {v: n for n in forward for v in graph.nodes[n].outputs}
     if remat == "full":
@@ -136,8 +139,9 @@ def with_remat(graph: OpGraph, partition, layers, stage_remat: Sequence[Sequence
         reruns: list[Recompute] = []
         for offset, remat in enumerate(remats):
             nodes = [n for n in fwd.nodes if layer_of[n] == first_layer + offset]
+            backs = [n for n in bwd.nodes if layer_of[n] == first_layer + offset]
             made = {v for n in nodes for v in sub.nodes[n].outputs}
-            plan = recompute(sub, nodes, made & bwd_inputs, remat)
+            plan = recompute(sub, nodes, made & bwd_inputs, remat, backs)
             if plan.nodes:
                 reruns.append(plan)
         if not reruns:
