@@ -330,3 +330,21 @@ def test_a_users_checkpoint_is_left_as_written():
     assert not kept  # the checkpoint keeps nothing of the forward but the layer's input
     for remat in ("selective", "full"):
         assert recompute(sub, fwd.nodes, kept, remat, bwd.nodes).nodes == ()
+
+
+@pytest.mark.extended
+def test_megatron_recompute_matches_one_device():
+    """A Megatron plan (dp 2 x tp 2 x pp 2) with selective recompute runs as one device."""
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], hidden=64, num_layers=2, layer_markers=True)
+    opt = optax.sgd(1e-2)
+    state = gpt.init_state(cfg, opt, jax.random.key(0))
+    batch = gpt.make_batch(cfg, 8, jax.random.key(1))
+    step = gpt.make_train_step(cfg, opt)
+    plan = autopar.megatron_plan(step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2,
+                                 num_microbatches=2, recompute="selective")
+    assert plan.stages[0].remat == ("selective",) * (plan.stages[0].layers[1])
+    assert plan.stages[0].recompute_time > 0
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    train = autopar.autoparallel(step, plan=plan, donate_argnums=())
+    _, metrics = train(state, batch)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
