@@ -12,7 +12,17 @@ gradients, and fp32 optimizer state -- a master copy of the weights and Adam's t
 (`mixed_precision_adamw`): 2 + 2 + 12 = 16 bytes per parameter (Megatron-LM keeps fp32
 gradients too, 18 bytes; Rajbhandari et al. 2020 count 16 with bf16 gradients).
 
-Usage: ``python benchmarks/bench_remat_memory.py [--auto] [--models 175B,530B]``.
+Usage: ``python benchmarks/bench_remat_memory.py [--auto] [--models 175B,530B]
+[--rows gpt-13B@8,gpt-39B@8]``.
+
+Measured (2 CPU cores shared by six agents at load ~16, so times are upper bounds):
+175B tp8 pp8 sp: selective fits, 67.8 GiB on stage 0 (last stage 42.8), 76 s to plan;
+none needs 90.1 GiB (does not fit). 530B tp8 pp35 sp: selective needs 85.7 GiB on stage 0
+(does not fit: the cost model keeps six unfused 4h-wide GELU intermediates per layer where
+Korthikanti et al. count two), full fits at 55.2 GiB, 216 s. gpt-13B@8 at 64 microbatches:
+one stage on (4, 2), layers recomputing a mix of none and selective, 79.1 GiB, planned in
+2973 s. Not finished within the time limits: `--auto` (175B, over 35 minutes) and
+gpt-39B@8.
 """
 
 from __future__ import annotations
