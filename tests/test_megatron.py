@@ -475,6 +475,12 @@ def test_megatron_configs_enumeration():
     # pp=2, dp=4: 32 examples in microbatches of 1 and 2 per rank -> 8 and 4 microbatches
     assert sorted({c.num_microbatches for c in configs if (c.dp, c.pp) == (4, 2)}) == [4, 8]
     assert {c.num_microbatches for c in configs if c.pp == 1} == {1}
+    both = megatron_configs(16, 8, 32, distributed_optimizer=(False, True),
+                            recompute=("none", "selective", "full"))
+    assert len(both) == 6 * len(megatron_configs(16, 8, 32))
+    assert {(c.distributed_optimizer, c.recompute) for c in both} == {
+        (z, r) for z in (False, True) for r in ("none", "selective", "full")
+    }
 
 
 def test_grid_search_on_dgx_returns_best_and_reasons():
@@ -487,7 +493,7 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
     budget = 3e5
     best, results = megatron_grid_search(
         step, *args, cluster=cluster, pp_values=(1, 2), sequence_parallel=(False, True),
-        memory_budget=budget,
+        memory_budget=budget, distributed_optimizer=(False,), recompute=("none",),
     )
     outcome = {c.name: o for c, o in results}
     assert "MemoryBudgetError" in outcome["megatron(dp=8,tp=1,pp=1)"]

@@ -255,17 +255,21 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     tied = tied_state(graph, (0,))
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
 
-    def one_stage(budget):
+    def one_stage(budget, remat="none"):
         choice = choose_stages(graph, layers, cluster, 4, "1f1b",
                                ShardOptions(memory_budget=budget), tied, num_stages=1,
-                               logical_shapes=[(8,)])
+                               logical_shapes=[(8,)], remat=remat)
         return choice.dp.stage_costs[0]
 
     fastest = one_stage(None)
-    assert fastest.detail == ((8,), 0)
+    assert fastest.detail == ((8,), 0, ("none",) * layers.num_layers)
     budget = 0.8 * fastest.memory
     lean = one_stage(budget)
-    shape, level = lean.detail
+    shape, level, _ = lean.detail
     assert shape == (8,) and level >= 1
     assert lean.memory <= budget
     assert lean.latency >= fastest.latency  # leaner costs time, never less
+    # With remat searched too, the stage fits at least as fast (recompute or leaner plans).
+    searched = one_stage(budget, "auto")
+    assert searched.memory <= budget
+    assert fastest.latency <= searched.latency <= lean.latency

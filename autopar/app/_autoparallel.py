@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from autopar.graph import OpGraph, Role, abstract_args, tied_state
-from autopar.inter import assign_layers, partition
+from autopar.inter import assign_layers, partition, with_remat
 from autopar.lower import join_pieces, lower_sharding_plan, pieces_of
 from autopar.plan import Plan
 from autopar.runtime import PipelineExecutable
@@ -108,7 +108,8 @@ class AutoParallel:
                 f"the plan's stages cover {stage_layers[-1][1]} layers but the traced step "
                 f"has {layers.num_layers}; plan again for this model"
             )
-        part = partition(graph, layers, stage_layers)
+        part = with_remat(graph, partition(graph, layers, stage_layers), layers,
+                          plan.stage_remat)
         stage_plans = [stage.sharding for stage in plan.stages]
         for sp, sub in zip(stage_plans, part.stage_graphs):
             sp.check_graph(sub)
@@ -286,7 +287,8 @@ def autoparallel(
     - `**options`: the `PlanOptions`, as `autopar.plan` takes them: `method` ("auto",
       "shard", "data", "zero2", "zero3"), `num_microbatches`, `schedule`,
       `memory_budget`, `donate_argnums`, `batch_argnums`, `mesh_shape`, `num_stages`,
-      `submeshes`, `logical_shapes`, ...
+      `submeshes`, `logical_shapes`, `remat` ("auto": recompute per layer only where a
+      stage would not fit otherwise; "none", "selective", "full"), ...
 
     **Example:**
 

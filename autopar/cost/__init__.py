@@ -24,6 +24,12 @@ from autopar.cost._pipeline import (
     pipeline_latency,
     stage_memory,
 )
+from autopar.cost._remat import (
+    full_recompute_cost,
+    recompute_seconds,
+    recomputed_layer_cost,
+    selective_recompute_cost,
+)
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -33,6 +39,10 @@ __all__ = [
     "memory_budget",
     "pipeline_latency",
     "stage_memory",
+    "full_recompute_cost",
+    "recompute_seconds",
+    "recomputed_layer_cost",
+    "selective_recompute_cost",
     "AlphaBetaTerms",
     "CollectiveKind",
     "CollectiveSample",

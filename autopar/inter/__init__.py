@@ -41,6 +41,7 @@ from autopar.inter.passes import (
     partition,
     scan_layers,
     stacked_layout,
+    with_remat,
 )
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "logical_mesh_shapes",
     "operand_spec",
     "partition",
+    "with_remat",
     "plan_stages",
     "stacked_layout",
     "stitch",

@@ -24,8 +24,12 @@ from dataclasses import dataclass
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import (
     LayerCost,
+    bytes_per_device,
+    full_recompute_cost,
     in_flight_microbatches,
     memory_budget,
+    recompute_seconds,
+    selective_recompute_cost,
     stage_memory,
 )
 from autopar.graph import OpGraph, Role
@@ -36,6 +40,7 @@ from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_sh
 from autopar.inter.passes._deferred import gradient_roots, stacked_layout, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
+from autopar.inter.passes._remat import recompute
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_on_mesh
@@ -58,6 +63,10 @@ class PipelineChoice:
     partition: Partition
     dp: StagePlan
     num_layer_ilps: int
+    # Per stage, per layer of the stage: its `Remat` choice; and per stage the seconds per
+    # microbatch the recompute adds (part of `latency`, not of the stage plans' costs).
+    stage_remat: tuple[tuple[str, ...], ...] = ()
+    stage_recompute: tuple[float, ...] = ()
 
 
 def structural_fingerprint(graph: OpGraph) -> str:
@@ -134,6 +143,8 @@ class LayerCostTable:
         ]
         self._cache: dict[tuple, LayerCost | None] = {}  # (fingerprint, shape, level)
         self._plans: dict[tuple, tuple[ShardingPlan, OpGraph]] = {}
+        self._remat_cache: dict[tuple, LayerCost] = {}
+        self._recomputes: dict[tuple, object] = {}
         self.num_ilps = 0
 
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
@@ -203,6 +214,71 @@ class LayerCostTable:
             _gradient_bytes(sub, plan, self.per_layer),
         )
         return cost, (plan, sub)
+
+    def remat_cost(
+        self, layer: int, shape: tuple[int, ...], level: int, remat: str
+    ) -> LayerCost | None:
+        """The layer's cost at (`shape`, `level`) with `remat` ("none", "selective",
+        "full"; see `autopar.inter.passes._remat`), priced by `autopar.cost`'s recompute
+        formulas on the layer's plan: the rerun nodes' roofline seconds and the bytes per
+        device of what it drops and keeps. A layer with nothing to drop (no attention core
+        for "selective", or the user's own `jax.checkpoint`) costs as with "none"."""
+        base = self.cost(layer, shape, level)
+        if base is None or remat == "none":
+            return base
+        key = (self.fingerprints[layer], shape, level, remat)
+        if key not in self._remat_cache:
+            self._remat_cache[key] = self._price_remat(layer, shape, level, remat, base)
+        return self._remat_cache[key]
+
+    def recompute_of(self, layer: int, remat: str):
+        """The layer's `Recompute` for `remat` (ids of its per-layer graph)."""
+        key = (layer, remat)
+        if key not in self._recomputes:
+            sub = self.per_layer.stage_graphs[layer]
+            forward = self.per_layer.forward[layer].nodes
+            backward = self.per_layer.backward[layer].nodes
+            self._recomputes[key] = recompute(
+                sub, forward, self.kept_for_backward(layer), remat, backward
+            )
+        return self._recomputes[key]
+
+    def _price_remat(self, layer, shape, level, remat, base: LayerCost) -> LayerCost:
+        plan, solved_on = self._plans[(self.fingerprints[layer], shape, level)]
+        rerun = self.recompute_of(layer, remat)
+        if not rerun.nodes:
+            return base
+        # The plan was solved on a layer of the same structure: map this layer's ids onto
+        # its graph by position (same fingerprint, same numbering of nodes and vars).
+        sub = self.per_layer.stage_graphs[layer]
+        to_solved = _var_map(sub, solved_on)
+
+        def nbytes(v):
+            var = sub.vars[v]
+            spec = plan.var_specs[to_solved.get(v, v)]
+            if spec is None or not var.shape:
+                return float(var.nbytes)
+            return bytes_per_device(var.shape, var.dtype, spec, plan.mesh)
+
+        work = []
+        for n in rerun.nodes:
+            node = sub.nodes[n]
+            outs = [v for v in node.outputs if sub.vars[v].shape]
+            split = 1
+            if outs:
+                spec = plan.var_specs[to_solved.get(outs[0], outs[0])]
+                if spec:
+                    split = math.prod(plan.mesh.shape[plan.mesh.axis_names.index(a)]
+                                      for dim in spec for a in dim)
+            accessed = sum(nbytes(v) for v in (*node.inputs, *node.outputs))
+            dtype = sub.vars[node.outputs[0]].dtype if node.outputs else "float32"
+            work.append((node.flops / split, accessed, dtype))
+        seconds = recompute_seconds(work, self.cluster)
+        dropped = math.fsum(nbytes(v) for v in rerun.dropped)
+        added = math.fsum(nbytes(v) for v in rerun.added)
+        if remat == "full":
+            return full_recompute_cost(base, seconds, added)  # it drops all it kept
+        return selective_recompute_cost(base, seconds, dropped, added)
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
         """(least, fastest plan's) footprint of the layer on a mesh of `shape`, bytes per
@@ -304,6 +380,17 @@ class LayerCostTable:
         )
 
 
+def _var_map(sub: OpGraph, solved_on: OpGraph) -> dict[int, int]:
+    """Var ids of `sub` -> those of `solved_on`, a graph of the same structure, matched by
+    position (invars, then node outputs in order); empty when they are the same graph."""
+    if sub is solved_on:
+        return {}
+    pairs = dict(zip(sub.invars, solved_on.invars))
+    for a, b in zip(sub.nodes, solved_on.nodes):
+        pairs.update(zip(a.outputs, b.outputs))
+    return pairs
+
+
 def _state_bytes(sub: OpGraph, plan: ShardingPlan) -> float:
     """Bytes per device of the parameters and optimizer state the layer reads."""
     from autopar.cost import bytes_per_device
@@ -353,38 +440,120 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 
 
-def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float):
-    """(level, layer costs, stage memory) of the fastest memory level at which the layers
-    fit `budget` together on a mesh of `shape`, or of the leanest level tried when none
-    does; None when a layer has no plan on that mesh.
+@dataclass(frozen=True)
+class _Fit:
+    """A stage's layers at one memory level with one remat choice per layer."""
 
-    From level 0 it jumps to the level whose footprint limit removes the stage's excess
-    (each layer giving up the same fraction of what it can give), then steps down.
+    level: int
+    remat: tuple[str, ...]
+    costs: tuple[LayerCost, ...]
+    memory: float
+
+    @property
+    def latency(self) -> float:
+        return math.fsum(c.latency for c in self.costs)
+
+
+def choose_remat(
+    table: LayerCostTable, layer_range, shape, level: int, in_flight: int, budget: float,
+    remat: str = "auto",
+) -> _Fit | None:
+    """The layers' costs at `level` with a remat choice per layer; None when a layer has
+    no plan on that mesh.
+
+    A fixed `remat` ("none", "selective", "full") applies to every layer. "auto" keeps
+    everything while the layers fit `budget`; otherwise it recomputes greedily, per layer,
+    the choice that saves the most kept bytes per second of rerun first (selective, whose
+    rerun is small, before full), until the stage fits or every layer recomputes fully.
+    Per layer rather than per stage: a stage that fits with a few layers recomputed does
+    not pay for all of them, and the greedy pass is O(L log L) arithmetic per stage, no
+    solve (Megatron-LM likewise recomputes only some layers of a stage).
     """
-    costs = [table.cost(k, shape) for k in layer_range]
+    layer_range = list(layer_range)
+    if remat != "auto":
+        costs = [table.remat_cost(k, shape, level, remat) for k in layer_range]
+        if any(c is None for c in costs):
+            return None
+        chosen = tuple(remat if c is not table.cost(k, shape, level) else "none"
+                       for k, c in zip(layer_range, costs))
+        return _Fit(level, chosen, tuple(costs), stage_memory(costs, in_flight))
+    costs = [table.cost(k, shape, level) for k in layer_range]
     if any(c is None for c in costs):
         return None
+    chosen = ["none"] * len(costs)
     memory = stage_memory(costs, in_flight)
-    if memory <= budget or table.solve is not None:
-        return 0, costs, memory
+    if memory <= budget:
+        return _Fit(level, tuple(chosen), tuple(costs), memory)
+    upgrades = []
+    for i, k in enumerate(layer_range):
+        for rank, option in enumerate(("selective", "full")):
+            c = table.remat_cost(k, shape, level, option)
+            saved = in_flight * (costs[i].activation_memory - c.activation_memory)
+            if saved <= 0:
+                continue
+            extra = c.latency - costs[i].latency
+            upgrades.append((extra / saved, rank, i, option, c))
+    upgrades.sort(key=lambda u: u[:3])
+    state = math.fsum(c.state_memory + c.gradient_memory for c in costs)  # recompute keeps it
+    kept = math.fsum(c.activation_memory for c in costs)
+    transient = max(c.transient_memory for c in costs)
+    for _, _, i, option, c in upgrades:
+        if chosen[i] == "full" or c.activation_memory >= costs[i].activation_memory:
+            continue
+        kept += c.activation_memory - costs[i].activation_memory
+        transient = max(transient, c.transient_memory)
+        costs[i], chosen[i] = c, option
+        if state + in_flight * kept + transient <= budget:
+            break
+    return _Fit(level, tuple(chosen), tuple(costs), stage_memory(costs, in_flight))
+
+
+def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
+                   remat: str = "auto") -> _Fit | None:
+    """The fastest (memory level, remat per layer) at which the layers fit `budget`
+    together on a mesh of `shape`, or the leanest tried when none does; None when a layer
+    has no plan on that mesh.
+
+    From level 0 (each layer's fastest plan, with `choose_remat`) it jumps to the level
+    whose footprint limit removes the stage's excess without recompute (each layer giving
+    up the same fraction of what it can give), then steps down while that does not fit;
+    every level visited is also tried with recompute, and the fastest fit wins (a leaner
+    sharding costs communication, recompute costs forward work).
+    """
+    first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
+    if first_fit is None:
+        return None
+    unchanged = remat != "auto" or all(r == "none" for r in first_fit.remat)
+    if first_fit.memory <= budget and unchanged:
+        return first_fit
+    if table.solve is not None:
+        return first_fit
+    plain = [table.cost(k, shape) for k in layer_range]
+    memory = stage_memory(plain, in_flight)
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
     wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
     first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
     if first is None:
         first = len(LEVEL_FRACTIONS) - 1  # the leanest: it may still fit (or tell how close)
-    found = (0, costs, memory)
+    tried = [first_fit]
+    least = memory
     for level in range(first, len(LEVEL_FRACTIONS)):
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
             break
         memory = stage_memory(costs, in_flight)
-        if memory >= found[2]:
+        if memory >= least:
             break  # a tighter footprint no longer helps
-        found = (level, costs, memory)
-        if memory <= budget:
+        least = memory
+        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
+        tried.append(fit)
+        if fit.memory <= budget and all(r == "none" for r in fit.remat):
             break
-    return found
+    fitting = [f for f in tried if f.memory <= budget]
+    if fitting:
+        return min(fitting, key=lambda f: f.latency)  # first of equals: the faster level
+    return min(tried, key=lambda f: f.memory)
 
 
 def choose_stages(
@@ -400,6 +569,7 @@ def choose_stages(
     submeshes: Sequence[SubmeshShape] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
     allowed=None,
+    remat: str = "auto",
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
 
@@ -414,7 +584,7 @@ def choose_stages(
         cluster.num_hosts, cluster.devices_per_host
     )
     stage_cost = _StageCosts(
-        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget
+        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat
     )
     if allowed is not None:
         stage_cost = _Restricted(stage_cost, allowed)
@@ -431,6 +601,7 @@ def choose_stages(
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
     shapes = tuple(c.detail[0] for c in dp.stage_costs)
     part = partition(graph, layers, list(stage_layers))
+    stage_remat = tuple(c.detail[2] for c in dp.stage_costs)
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
@@ -441,6 +612,20 @@ def choose_stages(
         partition=part,
         dp=dp,
         num_layer_ilps=table.num_ilps,
+        stage_remat=stage_remat,
+        stage_recompute=tuple(
+            recompute_time(table, range(*layers_), c.detail)
+            for layers_, c in zip(stage_layers, dp.stage_costs)
+        ),
+    )
+
+
+def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
+    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat)."""
+    shape, level, remats = detail
+    return math.fsum(
+        table.remat_cost(k, shape, level, r).latency - table.cost(k, shape, level).latency
+        for k, r in zip(layer_range, remats)
     )
 
 
@@ -507,7 +692,8 @@ class _StageCosts:
     """The stage DP's cost of layers [start, end) on submesh `index` as the stage
     `stages_from_here` stages from the end (1: the last): the fastest logical mesh shape
     and memory level at which the layers, with the activations of the microbatches that
-    position keeps in flight (`in_flight_microbatches`), fit the budget together."""
+    position keeps in flight (`in_flight_microbatches`), fit the budget together, with a
+    remat choice per layer (`choose_remat`, by the `remat` option)."""
 
     table: LayerCostTable
     submeshes: list[SubmeshShape]
@@ -515,6 +701,7 @@ class _StageCosts:
     schedule: str
     num_microbatches: int
     budget: float
+    remat: str = "auto"
 
     @property
     def num_positions(self) -> int | None:
@@ -531,15 +718,16 @@ class _StageCosts:
         least_memory = math.inf
         for shape in shapes:
             shape = tuple(shape)
-            found = _fitting_level(self.table, range(start, end), shape, in_flight, self.budget)
-            if found is None:
+            fit = _fitting_level(
+                self.table, range(start, end), shape, in_flight, self.budget, self.remat
+            )
+            if fit is None:
                 continue
-            level, costs, memory = found
-            least_memory = min(least_memory, memory)
-            if memory <= self.budget:
-                latency = sum(c.latency for c in costs)
+            least_memory = min(least_memory, fit.memory)
+            if fit.memory <= self.budget:
+                latency = fit.latency
                 if best is None or latency < best.latency:
-                    best = StageCost(latency, True, memory, (shape, level))
+                    best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best
@@ -549,7 +737,7 @@ def _stage_plans(table: LayerCostTable, graph, part, dp, stage_layers, tied) -> 
     """Each chosen stage's plan, stitched from its layers' plans on its mesh."""
     plans = []
     for s, (ids, cost) in enumerate(zip(dp.device_ids, dp.stage_costs)):
-        shape, level = cost.detail
+        shape, level, _ = cost.detail
         mesh = LogicalMesh.create(shape, ids)
         plans.append(table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied, level))
     return tuple(plans)

@@ -41,7 +41,8 @@ def megatron_grid_search(
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     sequence_parallel: Sequence[bool] = (False, True),
     pp_values: Sequence[int] = (1,),
-    distributed_optimizer: Sequence[bool] = (False,),
+    distributed_optimizer: Sequence[bool] = (False, True),
+    recompute: Sequence[str] = ("none", "selective"),
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     memory_budget: float | None = None,
@@ -52,8 +53,8 @@ def megatron_grid_search(
     - `step_fn`, `abstract_args`, `cluster`: as for `megatron_plan`.
     - `microbatch_sizes`: examples per microbatch per data-parallel rank, tried when
       pp > 1 (with pp = 1 the whole batch is one microbatch).
-    - `sequence_parallel`, `pp_values`, `distributed_optimizer`: the values to try
-      (sequence parallelism only where tp > 1).
+    - `sequence_parallel`, `pp_values`, `distributed_optimizer`, `recompute`: the values
+      to try (sequence parallelism only where tp > 1; recompute needs layer marks).
     - `donate_argnums`, `batch_argnums`, `memory_budget`: as for `megatron_plan`.
 
     **Returns:** ``(best plan, results)``; `results` lists every configuration tried, in
@@ -78,6 +79,7 @@ def megatron_grid_search(
         sequence_parallel=sequence_parallel,
         pp_values=pp_values,
         distributed_optimizer=distributed_optimizer,
+        recompute=recompute,
     )
     results: list[GridResult] = []
     best: Plan | None = None
@@ -121,6 +123,7 @@ def megatron_configs(
     sequence_parallel: Sequence[bool] = (False,),
     pp_values: Sequence[int] = (1,),
     distributed_optimizer: Sequence[bool] = (False,),
+    recompute: Sequence[str] = ("none",),
 ) -> list[MegatronConfig]:
     """Every valid configuration: dp·tp·pp = `num_devices`, tp <= `devices_per_host`.
 
@@ -140,10 +143,10 @@ def megatron_configs(
                     continue
                 for zero1 in dict.fromkeys(distributed_optimizer):
                     for m in _microbatch_counts(pp, dp, batch_size, microbatch_sizes):
-                        configs.append(MegatronConfig(
+                        configs.extend(MegatronConfig(
                             dp=dp, tp=tp, pp=pp, sequence_parallel=sp,
-                            distributed_optimizer=zero1, num_microbatches=m,
-                        ))
+                            distributed_optimizer=zero1, num_microbatches=m, recompute=rc,
+                        ) for rc in dict.fromkeys(recompute))
     return configs
 
 

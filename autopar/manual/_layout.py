@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.choices import SCHEDULES, Schedule, check_choice
+from autopar.choices import REMATS, SCHEDULES, Remat, Schedule, check_choice
 from autopar.cluster._mesh import Spec, replicated, spec_str
 from autopar.graph import OpGraph, Role
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
@@ -44,6 +44,10 @@ class MegatronConfig:
       sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
     - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
+    - `recompute`: activation recomputation of every layer, Megatron-LM's
+      ``--recompute-granularity``: "none", "selective" (the attention core; Korthikanti et
+      al. 2022) or "full" (all but the layer input); costed by `autopar.cost`'s recompute
+      formulas and run by the pipeline runtime (needs layer marks).
     """
 
     dp: int
@@ -53,6 +57,7 @@ class MegatronConfig:
     distributed_optimizer: bool = False
     num_microbatches: int = 1
     schedule: Schedule = "1f1b"
+    recompute: Remat = "none"
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "num_microbatches"):
@@ -65,6 +70,7 @@ class MegatronConfig:
                 "but tp=1; use tp > 1 or sequence_parallel=False"
             )
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("recompute", self.recompute, REMATS)
 
     @property
     def num_devices(self) -> int:
@@ -79,6 +85,7 @@ class MegatronConfig:
                 (",sp", self.sequence_parallel),
                 (",zero1", self.distributed_optimizer),
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
+                (f",recompute={self.recompute}", self.recompute != "none"),
             )
             if on
         )

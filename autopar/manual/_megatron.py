@@ -60,6 +60,7 @@ def megatron_plan(
     distributed_optimizer: bool = False,
     num_microbatches: int = 1,
     schedule: Schedule = "1f1b",
+    recompute: str = "none",
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     overrides: Mapping[str, Any] | None = None,
@@ -73,7 +74,7 @@ def megatron_plan(
     - `cluster`: a `Cluster`, a profile name or path, or None for the local devices; its
       first dp·tp·pp devices are used and there must be exactly that many.
     - `dp`, `tp`, `pp`, `sequence_parallel`, `distributed_optimizer`, `num_microbatches`,
-      `schedule`: see `MegatronConfig`.
+      `schedule`, `recompute`: see `MegatronConfig`.
     - `donate_argnums`, `batch_argnums`: as in `autopar.autoparallel`.
     - `overrides`: ``{input path: spec}`` for inputs the dataflow cannot place or that
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
@@ -97,7 +98,7 @@ def megatron_plan(
     config = MegatronConfig(
         dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
-        schedule=schedule,
+        schedule=schedule, recompute=recompute,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
@@ -215,6 +216,13 @@ def build_stages(
     pinned = dict(pinned or {})
     if _layer_wise(graph, config):
         return _pipeline_stages(graph, cluster, config, specs, tied, options, pinned)
+    if config.recompute != "none":
+        raise ValueError(
+            f"recompute={config.recompute!r} runs on the pipeline runtime, which plans per "
+            "layer, but this step has no autopar.layer_boundary marks (or no "
+            "autopar.value_and_grad); mark the layer edges (for the GPT example: "
+            "GPTConfig(layer_markers=True)) or use recompute='none'"
+        )
     sharding = plan_keeping_state(
         graph, cluster, stage_mesh(cluster, config, 0), options, tied, fixed=specs,
         pinned=pinned,
@@ -240,8 +248,9 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     from its layers' plans (the same layer-wise planning as `method="auto"`), so large
     models plan in seconds.
     """
-    from autopar.cost import in_flight_microbatches, memory_budget, stage_memory
+    from autopar.cost import in_flight_microbatches, memory_budget
     from autopar.inter import LayerCostTable, assign_layers, partition
+    from autopar.inter._planner import choose_remat, recompute_time
 
     layers = assign_layers(graph)
     if config.pp > layers.num_layers:
@@ -269,32 +278,36 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     budget = memory_budget(cluster, options.memory_budget)
     stages = []
     for s, layer_range in enumerate(bounds):
-        costs = []
         for k in range(*layer_range):
-            cost = table.cost(k, shape)
-            if cost is None:
+            if table.cost(k, shape) is None:
                 raise ValueError(
                     f"the Megatron layout {config.name} does not fit layer {k} in "
                     f"{budget / 2**30:.2f} GiB per device; use a larger tp or pp, more "
                     "microbatches, more devices, or a larger memory budget"
                 )
-            costs.append(cost)
         # The same memory model as the stage DP of method="auto": state, accumulated
-        # gradients, and the activations of every microbatch the schedule keeps in flight.
+        # gradients, and the activations of every microbatch the schedule keeps in flight,
+        # with the configured recompute of every layer.
         in_flight = in_flight_microbatches(config.schedule, config.num_microbatches, config.pp - s)
-        memory = stage_memory(costs, in_flight)
+        fit = choose_remat(
+            table, range(*layer_range), shape, 0, in_flight, budget, config.recompute
+        )
+        memory = fit.memory
         if memory > budget:
             raise ValueError(
                 f"the Megatron layout {config.name} does not fit stage {s} (layers "
                 f"{layer_range[0]}..{layer_range[1] - 1}) in {budget / 2**30:.2f} GiB per "
                 f"device: it needs {memory / 2**30:.2f} GiB with the activations of "
                 f"{in_flight} microbatch(es) in flight ({config.schedule}); use a larger tp "
-                "or pp, more microbatches, sequence parallelism, or a larger memory budget"
+                "or pp, more microbatches, sequence parallelism, recompute, or a larger "
+                "memory budget"
             )
         sharding = table.stage_plan(
             graph, part, s, layer_range, shape, stage_mesh(cluster, config, s), tied
         )
-        stages.append(Stage(layer_range, sharding))
+        remat = fit.remat if any(r != "none" for r in fit.remat) else ()
+        seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
+        stages.append(Stage(layer_range, sharding, remat, seconds, memory))
     return tuple(stages)
 
 

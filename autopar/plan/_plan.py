@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autopar.choices import Runtime, Schedule
+from autopar.choices import Remat, Runtime, Schedule
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
 from autopar.cost import bubble_fraction, pipeline_latency
 from autopar.graph import OpGraph, Role
@@ -59,17 +59,38 @@ class Stage:
 
     layers: tuple[int, int]
     sharding: ShardingPlan
+    # What each layer of the stage recomputes in its backward (a `Remat` per layer, in
+    # layer order; empty: nothing), and the seconds per microbatch that adds on top of
+    # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost).
+    remat: tuple[Remat, ...] = ()
+    recompute_time: float = 0.0
+    # Bytes per device the planner predicted for the stage with the microbatches its
+    # schedule keeps in flight (`autopar.cost.stage_memory`); 0 when not recorded. A
+    # figure for reports, not part of the plan's identity or its JSON.
+    predicted_memory: float = field(default=0.0, compare=False)
 
     @property
     def mesh(self) -> LogicalMesh:
         return self.sharding.mesh
 
+    @property
+    def time_per_microbatch(self) -> float:
+        """Predicted seconds per microbatch: the sharding plan's cost plus recompute."""
+        return self.sharding.cost.total + self.recompute_time
+
     def to_json(self, *, timings: bool = False) -> dict:
-        return {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
+        data = {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
+        if any(r != "none" for r in self.remat):  # additive: plans without remat unchanged
+            data["remat"] = list(self.remat)
+            data["recompute_time"] = self.recompute_time
+        return data
 
     @staticmethod
     def from_json(d: dict) -> Stage:
-        return Stage(tuple(d["layers"]), ShardingPlan.from_json(d["sharding"]))
+        return Stage(
+            tuple(d["layers"]), ShardingPlan.from_json(d["sharding"]),
+            tuple(d.get("remat", ())), float(d.get("recompute_time", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -111,12 +132,20 @@ class Plan:
     def predicted_step_time(self) -> float:
         """Predicted seconds per step: `autopar.cost.pipeline_latency` of the stages' costs.
 
-        Each stage is costed per microbatch (one microbatch is the whole batch when
-        `num_microbatches` is 1), so this holds for every runtime: one stage accumulating B
-        microbatches takes B times its cost, a pipeline Alpa's latency.
+        Each stage is costed per microbatch (its sharding plan's cost plus its recompute;
+        one microbatch is the whole batch when `num_microbatches` is 1), so this holds for
+        every runtime: one stage accumulating B microbatches takes B times its cost, a
+        pipeline Alpa's latency.
         """
-        times = [s.sharding.cost.total for s in self.stages]
+        times = [s.time_per_microbatch for s in self.stages]
         return pipeline_latency(times, self.num_microbatches)
+
+    @property
+    def stage_remat(self) -> tuple[tuple[str, ...], ...]:
+        """Per stage, per layer: what it recomputes ("none" throughout without remat)."""
+        return tuple(
+            s.remat or ("none",) * (s.layers[1] - s.layers[0]) for s in self.stages
+        )
 
     @property
     def bubble_fraction(self) -> float:

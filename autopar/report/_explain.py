@@ -36,6 +36,19 @@ def _short(path: str) -> str:
     return _LAYER.sub("/", path).strip("/") or path
 
 
+def _remat_line(stage) -> str:
+    """What the stage's layers recompute, runs of equal choices grouped, and its cost,
+    e.g. ``layers 0-2 selective, 3 none (+1.2 ms per microbatch)``."""
+    runs: list[list] = []
+    for k, r in enumerate(stage.remat, start=stage.layers[0]):
+        if runs and runs[-1][2] == r:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k, r])
+    parts = [f"{a}-{b} {r}" if a != b else f"{a} {r}" for a, b, r in runs]
+    return "layers " + ", ".join(parts) + f" (+{_fmt_time(stage.recompute_time)} per microbatch)"
+
+
 def explain(plan, detail: int = 1) -> str:
     """A text report of a plan: cluster, stages, predicted costs, parameter specs.
 
@@ -67,6 +80,8 @@ def explain(plan, detail: int = 1) -> str:
             items = sorted(cost.collectives.items())
             parts = [f"{k} x{n:.4g} ({_fmt_bytes(b)})" for k, (n, b) in items]
             lines.append("  collectives: " + ", ".join(parts))
+        if any(r != "none" for r in stage.remat):
+            lines.append(f"  remat: {_remat_line(stage)}")
     lines.append("parameters (PartitionSpec by path):")
     lines.extend(_param_table(plan, detail))
     largest = _largest_replicated(plan)

@@ -157,7 +157,7 @@ def plan_schedule(plan) -> list[TaskRecord]:
     reads it): a `FORWARD_SHARE` of it is the forward, the rest the backward; the update is
     not modelled separately.
     """
-    per_microbatch = [s.sharding.cost.total for s in plan.stages]
+    per_microbatch = [s.time_per_microbatch for s in plan.stages]
     forward = [t * FORWARD_SHARE for t in per_microbatch]
     backward = [t - f for t, f in zip(per_microbatch, forward)]
     return simulate_schedule(forward, backward, plan.num_microbatches, plan.schedule)

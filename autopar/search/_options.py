@@ -17,9 +17,11 @@ from typing import Any, Literal
 
 from autopar.choices import (
     METHODS,
+    REMAT_OPTIONS,
     SCHEDULES,
     SOLVERS,
     Method,
+    RematOption,
     Schedule,
     SolverName,
     check_choice,
@@ -51,6 +53,9 @@ class PlanOptions:
       "1f1b"; `num_stages`, `submeshes` ((hosts, devices per host) pairs a stage may use)
       and `logical_shapes` fix parts of the pipeline search (method "auto").
     - `num_layers`: layers cut automatically when the model has no `layer_boundary` marks.
+    - `remat`: what layers recompute in their backward (method "auto"): "auto" (the stage
+      DP chooses per layer, recomputing only where a stage would not fit otherwise),
+      "none", "selective" (the attention core) or "full" (all but the layer input).
     """
 
     method: Method = "auto"
@@ -66,6 +71,7 @@ class PlanOptions:
     submeshes: tuple[tuple[int, int], ...] | None = None
     logical_shapes: tuple[tuple[int, ...], ...] | None = None
     num_layers: int = 8
+    remat: RematOption = "auto"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -80,6 +86,7 @@ class PlanOptions:
         check_choice("method", self.method, METHODS)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("solver", self.solver, SOLVERS)
+        check_choice("remat", self.remat, REMAT_OPTIONS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

@@ -198,9 +198,10 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     single = shard_options(options, cluster)
     candidates: list[_Candidate] = []
     last_error: ValueError | None = None
-    allowed = None
+    allowed, remat = None, options.remat
     if scan_length is not None:
         allowed = _even_shares(scan_length, options.num_stages or cluster.num_devices)
+        remat = _stack_remat(options.remat)
     for num_micro in options.microbatch_counts(rows):
         start = time.perf_counter()
         mb_graph = _trace_microbatch(
@@ -217,7 +218,7 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                 mb_graph, layers, cluster, num_micro, options.schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
                 num_stages=options.num_stages, submeshes=submeshes,
-                logical_shapes=options.logical_shapes, allowed=allowed,
+                logical_shapes=options.logical_shapes, allowed=allowed, remat=remat,
             )
         except ValueError as err:
             last_error = err
@@ -233,6 +234,20 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     if not candidates:
         raise last_error
     return candidates
+
+
+def _stack_remat(remat: str) -> str:
+    """The remat option for a scanned stack cut into stages: recompute is chosen per layer
+    of the traced step, and a stage's sub-scan is one layer of another tracing, so the
+    search keeps every activation there ("auto" means "none"); a jax.checkpoint written
+    in the scan body is respected as written."""
+    if remat in ("selective", "full"):
+        raise ValueError(
+            f"remat={remat!r} is not supported yet for a scanned layer stack cut into pipeline "
+            "stages; put jax.checkpoint around the scan body (respected as written), or pass "
+            "remat='auto' or 'none'"
+        )
+    return "none"
 
 
 def _pick(candidates: list[_Candidate]) -> _Candidate:
@@ -252,7 +267,12 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
                    scan_ranges=()) -> Plan:
     choice = best.choice
     stages = tuple(
-        Stage(layers, sp) for layers, sp in zip(choice.stage_layers, choice.stage_plans)
+        Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds,
+              cost.memory)
+        for layers, sp, remat, seconds, cost in zip(
+            choice.stage_layers, choice.stage_plans, choice.stage_remat,
+            choice.stage_recompute, choice.dp.stage_costs,
+        )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
     return Plan(

@@ -9,7 +9,9 @@
 - `partition` (`_partition`): the step cut into per-stage forward, backward and update
   segments for given layer ranges;
 - `deferrable_gradients` and friends (`_deferred`): weight gradients kept as unreduced
-  per-device partial sums over the microbatches and reduced once per step.
+  per-device partial sums over the microbatches and reduced once per step;
+- `recompute` / `with_remat` (`_remat`): what a layer's remat choice drops and reruns, and
+  the segments rewritten to rerun it in the backward.
 """
 
 from autopar.inter.passes._auto_layers import auto_layers
@@ -30,10 +32,22 @@ from autopar.inter.passes._layers import (
     assign_layers,
 )
 from autopar.inter.passes._partition import Partition, Segment, partition
+from autopar.inter.passes._remat import (
+    NO_RECOMPUTE,
+    Recompute,
+    attention_core,
+    recompute,
+    with_remat,
+)
 from autopar.inter.passes._scan_layers import layer_scan, per_iteration, scan_layers
 
 __all__ = [
     "NOTHING_DEFERRED",
+    "NO_RECOMPUTE",
+    "Recompute",
+    "attention_core",
+    "recompute",
+    "with_remat",
     "Deferrable",
     "LayerAssignment",
     "Partition",

@@ -1,0 +1,71 @@
+"""Rematerialization formulas: what recomputing part of a layer's forward costs and saves.
+
+In: a layer's `LayerCost` without recompute, the predicted seconds of the forward work its
+backward reruns, and the bytes per device it stops (and starts) keeping. Out: the layer's
+`LayerCost` with that recompute, which the stage DP adds up like any other
+(`stage_memory`, `pipeline_latency`).
+
+Per microbatch in flight a layer keeps its `activation_memory`; with recompute it keeps
+less, and during its own backward the dropped values exist again (one layer at a time:
+`transient_memory`). The rerun adds its forward seconds to the layer's latency.
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models", sections 4-5; REFERENCES.md.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from autopar.cost._compute import compute_time
+from autopar.cost._pipeline import LayerCost
+
+
+def recompute_seconds(work: Iterable[tuple[float, float, str]], cluster) -> float:
+    """Predicted seconds to rerun forward nodes, each given as (FLOPs per device, bytes
+    accessed per device, dtype): the sum of their roofline times (`compute_time`)."""
+    return sum(compute_time(flops, nbytes, cluster, dtype) for flops, nbytes, dtype in work)
+
+
+def recomputed_layer_cost(
+    base: LayerCost, extra_seconds: float, dropped_bytes: float, added_bytes: float = 0.0
+) -> LayerCost:
+    """`base` with a recompute that reruns `extra_seconds` of forward work, drops
+    `dropped_bytes` of kept activations and keeps `added_bytes` it did not keep before.
+
+    Kept per microbatch in flight: ``activation - dropped + added``; during the layer's
+    backward the dropped values are live again, so its transient memory grows by
+    `dropped_bytes` and its peak by `added_bytes` only.
+    """
+    if extra_seconds < 0 or dropped_bytes < 0 or added_bytes < 0:
+        raise ValueError(
+            f"recompute needs non-negative seconds and bytes, got {extra_seconds}, "
+            f"{dropped_bytes}, {added_bytes}"
+        )
+    dropped = min(dropped_bytes, base.activation_memory)
+    return replace(
+        base,
+        latency=base.latency + extra_seconds,
+        memory=base.memory + added_bytes,
+        activation_memory=base.activation_memory - dropped + added_bytes,
+    )
+
+
+def full_recompute_cost(base: LayerCost, forward_seconds: float, input_bytes: float) -> LayerCost:
+    """Full recompute (Megatron-LM's "full"): the layer keeps only its input
+    (`input_bytes` per device) and its backward reruns its whole forward (`forward_seconds`
+    more per microbatch); every activation it kept is live again during its backward.
+
+    **Example:** a layer of 10 ms (3 ms of it forward) keeping 100 MB, with an 8 MB input,
+    becomes 13 ms keeping 8 MB, with 100 MB more transient memory.
+    """
+    return recomputed_layer_cost(base, forward_seconds, base.activation_memory, input_bytes)
+
+
+def selective_recompute_cost(
+    base: LayerCost, core_seconds: float, core_bytes: float, added_bytes: float = 0.0
+) -> LayerCost:
+    """Selective recompute (Korthikanti et al. 2022): the layer stops keeping its attention
+    core's sequence x sequence tensors (`core_bytes` per device: scores, softmax, dropout
+    mask) and its backward reruns the nodes that make them (`core_seconds`)."""
+    return recomputed_layer_cost(base, core_seconds, core_bytes, added_bytes)

@@ -1,0 +1,169 @@
+"""Rematerialization: which forward values a layer drops and what its backward reruns.
+
+In: a (stage or layer) `OpGraph`, the ids of one layer's forward nodes, the values its
+backward reads from that forward (`kept`), and a `Remat` choice. Out: a `Recompute`: the
+values no longer kept, the forward nodes the backward reruns to get them back, and what
+those nodes read instead (kept in their place). The cost model prices it
+(`autopar.cost.recomputed_layer_cost`) and the pipeline runtime lowers it
+(`with_remat`: the rerun nodes join the stage's backward program, just before the first
+node that needs them, and the forward program no longer returns the dropped values).
+
+- "full" (Megatron-LM's full recompute): the layer keeps only what its forward reads from
+  outside the layer (its input; parameters are state anyway) and its backward reruns the
+  whole forward.
+- "selective" (Korthikanti et al. 2022, section 4.1): the layer drops the attention core's
+  sequence x sequence tensors (scores, softmax, dropout mask; `attention_core`) and reruns
+  the forward nodes that make them from the kept query and key.
+
+Why not `jax.checkpoint` itself: the traced step is already differentiated (its jaxpr
+holds the backward), so a checkpoint can no longer be inserted where JAX's autodiff would
+see it. The rewrite does what `jax.checkpoint` lowers to: the backward program recomputes
+the values from the kept inputs. In the pipeline runtime forward and backward are separate
+programs, so XLA cannot merge the rerun with the original (what `prevent_cse` guards
+against inside one program). A user's own `jax.checkpoint` is already in the traced
+graph (the backward holds its rerun, marked `Node.remat`); such layers are left as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from autopar.choices import REMATS, check_choice
+from autopar.graph import OpGraph, Role
+
+STATE_ROLES = (Role.PARAM, Role.OPT_STATE, Role.CONST)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What one layer's remat choice changes (var ids and node ids of the graph given)."""
+
+    dropped: frozenset[int]  # values the forward no longer keeps for the backward
+    nodes: tuple[int, ...]  # forward nodes the backward reruns, in program order
+    reads: frozenset[int]  # what the rerun reads from outside itself, state included
+    added: frozenset[int]  # activations kept for the rerun that were not kept before
+
+
+NO_RECOMPUTE = Recompute(frozenset(), (), frozenset(), frozenset())
+
+
+
+def user_checkpointed(graph: OpGraph, nodes: Iterable[int]) -> bool:
+    """Whether any of `nodes` comes from the user's own `jax.checkpoint` (in a
+    differentiated step: the backward's rerun of the checkpointed forward)."""
+    return any(graph.nodes[n].remat for n in nodes)
+
+
+def attention_core(graph: OpGraph, forward: Sequence[int], kept: Iterable[int]) -> set[int]:
+    """The kept sequence x sequence values of a layer's forward: its attention scores,
+    softmax and dropout mask (Korthikanti et al. 2022's "selective" set).
+
+    An attention score is the result of a `dot_general` of two activations (no parameter
+    operand) of rank >= 3 whose last two dimensions are equal (queries x keys); every kept
+    value of the same rank and the same last two dimensions belongs to the core.
+    """
+    scores = set()
+    for n in forward:
+        node = graph.nodes[n]
+        if node.primitive != "dot_general" or len(node.outputs) != 1:
+            continue
+        if any(graph.vars[v].role in STATE_ROLES for v in node.inputs):
+            continue
+        shape = graph.vars[node.outputs[0]].shape
+        if len(shape) >= 3 and shape[-1] == shape[-2] and shape[-1] > 1:
+            scores.add((len(shape), shape[-2:]))
+    return {
+        v for v in kept
+        if (len(graph.vars[v].shape), graph.vars[v].shape[-2:]) in scores
+    }
+
+
+def recompute(
+    graph: OpGraph, forward: Sequence[int], kept: Iterable[int], remat: str,
+    backward: Sequence[int] = (),
+) -> Recompute:
+    """What `remat` drops and reruns for the layer whose forward nodes are `forward`
+    (program order) and whose backward reads `kept` from them (see the module docstring).
+    Nothing when the layer's `backward` nodes already rerun a user's `jax.checkpoint`."""
+    check_choice("remat", remat, REMATS)
+    kept = set(kept)
+    if remat == "none" or user_checkpointed(graph, (*forward, *backward)):
+        return NO_RECOMPUTE
+    producer = {v: n for n in forward for v in graph.nodes[n].outputs}
+    if remat == "full":
+        dropped = {v for v in kept if v in producer}
+        nodes = list(forward)
+    else:
+        dropped = attention_core(graph, forward, kept)
+        needed, stack = set(), [producer[v] for v in dropped]
+        while stack:
+            n = stack.pop()
+            if n in needed:
+                continue
+            needed.add(n)
+            for v in graph.nodes[n].inputs:
+                if v in producer and (v not in kept or v in dropped):
+                    stack.append(producer[v])
+        nodes = [n for n in forward if n in needed]
+    if not dropped:
+        return NO_RECOMPUTE
+    made = {v for n in nodes for v in graph.nodes[n].outputs}
+    reads = {
+        v for n in nodes for v in graph.nodes[n].inputs
+        if v not in made and graph.vars[v].role is not Role.CONST
+    }
+    added = {v for v in reads - kept if graph.vars[v].role not in STATE_ROLES}
+    return Recompute(frozenset(dropped), tuple(nodes), frozenset(reads), frozenset(added))
+
+
+def with_remat(graph: OpGraph, partition, layers, stage_remat: Sequence[Sequence[str]]):
+    """`partition` whose segments recompute as `stage_remat` says (per stage, per layer of
+    the stage: a `Remat`): each layer's rerun nodes go into its stage's backward segment
+    before the first node reading a dropped value, the dropped values leave the forward
+    segment's outputs, and what the rerun reads becomes a forward output and a backward
+    input. A partition with no recompute is returned unchanged."""
+    if not any(r != "none" for stage in stage_remat for r in stage):
+        return partition
+    forward, backward = list(partition.forward), list(partition.backward)
+    for s, remats in enumerate(stage_remat):
+        fwd, bwd = forward[s], backward[s]
+        sub = partition.stage_graphs[s]
+        index = partition.node_index[s]
+        layer_of = {i: layers.layer[full] for full, i in index.items()}
+        first_layer = min(
+            (layer_of[n] for n in fwd.nodes if layer_of[n] is not None), default=0
+        )
+        bwd_inputs = set(bwd.inputs)
+        reruns: list[Recompute] = []
+        for offset, remat in enumerate(remats):
+            nodes = [n for n in fwd.nodes if layer_of[n] == first_layer + offset]
+            backs = [n for n in bwd.nodes if layer_of[n] == first_layer + offset]
+            made = {v for n in nodes for v in sub.nodes[n].outputs}
+            plan = recompute(sub, nodes, made & bwd_inputs, remat, backs)
+            if plan.nodes:
+                reruns.append(plan)
+        if not reruns:
+            continue
+        dropped = set().union(*(r.dropped for r in reruns))
+        reads = set().union(*(r.reads for r in reruns))
+        needed_elsewhere = {partition.resolve(v) for v in graph.outvars}
+        for seg in (*forward, *backward, *partition.apply):
+            if seg is not bwd and seg is not fwd:
+                needed_elsewhere.update(seg.inputs)
+        order = list(bwd.nodes)
+        for plan in reruns:
+            first_use = next(
+                (k for k, n in enumerate(order) if set(sub.nodes[n].inputs) & plan.dropped),
+                len(order),
+            )
+            order[first_use:first_use] = list(plan.nodes)
+        fwd_made = {v for n in fwd.nodes for v in sub.nodes[n].outputs}
+        outputs = [v for v in fwd.outputs if v not in dropped or v in needed_elsewhere]
+        outputs += sorted(v for v in reads if v in fwd_made and v not in outputs)
+        inputs = [v for v in bwd.inputs if v not in dropped]
+        inputs += sorted(v for v in reads if v not in inputs)
+        forward[s] = dataclasses.replace(fwd, outputs=tuple(outputs))
+        backward[s] = dataclasses.replace(bwd, nodes=tuple(order), inputs=tuple(inputs))
+    return dataclasses.replace(partition, forward=forward, backward=backward)

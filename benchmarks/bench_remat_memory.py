@@ -1,0 +1,192 @@
+"""Do the published large Megatron-LM configurations fit with activation recompute?
+
+On dgx-a100-80g virtual clusters (abstract tracing, nothing runs), for GPT-3 175B (96
+layers, hidden 12288, sequence 2048) on 64 GPUs with tp 8 x pp 8 and MT-NLG 530B (105
+layers, hidden 20480, 128 heads) on 280 GPUs with tp 8 x pp 35 (Korthikanti et al. 2022,
+table 3; Smith et al. 2022): the Megatron plan's predicted memory per device of every stage
+with recompute "none", "selective" and "full", and whether it fits 80 GB; then
+`autopar.plan` of GPT-3 175B on the same 64 GPUs with its time.
+
+Precision, as Megatron-LM trains these models: bfloat16 parameters, activations and
+gradients, and fp32 optimizer state -- a master copy of the weights and Adam's two moments
+(`mixed_precision_adamw`): 2 + 2 + 12 = 16 bytes per parameter (Megatron-LM keeps fp32
+gradients too, 18 bytes; Rajbhandari et al. 2020 count 16 with bf16 gradients).
+
+Usage: ``python benchmarks/bench_remat_memory.py [--auto] [--models 175B,530B]
+[--rows gpt-13B@8,gpt-39B@8]``.
+
+Measured (2 CPU cores shared by six agents at load ~16, so times are upper bounds):
+175B tp8 pp8 sp: selective fits, 67.8 GiB on stage 0 (last stage 42.8), 76 s to plan;
+none needs 90.1 GiB (does not fit). 530B tp8 pp35 sp: selective needs 85.7 GiB on stage 0
+(does not fit: the cost model keeps six unfused 4h-wide GELU intermediates per layer where
+Korthikanti et al. count two), full fits at 55.2 GiB, 216 s. gpt-13B@8 at 64 microbatches:
+one stage on (4, 2), layers recomputing a mix of none and selective, 79.1 GiB, planned in
+2973 s. Not finished within the time limits: `--auto` (175B, over 35 minutes) and
+gpt-39B@8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from autopar.cluster import Cluster
+from autopar.graph import trace
+from autopar.manual import MegatronConfig, megatron_plan_for_graph
+from autopar.search import microbatch_args
+from examples import gpt
+
+PROFILE = "dgx-a100-80g"
+GiB = 2**30
+
+MODELS = {
+    # name: (config, hosts, tp, pp); Korthikanti et al. 2022 table 3, microbatch size 1.
+    "175B": (gpt.GPTConfig(gpt.PADDED_VOCAB, 2048, 12288, 96, 96), 8, 8, 8),
+    "530B": (gpt.GPTConfig(gpt.PADDED_VOCAB, 2048, 20480, 105, 128), 35, 8, 35),
+}
+
+
+class MixedPrecisionState(NamedTuple):
+    master: optax.Params  # fp32 copy of the weights
+    mu: optax.Params  # fp32 first moment
+    nu: optax.Params  # fp32 second moment
+    count: jax.Array
+
+
+def mixed_precision_adamw(learning_rate: float = 1e-4, b1=0.9, b2=0.95, eps=1e-8,
+                          weight_decay=0.1) -> optax.GradientTransformation:
+    """AdamW on fp32 master weights and moments for bf16 parameters; its updates turn the
+    bf16 parameters into the rounded new master weights."""
+
+    def init(params):
+        f32 = lambda p: p.astype(jnp.float32)  # noqa: E731
+        zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
+        return MixedPrecisionState(
+            jax.tree.map(f32, params), jax.tree.map(zeros, params),
+            jax.tree.map(zeros, params), jnp.zeros((), jnp.int32),
+        )
+
+    def update(grads, state, params):
+        count = state.count + 1
+        g = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
+        mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
+        nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** count.astype(jnp.float32)
+        master = jax.tree.map(
+            lambda w, m, v: w - learning_rate * (m / c1 / (jnp.sqrt(v / c2) + eps)
+                                                 + weight_decay * w),
+            state.master, mu, nu,
+        )
+        updates = jax.tree.map(lambda w, p: w.astype(p.dtype) - p, master, params)
+        return updates, MixedPrecisionState(master, mu, nu, count)
+
+    return optax.GradientTransformation(init, update)
+
+
+def model_step(cfg: gpt.GPTConfig, batch: int):
+    """(step, abstract args) of `cfg` in bf16 with layer marks and fp32 optimizer state."""
+    cfg = dataclasses.replace(cfg, layer_markers=True, dtype="bfloat16")
+    optimizer = mixed_precision_adamw()
+    step = gpt.make_train_step(cfg, optimizer)
+    return step, (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, batch))
+
+
+def megatron_memory(name: str, recompute: str, num_microbatches: int | None = None):
+    """(predicted bytes per device of the fullest stage, fits, plan or error) of the
+    Megatron plan of model `name` with sequence parallelism and `recompute`, microbatch
+    size 1 and as many microbatches as stages (1F1B's most in flight; default)."""
+    cfg, hosts, tp, pp = MODELS[name]
+    m = num_microbatches or pp
+    step, args = model_step(cfg, m)
+    cluster = Cluster.from_profile(PROFILE, num_hosts=hosts)
+    graph = trace(step, *microbatch_args(args, (1,), m), batch_argnums=(1,))
+    config = MegatronConfig(dp=1, tp=tp, pp=pp, sequence_parallel=True, num_microbatches=m,
+                            recompute=recompute)
+    try:
+        plan = megatron_plan_for_graph(graph, cluster, config)
+    except ValueError as err:
+        return None, False, str(err)
+    return plan, True, plan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="175B,530B")
+    parser.add_argument("--recompute", default="none,selective,full")
+    parser.add_argument("--auto", action="store_true", help="also autopar.plan GPT-3 175B")
+    parser.add_argument("--rows", default="", help="benchmark rows to plan with autopar at "
+                        "64 microbatches, e.g. gpt-13B@8,gpt-39B@8 (bench_large's models)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    for key in filter(None, args.rows.split(",")):
+        plan_row(key)
+    for name in filter(None, args.models.split(",")):
+        for recompute in args.recompute.split(","):
+            start = time.perf_counter()
+            plan, fits, detail = megatron_memory(name, recompute)
+            seconds = time.perf_counter() - start
+            if fits:
+                peaks = [stage_peak(plan, s) for s in range(plan.num_stages)]
+                print(f"{name} tp8 pp{len(peaks)} sp recompute={recompute}: fits; "
+                      f"stage memory max {max(peaks) / GiB:.1f} GiB (stage 0 "
+                      f"{peaks[0] / GiB:.1f}, last {peaks[-1] / GiB:.1f}); step "
+                      f"{plan.predicted_step_time:.3f} s; planned in {seconds:.0f} s")
+            else:
+                print(f"{name} recompute={recompute}: does not fit ({detail[:200]}); "
+                      f"{seconds:.0f} s")
+    if args.auto:
+        from autopar.search import plan as auto_plan
+
+        cfg, hosts, _, _ = MODELS["175B"]
+        step, abstract = model_step(cfg, 64)
+        cluster = Cluster.from_profile(PROFILE, num_hosts=hosts)
+        start = time.perf_counter()
+        p = auto_plan(step, *abstract, cluster=cluster, num_microbatches=64, cache=False)
+        print(f"autopar.plan 175B on 64 GPUs: {p.num_stages} stages, meshes "
+              f"{sorted({tuple(s.mesh.shape) for s in p.stages})}, {p.num_microbatches} mb, "
+              f"remat {sorted({r for s in p.stage_remat for r in s})}, step "
+              f"{p.predicted_step_time:.3f} s; planned in {time.perf_counter() - start:.0f} s")
+
+
+def plan_row(key: str, num_microbatches: int = 64) -> None:
+    """`autopar.plan` of a `bench_large` row (e.g. "gpt-13B@8": its bf16 model, adamw,
+    global batch 1024) with `num_microbatches`, printing the plan and its remat."""
+    from autopar.search import plan as auto_plan
+    from benchmarks.bench_large import Row
+    from benchmarks.bench_large import model_step as row_step
+
+    family, rest = key.split("-", 1)
+    model, gpus = rest.split("@")
+    row = Row(family, model, int(gpus) // 8)
+    step, abstract = row_step(row)
+    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    start = time.perf_counter()
+    try:
+        p = auto_plan(step, *abstract, cluster=cluster, num_microbatches=num_microbatches,
+                      cache=False)
+    except ValueError as err:
+        print(f"{key} at {num_microbatches} mb: no plan ({str(err)[:300]}); "
+              f"{time.perf_counter() - start:.0f} s")
+        return
+    remat = [",".join(sorted(set(r))) for r in p.stage_remat]
+    print(f"{key} at {num_microbatches} mb: {p.num_stages} stage(s), meshes "
+          f"{[tuple(s.mesh.shape) for s in p.stages]}, remat per stage {remat}, memory "
+          f"{[round(s.predicted_memory / GiB, 1) for s in p.stages]} GiB, step "
+          f"{p.predicted_step_time:.3f} s; planned in {time.perf_counter() - start:.0f} s")
+
+
+def stage_peak(plan, stage: int) -> float:
+    """The planner's predicted bytes per device of a stage (`Stage.predicted_memory`)."""
+    return plan.stages[stage].predicted_memory
+
+
+if __name__ == "__main__":
+    main()

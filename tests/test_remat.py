@@ -1,0 +1,350 @@
+"""Rematerialization as a searched choice (issue 15): what a layer drops and reruns, what it
+costs, how the stage DP picks it, how it runs.
+
+- cost: full recompute adds exactly one forward and keeps only the layer input (by hand);
+  selective drops exactly the attention core's sequence x sequence tensors;
+- lowering: the rewritten segments compute the same loss and gradients as the whole step
+  (cheap: one device, no planning), and planned runs with selective and full recompute
+  match one device for GPT and MoE, one stage and two (`extended`, except one);
+- search: "auto" recomputes only where a stage would not fit; options are validated;
+  the plan JSON round-trips; the Megatron layouts of GPT-3 175B and MT-NLG 530B fit
+  80 GB with selective recompute (`extended`; figures in benchmarks/bench_remat_memory.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar
+from autopar.cost import (
+    LayerCost,
+    compute_time,
+    full_recompute_cost,
+    selective_recompute_cost,
+    stage_memory,
+)
+from autopar.graph import Role, trace
+from autopar.inter import LayerCostTable, assign_layers, partition, with_remat
+from autopar.inter._planner import choose_remat
+from autopar.inter.passes import attention_core, recompute
+from autopar.intra._options import ShardOptions
+from autopar.manual import MegatronConfig
+from autopar.plan import Plan
+from autopar.search import PlanOptions
+from examples import gpt, moe
+
+GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+MOE = dataclasses.replace(moe.CONFIGS["tiny"], layer_markers=True)
+
+
+def _gpt_graph(rows=4, cfg=GPT, module=gpt):
+    optimizer = optax.sgd(1e-2)
+    step = module.make_train_step(cfg, optimizer)
+    state = module.init_state(cfg, optimizer, jax.random.key(0))
+    batch = module.make_batch(cfg, rows, jax.random.key(1))
+    return step, state, batch, trace(step, state, batch)
+
+
+# ---- cost formulas, by hand --------------------------------------------------------------
+
+
+def test_full_recompute_adds_one_forward_and_keeps_the_input():
+    base = LayerCost(latency=10e-3, memory=300.0, activation_memory=100.0, state_memory=150.0,
+                     gradient_memory=30.0)  # transient 20
+    full = full_recompute_cost(base, forward_seconds=3e-3, input_bytes=8.0)
+    assert full.latency == pytest.approx(13e-3)
+    assert full.activation_memory == 8.0
+    assert full.transient_memory == pytest.approx(20.0 + 100.0)  # the layer's own, again
+    assert full.state_memory == 150.0 and full.gradient_memory == 30.0
+    # Four in flight: 150 + 30 + 4 x 8 + 120 instead of 150 + 30 + 4 x 100 + 20.
+    assert stage_memory([full], 4) == pytest.approx(332.0)
+    assert stage_memory([base], 4) == pytest.approx(600.0)
+
+
+def test_selective_recompute_drops_the_core_only():
+    base = LayerCost(latency=10e-3, memory=300.0, activation_memory=100.0, state_memory=150.0,
+                     gradient_memory=30.0)
+    sel = selective_recompute_cost(base, core_seconds=0.5e-3, core_bytes=40.0)
+    assert sel.latency == pytest.approx(10.5e-3)
+    assert sel.activation_memory == 60.0
+    assert sel.transient_memory == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        selective_recompute_cost(base, -1.0, 1.0)
+
+
+def test_layer_table_prices_full_as_one_forward_and_the_input():
+    """On one device the rerun of layer 1 (a transformer block) costs the roofline time of
+    every one of its forward nodes, and it keeps only its input, the residual stream."""
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    cluster = autopar.Cluster.from_profile("cpu-local", num_hosts=1)
+    table = LayerCostTable(graph, layers, cluster, ShardOptions(method="shard"), ())
+    base = table.cost(1, (1,))
+    full = table.remat_cost(1, (1,), 0, "full")
+    sub = table.per_layer.stage_graphs[1]
+    forward = table.per_layer.forward[1].nodes
+    by_hand = 0.0
+    for n in forward:
+        node = sub.nodes[n]
+        accessed = sum(sub.vars[v].nbytes for v in (*node.inputs, *node.outputs))
+        by_hand += compute_time(node.flops, accessed, cluster, sub.vars[node.outputs[0]].dtype)
+    assert full.latency - base.latency == pytest.approx(by_hand, rel=1e-12)
+    rows, seq, hidden = 4, GPT.seq_len, GPT.hidden
+    assert full.activation_memory == rows * seq * hidden * 4  # the block's float32 input
+    assert full.transient_memory == pytest.approx(base.transient_memory + base.activation_memory)
+
+
+def test_selective_drops_exactly_the_attention_scores():
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
+    kept = set(fwd.outputs) & set(bwd.inputs)
+    core = attention_core(sub, fwd.nodes, kept)
+    shape = (4, GPT.num_heads, GPT.seq_len, GPT.seq_len)
+    assert core and all(sub.vars[v].shape == shape for v in core)
+    assert not [v for v in kept - core if sub.vars[v].shape[-2:] == shape[-2:]]
+    rerun = recompute(sub, fwd.nodes, kept, "selective")
+    assert rerun.dropped == core
+    assert not rerun.added  # query and key are kept anyway
+    assert {sub.nodes[n].primitive for n in rerun.nodes} >= {"dot_general", "exp"}
+    assert "dot_general" in {sub.nodes[n].primitive for n in rerun.nodes}
+    # The rerun is the attention core only: no parameter-reading matmul (QKV, MLP).
+    assert not any(
+        sub.vars[v].role is Role.PARAM for n in rerun.nodes for v in sub.nodes[n].inputs
+    )
+
+
+# ---- lowering ----------------------------------------------------------------------------
+
+
+def _run_segments(graph, part, state, batch):
+    """Run the partition's forward then backward segments on one device, each reading only
+    its declared inputs; the grad-boundary operands (accumulated gradients) come back."""
+    flat = jax.tree.leaves((state, batch))
+    values = dict(zip(graph.invars, flat))
+    for seg in (*part.forward, *reversed(part.backward)):
+        sub = part.stage_graphs[seg.stage]
+        env = {v: values[v] for v in seg.inputs}
+        sub.run_nodes(env, [sub.nodes[n] for n in seg.nodes])
+        values.update({v: env[v] for v in seg.outputs})
+    return values
+
+
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_rewritten_segments_compute_the_same_gradients(model):
+    cfg, module = (GPT, gpt) if model == "gpt" else (MOE, moe)
+    _, state, batch, graph = _gpt_graph(cfg=cfg, module=module)
+    layers = assign_layers(graph)
+    n = layers.num_layers
+    stages = [(0, 2), (2, n)]
+    plain = partition(graph, layers, stages)
+    want = _run_segments(graph, plain, state, batch)
+    grads = list(plain.grad_vars)
+    for remat in ("selective", "full"):
+        remats = [(remat,) * (b - a) for a, b in stages]
+        part = with_remat(graph, partition(graph, layers, stages), layers, remats)
+        got = _run_segments(graph, part, state, batch)
+        for v in grads:
+            np.testing.assert_allclose(got[v], want[v], rtol=1e-5, atol=1e-7)
+        kept_before = sum(graph.vars[v].nbytes for v in plain.forward[0].outputs)
+        kept_after = sum(graph.vars[v].nbytes for v in part.forward[0].outputs)
+        assert kept_after < kept_before, remat
+        assert len(part.backward[0].nodes) > len(plain.backward[0].nodes)
+
+
+def _planned_loss(step, state, batch, remat, num_stages):
+    devices = 8 // num_stages
+    train = autopar.autoparallel(
+        step, cluster="cpu-local", remat=remat, num_stages=num_stages, num_microbatches=2,
+        submeshes=[(1, devices)], logical_shapes=[(devices,)], cache=False,
+        donate_argnums=(),
+    )
+    _, metrics = train(state, batch)
+    return train.plan, metrics["loss"]
+
+
+@pytest.mark.extended
+def test_full_remat_two_stages_matches_one_device():
+    step, state, batch, _ = _gpt_graph(rows=8)
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    plan, loss = _planned_loss(step, state, batch, "full", 2)
+    assert all("full" in r for r in plan.stage_remat)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert "remat: layers" in plan.explain()
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("num_stages", [1, 2])
+@pytest.mark.parametrize("remat", ["selective", "full"])
+@pytest.mark.parametrize("model", ["gpt", "moe"])
+def test_remat_matches_one_device(model, remat, num_stages):
+    cfg, module = (GPT, gpt) if model == "gpt" else (MOE, moe)
+    step, state, batch, _ = _gpt_graph(rows=8, cfg=cfg, module=module)
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    plan, loss = _planned_loss(step, state, batch, remat, num_stages)
+    assert any(remat in r for r in plan.stage_remat)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+
+
+# ---- search ------------------------------------------------------------------------------
+
+
+def test_auto_recomputes_only_what_does_not_fit():
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    cluster = autopar.Cluster.from_profile("cpu-local", num_hosts=1)
+    table = LayerCostTable(graph, layers, cluster, ShardOptions(method="shard"), ())
+    blocks = range(1, layers.num_layers - 1)
+    roomy = choose_remat(table, blocks, (1,), 0, 4, math.inf)
+    assert set(roomy.remat) == {"none"}
+    full = choose_remat(table, blocks, (1,), 0, 4, math.inf, "full")
+    budget = (roomy.memory + full.memory) / 2
+    tight = choose_remat(table, blocks, (1,), 0, 4, budget)
+    assert tight.memory <= budget < roomy.memory
+    assert "none" in tight.remat or "selective" in tight.remat  # not everything recomputed
+    assert roomy.latency < tight.latency <= full.latency
+
+
+def test_remat_option_is_checked_and_keyed():
+    with pytest.raises(ValueError, match="unknown remat 'some'; choose one of 'auto'"):
+        autopar.autoparallel(lambda s, b: (s, {}), remat="some")
+    with pytest.raises(ValueError, match="unknown recompute 'all'"):
+        MegatronConfig(dp=1, tp=2, recompute="all")
+    assert PlanOptions().remat == "auto"
+    assert dataclasses.asdict(PlanOptions(remat="full")) != dataclasses.asdict(PlanOptions())
+    assert MegatronConfig(dp=1, tp=2, recompute="selective").name.endswith(
+        ",recompute=selective)")
+
+
+def test_plan_json_keeps_the_remat_choice_and_runs_it(tmp_path):
+    """A one-stage plan with selective recompute (gradient accumulation over two
+    microbatches) saves, loads, and runs as one device does."""
+    step, state, batch, _ = _gpt_graph(rows=8)
+    plan = autopar.plan(step, state, batch, cluster="cpu-local", remat="selective",
+                        num_stages=1, num_microbatches=2, submeshes=[(1, 8)],
+                        logical_shapes=[(8,)], cache=False)
+    assert plan.stages[0].remat[1] == "selective" and plan.stages[0].recompute_time > 0
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again == plan and again.stage_remat == plan.stage_remat
+    assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
+    assert "remat: layers" in again.explain()
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    train = autopar.autoparallel(step, plan=again, donate_argnums=())
+    _, metrics = train(state, batch)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+
+
+def test_selective_reruns_the_attention_core_in_the_compiled_backward():
+    """The compiled backward program of a stage of two transformer blocks gains exactly
+    one matmul (queries x keys) and one exponential (softmax) per block with "selective",
+    and nothing else of the kind: the parameter matmuls are not rerun. (XLA:CPU, measured:
+    24 -> 26 dots, 0 -> 2 exponentials.)"""
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    stages = [(0, 2), (2, layers.num_layers)]
+
+    def compiled_backward(part):
+        seg, sub = part.backward[0], part.stage_graphs[0]
+
+        def run(*ins):
+            env = dict(zip(seg.inputs, ins))
+            sub.run_nodes(env, [sub.nodes[n] for n in seg.nodes])
+            return [env[v] for v in seg.outputs]
+
+        avals = [jax.ShapeDtypeStruct(graph.vars[v].shape, graph.vars[v].dtype)
+                 for v in seg.inputs]
+        return jax.jit(run).lower(*avals).compile().as_text()
+
+    plain = compiled_backward(partition(graph, layers, stages))
+    remats = [("selective",) * 2, ("none",) * (layers.num_layers - 2)]
+    selective = compiled_backward(with_remat(graph, partition(graph, layers, stages), layers,
+                                             remats))
+    assert selective.count(" dot(") - plain.count(" dot(") == 2
+    assert selective.count(" exponential(") - plain.count(" exponential(") == 2
+
+
+# ---- large models: GPT-3 175B on 64 A100-80GB ---------------------------------------------
+
+GPT3 = dict(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, tp=8, pp=8)
+
+
+def test_gpt3_175b_megatron_fits_with_selective_by_arithmetic():
+    """Korthikanti et al. 2022 (section 4, with tensor and sequence parallelism t): a layer
+    keeps ``sbh (34 / t + 5 a s / (h t))`` bytes per microbatch, the second term the
+    attention core; state is 16 bytes per parameter (bf16 weights and gradients, fp32
+    master and Adam moments). Through the cost model's formulas, stage 0 of tp 8 x pp 8
+    (12 layers, 8 microbatches in flight under 1F1B) fits 80 GiB with selective recompute,
+    and selective removes exactly the attention term."""
+    from autopar.cost import in_flight_microbatches
+
+    g = GPT3
+    s, h, a, t = g["seq"], g["hidden"], g["heads"], g["tp"]
+    sbh = s * 1 * h
+    core = sbh * 5 * a * s / (h * t)
+    kept = sbh * 34 / t + core
+    params = 12 * h * h / t
+    base = LayerCost(latency=1.0, memory=params * 16 + kept, activation_memory=kept,
+                     state_memory=params * 14, gradient_memory=params * 2)
+    selective = selective_recompute_cost(base, core_seconds=0.01, core_bytes=core)
+    assert selective.activation_memory == pytest.approx(sbh * 34 / t)
+    layers_per_stage = g["layers"] // g["pp"]
+    in_flight = in_flight_microbatches("1f1b", 64, g["pp"])  # stage 0 of 8
+    assert in_flight == 8
+    embedding = g["vocab"] * h / t * 16
+    memory = stage_memory([selective] * layers_per_stage, in_flight) + embedding
+    assert memory < 80 * 2**30
+    assert stage_memory([base] * layers_per_stage, in_flight) - (memory - embedding) == (
+        pytest.approx(layers_per_stage * in_flight * core - core)
+    )
+
+
+@pytest.mark.extended
+def test_gpt3_175b_megatron_plan_fits_with_selective():
+    """The traced GPT-3 175B (abstract; benchmarks/bench_remat_memory.py): measured 67.8
+    GiB on stage 0 with selective recompute, 90.1 GiB without (does not fit)."""
+    from benchmarks.bench_remat_memory import megatron_memory
+
+    plan, fits, _ = megatron_memory("175B", "selective")
+    assert fits and max(s.predicted_memory for s in plan.stages) <= 80 * 2**30
+    assert all("selective" in s.remat for s in plan.stages[:-1])
+
+
+def test_a_users_checkpoint_is_left_as_written():
+    """Layers the user wrapped in `jax.checkpoint` already rerun their forward (the traced
+    backward holds the rerun); remat adds nothing to them."""
+    cfg = dataclasses.replace(GPT, remat_layers=True)
+    _, _, _, graph = _gpt_graph(cfg=cfg)
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
+    assert any(sub.nodes[n].remat for n in bwd.nodes)
+    kept = set(fwd.outputs) & set(bwd.inputs)
+    assert not kept  # the checkpoint keeps nothing of the forward but the layer's input
+    for remat in ("selective", "full"):
+        assert recompute(sub, fwd.nodes, kept, remat, bwd.nodes).nodes == ()
+
+
+@pytest.mark.extended
+def test_megatron_recompute_matches_one_device():
+    """A Megatron plan (dp 2 x tp 2 x pp 2) with selective recompute runs as one device."""
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], hidden=64, num_layers=2, layer_markers=True)
+    opt = optax.sgd(1e-2)
+    state = gpt.init_state(cfg, opt, jax.random.key(0))
+    batch = gpt.make_batch(cfg, 8, jax.random.key(1))
+    step = gpt.make_train_step(cfg, opt)
+    plan = autopar.megatron_plan(step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2,
+                                 num_microbatches=2, recompute="selective")
+    assert plan.stages[0].remat == ("selective",) * (plan.stages[0].layers[1])
+    assert plan.stages[0].recompute_time > 0
+    want = jax.jit(step)(state, batch)[1]["loss"]
+    train = autopar.autoparallel(step, plan=plan, donate_argnums=())
+    _, metrics = train(state, batch)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
