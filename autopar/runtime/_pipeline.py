@@ -27,6 +27,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.distributed import copy_to_devices, place, transfer
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
@@ -112,6 +113,13 @@ class PipelineExecutable:
             (*partition.forward, *partition.backward), self.per_microbatch
         )
         self.memory_samples: list[MemorySample] | None = None
+        self.stage_orders = [
+            stage_order(schedule, s, partition.num_stages, num_microbatches)
+            for s in range(partition.num_stages)
+        ]
+        # Every process dispatches the tasks in this one order: JAX matches transfers
+        # between processes by the order in which each process issues them.
+        self.order = dispatch_order(schedule, partition.num_stages, num_microbatches)
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -181,7 +189,14 @@ class PipelineExecutable:
                  record_memory: bool = False) -> list:
         """Run one step. With `record`, `self.timeline` gets every task's start and end;
         with `record_memory`, `self.memory_samples` gets the live bytes per device after
-        every task (`MemorySample`; slow, for tests and debugging)."""
+        every task (`MemorySample`; slow, for tests and debugging).
+
+        A plain step dispatches every task asynchronously, in `self.order` (each stage's
+        own order, interleaved so that a task comes after the tasks it reads from): a call
+        returns as soon as the work is enqueued, and each device runs its queue as its
+        inputs arrive, so stages overlap and a stage's next microbatch is queued while its
+        device computes. Nothing waits per task. Recording times or memory waits for
+        every task instead (see `_run_timed`)."""
         graph, part = self.graph, self.partition
         recorder = MemoryRecorder(flat_args) if record_memory else None
         step_env: dict[int, Any] = dict(zip(graph.invars, flat_args))
@@ -191,60 +206,24 @@ class PipelineExecutable:
             for sources in self._batch_sources(step_env)
         ]
         step_values = _StepValues(step_env, lock)
-        num_micro = len(micro)
         stage_sums: list[dict[int, Any]] = [{} for _ in range(part.num_stages)]
         records: list[TaskRecord] = []
-        done = {
-            (phase, s, i): threading.Event()
-            for phase in ("forward", "backward")
-            for s in range(part.num_stages)
-            for i in range(num_micro)
-        }
-        errors: list[BaseException] = []
         if recorder:
             recorder.sample(0, "start", 0)
         t0 = time.perf_counter()
-        if jax.process_count() > 1:
-            # Several processes: each dispatches every task in one global order (a task on
-            # another process's devices is a no-op here), because JAX matches transfers
-            # between processes by the order in which each process issues them. Each task
-            # waits for its own shards only, so stages on different processes overlap.
-            for phase, stage, i in dispatch_order(self.schedule, part.num_stages, num_micro):
+        if record and jax.process_count() == 1:
+            self._run_timed(micro, step_values, stage_sums, records, t0)
+        else:
+            for phase, stage, i in self.order:
                 start = time.perf_counter()
-                self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
-                records.append(TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0))
+                outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
+                if record or recorder:
+                    jax.block_until_ready(outs)  # only this process's shards
+                    records.append(
+                        TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0)
+                    )
                 if recorder:
                     recorder.sample(stage, phase, i)
-
-        def run_stage(stage: int) -> None:
-            # One thread per stage: XLA releases the GIL while it computes, so stages run
-            # at the same time on their own devices.
-            try:
-                for phase, _, i in stage_order(self.schedule, stage, part.num_stages, num_micro):
-                    for dep in _dependencies(phase, stage, i, part.num_stages):
-                        while not done[dep].wait(0.1):
-                            if errors:
-                                return
-                    start = time.perf_counter()
-                    self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
-                    end = time.perf_counter()
-                    records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
-                    if recorder:
-                        recorder.sample(stage, phase, i)
-                    done[(phase, stage, i)].set()
-            except BaseException as err:  # re-raised by the caller's thread
-                errors.append(err)
-
-        threads = [
-            threading.Thread(target=run_stage, args=(s,), daemon=True)
-            for s in range(part.num_stages if jax.process_count() == 1 else 0)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
         assert all(not m.copies for m in micro), (
             "values of a microbatch outlived their last reader: "
             f"{[m.held() for m in micro if m.copies]}"
@@ -276,12 +255,48 @@ class PipelineExecutable:
             self.memory_samples = recorder.finish()
         return [self._result(step_env, v) for v in graph.outvars]
 
+    def _run_timed(self, micro, step_values, stage_sums, records, t0) -> None:
+        """Every task timed (one process): one thread per stage runs the stage's tasks in
+        its order, each after the tasks it reads from, and waits for each to finish (XLA
+        releases the GIL while it computes, so stages still run at the same time)."""
+        part = self.partition
+        done = {task: threading.Event() for task in self.order}
+        errors: list[BaseException] = []
+
+        def run_stage(stage: int) -> None:
+            try:
+                for phase, _, i in self.stage_orders[stage]:
+                    for dep in _dependencies(phase, stage, i, part.num_stages):
+                        while not done[dep].wait(0.1):
+                            if errors:
+                                return
+                    start = time.perf_counter()
+                    outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
+                    jax.block_until_ready(outs)
+                    end = time.perf_counter()
+                    records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
+                    done[(phase, stage, i)].set()
+            except BaseException as err:  # re-raised by the caller's thread
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=run_stage, args=(s,), daemon=True)
+            for s in range(part.num_stages)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
     def _run_task(self, phase: str, stage: int, values: MicrobatchValues,
-                  step_values: _StepValues, sums: dict) -> None:
+                  step_values: _StepValues, sums: dict) -> list:
+        """Dispatch one task (returns at once, its outputs still being computed)."""
         compiled = self.tasks[(phase, stage)]
         seg = compiled.segment
         if not seg.nodes:
-            return
+            return []
         args = [
             values.read(v, stage, functools.partial(_placed, sharding=sharding))
             if v in self.per_microbatch
@@ -293,12 +308,12 @@ class PipelineExecutable:
         else:
             outs = compiled.fn(*args)
         del args
-        jax.block_until_ready(outs)  # with several processes: only this process's shards
         for v, x in zip(seg.outputs, outs):
             if v in compiled.sums:
                 sums[v] = x  # the stage's one running sum (the old one was donated)
             values.put(v, x, stage)
         values.done(stage, seg.inputs)
+        return outs
 
     def _result(self, step_env: dict, v: int):
         v = self.partition.resolve(v)
@@ -337,11 +352,14 @@ def _placed(x, sharding):
 
 
 def _move(x, sharding):
-    """`x` on `sharding`: `jax.device_put` in one process; across processes, a transfer that
-    every process joins (see `autopar.distributed.transfer`)."""
+    """`x` on `sharding`: in one process, device to device (`copy_to_devices`: resharded
+    on the source into a layout that maps onto the target devices, then copied shard by
+    shard); across processes, a transfer that every process joins (see
+    `autopar.distributed.transfer`)."""
     if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
-    from autopar.distributed import place, transfer
+        if isinstance(x, jax.Array) and x.committed:
+            return copy_to_devices(x, sharding)
+        return jax.device_put(x, sharding)  # a host value (a constant): its first upload
 
     # Arrays inside a step are global arrays of the stage meshes; anything else is a value
     # every process holds in full.
