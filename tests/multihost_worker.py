@@ -65,6 +65,9 @@ def main() -> None:
     for mode in args.modes.split(","):
         state = gpt.init_state(cfg, optimizer, jax.random.key(0))
         batch = global_batch(jax.tree.map(lambda x: x[mine], full))
+        if mode == "checkpoint":
+            _checkpoint_across_plans(step, state, batch, args, info)
+            continue
         options = PLAN_OPTIONS["shard" if mode == "disagree" else mode]
         if mode == "disagree" and info.process_id > 0:
             options = OTHER_PROCESSES_DISAGREE
@@ -86,6 +89,28 @@ def main() -> None:
         disagreed = any("derived a different plan" in m for m in warnings.messages)
         out.write_text(json.dumps({"losses": losses, "plan": plan, "plans_disagreed": disagreed},
                                   sort_keys=True))
+
+
+def _checkpoint_across_plans(step, state, batch, args, info) -> None:
+    """3 steps under the shard plan, save, restore under the pipeline plan, 3 more steps;
+    writes the 6 losses to `<out>/checkpoint_process<i>.json`."""
+    import autopar
+
+    first = autopar.autoparallel(step, donate_argnums=(), **PLAN_OPTIONS["shard"])
+    second = autopar.autoparallel(step, donate_argnums=(), **PLAN_OPTIONS["pipeline"])
+    losses = []
+    for _ in range(3):
+        state, metrics = first(state, batch)
+        losses.append(float(to_host(metrics)["loss"]))
+    path = Path(args.out) / "checkpoint_step3"  # the same folder for every process
+    autopar.checkpoint.save(path, state)
+    second(state, batch)  # plan and compile the second plan (its result is not kept)
+    state = autopar.checkpoint.restore(path, like=second)
+    for _ in range(3):
+        state, metrics = second(state, batch)
+        losses.append(float(to_host(metrics)["loss"]))
+    out = Path(args.out) / f"checkpoint_process{info.process_id}.json"
+    out.write_text(json.dumps({"losses": losses, "stages": second.plan.num_stages}))
 
 
 class _WarningLog(logging.Handler):

@@ -145,12 +145,12 @@ def copy_to_devices(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
         staged = _reshard(x, staging)
         blocks = {s.device: s.data for s in staged.addressable_shards}
         sources = staging.mesh.devices[0].flat  # the first copy of the target's blocks
-        pieces = [
-            jax.device_put(blocks[src], dst) for src, dst in zip(sources, sharding.mesh.devices.flat)
-        ]
+        targets = sharding.mesh.devices.flat
+        pieces = [jax.device_put(blocks[src], dst) for src, dst in zip(sources, targets)]
         return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
     source_devices = _ordered_devices(x.sharding)
-    whole = _reshard(x, NamedSharding(Mesh(np.array(source_devices), ("devices",)), PartitionSpec()))
+    everywhere = NamedSharding(Mesh(np.array(source_devices), ("devices",)), PartitionSpec())
+    whole = _reshard(x, everywhere)
     blocks = {s.device: s.data for s in whole.addressable_shards}
     pieces = []
     for k, (dst, index) in enumerate(sharding.devices_indices_map(x.shape).items()):
