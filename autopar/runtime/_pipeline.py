@@ -32,7 +32,7 @@ from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._memory import MemoryRecorder, MemorySample
-from autopar.runtime._schedule import dispatch_order, stage_order
+from autopar.runtime._schedule import dependencies, device_orders, dispatch_order
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
@@ -96,30 +96,40 @@ class PipelineExecutable:
             self.handoff.append({v: self._reducer(s, v) for v in elsewhere})
         grad_set = set(partition.grad_vars)
         scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
-        self.tasks: dict[tuple[str, int], _Compiled] = {}
-        for phase, segments in (("forward", partition.forward), ("backward", partition.backward)):
-            for seg in segments:
-                self.tasks[(phase, seg.stage)] = self._lower(seg, grad_set, None, output_specs)
+        # The segments run once per microbatch, by phase (see `autopar.runtime._schedule`):
+        # with zero bubble each backward splits into its input-gradient part B (phase
+        # "backward") and its weight-gradient part W (phase "weight").
+        segments = [("forward", seg) for seg in partition.forward]
+        for seg in partition.backward:
+            if schedule == "zero_bubble":
+                b, w = split_backward(seg, partition.stage_graphs[seg.stage], grad_set)
+                segments += [("backward", b), ("weight", w)]
+            else:
+                segments.append(("backward", seg))
+        self.tasks: dict[tuple[str, int], _Compiled] = {
+            (phase, seg.stage): self._lower(seg, grad_set, None, output_specs)
+            for phase, seg in segments
+        }
         self.apply = [self._lower(seg, (), scale, output_specs) for seg in partition.apply]
         self.batch_vars = [v for v in graph.invars if graph.vars[v].role is Role.BATCH]
         # Values made once per microbatch (its batch rows and everything its tasks
         # produce), and how many tasks of each stage read each: a value goes once its
         # last reader has run (see `autopar.runtime._values`).
         per_microbatch = set(self.batch_vars)
-        for seg in (*partition.forward, *partition.backward):
+        for _, seg in segments:
             per_microbatch.update(seg.outputs)
         self.per_microbatch = frozenset(per_microbatch)
-        self.readers = readers_by_stage(
-            (*partition.forward, *partition.backward), self.per_microbatch
-        )
+        self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
-        self.stage_orders = [
-            stage_order(schedule, s, partition.num_stages, num_microbatches)
-            for s in range(partition.num_stages)
-        ]
+        self.virtual_stages = _virtual_stages(schedule, self.meshes)
+        self.group_orders = device_orders(
+            schedule, partition.num_stages, num_microbatches, self.virtual_stages
+        )
         # Every process dispatches the tasks in this one order: JAX matches transfers
         # between processes by the order in which each process issues them.
-        self.order = dispatch_order(schedule, partition.num_stages, num_microbatches)
+        self.order = dispatch_order(
+            schedule, partition.num_stages, num_microbatches, self.virtual_stages
+        )
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -256,17 +266,17 @@ class PipelineExecutable:
         return [self._result(step_env, v) for v in graph.outvars]
 
     def _run_timed(self, micro, step_values, stage_sums, records, t0) -> None:
-        """Every task timed (one process): one thread per stage runs the stage's tasks in
-        its order, each after the tasks it reads from, and waits for each to finish (XLA
+        """Every task timed (one process): one thread per device group runs the group's
+        tasks in its order, each after the tasks it reads from, and waits for each to finish (XLA
         releases the GIL while it computes, so stages still run at the same time)."""
         part = self.partition
         done = {task: threading.Event() for task in self.order}
         errors: list[BaseException] = []
 
-        def run_stage(stage: int) -> None:
+        def run_group(group: int) -> None:
             try:
-                for phase, _, i in self.stage_orders[stage]:
-                    for dep in _dependencies(phase, stage, i, part.num_stages):
+                for phase, stage, i in self.group_orders[group]:
+                    for dep in dependencies((phase, stage, i), part.num_stages):
                         while not done[dep].wait(0.1):
                             if errors:
                                 return
@@ -280,8 +290,8 @@ class PipelineExecutable:
                 errors.append(err)
 
         threads = [
-            threading.Thread(target=run_stage, args=(s,), daemon=True)
-            for s in range(part.num_stages)
+            threading.Thread(target=run_group, args=(g,), daemon=True)
+            for g in range(len(self.group_orders))
         ]
         for t in threads:
             t.start()
@@ -366,13 +376,54 @@ def _move(x, sharding):
     return transfer(x, sharding) if isinstance(x, jax.Array) else place(x, sharding)
 
 
-def _dependencies(phase: str, stage: int, i: int, num_stages: int) -> list:
-    if phase == "forward":
-        return [("forward", stage - 1, i)] if stage > 0 else []
-    deps = [("forward", stage, i)]
-    if stage + 1 < num_stages:
-        deps.append(("backward", stage + 1, i))
-    return deps
+def _virtual_stages(schedule: str, meshes: Sequence) -> int:
+    """Stages per device group: 1, or for interleaved 1F1B v when the p·v stages' meshes
+    repeat every p stages (stage s on the devices of stage s mod p)."""
+    if schedule != "interleaved_1f1b":
+        return 1
+    devices = [tuple(d.id for d in mesh.devices.flat) for mesh in meshes]
+    groups = len(dict.fromkeys(devices))
+    if len(devices) % groups or any(d != devices[s % groups] for s, d in enumerate(devices)):
+        raise ValueError(
+            "interleaved_1f1b needs the stages' meshes to repeat in order (stage s on the "
+            f"devices of stage s mod p); got device ids {devices}. Build the plan with "
+            "virtual_stages (autoparallel or megatron_plan) rather than by hand"
+        )
+    return len(devices) // groups
+
+
+def split_backward(seg: Segment, graph: OpGraph, grad_set: set) -> tuple[Segment, Segment]:
+    """A backward segment as its input-gradient part B and its weight-gradient part W
+    (zero-bubble schedules, Qi et al. 2024).
+
+    B: the nodes the segment's outputs other than accumulated gradients need (the
+    gradients handed to the previous stage); W: the rest, which only the accumulated
+    (weight) gradients need. Values B makes and W reads become B's outputs and W's inputs.
+    """
+    node_set = set(seg.nodes)
+    made_by = {v: n for n in seg.nodes for v in graph.nodes[n].outputs}
+    needed = {v for v in seg.outputs if v not in grad_set}
+    in_b = set()
+    for n in reversed(seg.nodes):
+        if any(v in needed for v in graph.nodes[n].outputs):
+            in_b.add(n)
+            needed.update(graph.nodes[n].inputs)
+    w_nodes = tuple(n for n in seg.nodes if n not in in_b)
+    w_reads = {v for n in w_nodes for v in graph.nodes[n].inputs}
+    handed = tuple(sorted(v for v in w_reads if made_by.get(v) in in_b))
+    b = Segment(
+        seg.stage, seg.phase, tuple(n for n in seg.nodes if n in in_b),
+        tuple(v for v in seg.inputs if v in needed),
+        tuple(dict.fromkeys(
+            (*(v for v in seg.outputs if made_by.get(v) not in node_set - in_b), *handed)
+        )),
+    )
+    w = Segment(
+        seg.stage, seg.phase, w_nodes,
+        tuple(v for v in seg.inputs if v in w_reads) + handed,
+        tuple(v for v in seg.outputs if made_by.get(v) in node_set - in_b),
+    )
+    return b, w
 
 
 def overlap_fraction(timeline: Sequence[TaskRecord]) -> float:
