@@ -89,13 +89,14 @@ def in_flight_microbatches(schedule: Schedule, num_microbatches: int, stages_fro
     """Microbatches whose activations a stage holds at once, in whole-stage units.
 
     GPipe: all of them. 1F1B: one per stage from this one to the last, min(m, p - i) on
-    stage i of p (Narayanan et al. 2021; REFERENCES.md "Pipeline schedules"). Zero bubble
-    (ZB-H1): as 1F1B (Qi et al. 2024 bound its peak by 1F1B's first stage; the runtime's
-    stage i also keeps what i pending weight-gradient passes read, which this leaves out). Interleaved 1F1B on device
-    group i of p (`num_groups`, `stages_from_here` = p - i) with v chunks: Megatron's
-    warm-up keeps 2 (p - i - 1) + (v - 1) p + 1 chunk-microbatches, each 1/v of the
-    group's layers, so (2 (p - i - 1) + (v - 1) p + 1) / v stage-microbatches, at most m
-    (p (1 + (p - 1) / (p v)) on the first group, Narayanan et al. 2021 section 2.2).
+    stage i of p (Narayanan et al. 2021; REFERENCES.md "Pipeline schedules").
+    Zero bubble (ZB-H1): as 1F1B (Qi et al. 2024 bound its peak by 1F1B's first stage;
+    the runtime's stage i also keeps what i pending weight-gradient passes read, which
+    this leaves out).
+    Interleaved 1F1B on device group i of p (`num_groups`; `stages_from_here` = p - i)
+    with v chunks: Megatron's warm-up keeps 2 (p - i - 1) + (v - 1) p + 1
+    chunk-microbatches, each 1/v of the group's layers, so that count / v in stage units,
+    at most m (Narayanan et al. 2021, section 2.2).
     """
     check_choice("schedule", schedule, SCHEDULES)
     m = num_microbatches

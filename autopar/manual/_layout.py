@@ -43,7 +43,10 @@ class MegatronConfig:
     - `sequence_parallel`: split the layer-norm regions (the residual stream) on the
       sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
-    - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
+    - `num_microbatches`, `schedule`: the pipeline schedule (a `Schedule`).
+    - `virtual_stages`: layer chunks per pipeline device group under
+      `schedule="interleaved_1f1b"` (Megatron-LM's interleaved schedule): pp·v stages,
+      stage s on the devices of stage s mod pp.
     """
 
     dp: int
@@ -53,9 +56,10 @@ class MegatronConfig:
     distributed_optimizer: bool = False
     num_microbatches: int = 1
     schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "num_microbatches"):
+        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -65,6 +69,11 @@ class MegatronConfig:
                 "but tp=1; use tp > 1 or sequence_parallel=False"
             )
         check_choice("schedule", self.schedule, SCHEDULES)
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', "
+                f"not {self.schedule!r}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -79,6 +88,7 @@ class MegatronConfig:
                 (",sp", self.sequence_parallel),
                 (",zero1", self.distributed_optimizer),
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
+                (f",v={self.virtual_stages}", self.virtual_stages > 1),
             )
             if on
         )

@@ -60,6 +60,7 @@ def megatron_plan(
     distributed_optimizer: bool = False,
     num_microbatches: int = 1,
     schedule: Schedule = "1f1b",
+    virtual_stages: int = 1,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     overrides: Mapping[str, Any] | None = None,
@@ -73,7 +74,7 @@ def megatron_plan(
     - `cluster`: a `Cluster`, a profile name or path, or None for the local devices; its
       first dp·tp·pp devices are used and there must be exactly that many.
     - `dp`, `tp`, `pp`, `sequence_parallel`, `distributed_optimizer`, `num_microbatches`,
-      `schedule`: see `MegatronConfig`.
+      `schedule`, `virtual_stages`: see `MegatronConfig`.
     - `donate_argnums`, `batch_argnums`: as in `autopar.autoparallel`.
     - `overrides`: ``{input path: spec}`` for inputs the dataflow cannot place or that
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
@@ -97,7 +98,7 @@ def megatron_plan(
     config = MegatronConfig(
         dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
-        schedule=schedule,
+        schedule=schedule, virtual_stages=virtual_stages,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
@@ -244,13 +245,16 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     from autopar.inter import LayerCostTable, assign_layers, partition
 
     layers = assign_layers(graph)
-    if config.pp > layers.num_layers:
+    # Interleaved: pp·v chunks of layers, chunk s on the devices of stage s mod pp.
+    chunks = config.pp * config.virtual_stages
+    if chunks > layers.num_layers:
         raise ValueError(
-            f"pp={config.pp} stages need at least {config.pp} layers but the step has "
+            f"pp={config.pp} stages of {config.virtual_stages} chunk(s) need at least "
+            f"{chunks} layers but the step has "
             f"{layers.num_layers}; mark the layer edges with autopar.layer_boundary (for the "
             "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
         )
-    edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
+    edges = [round(i * layers.num_layers / chunks) for i in range(chunks + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]
 
     def solve(sub, mesh, ties, weights):
@@ -281,8 +285,13 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
             costs.append(cost)
         # The same memory model as the stage DP of method="auto": state, accumulated
         # gradients, and the activations of every microbatch the schedule keeps in flight.
-        in_flight = in_flight_microbatches(config.schedule, config.num_microbatches, config.pp - s)
-        memory = stage_memory(costs, in_flight)
+        group = s % config.pp
+        in_flight = in_flight_microbatches(
+            config.schedule, config.num_microbatches, config.pp - group,
+            config.virtual_stages, config.pp,
+        )
+        # A device group holds all its chunks: budget each chunk a 1/v share.
+        memory = stage_memory(costs, in_flight) * config.virtual_stages
         if memory > budget:
             raise ValueError(
                 f"the Megatron layout {config.name} does not fit stage {s} (layers "
@@ -292,7 +301,7 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
                 "or pp, more microbatches, sequence parallelism, or a larger memory budget"
             )
         sharding = table.stage_plan(
-            graph, part, s, layer_range, shape, stage_mesh(cluster, config, s), tied
+            graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
         )
         stages.append(Stage(layer_range, sharding))
     return tuple(stages)
