@@ -81,3 +81,40 @@ def test_stages_of_different_mesh_shapes_transfer_device_to_device(host_reads):
     assert reads == [0, 0, 0], f"host reads per step: {reads}"
     assert min(moves) > 0, "no stage-to-stage move took the direct path"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_boundary_bytes_are_the_activations_crossing_each_cut():
+    """An MLP of 4 dense layers (batch 8, hidden 32, out 8) and its loss: between dense
+    layers a (8, 32) float32 activation crosses, before the loss the (8, 8) output; no
+    parameter or batch input counts (they are not made by the forward)."""
+    from autopar.graph import trace
+    from autopar.inter import assign_layers
+    from autopar.inter._planner import boundary_bytes
+    from examples import mlp
+
+    cfg = mlp.MLPConfig(in_dim=16, hidden=32, out_dim=8, num_layers=4, layer_markers=True)
+    optimizer = optax.sgd(0.1)
+    state = mlp.init_state(cfg, optimizer, jax.random.key(0))
+    batch = mlp.make_batch(cfg, 8, jax.random.key(1))
+    graph = trace(mlp.make_train_step(cfg, optimizer), state, batch, batch_argnums=(1,))
+    hidden, out = 8 * 32 * 4, 8 * 8 * 4
+    assert boundary_bytes(graph, assign_layers(graph)) == [0, hidden, hidden, hidden, out, 0]
+
+
+def test_boundary_transfer_time_by_hand():
+    from autopar.cost import boundary_transfer_time
+
+    cluster = autopar.Cluster.from_profile("cpu-local")
+    link = cluster.intra_host
+    assert boundary_transfer_time(1e6, cluster, 4) == pytest.approx(
+        2 * (link.latency + 1e6 / (4 * link.bandwidth))
+    )
+    assert boundary_transfer_time(0, cluster, 4) == 0.0
+    two_hosts = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=2)
+    slow = two_hosts.inter_host
+    # 8 devices per host: a stage of 8 after a stage of 8 crosses hosts
+    assert boundary_transfer_time(1e6, two_hosts, 8) == pytest.approx(
+        2 * (slow.latency + 1e6 / (8 * slow.bandwidth))
+    )
+    with pytest.raises(ValueError, match="at least one device"):
+        boundary_transfer_time(1e6, cluster, 0)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
+from autopar.cost._collective import link_for, transfer_time
 
 # Zero bubble (ZB-H1): the bubble of 1F1B, (p - 1)(T_F + T_B + T_W), shrinks to
 # (p - 1)(T_F + T_B - T_W) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3,
@@ -107,6 +108,30 @@ def in_flight_microbatches(schedule: Schedule, num_microbatches: int, stages_fro
     p, v = (num_groups or stages_from_here), virtual_stages
     chunks = 2 * (stages_from_here - 1) + (v - 1) * p + 1
     return min(m * v, chunks) / v
+
+
+def boundary_transfer_time(num_bytes: float, cluster, num_devices: int) -> float:
+    """Seconds per microbatch a stage boundary costs the stage after it: the activations
+    crossing it (`num_bytes`, the whole values) forward and their gradients back, each a
+    cross-mesh `transfer_time` into the stage's `num_devices` devices, as the runtime moves
+    them (`autopar.distributed.copy_to_devices`: per-device shares in parallel; Alpa's
+    cross-mesh resharding, Zheng et al. 2022 section 5). The previous stage is taken to be
+    on the devices just before this one's (the stage DP packs stages in order), so the
+    link is the inter-host one when the two stages together span hosts.
+
+    **Example:** on one host, 1 MB into 4 devices: 2 * (alpha + 1e6 / (4 * bandwidth)).
+    """
+    if num_devices < 1:
+        raise ValueError(f"a stage needs at least one device, got {num_devices}")
+    if num_bytes <= 0:
+        return 0.0
+    total = cluster.num_devices
+    if 2 * num_devices > total:  # no room for two such stages (a virtual cluster's search)
+        link = link_for(cluster, range(total))
+        return 2 * (link.latency + num_bytes / (num_devices * link.bandwidth))
+    before = range(total - 2 * num_devices, total - num_devices)
+    after = range(total - num_devices, total)
+    return 2 * transfer_time(num_bytes, cluster, before, after)
 
 
 @dataclass(frozen=True)
