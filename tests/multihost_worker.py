@@ -4,7 +4,7 @@ Trains the tiny GPT (with layer marks) for a few steps under each requested plan
 per plan, `<out>/<mode>_process<i>.json` with the losses, the plan JSON (without wall-clock times)
 and whether the processes first derived different plans.
 
-    python tests/multihost_worker.py --out DIR [--modes pipeline,shard,disagree] [--steps 3]
+    python tests/multihost_worker.py --out DIR [--modes pipeline,shard,...] [--steps 3]
                                      [--die-process P --die-step S]
 """
 
@@ -30,6 +30,12 @@ LEARNING_RATE = 1e-2
 PLAN_OPTIONS = {
     "pipeline": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=2),
     "shard": dict(method="shard", mesh_shape=(2, 4)),
+    # The new schedules across processes: zero bubble (B and W on each process's stage),
+    # interleaved 1F1B (4 chunks alternating between the processes' devices).
+    "zero_bubble": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=4,
+                        schedule="zero_bubble"),
+    "interleaved": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=4,
+                        schedule="interleaved_1f1b", virtual_stages=2),
 }
 # "disagree": process 0 asks for the shard plan above, the others for a 1-D mesh; every
 # process must end up running process 0's plan.
@@ -39,7 +45,7 @@ OTHER_PROCESSES_DISAGREE = dict(method="shard", mesh_shape=(8,))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", default="pipeline,shard,disagree")
+    parser.add_argument("--modes", default="pipeline,shard,disagree,zero_bubble,interleaved")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--die-process", type=int, default=None)
     parser.add_argument("--die-step", type=int, default=None)
