@@ -1,11 +1,15 @@
 """Run a pipelined plan: per-stage jitted segments, microbatches, a schedule.
 
-Per step: the batch is cut into microbatches; for each task of the schedule, the stage's
-forward or backward segment runs on its submesh (its inputs moved there with
-`jax.device_put` into the stage's expected sharding); gradients are summed on the stage
-that computes them (data-parallel weight gradients as unreduced per-device partial sums,
-reduced once per step); then the update fragments run once, each on its stage, with the
-summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
+Per step: the batch is cut into microbatches; for each task of the schedule (forward,
+backward, and with zero bubble the backward's weight-gradient part, see `split_backward`),
+the stage's segment is dispatched on its submesh, its inputs moved there device to device
+(`autopar.distributed.copy_to_devices`; across processes `transfer`) into the stage's
+expected sharding; gradients are summed on the stage that computes them (data-parallel
+weight gradients as unreduced per-device partial sums, reduced once per step); then the
+update fragments run once, each on its stage, with the summed gradients scaled by
+1/microbatches. Every task is dispatched asynchronously, in one order that keeps each
+device group's schedule (`autopar.runtime._schedule`), and nothing waits per task, so
+stages overlap and a stage's next work is queued while its devices compute.
 
 Memory: every per-microbatch value is dropped after its last reader on each stage
 (`autopar.runtime._values`, reader counts computed once here at build time), so a stage
