@@ -38,6 +38,9 @@ MODES = ("pipeline", "shard", "disagree", "interleaved")
 # Left out of the default run (CI time): the zero-bubble schedule across processes
 # (test_zero_bubble_across_processes, extended tier).
 EXTENDED_MODES = ("zero_bubble",)
+# Planning and running every mode takes several minutes on 2 busy cores: the first test's
+# setup runs them all.
+pytestmark = pytest.mark.timeout(1500)
 # The acceptance bound for the others to stop after one process is lost.
 STOP_BOUND_SECONDS = 60
 
