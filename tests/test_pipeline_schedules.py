@@ -95,6 +95,20 @@ def test_interleaving_needs_microbatches_in_rounds_of_the_groups():
         device_orders("interleaved_1f1b", 8, 6, 2)
 
 
+def test_interleaved_microbatches_not_in_rounds_fail_before_running():
+    optimizer = optax.sgd(0.1)
+    step = mlp.make_train_step(MLP, optimizer)
+    state = mlp.init_state(MLP, optimizer, jax.random.key(0))
+    batch = mlp.make_batch(MLP, 24, jax.random.key(1))
+    par = autopar.autoparallel(
+        step, cluster=autopar.Cluster.from_profile("cpu-local"), num_stages=2,
+        num_microbatches=3, schedule="interleaved_1f1b", virtual_stages=2,
+    )
+    with pytest.raises(ValueError, match="3 microbatches is not a multiple of 2"):
+        par(state, batch)
+    jax.tree.map(np.asarray, state)  # the caller's state is intact
+
+
 def test_options_reject_virtual_stages_without_interleaving():
     step = mlp.make_train_step(MLP, optax.sgd(0.1))
     with pytest.raises(ValueError, match="needs schedule='interleaved_1f1b'"):

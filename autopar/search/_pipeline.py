@@ -117,6 +117,14 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings):
     candidates: list[_Candidate] = []
     last_error: ValueError | None = None
     for num_micro in options.microbatch_counts(rows):
+        if interleaved and num_micro % options.num_stages:
+            # Interleaved 1F1B runs microbatches in rounds of the device groups.
+            last_error = ValueError(
+                f"schedule='interleaved_1f1b' runs microbatches in rounds of the "
+                f"{options.num_stages} device groups; {num_micro} microbatches is not a "
+                f"multiple of {options.num_stages}: pass num_microbatches as one"
+            )
+            continue
         start = time.perf_counter()
         mb_graph = _trace_microbatch(fn, args, options, num_micro, num_auto_layers)
         timings["trace"] = timings.get("trace", 0.0) + time.perf_counter() - start
