@@ -13,6 +13,7 @@ from autopar.distributed._arrays import (
     gather,
     global_batch,
     place,
+    settle_transfers,
     to_host,
     transfer,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "place",
     "plan_digest",
     "process_info_from_env",
+    "settle_transfers",
     "to_host",
     "transfer",
 ]

@@ -110,8 +110,10 @@ def transfer(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
         mirror = _mirror(source, sharding, x.ndim)
         if mirror is not None:
             TRANSFER_PATHS["cross_process"] += 1
+            _SENDS_IN_FLIGHT[0] = True
             # Wait for the pull to finish here, so that no later collective of this
-            # process's devices can queue in front of the transfer's other side.
+            # process's devices can queue in front of the transfer's other side. (The
+            # sending process cannot wait for it: see `settle_transfers`.)
             return jax.block_until_ready(jax.device_put(_reshard(x, mirror), sharding))
     TRANSFER_PATHS["host"] += 1
     value = gather(x)
@@ -192,6 +194,38 @@ def _slice(x, starts, stops):
     return jax.lax.slice(x, starts, stops)
 
 
+# Whether a cross-process transfer was issued since the last `settle_transfers`. Every
+# process issues the same transfers in the same order, so all agree on it.
+_SENDS_IN_FLIGHT = [False]
+_SETTLE_TIMEOUT_MS = 30 * 60 * 1000
+_settled = [0]  # barriers so far: each one's name
+
+
+def settle_transfers() -> None:
+    """Wait, on every process, until every cross-process transfer issued so far has
+    arrived; every process calls it at the same point (a host barrier, no device work).
+
+    The receiving process waits for each transfer as it issues it, but the sending one
+    cannot: it has no shard of the result. If the sender then runs a collective over
+    devices of both processes (reading results with `gather`, a jit on a mesh spanning
+    them), its devices block in that collective, waiting for the receiver, while the
+    receiver still waits for bytes the sender's devices must serve: a deadlock (issue 19:
+    process 1 in a parameter transfer of the update, process 0 in the next `to_host`).
+    A host barrier keeps the sender's devices free until the receiver has everything.
+    Called at the end of every pipelined step and before every `gather`; a no-op when no
+    transfer crossed processes since the last call.
+    """
+    if not _SENDS_IN_FLIGHT[0] or jax.process_count() == 1:
+        return
+    from jax._src import distributed
+
+    _SENDS_IN_FLIGHT[0] = False
+    _settled[0] += 1
+    distributed.global_state.client.wait_at_barrier(
+        f"autopar_transfers_{_settled[0]}", _SETTLE_TIMEOUT_MS
+    )
+
+
 def gather(x: jax.Array) -> np.ndarray:
     """The full value of a (possibly global) array on every process, as numpy.
 
@@ -201,6 +235,7 @@ def gather(x: jax.Array) -> np.ndarray:
     """
     if jax.process_count() == 1 or not x.committed:
         return np.asarray(x)
+    settle_transfers()
     devices = sorted(x.sharding.device_set, key=lambda d: (d.process_index, d.id))
     replicated = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec())
     full = _reshard(x, replicated)

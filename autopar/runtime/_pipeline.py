@@ -31,7 +31,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from autopar.cluster._mesh import replicated, to_partition_spec
-from autopar.distributed import copy_to_devices, place, transfer
+from autopar.distributed import copy_to_devices, place, settle_transfers, transfer
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
@@ -263,6 +263,7 @@ class PipelineExecutable:
                 records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
                 if recorder:
                     recorder.sample(stage, "apply", 0)
+        settle_transfers()  # several processes: every transfer in before the next step
         if record:
             self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
         if recorder:
