@@ -18,8 +18,15 @@ layouts (replicated state; sharded optimizer state; sharded parameters too)."""
 ShardMethod = Literal["shard", "data", "zero2", "zero3"]
 """The methods the single-mesh (intra-operator) planner takes."""
 
-Schedule = Literal["gpipe", "1f1b"]
-"""Pipeline schedules the runtime and the cost model know."""
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+"""Pipeline schedules the runtime and the cost model know: GPipe; 1F1B (PipeDream-flush);
+Megatron-LM's interleaved 1F1B (`virtual_stages` non-adjacent layer chunks per device);
+zero bubble ZB-H1 (Qi et al. 2024: the backward split into input-gradient and
+weight-gradient passes, the latter filling the bubble)."""
+
+ScheduleOption = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "auto"]
+"""The user's schedule option: one `Schedule`, or "auto" to let the planner choose the one
+with the lowest predicted step time that fits the memory limit."""
 
 Runtime = Literal["spmd", "pipeline"]
 """How a plan runs: "spmd" one `jax.jit` of the whole step; "pipeline" per-stage forward,
@@ -40,6 +47,7 @@ SolverName = Literal["auto", "highs", "cbc"]
 METHODS: tuple[str, ...] = get_args(Method)
 SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+SCHEDULE_OPTIONS: tuple[str, ...] = get_args(ScheduleOption)
 RUNTIMES: tuple[str, ...] = get_args(Runtime)
 SOLVERS: tuple[str, ...] = get_args(SolverName)
 REMATS: tuple[str, ...] = get_args(Remat)

@@ -4,7 +4,7 @@ Trains the tiny GPT (with layer marks) for a few steps under each requested plan
 per plan, `<out>/<mode>_process<i>.json` with the losses, the plan JSON (without wall-clock times)
 and whether the processes first derived different plans.
 
-    python tests/multihost_worker.py --out DIR [--modes pipeline,shard,disagree] [--steps 3]
+    python tests/multihost_worker.py --out DIR [--modes pipeline,shard,...] [--steps 3]
                                      [--die-process P --die-step S]
 """
 
@@ -30,6 +30,12 @@ LEARNING_RATE = 1e-2
 PLAN_OPTIONS = {
     "pipeline": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=2),
     "shard": dict(method="shard", mesh_shape=(2, 4)),
+    # The new schedules across processes: zero bubble (B and W on each process's stage),
+    # interleaved 1F1B (4 chunks alternating between the processes' devices).
+    "zero_bubble": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=4,
+                        schedule="zero_bubble"),
+    "interleaved": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=4,
+                        schedule="interleaved_1f1b", virtual_stages=2),
 }
 # "disagree": process 0 asks for the shard plan above, the others for a 1-D mesh; every
 # process must end up running process 0's plan.
@@ -39,7 +45,7 @@ OTHER_PROCESSES_DISAGREE = dict(method="shard", mesh_shape=(8,))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", default="pipeline,shard,disagree")
+    parser.add_argument("--modes", default="pipeline,shard,disagree,zero_bubble,interleaved")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--die-process", type=int, default=None)
     parser.add_argument("--die-step", type=int, default=None)
@@ -62,13 +68,17 @@ def main() -> None:
     full = jax.tree.map(np.asarray, gpt.make_batch(cfg, GLOBAL_BATCH, jax.random.key(1)))
     rows = GLOBAL_BATCH // info.num_processes
     mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
+    made: dict = {}  # mode -> its decorated step
     for mode in args.modes.split(","):
         state = gpt.init_state(cfg, optimizer, jax.random.key(0))
         batch = global_batch(jax.tree.map(lambda x: x[mine], full))
+        if mode == "checkpoint":
+            _checkpoint_across_plans(step, state, batch, args, info, made)
+            continue
         options = PLAN_OPTIONS["shard" if mode == "disagree" else mode]
         if mode == "disagree" and info.process_id > 0:
             options = OTHER_PROCESSES_DISAGREE
-        par = autopar.autoparallel(step, donate_argnums=(), **options)
+        par = made[mode] = autopar.autoparallel(step, donate_argnums=(), **options)
         warnings = _WarningLog()
         logging.getLogger("autopar").addHandler(warnings)
         losses = []
@@ -86,6 +96,34 @@ def main() -> None:
         disagreed = any("derived a different plan" in m for m in warnings.messages)
         out.write_text(json.dumps({"losses": losses, "plan": plan, "plans_disagreed": disagreed},
                                   sort_keys=True))
+
+
+def _checkpoint_across_plans(step, state, batch, args, info, made: dict) -> None:
+    """3 steps under the shard plan, save, restore under the pipeline plan, 3 more steps;
+    writes the 6 losses to `<out>/checkpoint_process<i>.json`."""
+    import autopar
+
+    # The steps the "shard" and "pipeline" modes planned, when they ran (planning is most
+    # of the time): a decorated step keeps only its compiled plans between calls.
+    first = made.get("shard") or autopar.autoparallel(
+        step, donate_argnums=(), **PLAN_OPTIONS["shard"]
+    )
+    second = made.get("pipeline") or autopar.autoparallel(
+        step, donate_argnums=(), **PLAN_OPTIONS["pipeline"]
+    )
+    losses = []
+    for _ in range(3):
+        state, metrics = first(state, batch)
+        losses.append(float(to_host(metrics)["loss"]))
+    path = Path(args.out) / "checkpoint_step3"  # the same folder for every process
+    autopar.checkpoint.save(path, state)
+    second(state, batch)  # plan and compile the second plan (its result is not kept)
+    state = autopar.checkpoint.restore(path, like=second)
+    for _ in range(3):
+        state, metrics = second(state, batch)
+        losses.append(float(to_host(metrics)["loss"]))
+    out = Path(args.out) / f"checkpoint_process{info.process_id}.json"
+    out.write_text(json.dumps({"losses": losses, "stages": second.plan.num_stages}))
 
 
 class _WarningLog(logging.Handler):

@@ -18,7 +18,9 @@ from autopar.cost._formulas import (
 )
 from autopar.cost._pipeline import (
     LayerCost,
+    boundary_transfer_time,
     bubble_fraction,
+    bubble_scale,
     in_flight_microbatches,
     memory_budget,
     pipeline_latency,
@@ -34,7 +36,9 @@ from autopar.cost._remat import (
 __all__ = [
     "COLLECTIVE_KINDS",
     "LayerCost",
+    "boundary_transfer_time",
     "bubble_fraction",
+    "bubble_scale",
     "in_flight_microbatches",
     "memory_budget",
     "pipeline_latency",

@@ -12,49 +12,126 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
+from autopar.cost._collective import link_for, transfer_time
+
+# Zero bubble (ZB-H1): the bubble of 1F1B, (p - 1)(T_F + T_B + T_W), shrinks to
+# (p - 1)(T_F + T_B - T_W) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3,
+# REFERENCES.md "Pipeline schedules"). With the paper's T_F = T_B = T_W (a backward twice a
+# forward, split evenly between input and weight gradients) that is a third of 1F1B's.
+ZERO_BUBBLE_BUBBLE_SCALE = 1.0 / 3.0
 
 
-def pipeline_latency(stage_times: Sequence[float], num_microbatches: int) -> float:
+def bubble_scale(schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
+    """The bubble of `schedule` as a share of GPipe/1F1B's: 1 for those; 1/v for
+    interleaved 1F1B with v virtual stages (Narayanan et al. 2021, section 2.2); 1/3 for
+    zero bubble (`ZERO_BUBBLE_BUBBLE_SCALE`). The one place the schedules' bubbles differ:
+    `pipeline_latency` and `bubble_fraction` both use it."""
+    check_choice("schedule", schedule, SCHEDULES)
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be at least 1, got {virtual_stages}")
+    if virtual_stages != 1 and schedule != "interleaved_1f1b":
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b', "
+            f"not {schedule!r}"
+        )
+    if schedule == "interleaved_1f1b":
+        return 1.0 / virtual_stages
+    if schedule == "zero_bubble":
+        return ZERO_BUBBLE_BUBBLE_SCALE
+    return 1.0
+
+
+def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
+                     schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
     """Seconds per step of a pipeline whose stages take `stage_times` per microbatch.
 
     Alpa's latency (Zheng et al. 2022, REFERENCES.md "Stage DP"): the first microbatch
     passes every stage, each later one adds the slowest stage,
-    ``sum_i t_i + (B - 1) * max_j t_j``. One stage accumulating B microbatches takes
-    ``B * t``; one stage and one microbatch, ``t``.
+    ``sum_i t_i + (B - 1) * max_j t_j``, i.e. ``B * max t`` of work on the slowest stage
+    plus the fill and drain ``sum_i t_i - max t``. Interleaved and zero-bubble schedules
+    scale that fill and drain by `bubble_scale` (for `interleaved_1f1b`, `stage_times` are
+    per device group, all v chunks of a group together). One stage accumulating B
+    microbatches takes ``B * t``; one stage and one microbatch, ``t``.
 
-    **Example:** ``pipeline_latency([1.0, 2.0], 4) == 9.0``.
+    **Example:** ``pipeline_latency([1.0, 2.0], 4) == 9.0``;
+    ``pipeline_latency([1.0, 2.0], 4, "interleaved_1f1b", 2) == 8.5``.
     """
     if not stage_times:
         raise ValueError("a pipeline needs at least one stage")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
+    slowest = max(stage_times)
+    fill = (sum(stage_times) - slowest) * bubble_scale(schedule, virtual_stages)
+    return num_microbatches * slowest + fill
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Idle fraction of a GPipe or 1F1B pipeline: (p - 1) / (m + p - 1).
+def bubble_fraction(num_stages: int, num_microbatches: int, schedule: Schedule = "1f1b",
+                    virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline of equal stages: (p - 1) s / (m + (p - 1) s), s the
+    schedule's `bubble_scale`: (p - 1) / (m + p - 1) for GPipe and 1F1B (Narayanan et al.
+    2021; REFERENCES.md "Megatron-LM plans"), (p - 1) / (v m + p - 1) interleaved, a third
+    of 1F1B's bubble time for zero bubble. `num_stages` p counts device groups (for
+    interleaved 1F1B, stages / v). One stage has no bubble.
 
-    For p stages and m microbatches (Narayanan et al. 2021; REFERENCES.md "Megatron-LM
-    plans"). One stage has no bubble.
-
-    **Example:** ``bubble_fraction(4, 8) == 3 / 11``.
+    **Example:** ``bubble_fraction(4, 8) == 3 / 11``;
+    ``bubble_fraction(4, 8, "interleaved_1f1b", 2) == 3 / 19``.
     """
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(
             f"a pipeline needs at least one stage and one microbatch, got "
             f"{num_stages} stage(s) and {num_microbatches} microbatch(es)"
         )
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    bubble = (num_stages - 1) * bubble_scale(schedule, virtual_stages)
+    return bubble / (num_microbatches + bubble)
 
 
-def in_flight_microbatches(schedule: Schedule, num_microbatches: int, stages_from_here: int) -> int:
-    """Microbatches whose activations a stage holds at once: all of them with GPipe; with
-    1F1B one per stage from this one to the last, min(m, p - i) on stage i of p
-    (Narayanan et al. 2021; REFERENCES.md "Pipeline schedules")."""
+def in_flight_microbatches(schedule: Schedule, num_microbatches: int, stages_from_here: int,
+                           virtual_stages: int = 1, num_groups: int | None = None) -> float:
+    """Microbatches whose activations a stage holds at once, in whole-stage units.
+
+    GPipe: all of them. 1F1B: one per stage from this one to the last, min(m, p - i) on
+    stage i of p (Narayanan et al. 2021; REFERENCES.md "Pipeline schedules").
+    Zero bubble (ZB-H1): as 1F1B (Qi et al. 2024 bound its peak by 1F1B's first stage;
+    the runtime's stage i also keeps what i pending weight-gradient passes read, which
+    this leaves out).
+    Interleaved 1F1B on device group i of p (`num_groups`; `stages_from_here` = p - i)
+    with v chunks: Megatron's warm-up keeps 2 (p - i - 1) + (v - 1) p + 1
+    chunk-microbatches, each 1/v of the group's layers, so that count / v in stage units,
+    at most m (Narayanan et al. 2021, section 2.2).
+    """
     check_choice("schedule", schedule, SCHEDULES)
+    m = num_microbatches
     if schedule == "gpipe":
-        return num_microbatches
-    return min(num_microbatches, stages_from_here)
+        return m
+    if schedule != "interleaved_1f1b" or virtual_stages == 1:
+        return min(m, stages_from_here)
+    p, v = (num_groups or stages_from_here), virtual_stages
+    chunks = 2 * (stages_from_here - 1) + (v - 1) * p + 1
+    return min(m * v, chunks) / v
+
+
+def boundary_transfer_time(num_bytes: float, cluster, num_devices: int) -> float:
+    """Seconds per microbatch a stage boundary costs the stage after it: the activations
+    crossing it (`num_bytes`, the whole values) forward and their gradients back, each a
+    cross-mesh `transfer_time` into the stage's `num_devices` devices, as the runtime moves
+    them (`autopar.distributed.copy_to_devices`: per-device shares in parallel; Alpa's
+    cross-mesh resharding, Zheng et al. 2022 section 5). The previous stage is taken to be
+    on the devices just before this one's (the stage DP packs stages in order), so the
+    link is the inter-host one when the two stages together span hosts.
+
+    **Example:** on one host, 1 MB into 4 devices: 2 * (alpha + 1e6 / (4 * bandwidth)).
+    """
+    if num_devices < 1:
+        raise ValueError(f"a stage needs at least one device, got {num_devices}")
+    if num_bytes <= 0:
+        return 0.0
+    total = cluster.num_devices
+    if 2 * num_devices > total:  # no room for two such stages (a virtual cluster's search)
+        link = link_for(cluster, range(total))
+        return 2 * (link.latency + num_bytes / (num_devices * link.bandwidth))
+    before = range(total - 2 * num_devices, total - num_devices)
+    after = range(total - num_devices, total)
+    return 2 * transfer_time(num_bytes, cluster, before, after)
 
 
 @dataclass(frozen=True)

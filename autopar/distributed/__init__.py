@@ -7,7 +7,16 @@ runs the stages whose devices each process owns, and `to_host` reads results on 
 process. See docs/multihost.md.
 """
 
-from autopar.distributed._arrays import gather, global_batch, place, to_host, transfer
+from autopar.distributed._arrays import (
+    TRANSFER_PATHS,
+    copy_to_devices,
+    gather,
+    global_batch,
+    place,
+    settle_transfers,
+    to_host,
+    transfer,
+)
 from autopar.distributed._env import (
     LOST_PROCESS_EXIT_CODE,
     ProcessInfo,
@@ -19,6 +28,8 @@ from autopar.distributed._launch import LaunchResult, launch
 from autopar.distributed._plans import agree_on_plan, differing_processes, plan_digest
 
 __all__ = [
+    "TRANSFER_PATHS",
+    "copy_to_devices",
     "LOST_PROCESS_EXIT_CODE",
     "LaunchResult",
     "ProcessInfo",
@@ -32,6 +43,7 @@ __all__ = [
     "place",
     "plan_digest",
     "process_info_from_env",
+    "settle_transfers",
     "to_host",
     "transfer",
 ]

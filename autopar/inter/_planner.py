@@ -26,6 +26,7 @@ from autopar.cost import (
     LayerCost,
     bytes_per_device,
     full_recompute_cost,
+    boundary_transfer_time,
     in_flight_microbatches,
     memory_budget,
     recompute_seconds,
@@ -584,7 +585,8 @@ def choose_stages(
         cluster.num_hosts, cluster.devices_per_host
     )
     stage_cost = _StageCosts(
-        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat
+        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
+        boundary_bytes(graph, layers),
     )
     if allowed is not None:
         stage_cost = _Restricted(stage_cost, allowed)
@@ -702,6 +704,9 @@ class _StageCosts:
     num_microbatches: int
     budget: float
     remat: str = "auto"
+    # Per layer k: bytes of the forward values crossing into layer k from earlier layers,
+    # moved to a stage starting at k once per microbatch (`boundary_transfer_time`).
+    boundary: Sequence[float] = ()
 
     @property
     def num_positions(self) -> int | None:
@@ -726,11 +731,35 @@ class _StageCosts:
             least_memory = min(least_memory, fit.memory)
             if fit.memory <= self.budget:
                 latency = fit.latency
+                if start > 0 and self.boundary:
+                    latency += boundary_transfer_time(
+                        self.boundary[start], self.table.cluster, sub.num_devices
+                    )
                 if best is None or latency < best.latency:
                     best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best
+
+
+def boundary_bytes(graph, layers: LayerAssignment) -> list[float]:
+    """Per layer k (0..num_layers), bytes of the forward values made in layers before k and
+    read in layer k or later: what a stage starting at layer k receives per microbatch
+    (its gradients go back the same size)."""
+    made: dict[int, int] = {}
+    for node in graph.nodes:
+        if layers.phase[node.id] == "forward" and layers.layer[node.id] is not None:
+            made.update((v, layers.layer[node.id]) for v in node.outputs)
+    crossing: list[set[int]] = [set() for _ in range(layers.num_layers + 1)]
+    for node in graph.nodes:
+        k = layers.layer[node.id]
+        if layers.phase[node.id] != "forward" or k is None:
+            continue
+        for v in node.inputs:
+            if made.get(v, k) < k:
+                for b in range(made[v] + 1, k + 1):
+                    crossing[b].add(v)
+    return [float(sum(graph.vars[v].nbytes for v in vs)) for vs in crossing]
 
 
 def _stage_plans(table: LayerCostTable, graph, part, dp, stage_layers, tied) -> tuple:

@@ -43,7 +43,10 @@ class MegatronConfig:
     - `sequence_parallel`: split the layer-norm regions (the residual stream) on the
       sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
-    - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
+    - `num_microbatches`, `schedule`: the pipeline schedule (a `Schedule`).
+    - `virtual_stages`: layer chunks per pipeline device group under
+      `schedule="interleaved_1f1b"` (Megatron-LM's interleaved schedule): pp·v stages,
+      stage s on the devices of stage s mod pp.
     - `recompute`: activation recomputation of every layer, Megatron-LM's
       ``--recompute-granularity``: "none", "selective" (the attention core; Korthikanti et
       al. 2022) or "full" (all but the layer input); costed by `autopar.cost`'s recompute
@@ -58,9 +61,10 @@ class MegatronConfig:
     num_microbatches: int = 1
     schedule: Schedule = "1f1b"
     recompute: Remat = "none"
+    virtual_stages: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "num_microbatches"):
+        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -71,6 +75,11 @@ class MegatronConfig:
             )
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, REMATS)
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', "
+                f"not {self.schedule!r}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -86,6 +95,7 @@ class MegatronConfig:
                 (",zero1", self.distributed_optimizer),
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
                 (f",recompute={self.recompute}", self.recompute != "none"),
+                (f",v={self.virtual_stages}", self.virtual_stages > 1),
             )
             if on
         )

@@ -61,6 +61,7 @@ def megatron_plan(
     num_microbatches: int = 1,
     schedule: Schedule = "1f1b",
     recompute: str = "none",
+    virtual_stages: int = 1,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     overrides: Mapping[str, Any] | None = None,
@@ -74,7 +75,7 @@ def megatron_plan(
     - `cluster`: a `Cluster`, a profile name or path, or None for the local devices; its
       first dp·tp·pp devices are used and there must be exactly that many.
     - `dp`, `tp`, `pp`, `sequence_parallel`, `distributed_optimizer`, `num_microbatches`,
-      `schedule`, `recompute`: see `MegatronConfig`.
+      `schedule`, `recompute`, `virtual_stages`: see `MegatronConfig`.
     - `donate_argnums`, `batch_argnums`: as in `autopar.autoparallel`.
     - `overrides`: ``{input path: spec}`` for inputs the dataflow cannot place or that
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
@@ -98,7 +99,7 @@ def megatron_plan(
     config = MegatronConfig(
         dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
-        schedule=schedule, recompute=recompute,
+        schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
@@ -253,13 +254,16 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
     from autopar.inter._planner import choose_remat, recompute_time
 
     layers = assign_layers(graph)
-    if config.pp > layers.num_layers:
+    # Interleaved: pp·v chunks of layers, chunk s on the devices of stage s mod pp.
+    chunks = config.pp * config.virtual_stages
+    if chunks > layers.num_layers:
         raise ValueError(
-            f"pp={config.pp} stages need at least {config.pp} layers but the step has "
+            f"pp={config.pp} stages of {config.virtual_stages} chunk(s) need at least "
+            f"{chunks} layers but the step has "
             f"{layers.num_layers}; mark the layer edges with autopar.layer_boundary (for the "
             "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
         )
-    edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
+    edges = [round(i * layers.num_layers / chunks) for i in range(chunks + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]
 
     def solve(sub, mesh, ties, weights):
@@ -288,11 +292,17 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
         # The same memory model as the stage DP of method="auto": state, accumulated
         # gradients, and the activations of every microbatch the schedule keeps in flight,
         # with the configured recompute of every layer.
-        in_flight = in_flight_microbatches(config.schedule, config.num_microbatches, config.pp - s)
-        fit = choose_remat(
-            table, range(*layer_range), shape, 0, in_flight, budget, config.recompute
+        group = s % config.pp
+        in_flight = in_flight_microbatches(
+            config.schedule, config.num_microbatches, config.pp - group,
+            config.virtual_stages, config.pp,
         )
-        memory = fit.memory
+        fit = choose_remat(
+            table, range(*layer_range), shape, 0, in_flight, budget / config.virtual_stages,
+            config.recompute,
+        )
+        # A device group holds all its chunks: budget each chunk a 1/v share.
+        memory = fit.memory * config.virtual_stages
         if memory > budget:
             raise ValueError(
                 f"the Megatron layout {config.name} does not fit stage {s} (layers "
@@ -303,7 +313,7 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
                 "memory budget"
             )
         sharding = table.stage_plan(
-            graph, part, s, layer_range, shape, stage_mesh(cluster, config, s), tied
+            graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
         )
         remat = fit.remat if any(r != "none" for r in fit.remat) else ()
         seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))

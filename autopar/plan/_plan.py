@@ -137,8 +137,21 @@ class Plan:
         every runtime: one stage accumulating B microbatches takes B times its cost, a
         pipeline Alpa's latency.
         """
-        times = [s.time_per_microbatch for s in self.stages]
-        return pipeline_latency(times, self.num_microbatches)
+        groups = self.num_device_groups
+        times = [0.0] * groups  # interleaved: a device group runs all its chunks
+        for s, stage in enumerate(self.stages):
+            times[s % groups] += stage.time_per_microbatch
+        return pipeline_latency(times, self.num_microbatches, self.schedule, self.virtual_stages)
+
+    @property
+    def num_device_groups(self) -> int:
+        """Distinct stage meshes: the stages, or stages / v under interleaved 1F1B."""
+        return len({tuple(s.sharding.mesh.device_ids) for s in self.stages})
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per device group (more than 1 only under interleaved 1F1B)."""
+        return len(self.stages) // self.num_device_groups
 
     @property
     def stage_remat(self) -> tuple[tuple[str, ...], ...]:
@@ -149,8 +162,10 @@ class Plan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of a GPipe/1F1B pipeline (`autopar.cost.bubble_fraction`)."""
-        return bubble_fraction(len(self.stages), self.num_microbatches)
+        """Idle share of the pipeline under its schedule (`autopar.cost.bubble_fraction`)."""
+        return bubble_fraction(
+            self.num_device_groups, self.num_microbatches, self.schedule, self.virtual_stages
+        )
 
     def split_inputs(self) -> dict[str, tuple[InputInfo, ...]]:
         """The caller's leaves held in pieces (a scanned stack cut over stages): path ->

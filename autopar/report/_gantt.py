@@ -1,7 +1,8 @@
 """Pipeline schedules: predicted task timings and Gantt charts of them.
 
 `simulate_schedule` turns per-stage forward/backward times into the start and end of every
-task of a GPipe or 1F1B pipeline; `gantt` draws such a list (predicted or measured), and
+task of a pipeline under any `Schedule` (GPipe, 1F1B, interleaved 1F1B, zero bubble);
+`gantt` draws such a list (predicted or measured), and
 `gantt_compare` draws a prediction above a measurement on one time axis.
 
 A `TaskRecord` is plain data. The drawings take any records with the same fields, such as
@@ -24,10 +25,10 @@ from typing import Literal
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.report._pictures import new_figure
-from autopar.runtime import stage_order
+from autopar.runtime import dependencies, device_orders
 from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
 
-Kind = Literal["forward", "backward", "apply"]
+Kind = Literal["forward", "backward", "weight", "apply"]
 
 # The microbatch number of an "apply" task, which updates the weights once per step.
 APPLY_MICROBATCH = -1
@@ -35,7 +36,9 @@ APPLY_MICROBATCH = -1
 # 3x the forward, the backward 2x (REFERENCES.md, "Transformer arithmetic").
 FORWARD_SHARE = 1.0 / 3.0
 
-KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "apply": "#55A868"}
+KIND_COLORS = {
+    "forward": "#4C72B0", "backward": "#DD8452", "weight": "#C44E52", "apply": "#55A868",
+}
 
 
 # The runtime's record of a task (stage, kind, microbatch, start, end): measured timelines
@@ -46,16 +49,10 @@ TaskRecord = RuntimeTaskRecord
 # ---- simulation --------------------------------------------------------------------------
 
 
-def _dependencies(kind: str, stage: int, microbatch: int, num_stages: int) -> list[tuple]:
-    """The tasks (kind, stage, microbatch) that must end before this one starts."""
-    if kind == "forward":
-        return [("forward", stage - 1, microbatch)] if stage > 0 else []
-    if kind == "backward":
-        deps = [("forward", stage, microbatch)]
-        if stage < num_stages - 1:
-            deps.append(("backward", stage + 1, microbatch))
-        return deps
-    return []  # "apply" follows the stage's own backwards, which run before it
+# Zero bubble splits a stage's backward into the input-gradient pass B and the weight-gradient
+# pass W, taken as equal halves (Qi et al. 2024 model T_B = T_W = T_F; REFERENCES.md
+# "Pipeline schedules").
+WEIGHT_SHARE_OF_BACKWARD = 0.5
 
 
 def simulate_schedule(
@@ -64,54 +61,59 @@ def simulate_schedule(
     num_microbatches: int,
     schedule: Schedule = "1f1b",
     apply_times: Sequence[float] | None = None,
+    virtual_stages: int = 1,
 ) -> list[TaskRecord]:
     """Predicted start and end of every task of one pipelined train step.
 
-    Stage i's forward of microbatch m waits for stage i-1's forward of m; its backward of m
-    waits for its own forward of m and stage i+1's backward of m; a stage runs its tasks in
-    the order the pipeline runtime runs them (`autopar.runtime.stage_order`: GPipe, all
+    Each device group runs its tasks in the order the pipeline runtime runs them
+    (`autopar.runtime.device_orders`), each as soon as the tasks it reads from
+    (`autopar.runtime.dependencies`) have ended and its devices are free: GPipe, all
     forwards then all backwards; 1F1B, ``num_stages - i - 1`` warm-up forwards, then one
-    forward and one backward in turn, then the remaining backwards), each as soon as its
-    inputs are ready; "apply" (the optimizer update) follows the stage's last backward.
-    Transfers take no time.
+    forward and one backward in turn; interleaved 1F1B, stage s on device group s mod p;
+    zero bubble, the backward split into B ("backward") and W ("weight",
+    `WEIGHT_SHARE_OF_BACKWARD` of it). "apply" (the optimizer update) follows the stage's
+    group's last task. Transfers take no time.
 
     **Arguments:**
     - `forward_times`, `backward_times`: seconds per microbatch, one per stage.
     - `num_microbatches`: microbatches per step.
-    - `schedule`: "gpipe" or "1f1b".
+    - `schedule`: a `Schedule`; `virtual_stages`: stages per device group (interleaved).
     - `apply_times`: seconds of each stage's optimizer update; None for none.
 
     **Returns:** the tasks, sorted by start time, then stage.
     """
     num_stages = len(forward_times)
     _check_inputs(forward_times, backward_times, num_microbatches, schedule, apply_times)
-    orders = [
-        [(kind, mb) for kind, _, mb in stage_order(schedule, i, num_stages, num_microbatches)]
-        for i in range(num_stages)
-    ]
+    orders = device_orders(schedule, num_stages, num_microbatches, virtual_stages)
+    num_groups = len(orders)
+    split = WEIGHT_SHARE_OF_BACKWARD if schedule == "zero_bubble" else 0.0
+    seconds = {
+        "forward": list(forward_times),
+        "backward": [t * (1 - split) for t in backward_times],
+        "weight": [t * split for t in backward_times],
+    }
     end: dict[tuple, float] = {}
     records: list[TaskRecord] = []
-    stage_free = [0.0] * num_stages
-    next_task = [0] * num_stages
+    group_free = [0.0] * num_groups
+    next_task = [0] * num_groups
     while any(n < len(order) for n, order in zip(next_task, orders)):
         progressed = False
-        for i in range(num_stages):
-            while next_task[i] < len(orders[i]):
-                kind, mb = orders[i][next_task[i]]
-                deps = _dependencies(kind, i, mb, num_stages)
+        for g in range(num_groups):
+            while next_task[g] < len(orders[g]):
+                task = orders[g][next_task[g]]
+                kind, i, mb = task
+                deps = dependencies(task, num_stages)
                 if any(d not in end for d in deps):
                     break
-                start = max([stage_free[i]] + [end[d] for d in deps])
-                times = forward_times if kind == "forward" else backward_times
-                stage_free[i] = end[(kind, i, mb)] = start + times[i]
-                records.append(TaskRecord(i, kind, mb, start, stage_free[i]))
-                next_task[i] += 1
+                start = max([group_free[g]] + [end[d] for d in deps])
+                group_free[g] = end[task] = start + seconds[kind][i]
+                records.append(TaskRecord(i, kind, mb, start, group_free[g]))
+                next_task[g] += 1
                 progressed = True
         assert progressed, f"{schedule} schedule deadlocked at tasks {next_task}"
-    for i, seconds in enumerate(apply_times or ()):
-        records.append(
-            TaskRecord(i, "apply", APPLY_MICROBATCH, stage_free[i], stage_free[i] + seconds)
-        )
+    for i, t in enumerate(apply_times or ()):
+        free = group_free[i % num_groups]
+        records.append(TaskRecord(i, "apply", APPLY_MICROBATCH, free, free + t))
     return sorted(records, key=lambda t: (t.start, t.stage))
 
 
@@ -160,7 +162,11 @@ def plan_schedule(plan) -> list[TaskRecord]:
     per_microbatch = [s.time_per_microbatch for s in plan.stages]
     forward = [t * FORWARD_SHARE for t in per_microbatch]
     backward = [t - f for t, f in zip(per_microbatch, forward)]
-    return simulate_schedule(forward, backward, plan.num_microbatches, plan.schedule)
+    groups = len({tuple(s.sharding.mesh.device_ids) for s in plan.stages})
+    return simulate_schedule(
+        forward, backward, plan.num_microbatches, plan.schedule,
+        virtual_stages=len(plan.stages) // groups,
+    )
 
 
 # ---- drawing -----------------------------------------------------------------------------

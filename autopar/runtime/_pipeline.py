@@ -1,11 +1,15 @@
 """Run a pipelined plan: per-stage jitted segments, microbatches, a schedule.
 
-Per step: the batch is cut into microbatches; for each task of the schedule, the stage's
-forward or backward segment runs on its submesh (its inputs moved there with
-`jax.device_put` into the stage's expected sharding); gradients are summed on the stage
-that computes them (data-parallel weight gradients as unreduced per-device partial sums,
-reduced once per step); then the update fragments run once, each on its stage, with the
-summed gradients scaled by 1/microbatches. Dispatch is asynchronous, so stages overlap.
+Per step: the batch is cut into microbatches; for each task of the schedule (forward,
+backward, and with zero bubble the backward's weight-gradient part, see `split_backward`),
+the stage's segment is dispatched on its submesh, its inputs moved there device to device
+(`autopar.distributed.copy_to_devices`; across processes `transfer`) into the stage's
+expected sharding; gradients are summed on the stage that computes them (data-parallel
+weight gradients as unreduced per-device partial sums, reduced once per step); then the
+update fragments run once, each on its stage, with the summed gradients scaled by
+1/microbatches. Every task is dispatched asynchronously, in one order that keeps each
+device group's schedule (`autopar.runtime._schedule`), and nothing waits per task, so
+stages overlap and a stage's next work is queued while its devices compute.
 
 Memory: every per-microbatch value is dropped after its last reader on each stage
 (`autopar.runtime._values`, reader counts computed once here at build time), so a stage
@@ -27,11 +31,12 @@ import jax
 from jax.sharding import NamedSharding
 
 from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.distributed import copy_to_devices, place, settle_transfers, transfer
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._memory import MemoryRecorder, MemorySample
-from autopar.runtime._schedule import dispatch_order, stage_order
+from autopar.runtime._schedule import dependencies, device_orders, dispatch_order
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
@@ -95,23 +100,40 @@ class PipelineExecutable:
             self.handoff.append({v: self._reducer(s, v) for v in elsewhere})
         grad_set = set(partition.grad_vars)
         scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
-        self.tasks: dict[tuple[str, int], _Compiled] = {}
-        for phase, segments in (("forward", partition.forward), ("backward", partition.backward)):
-            for seg in segments:
-                self.tasks[(phase, seg.stage)] = self._lower(seg, grad_set, None, output_specs)
+        # The segments run once per microbatch, by phase (see `autopar.runtime._schedule`):
+        # with zero bubble each backward splits into its input-gradient part B (phase
+        # "backward") and its weight-gradient part W (phase "weight").
+        segments = [("forward", seg) for seg in partition.forward]
+        for seg in partition.backward:
+            if schedule == "zero_bubble":
+                b, w = split_backward(seg, partition.stage_graphs[seg.stage], grad_set)
+                segments += [("backward", b), ("weight", w)]
+            else:
+                segments.append(("backward", seg))
+        self.tasks: dict[tuple[str, int], _Compiled] = {
+            (phase, seg.stage): self._lower(seg, grad_set, None, output_specs)
+            for phase, seg in segments
+        }
         self.apply = [self._lower(seg, (), scale, output_specs) for seg in partition.apply]
         self.batch_vars = [v for v in graph.invars if graph.vars[v].role is Role.BATCH]
         # Values made once per microbatch (its batch rows and everything its tasks
         # produce), and how many tasks of each stage read each: a value goes once its
         # last reader has run (see `autopar.runtime._values`).
         per_microbatch = set(self.batch_vars)
-        for seg in (*partition.forward, *partition.backward):
+        for _, seg in segments:
             per_microbatch.update(seg.outputs)
         self.per_microbatch = frozenset(per_microbatch)
-        self.readers = readers_by_stage(
-            (*partition.forward, *partition.backward), self.per_microbatch
-        )
+        self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
+        self.virtual_stages = _virtual_stages(schedule, self.meshes)
+        self.group_orders = device_orders(
+            schedule, partition.num_stages, num_microbatches, self.virtual_stages
+        )
+        # Every process dispatches the tasks in this one order: JAX matches transfers
+        # between processes by the order in which each process issues them.
+        self.order = dispatch_order(
+            schedule, partition.num_stages, num_microbatches, self.virtual_stages
+        )
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -181,7 +203,14 @@ class PipelineExecutable:
                  record_memory: bool = False) -> list:
         """Run one step. With `record`, `self.timeline` gets every task's start and end;
         with `record_memory`, `self.memory_samples` gets the live bytes per device after
-        every task (`MemorySample`; slow, for tests and debugging)."""
+        every task (`MemorySample`; slow, for tests and debugging).
+
+        A plain step dispatches every task asynchronously, in `self.order` (each stage's
+        own order, interleaved so that a task comes after the tasks it reads from): a call
+        returns as soon as the work is enqueued, and each device runs its queue as its
+        inputs arrive, so stages overlap and a stage's next microbatch is queued while its
+        device computes. Nothing waits per task. Recording times or memory waits for
+        every task instead (see `_run_timed`)."""
         graph, part = self.graph, self.partition
         recorder = MemoryRecorder(flat_args) if record_memory else None
         step_env: dict[int, Any] = dict(zip(graph.invars, flat_args))
@@ -191,60 +220,24 @@ class PipelineExecutable:
             for sources in self._batch_sources(step_env)
         ]
         step_values = _StepValues(step_env, lock)
-        num_micro = len(micro)
         stage_sums: list[dict[int, Any]] = [{} for _ in range(part.num_stages)]
         records: list[TaskRecord] = []
-        done = {
-            (phase, s, i): threading.Event()
-            for phase in ("forward", "backward")
-            for s in range(part.num_stages)
-            for i in range(num_micro)
-        }
-        errors: list[BaseException] = []
         if recorder:
             recorder.sample(0, "start", 0)
         t0 = time.perf_counter()
-        if jax.process_count() > 1:
-            # Several processes: each dispatches every task in one global order (a task on
-            # another process's devices is a no-op here), because JAX matches transfers
-            # between processes by the order in which each process issues them. Each task
-            # waits for its own shards only, so stages on different processes overlap.
-            for phase, stage, i in dispatch_order(self.schedule, part.num_stages, num_micro):
+        if record and jax.process_count() == 1:
+            self._run_timed(micro, step_values, stage_sums, records, t0)
+        else:
+            for phase, stage, i in self.order:
                 start = time.perf_counter()
-                self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
-                records.append(TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0))
+                outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
+                if record or recorder:
+                    jax.block_until_ready(outs)  # only this process's shards
+                    records.append(
+                        TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0)
+                    )
                 if recorder:
                     recorder.sample(stage, phase, i)
-
-        def run_stage(stage: int) -> None:
-            # One thread per stage: XLA releases the GIL while it computes, so stages run
-            # at the same time on their own devices.
-            try:
-                for phase, _, i in stage_order(self.schedule, stage, part.num_stages, num_micro):
-                    for dep in _dependencies(phase, stage, i, part.num_stages):
-                        while not done[dep].wait(0.1):
-                            if errors:
-                                return
-                    start = time.perf_counter()
-                    self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
-                    end = time.perf_counter()
-                    records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
-                    if recorder:
-                        recorder.sample(stage, phase, i)
-                    done[(phase, stage, i)].set()
-            except BaseException as err:  # re-raised by the caller's thread
-                errors.append(err)
-
-        threads = [
-            threading.Thread(target=run_stage, args=(s,), daemon=True)
-            for s in range(part.num_stages if jax.process_count() == 1 else 0)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
         assert all(not m.copies for m in micro), (
             "values of a microbatch outlived their last reader: "
             f"{[m.held() for m in micro if m.copies]}"
@@ -270,18 +263,55 @@ class PipelineExecutable:
                 records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
                 if recorder:
                     recorder.sample(stage, "apply", 0)
+        settle_transfers()  # several processes: every transfer in before the next step
         if record:
             self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
         if recorder:
             self.memory_samples = recorder.finish()
         return [self._result(step_env, v) for v in graph.outvars]
 
+    def _run_timed(self, micro, step_values, stage_sums, records, t0) -> None:
+        """Every task timed (one process): one thread per device group runs the group's
+        tasks in its order, each after the tasks it reads from, and waits for each to finish (XLA
+        releases the GIL while it computes, so stages still run at the same time)."""
+        part = self.partition
+        done = {task: threading.Event() for task in self.order}
+        errors: list[BaseException] = []
+
+        def run_group(group: int) -> None:
+            try:
+                for phase, stage, i in self.group_orders[group]:
+                    for dep in dependencies((phase, stage, i), part.num_stages):
+                        while not done[dep].wait(0.1):
+                            if errors:
+                                return
+                    start = time.perf_counter()
+                    outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
+                    jax.block_until_ready(outs)
+                    end = time.perf_counter()
+                    records.append(TaskRecord(stage, phase, i, start - t0, end - t0))
+                    done[(phase, stage, i)].set()
+            except BaseException as err:  # re-raised by the caller's thread
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=run_group, args=(g,), daemon=True)
+            for g in range(len(self.group_orders))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
     def _run_task(self, phase: str, stage: int, values: MicrobatchValues,
-                  step_values: _StepValues, sums: dict) -> None:
+                  step_values: _StepValues, sums: dict) -> list:
+        """Dispatch one task (returns at once, its outputs still being computed)."""
         compiled = self.tasks[(phase, stage)]
         seg = compiled.segment
         if not seg.nodes:
-            return
+            return []
         args = [
             values.read(v, stage, functools.partial(_placed, sharding=sharding))
             if v in self.per_microbatch
@@ -293,12 +323,12 @@ class PipelineExecutable:
         else:
             outs = compiled.fn(*args)
         del args
-        jax.block_until_ready(outs)  # with several processes: only this process's shards
         for v, x in zip(seg.outputs, outs):
             if v in compiled.sums:
                 sums[v] = x  # the stage's one running sum (the old one was donated)
             values.put(v, x, stage)
         values.done(stage, seg.inputs)
+        return outs
 
     def _result(self, step_env: dict, v: int):
         v = self.partition.resolve(v)
@@ -337,24 +367,68 @@ def _placed(x, sharding):
 
 
 def _move(x, sharding):
-    """`x` on `sharding`: `jax.device_put` in one process; across processes, a transfer that
-    every process joins (see `autopar.distributed.transfer`)."""
+    """`x` on `sharding`: in one process, device to device (`copy_to_devices`: resharded
+    on the source into a layout that maps onto the target devices, then copied shard by
+    shard); across processes, a transfer that every process joins (see
+    `autopar.distributed.transfer`)."""
     if jax.process_count() == 1:
-        return jax.device_put(x, sharding)
-    from autopar.distributed import place, transfer
+        if isinstance(x, jax.Array) and x.committed:
+            return copy_to_devices(x, sharding)
+        return jax.device_put(x, sharding)  # a host value (a constant): its first upload
 
     # Arrays inside a step are global arrays of the stage meshes; anything else is a value
     # every process holds in full.
     return transfer(x, sharding) if isinstance(x, jax.Array) else place(x, sharding)
 
 
-def _dependencies(phase: str, stage: int, i: int, num_stages: int) -> list:
-    if phase == "forward":
-        return [("forward", stage - 1, i)] if stage > 0 else []
-    deps = [("forward", stage, i)]
-    if stage + 1 < num_stages:
-        deps.append(("backward", stage + 1, i))
-    return deps
+def _virtual_stages(schedule: str, meshes: Sequence) -> int:
+    """Stages per device group: 1, or for interleaved 1F1B v when the p·v stages' meshes
+    repeat every p stages (stage s on the devices of stage s mod p)."""
+    if schedule != "interleaved_1f1b":
+        return 1
+    devices = [tuple(d.id for d in mesh.devices.flat) for mesh in meshes]
+    groups = len(dict.fromkeys(devices))
+    if len(devices) % groups or any(d != devices[s % groups] for s, d in enumerate(devices)):
+        raise ValueError(
+            "interleaved_1f1b needs the stages' meshes to repeat in order (stage s on the "
+            f"devices of stage s mod p); got device ids {devices}. Build the plan with "
+            "virtual_stages (autoparallel or megatron_plan) rather than by hand"
+        )
+    return len(devices) // groups
+
+
+def split_backward(seg: Segment, graph: OpGraph, grad_set: set) -> tuple[Segment, Segment]:
+    """A backward segment as its input-gradient part B and its weight-gradient part W
+    (zero-bubble schedules, Qi et al. 2024).
+
+    B: the nodes the segment's outputs other than accumulated gradients need (the
+    gradients handed to the previous stage); W: the rest, which only the accumulated
+    (weight) gradients need. Values B makes and W reads become B's outputs and W's inputs.
+    """
+    node_set = set(seg.nodes)
+    made_by = {v: n for n in seg.nodes for v in graph.nodes[n].outputs}
+    needed = {v for v in seg.outputs if v not in grad_set}
+    in_b = set()
+    for n in reversed(seg.nodes):
+        if any(v in needed for v in graph.nodes[n].outputs):
+            in_b.add(n)
+            needed.update(graph.nodes[n].inputs)
+    w_nodes = tuple(n for n in seg.nodes if n not in in_b)
+    w_reads = {v for n in w_nodes for v in graph.nodes[n].inputs}
+    handed = tuple(sorted(v for v in w_reads if made_by.get(v) in in_b))
+    b = Segment(
+        seg.stage, seg.phase, tuple(n for n in seg.nodes if n in in_b),
+        tuple(v for v in seg.inputs if v in needed),
+        tuple(dict.fromkeys(
+            (*(v for v in seg.outputs if made_by.get(v) not in node_set - in_b), *handed)
+        )),
+    )
+    w = Segment(
+        seg.stage, seg.phase, w_nodes,
+        tuple(v for v in seg.inputs if v in w_reads) + handed,
+        tuple(v for v in seg.outputs if made_by.get(v) in node_set - in_b),
+    )
+    return b, w
 
 
 def overlap_fraction(timeline: Sequence[TaskRecord]) -> float:

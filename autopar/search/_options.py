@@ -18,11 +18,11 @@ from typing import Any, Literal
 from autopar.choices import (
     METHODS,
     REMAT_OPTIONS,
-    SCHEDULES,
+    SCHEDULE_OPTIONS,
     SOLVERS,
     Method,
     RematOption,
-    Schedule,
+    ScheduleOption,
     SolverName,
     check_choice,
 )
@@ -49,8 +49,11 @@ class PlanOptions:
     - `ilp_time_limit`: seconds for one sharding ILP solve; `solver`: its MILP solver,
       "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not depend
       on it: ties between equal-cost plans are broken canonically.
-    - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe" or
-      "1f1b"; `num_stages`, `submeshes` ((hosts, devices per host) pairs a stage may use)
+    - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe",
+      "1f1b", "interleaved_1f1b" (with `virtual_stages` v: `num_stages` device groups of
+      v non-adjacent layer chunks each), "zero_bubble", or "auto" (the lowest predicted
+      step time among 1F1B and zero bubble under the memory limit); `num_stages`,
+      `submeshes` ((hosts, devices per host) pairs a stage may use)
       and `logical_shapes` fix parts of the pipeline search (method "auto").
     - `num_layers`: layers cut automatically when the model has no `layer_boundary` marks.
     - `remat`: what layers recompute in their backward (method "auto"): "auto" (the stage
@@ -66,7 +69,8 @@ class PlanOptions:
     ilp_time_limit: float = 60.0
     solver: SolverName = "auto"
     num_microbatches: int | Literal["auto"] = "auto"
-    schedule: Schedule = "1f1b"
+    schedule: ScheduleOption = "1f1b"
+    virtual_stages: int = 1
     num_stages: int | None = None
     submeshes: tuple[tuple[int, int], ...] | None = None
     logical_shapes: tuple[tuple[int, ...], ...] | None = None
@@ -84,7 +88,16 @@ class PlanOptions:
                             ("submeshes", 2), ("logical_shapes", 2)):
             object.__setattr__(self, name, tuples(getattr(self, name), depth))
         check_choice("method", self.method, METHODS)
-        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("schedule", self.schedule, SCHEDULE_OPTIONS)
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(
+                f"virtual_stages must be a positive int, got {self.virtual_stages!r}"
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', "
+                f"not {self.schedule!r}"
+            )
         check_choice("solver", self.solver, SOLVERS)
         check_choice("remat", self.remat, REMAT_OPTIONS)
         m = self.num_microbatches

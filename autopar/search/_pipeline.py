@@ -26,6 +26,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from autopar.choices import Schedule
+from autopar.cost import pipeline_latency
 from autopar.graph import OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
     PipelineChoice,
@@ -69,6 +71,8 @@ class _Candidate:
     choice: PipelineChoice
     graph: OpGraph  # traced at one microbatch
     num_microbatches: int
+    schedule: Schedule = "1f1b"
+    latency: float = 0.0  # predicted seconds per step under `schedule`
 
 
 def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict):
@@ -185,7 +189,7 @@ def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
         shard_options(options, cluster), tied_state(graph, options.donate_argnums),
         stage_layers, choice,
     )
-    return _Candidate(regrouped, graph, best.num_microbatches), ranges
+    return dataclasses.replace(best, choice=regrouped, graph=graph), ranges
 
 
 def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
@@ -196,13 +200,36 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     if options.submeshes is not None:
         submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
     single = shard_options(options, cluster)
+    dp_cluster, num_stages = cluster, options.num_stages
+    interleaved = options.schedule == "interleaved_1f1b" and options.virtual_stages > 1
+    if interleaved:
+        dp_cluster, single, num_stages, submeshes = _interleaved_search(cluster, single, options)
+    # The stage DP's memory model: 1F1B's activations in flight for the schedules that
+    # keep as many (zero bubble; "auto" chooses among those) and for the chunks of an
+    # interleaved pipeline searched as p·v stages.
+    dp_schedule = options.schedule
+    if dp_schedule in ("auto", "zero_bubble", "interleaved_1f1b"):
+        dp_schedule = "1f1b"
     candidates: list[_Candidate] = []
     last_error: ValueError | None = None
     allowed, remat = None, options.remat
     if scan_length is not None:
         allowed = _even_shares(scan_length, options.num_stages or cluster.num_devices)
         remat = _stack_remat(options.remat)
+        if options.schedule == "interleaved_1f1b":
+            raise ValueError(
+                "schedule='interleaved_1f1b' is not supported yet for a scanned layer stack "
+                "cut into pipeline stages; use schedule='1f1b', 'zero_bubble' or 'auto'"
+            )
     for num_micro in options.microbatch_counts(rows):
+        if interleaved and num_micro % options.num_stages:
+            # Interleaved 1F1B runs microbatches in rounds of the device groups.
+            last_error = ValueError(
+                f"schedule='interleaved_1f1b' runs microbatches in rounds of the "
+                f"{options.num_stages} device groups; {num_micro} microbatches is not a "
+                f"multiple of {options.num_stages}: pass num_microbatches as one"
+            )
+            continue
         start = time.perf_counter()
         mb_graph = _trace_microbatch(
             fn, args, options, num_micro, num_auto_layers,
@@ -215,11 +242,13 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             if scan_length is not None and layers.num_layers != scan_length + 2:
                 raise _NotALayerStack()
             choice = choose_stages(
-                mb_graph, layers, cluster, num_micro, options.schedule,
+                mb_graph, layers, dp_cluster, num_micro, dp_schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
-                num_stages=options.num_stages, submeshes=submeshes,
+                num_stages=num_stages, submeshes=submeshes,
                 logical_shapes=options.logical_shapes, allowed=allowed, remat=remat,
             )
+            if interleaved:
+                choice = _fold(choice, options.num_stages, cluster.num_devices)
         except ValueError as err:
             last_error = err
             log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
@@ -230,7 +259,8 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             )
         log.info("%d microbatch(es): %d stage(s), predicted %.4g s",
                  num_micro, len(choice.stage_layers), choice.latency)
-        candidates.append(_Candidate(choice, mb_graph, num_micro))
+        schedule, latency = _schedule_for(choice, num_micro, options)
+        candidates.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
     if not candidates:
         raise last_error
     return candidates
@@ -250,12 +280,68 @@ def _stack_remat(remat: str) -> str:
     return "none"
 
 
+def _schedule_for(choice: PipelineChoice, num_micro: int, options) -> tuple[Schedule, float]:
+    """The schedule the plan runs and its predicted step time (`pipeline_latency`): the
+    option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations in
+    flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B)."""
+    times = [c.latency for c in choice.dp.stage_costs]
+    if options.schedule == "interleaved_1f1b":
+        v = options.virtual_stages
+        groups = len(times) // v
+        per_group = [sum(times[g::groups]) for g in range(groups)]
+        return "interleaved_1f1b", pipeline_latency(per_group, num_micro, "interleaved_1f1b", v)
+    names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
+    latency, name = min((pipeline_latency(times, num_micro, n), n) for n in reversed(names))
+    return name, latency
+
+
+def _interleaved_search(cluster, single, options):
+    """The stage DP's problem for interleaved 1F1B: p·v stages of equal submeshes on a
+    cluster v times as large, each stage with a 1/v share of the memory budget (a device
+    holds v of them); `_fold` then puts stage s on the devices of stage s mod p."""
+    v, p = options.virtual_stages, options.num_stages
+    if p is None:
+        raise ValueError(
+            "schedule='interleaved_1f1b' with virtual_stages needs num_stages=p, the "
+            "pipeline's device groups (the plan has p * virtual_stages stages)"
+        )
+    per_group, rest = divmod(cluster.num_devices, p)
+    per_host = cluster.devices_per_host
+    if rest or (per_group > per_host and per_group % per_host):
+        raise ValueError(
+            f"num_stages={p} device groups cannot split the {cluster.num_devices} devices "
+            f"evenly into whole hosts or parts of one; use a num_stages dividing "
+            f"{cluster.num_devices}"
+        )
+    shape = (1, per_group) if per_group <= per_host else (per_group // per_host, per_host)
+    virtual = dataclasses.replace(cluster, num_hosts=cluster.num_hosts * v)
+    single = dataclasses.replace(single, memory_budget=single.memory_budget / v)
+    return virtual, single, p * v, [SubmeshShape(*shape)]
+
+
+def _fold(choice: PipelineChoice, num_groups: int, num_devices: int) -> PipelineChoice:
+    """Stage s of the p·v stages the DP placed on a v times larger cluster, moved to the
+    devices of stage s mod p."""
+    groups = choice.device_ids[:num_groups]
+    assert sorted(d for ids in groups for d in ids) == list(range(num_devices)), (
+        f"the first {num_groups} stages must cover the devices once, got {groups}"
+    )
+    plans = tuple(
+        dataclasses.replace(
+            sp, mesh=dataclasses.replace(sp.mesh, device_ids=groups[s % num_groups])
+        )
+        for s, sp in enumerate(choice.stage_plans)
+    )
+    device_ids = tuple(groups[s % num_groups] for s in range(len(plans)))
+    return dataclasses.replace(choice, stage_plans=plans, device_ids=device_ids)
+
+
 def _pick(candidates: list[_Candidate]) -> _Candidate:
     """The fastest candidate; when it is one stage and one microbatch also gives one stage,
     that one (no pipeline, so no microbatches either: the whole batch at once). A number of
     microbatches the user fixed is the only candidate, so one stage keeps them (gradient
     accumulation, as asked)."""
-    best = min(candidates, key=lambda c: c.choice.latency)  # first of equals: fewer microbatches
+    best = min(candidates, key=lambda c: c.latency)  # first of equals: fewer microbatches
     single = next((c for c in candidates if c.num_microbatches == 1), None)
     if (len(best.choice.stage_layers) == 1 and best.num_microbatches > 1
             and single is not None and len(single.choice.stage_layers) == 1):
@@ -282,7 +368,7 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
         inputs=input_infos(best.graph, lambda s: choice.stage_plans[s], choice.partition.home),
         graph_fingerprint=graph_fingerprint(best.graph),
         num_microbatches=best.num_microbatches,
-        schedule=options.schedule,
+        schedule=best.schedule,
         warnings=warnings,
         timings=dict(timings),
         auto_layers=num_auto_layers,
