@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from autopar.choices import SCHEDULES, Schedule, check_choice
+from autopar.choices import REMATS, SCHEDULES, Remat, Schedule, check_choice
 from autopar.cluster._mesh import Spec, replicated, spec_str
 from autopar.graph import OpGraph, Role
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
@@ -44,6 +44,17 @@ class MegatronConfig:
       sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
     - `num_microbatches`, `schedule`: the pipeline schedule ("gpipe" or "1f1b").
+    - `recompute`: activation recomputation in the backward pass ("none", "selective" or
+      "full"; Korthikanti et al. 2022).
+    - `virtual_stages`: model chunks per pipeline stage (Megatron's interleaved 1F1B,
+      Narayanan et al. 2021); > 1 needs pp > 1, a 1F1B schedule and (checked when
+      planning, `check_microbatches`) a number of microbatches that pp divides.
+
+    NOTE (issue 20 branch): `recompute` and `virtual_stages` are declared and validated
+    here so that the grid search and ``--configs`` can name them, but in this branch they
+    have NO effect on the predicted cost or the runtime; their costing (remat, interleaved
+    schedules) comes from the branches of issues 15 and the interleaved runtime, which keep
+    their own definitions when merged.
     """
 
     dp: int
@@ -53,9 +64,11 @@ class MegatronConfig:
     distributed_optimizer: bool = False
     num_microbatches: int = 1
     schedule: Schedule = "1f1b"
+    recompute: Remat = "none"
+    virtual_stages: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "num_microbatches"):
+        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -65,6 +78,28 @@ class MegatronConfig:
                 "but tp=1; use tp > 1 or sequence_parallel=False"
             )
         check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("recompute", self.recompute, REMATS)
+        if self.virtual_stages > 1:
+            if self.pp == 1:
+                raise ValueError(
+                    f"virtual_stages={self.virtual_stages} interleaves model chunks over "
+                    "pipeline stages, but pp=1; use pp > 1 or virtual_stages=1"
+                )
+            if self.schedule != "1f1b":
+                raise ValueError(
+                    f"virtual_stages={self.virtual_stages} needs the 1F1B schedule "
+                    f"(interleaved 1F1B), got schedule={self.schedule!r}"
+                )
+
+    def check_microbatches(self) -> None:
+        """Raise ValueError unless pp divides the microbatches of an interleaved schedule
+        (Megatron's rule; checked when planning, so that the grid can report it)."""
+        if self.virtual_stages > 1 and self.num_microbatches % self.pp:
+            raise ValueError(
+                f"the interleaved schedule (virtual_stages={self.virtual_stages}) needs a "
+                f"number of microbatches that pp={self.pp} divides, got "
+                f"num_microbatches={self.num_microbatches}; use a multiple of {self.pp}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -79,6 +114,8 @@ class MegatronConfig:
                 (",sp", self.sequence_parallel),
                 (",zero1", self.distributed_optimizer),
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
+                (f",recompute={self.recompute}", self.recompute != "none"),
+                (f",v={self.virtual_stages}", self.virtual_stages > 1),
             )
             if on
         )
