@@ -353,10 +353,13 @@ def _run_compare(args: argparse.Namespace) -> int:
         hands = []
         for config in args.configs:
             try:
-                hands.append(megatron_plan_for_graph(
-                    graph_for(config.num_microbatches), cluster, config))
+                hand = megatron_plan_for_graph(graph_for(config.num_microbatches), cluster,
+                                               config)
             except (ValueError, NotImplementedError) as err:
                 print(f"skipped {config.name}: {err}")
+                continue
+            hands.append(hand)
+            print(f"{config.name}: predicted {hand.predicted_step_time!r} s")
         seconds["Megatron configs"] = time.perf_counter() - t
         hands.sort(key=lambda p: p.predicted_step_time)
     auto = None

@@ -19,8 +19,9 @@ before anything is costed (Narayanan et al. 2021, Korthikanti et al. 2022; REFER
 Every remaining configuration is planned on the step traced at ITS microbatch size (one
 trace per size, cached), so a configuration costs what `megatron_plan` says it costs.
 Recompute only adds time, so it is costed in the order given ("none" first) and a later
-value only where the earlier ones do not fit in memory; the others are reported as not
-needed. A configuration that does not fit reports the memory error.
+value only where the earlier ones do not fit in memory; likewise gradient accumulation
+without pipelining (pp = 1): more microbatches only where fewer do not fit. The others are
+reported as not needed. A configuration that does not fit reports the memory error.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def megatron_grid_search(
     - `step_fn`, `abstract_args`, `cluster`: as for `megatron_plan`.
     - `microbatch_sizes`: examples per microbatch per data-parallel rank; each that
       divides the batch gives a microbatch count (pp = 1 included: gradient
-      accumulation).
+      accumulation). One microbatch (the whole batch) is always tried; ``()``: only it.
     - `sequence_parallel`, `pp_values` (None: every divisor of the device count),
       `distributed_optimizer`, `recompute`, `virtual_stages`: the values to try.
     - `num_heads`: attention heads, for the rule tp | heads (None: not checked; a weight
@@ -128,7 +129,13 @@ def megatron_grid_search(
 
     best: Plan | None = None
     start = time.perf_counter()
+    fits_with: dict[MegatronConfig, int] = {}  # pp = 1 configuration -> microbatches
     for index, config in enumerate(to_cost):
+        accumulation = replace(config, num_microbatches=1)
+        if config.pp == 1 and accumulation in fits_with:
+            results.append((config, f"{NOT_NEEDED}: fits with {fits_with[accumulation]} "
+                                    "microbatch(es) (accumulation only adds time)"))
+            continue
         for r, remat in enumerate(recompute):
             candidate = replace(config, recompute=remat)
             try:
@@ -149,6 +156,8 @@ def megatron_grid_search(
                      candidate.name, plan.predicted_step_time, time.perf_counter() - start)
             if best is None or plan.predicted_step_time < best.predicted_step_time:
                 best = plan
+            if config.pp == 1:
+                fits_with[accumulation] = config.num_microbatches
             for later in recompute[r + 1:]:
                 results.append((replace(config, recompute=later),
                                 f"{NOT_NEEDED}: fits with recompute={remat} "
@@ -287,7 +296,7 @@ def _check_values(microbatch_sizes, pp_values, virtual_stages, recompute) -> Non
         if values is None:
             continue
         bad = [x for x in values if not isinstance(x, int) or isinstance(x, bool) or x < 1]
-        if bad or not list(values):
+        if bad or (not list(values) and name != "microbatch_sizes"):
             raise ValueError(f"{name} must be a non-empty sequence of positive integers, "
                              f"got {values!r}")
     if isinstance(recompute, str) or not list(recompute):
