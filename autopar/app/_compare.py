@@ -22,7 +22,8 @@ from autopar.manual import GridResult, megatron_grid_search
 from autopar.plan import Plan
 from autopar.report import compare as compare_table
 from autopar.report import explain_differences
-from autopar.search import microbatch_args, plan as auto_plan, resolve_cluster
+from autopar.search import microbatch_args, resolve_cluster
+from autopar.search import plan as auto_plan
 
 
 @dataclass(frozen=True)

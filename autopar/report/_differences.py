@@ -99,18 +99,29 @@ def differences(first, second, *, first_graph=None, second_graph=None,
     a, b = time_split(first), time_split(second)
     pa, pb = a.parts(), b.parts()
     hosts = devices_per_host or int(first.cluster.get("devices_per_host", 0)) or None
+    across = [_across_hosts(p, g, hosts) for p, g in ((first, first_graph),
+                                                       (second, second_graph))]
     diffs = []
     for part in dict.fromkeys([*pa, *pb]):
         ta, tb = pa.get(part, 0.0), pb.get(part, 0.0)
         if ta == 0.0 and tb == 0.0:
             continue
-        why = _why(part, first, second, first_graph, second_graph, hosts)
+        why = _why(part, first, second, across)
         diffs.append(Difference(part, ta, tb, why))
     diffs.sort(key=lambda d: (-d.saved, d.part))
     return diffs
 
 
-def _why(part, first, second, first_graph, second_graph, devices_per_host) -> str:
+def _across_hosts(plan, graph, devices_per_host) -> list[str] | None:
+    """The matmul weights `plan` splits across hosts; None when that cannot be told."""
+    if graph is None or not devices_per_host:
+        return None
+    from autopar.report._hosts import weights_split_across_hosts
+
+    return weights_split_across_hosts(plan, graph, devices_per_host)
+
+
+def _why(part, first, second, across) -> str:
     if part == "pipeline bubble":
         return "; ".join(
             f"{_label(p)}: {p.num_stages} stage(s), {p.num_microbatches} microbatch(es), "
@@ -119,17 +130,13 @@ def _why(part, first, second, first_graph, second_graph, devices_per_host) -> st
         )
     if part.startswith("communication"):
         texts = []
-        for p, graph in ((first, first_graph), (second, second_graph)):
+        for p, split in zip((first, second), across):
             text = f"{_label(p)}: {_meshes(p)}"
-            if graph is not None and devices_per_host:
-                from autopar.report._hosts import weights_split_across_hosts
-
-                split = weights_split_across_hosts(p, graph, devices_per_host)
-                if split:
-                    text += (f", {len(split)} matmul weight(s) split across hosts "
-                             "(tensor parallelism over the inter-host links)")
-                else:
-                    text += ", no matmul weight split across hosts"
+            if split:
+                text += (f", {len(split)} matmul weight(s) split across hosts "
+                         "(tensor parallelism over the inter-host links)")
+            elif split is not None:
+                text += ", no matmul weight split across hosts"
             texts.append(text)
         return "; ".join(texts)
     if part == "recompute":
@@ -153,8 +160,9 @@ def layer_groups(plan, graph=None, *, num_weights: int = 3, num_activations: int
                  ) -> list[str]:
     """Per pipeline stage (a group of layers): its mesh and devices, the specs of its
     largest weights and, with the `graph` it runs, of its largest matmul results."""
-    from autopar.graph._opgraph import dtype_itemsize
     import numpy as np
+
+    from autopar.graph._opgraph import dtype_itemsize
 
     lines = []
     for s, stage in enumerate(plan.stages):
