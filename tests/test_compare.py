@@ -211,3 +211,25 @@ def test_explanation_names_tensor_parallelism_across_hosts():
     ranked = [line for line in text.splitlines() if line.lstrip()[:2] in ("1.", "2.", "3.")]
     assert len(ranked) == 3 and "split across hosts" in ranked[0]
     assert "stage 1: layers" in text and "weight" in text and "activation" in text
+
+
+def test_python_compare_runs_both_planners_and_explains(tmp_path):
+    model = named_model("mlp-tiny", 8)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=2)
+    result = autopar.compare(
+        model.train_step, model.abstract_state, model.abstract_batch, cluster=cluster,
+        pp_values=(1,), sequence_parallel=(False,), distributed_optimizer=(False,),
+        recompute=("none",), microbatch_sizes=(), auto_options={"num_microbatches": 1},
+    )
+    assert isinstance(result, autopar.Comparison)
+    costed = {c.name: o for c, o in result.grid if isinstance(o, float)}
+    assert result.hand.method in costed
+    assert result.hand.predicted_step_time == min(costed.values())
+    text = result.report()
+    assert "largest differences" in text and "planning time: Megatron grid" in text
+    assert result.hand.method in text and result.auto.method in text
+    pytest.importorskip("matplotlib")
+    written = result.write_pictures(tmp_path)
+    assert sorted(p.name for p in written) == [
+        "autopar_gantt.png", "autopar_layout.png", "megatron_gantt.png", "megatron_layout.png"]
+    assert all(p.stat().st_size > 0 for p in written)
