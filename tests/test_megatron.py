@@ -554,7 +554,7 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
 
 def test_grid_costs_each_configuration_at_its_microbatch_size():
     """A grid row is exactly `megatron_plan` of the step traced at that microbatch size."""
-    cfg, _, step, args = _gpt(hidden=32, num_layers=2)
+    cfg, _, step, args = _gpt(hidden=32, num_layers=4)
     cfg = dataclasses.replace(cfg, layer_markers=True)
     optimizer = optax.adamw(1e-2)
     step = gpt.make_train_step(cfg, optimizer)
@@ -562,11 +562,14 @@ def test_grid_costs_each_configuration_at_its_microbatch_size():
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=4)
     _, results = megatron_grid_search(
         step, *args, cluster=cluster, pp_values=(2,), sequence_parallel=(False,),
-        distributed_optimizer=(False,), recompute=("none",), virtual_stages=(1,),
+        distributed_optimizer=(False,), recompute=("none",), virtual_stages=(1, 2),
         microbatch_sizes=(2,), num_heads=cfg.num_heads,
     )
     times = {c.name: o for c, o in results if isinstance(o, float)}
-    assert set(times) == {"megatron(dp=2,tp=1,pp=2,mb=2)", "megatron(dp=1,tp=2,pp=2,mb=4)"}
+    # 4 marked layers: pp=2 with 2 virtual stages each (4 chunks) is valid
+    assert set(times) == {"megatron(dp=2,tp=1,pp=2,mb=2)", "megatron(dp=1,tp=2,pp=2,mb=4)",
+                          "megatron(dp=2,tp=1,pp=2,mb=2,v=2)",
+                          "megatron(dp=1,tp=2,pp=2,mb=4,v=2)"}
     plan = autopar.megatron_plan(step, *args, cluster=cluster, dp=1, tp=2, pp=2,
                                  num_microbatches=4)
     assert times["megatron(dp=1,tp=2,pp=2,mb=4)"] == plan.predicted_step_time

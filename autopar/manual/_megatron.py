@@ -266,10 +266,13 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
             "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
         )
     chunks = config.pp * config.virtual_stages
-    if config.virtual_stages > 1 and layers.num_layers % chunks:
+    # Megatron counts the marked (transformer) layers: n marks cut the step into n + 1
+    # pieces, the embedding and the head riding with the first and last layer.
+    num_marked = max(layers.num_layers - 1, 1)
+    if config.virtual_stages > 1 and num_marked % chunks:
         raise ValueError(
             f"pp={config.pp} x virtual_stages={config.virtual_stages} = {chunks} model chunks "
-            f"must divide the {layers.num_layers} layers (Megatron's interleaved schedule); "
+            f"must divide the {num_marked} marked layers (Megatron's interleaved schedule); "
             "choose pp and virtual_stages whose product divides the number of layers"
         )
     edges = [round(i * layers.num_layers / config.pp) for i in range(config.pp + 1)]
