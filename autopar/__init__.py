@@ -30,18 +30,19 @@ This module only re-exports. The parts form a line, each importing only parts be
 
 from autopar import checkpoint, cost, distributed
 from autopar._version import __version__
-from autopar.app import AutoParallel, autoparallel
+from autopar.app import AutoParallel, Comparison, autoparallel, compare
 from autopar.cluster import Cluster, Link, LogicalMesh
 from autopar.graph import OpGraph, Role, grad, layer_boundary, trace, value_and_grad
 from autopar.intra import MemoryBudgetError, ShardingPlan
 from autopar.manual import MegatronConfig, megatron_grid_search, megatron_plan
 from autopar.plan import Plan
-from autopar.report import compare, diff_plans, explain
+from autopar.report import diff_plans, explain
 from autopar.search import PlanOptions, plan
 
 __all__ = [
     "AutoParallel",
     "Cluster",
+    "Comparison",
     "Link",
     "LogicalMesh",
     "MegatronConfig",

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+import autopar
 from autopar.app import cli
+from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
 from autopar.intra import PredictedCost, ShardingPlan
 from autopar.plan import Plan, Stage
-from autopar.report import compare, pipeline_bubble, plan_figures
+from autopar.report import (
+    compare,
+    differences,
+    explain_differences,
+    pipeline_bubble,
+    plan_figures,
+    time_split,
+)
+from autopar.search import microbatch_args
 
 GIB = 2**30
 
@@ -107,17 +119,117 @@ def test_compare_rejects_mismatched_measurements():
 def test_cli_compare_prints_table(capsys):
     status = cli.main([
         "compare", "--model", "gpt-tiny", "--profile", "dgx-a100-80g", "--hosts", "1",
-        "--configs", "dp8tp1,dp2tp4,dp2tp2pp2mb4", "--no-auto",
+        "--configs", "dp2tp4,sp", "--no-auto",
     ])
     out = capsys.readouterr().out
     assert status == 0
-    assert "skipped megatron(dp=2,tp=2,pp=2,mb=4)" in out and "pipeline" in out
-    header = out.splitlines()[1]
-    assert "megatron(dp=8,tp=1,pp=1)" in header and "megatron(dp=2,tp=4,pp=1)" in header
+    header = next(line for line in out.splitlines() if line.startswith("plan "))
+    assert "megatron(dp=2,tp=4,pp=1,sp)" in header
     assert "predicted step time" in out and "TFLOP/s per device" in out
+
+
+def test_cli_configs_cost_like_megatron_plan_at_the_microbatch_size(capsys):
+    """``--configs dp2tp2pp2mb4`` is planned on the step traced at one microbatch, exactly
+    as `megatron_plan` plans it (it used to be the full-batch step: 4x the work)."""
+    status = cli.main([
+        "compare", "--model", "gpt-tiny", "--hosts", "1", "--batch", "8",
+        "--configs", "dp2tp2pp2mb4", "--no-auto",
+    ])
+    out = capsys.readouterr().out
+    assert status == 0
+    line = next(x for x in out.splitlines() if x.startswith("megatron(dp=2,tp=2,pp=2,mb=4):"))
+    printed = float(line.split("predicted ")[1].split(" s")[0])
+    model = named_model("gpt-tiny", 8, layer_markers=True)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1)
+    plan = autopar.megatron_plan(model.train_step, model.abstract_state, model.abstract_batch,
+                                 cluster=cluster, dp=2, tp=2, pp=2, num_microbatches=4)
+    assert printed == plan.predicted_step_time
 
 
 def test_cli_compare_rejects_bad_config(capsys):
     with pytest.raises(SystemExit):
         cli.main(["compare", "--model", "gpt-tiny", "--configs", "dp2x4"])
     assert "is not a Megatron configuration" in capsys.readouterr().err
+
+
+def test_cli_configs_options_parse():
+    configs = cli._megatron_configs("dp8tp2pp4mb64,sp,zero1,recompute=selective,interleaved=2,"
+                                    "dp2tp4")
+    first, second = configs
+    assert (first.dp, first.tp, first.pp, first.num_microbatches) == (8, 2, 4, 64)
+    assert first.sequence_parallel and first.distributed_optimizer
+    assert first.recompute == "selective" and first.virtual_stages == 2
+    assert second.name == "megatron(dp=2,tp=4,pp=1)"
+    with pytest.raises(Exception, match="nor an option"):
+        cli._megatron_configs("dp2tp4,zero2")
+    with pytest.raises(Exception, match="unknown recompute 'some'"):
+        cli._megatron_configs("dp2tp4,recompute=some")
+
+
+# ---- why two plans differ ----------------------------------------------------------------
+
+
+def _slow_inter_host_cluster():
+    """2 hosts x 4 devices whose inter-host link is 1000x slower than the profile's."""
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=2, devices_per_host=4)
+    slow = dataclasses.replace(cluster.inter_host,
+                               bandwidth=cluster.inter_host.bandwidth / 1000)
+    return dataclasses.replace(cluster, inter_host=slow)
+
+
+def test_time_split_parts_sum_to_the_predicted_step_time():
+    _, pipeline = _plans()
+    split = time_split(pipeline)
+    # slowest stage 6 ms per microbatch, 4 microbatches: 24 ms of work, 4 ms fill/drain
+    assert split.bubble == pytest.approx(4e-3)
+    assert split.compute == pytest.approx(4 * 6e-3)
+    assert sum(split.parts().values()) == pytest.approx(pipeline.predicted_step_time)
+    assert split.memory_per_device == 2 * GIB
+
+
+def test_explanation_names_tensor_parallelism_across_hosts():
+    """Built to differ in one way: tp=8 over two hosts' slow links against pp=2 across the
+    hosts with tp=4 inside each. The top difference is the all-reduce traffic, and it
+    names the weights the first plan splits across hosts."""
+    model = named_model("gpt-tiny", 8, layer_markers=True)
+    args = (model.abstract_state, model.abstract_batch)
+    cluster = _slow_inter_host_cluster()
+    across = autopar.megatron_plan(model.train_step, *args, cluster=cluster, dp=1, tp=8,
+                                   num_microbatches=4)
+    pipelined = autopar.megatron_plan(model.train_step, *args, cluster=cluster, dp=1, tp=4,
+                                      pp=2, num_microbatches=4)
+    assert pipelined.predicted_step_time < across.predicted_step_time
+    graph = autopar.trace(model.train_step, *microbatch_args(args, (1,), 4))
+    diffs = differences(across, pipelined, first_graph=graph, second_graph=graph,
+                        devices_per_host=4)
+    top = diffs[0]
+    assert top.part.startswith("communication") and top.saved > 0
+    assert "split across hosts" in top.why.split(";")[0]  # the tp=8 plan
+    assert "no matmul weight split across hosts" in top.why.split(";")[1]
+    text = explain_differences(across, pipelined, first_graph=graph, second_graph=graph,
+                               devices_per_host=4)
+    ranked = [line for line in text.splitlines() if line.lstrip()[:2] in ("1.", "2.", "3.")]
+    assert len(ranked) == 3 and "split across hosts" in ranked[0]
+    assert "stage 1: layers" in text and "weight" in text and "activation" in text
+
+
+def test_python_compare_runs_both_planners_and_explains(tmp_path):
+    model = named_model("mlp-tiny", 8)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=2)
+    result = autopar.compare(
+        model.train_step, model.abstract_state, model.abstract_batch, cluster=cluster,
+        pp_values=(1,), sequence_parallel=(False,), distributed_optimizer=(False,),
+        recompute=("none",), microbatch_sizes=(), auto_options={"num_microbatches": 1},
+    )
+    assert isinstance(result, autopar.Comparison)
+    costed = {c.name: o for c, o in result.grid if isinstance(o, float)}
+    assert result.hand.method in costed
+    assert result.hand.predicted_step_time == min(costed.values())
+    text = result.report()
+    assert "largest differences" in text and "planning time: Megatron grid" in text
+    assert result.hand.method in text and result.auto.method in text
+    pytest.importorskip("matplotlib")
+    written = result.write_pictures(tmp_path)
+    assert sorted(p.name for p in written) == [
+        "autopar_gantt.png", "autopar_layout.png", "megatron_gantt.png", "megatron_layout.png"]
+    assert all(p.stat().st_size > 0 for p in written)

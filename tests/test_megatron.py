@@ -24,6 +24,7 @@ from autopar.manual import (
     MegatronConfig,
     classify_parameters,
     kept_activation_bytes,
+    megatron_candidates,
     megatron_configs,
     megatron_grid_search,
     megatron_plan,
@@ -465,7 +466,7 @@ def test_sequence_parallel_lowers_predicted_activation_memory():
 
 def test_megatron_configs_enumeration():
     configs = megatron_configs(16, 8, 32, pp_values=(1, 2, 3), microbatch_sizes=(1, 2, 64),
-                               sequence_parallel=(False, True))
+                               sequence_parallel=(False, True), num_layers=4)
     degrees = {(c.dp, c.tp, c.pp) for c in configs}
     assert all(c.num_devices == 16 for c in configs)
     assert all(c.tp <= 8 for c in configs)  # TP stays inside a host
@@ -473,14 +474,56 @@ def test_megatron_configs_enumeration():
     assert not any(c.pp == 3 for c in configs)  # 3 does not divide 16
     assert not any(c.sequence_parallel and c.tp == 1 for c in configs)
     # pp=2, dp=4: 32 examples in microbatches of 1 and 2 per rank -> 8 and 4 microbatches
+    # (one microbatch, the whole batch, is fewer than the stages)
     assert sorted({c.num_microbatches for c in configs if (c.dp, c.pp) == (4, 2)}) == [4, 8]
-    assert {c.num_microbatches for c in configs if c.pp == 1} == {1}
-    both = megatron_configs(16, 8, 32, distributed_optimizer=(False, True),
-                            recompute=("none", "selective", "full"))
-    assert len(both) == 6 * len(megatron_configs(16, 8, 32))
-    assert {(c.distributed_optimizer, c.recompute) for c in both} == {
-        (z, r) for z in (False, True) for r in ("none", "selective", "full")
-    }
+    # pp=1 accumulates gradients: the whole batch, or 4 or 8 microbatches
+    assert {c.num_microbatches for c in configs if (c.dp, c.pp) == (4, 1)} == {1, 4, 8}
+
+    both = megatron_configs(16, 8, 32, distributed_optimizer=(False, True))
+    assert len(both) == 2 * len(megatron_configs(16, 8, 32))
+    assert {c.distributed_optimizer for c in both} == {False, True}
+
+
+def test_grid_rules_prune_with_reasons():
+    """Megatron's rules, each reported on the configuration it prunes."""
+    found = megatron_candidates(
+        16, 8, 64, num_layers=6, num_heads=4, microbatch_sizes=(2,),
+        sequence_parallel=(False, True), distributed_optimizer=(False, True),
+        virtual_stages=(1, 2, 3),
+    )
+    reason = {c.name: r for c, r in found}
+    assert "devices per host" in reason["megatron(dp=1,tp=16,pp=1)"]
+    assert "does not divide the 4 attention heads" in reason["megatron(dp=2,tp=8,pp=1)"]
+    assert "pp=4 does not divide the 6 layers" in reason["megatron(dp=4,tp=1,pp=4)"]
+    # pp=2, v=2: 4 chunks do not divide 6 layers; v=3: 6 chunks do
+    assert "model chunks do not divide the 6 layers" in reason["megatron(dp=8,tp=1,pp=2,v=2)"]
+    assert reason["megatron(dp=8,tp=1,pp=2,mb=4,v=3)"] == ""
+    # one microbatch for two stages; an odd count for the interleaved schedule
+    assert "for 2 pipeline stages" in reason["megatron(dp=8,tp=1,pp=2)"]
+    assert reason["megatron(dp=2,tp=4,pp=2,sp,zero1,mb=16)"] == ""
+    valid = [c for c, r in found if not r]
+    assert all(c.num_microbatches % c.pp == 0 for c in valid if c.virtual_stages > 1)
+    assert not any(c.virtual_stages > 1 and c.pp == 1 for c, _ in found)
+    assert not any(c.sequence_parallel and c.tp == 1 for c, _ in found)
+    assert {c.distributed_optimizer for c in valid} == {False, True}
+    interleaved = megatron_candidates(4, 4, 12, num_layers=4, pp_values=(2,),
+                                      microbatch_sizes=(4,), virtual_stages=(2,))
+    assert [(c.name, r) for c, r in interleaved if c.num_microbatches == 3] == [
+        ("megatron(dp=1,tp=2,pp=2,mb=3,v=2)",
+         "pruned: the interleaved schedule needs microbatches a multiple of pp=2, got 3")
+    ]
+
+
+def test_megatron_config_options_are_validated():
+    with pytest.raises(ValueError, match="unknown recompute 'some'"):
+        MegatronConfig(dp=1, tp=1, recompute="some")
+    with pytest.raises(ValueError, match="virtual_stages=2 .* but pp=1"):
+        MegatronConfig(dp=1, tp=1, virtual_stages=2)
+    config = MegatronConfig(dp=1, tp=1, pp=2, num_microbatches=3, virtual_stages=2,
+                            recompute="selective", schedule="interleaved_1f1b")
+    assert config.name == "megatron(dp=1,tp=1,pp=2,mb=3,recompute=selective,v=2)"
+    with pytest.raises(ValueError, match="needs a number of microbatches that pp=2 divides"):
+        config.check_microbatches()
 
 
 def test_grid_search_on_dgx_returns_best_and_reasons():
@@ -493,11 +536,17 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
     budget = 3e5
     best, results = megatron_grid_search(
         step, *args, cluster=cluster, pp_values=(1, 2), sequence_parallel=(False, True),
-        memory_budget=budget, distributed_optimizer=(False,), recompute=("none",),
+        memory_budget=budget, distributed_optimizer=(False,), microbatch_sizes=(),
+        recompute=("none", "selective"),
     )
     outcome = {c.name: o for c, o in results}
     assert "MemoryBudgetError" in outcome["megatron(dp=8,tp=1,pp=1)"]
-    assert "layer_boundary" in outcome["megatron(dp=2,tp=2,pp=2,mb=4)"]  # no layer marks
+    # recompute is tried where memory needs it, and only there; it runs per layer, and
+    # this step has no layer marks
+    assert "layer_boundary marks" in outcome["megatron(dp=8,tp=1,pp=1,recompute=selective)"]
+    assert outcome["megatron(dp=4,tp=2,pp=1,sp,recompute=selective)"].startswith("not needed")
+    assert "layer_boundary" in outcome["megatron(dp=2,tp=2,pp=2)"]  # no layer marks
+    assert outcome["megatron(dp=2,tp=2,pp=2)"].startswith("pruned")
     assert "MemoryBudgetError" in outcome["megatron(dp=1,tp=8,pp=1)"]
     times = {name: o for name, o in outcome.items() if isinstance(o, float)}
     assert {"megatron(dp=1,tp=8,pp=1,sp)", "megatron(dp=4,tp=2,pp=1,sp)"} <= set(times)
@@ -506,3 +555,26 @@ def test_grid_search_on_dgx_returns_best_and_reasons():
     assert best.predicted_step_time == min(times.values())
     assert best.stages[0].sharding.cost.memory_per_device <= budget
     assert best.stages[0].mesh.num_devices == 8
+
+
+def test_grid_costs_each_configuration_at_its_microbatch_size():
+    """A grid row is exactly `megatron_plan` of the step traced at that microbatch size."""
+    cfg, _, step, args = _gpt(hidden=32, num_layers=4)
+    cfg = dataclasses.replace(cfg, layer_markers=True)
+    optimizer = optax.adamw(1e-2)
+    step = gpt.make_train_step(cfg, optimizer)
+    args = (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, 8))
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=4)
+    _, results = megatron_grid_search(
+        step, *args, cluster=cluster, pp_values=(2,), sequence_parallel=(False,),
+        distributed_optimizer=(False,), recompute=("none",), virtual_stages=(1, 2),
+        microbatch_sizes=(2,), num_heads=cfg.num_heads,
+    )
+    times = {c.name: o for c, o in results if isinstance(o, float)}
+    # 4 marked layers: pp=2 with 2 virtual stages each (4 chunks) is valid
+    assert set(times) == {"megatron(dp=2,tp=1,pp=2,mb=2)", "megatron(dp=1,tp=2,pp=2,mb=4)",
+                          "megatron(dp=2,tp=1,pp=2,mb=2,v=2)",
+                          "megatron(dp=1,tp=2,pp=2,mb=4,v=2)"}
+    plan = autopar.megatron_plan(step, *args, cluster=cluster, dp=1, tp=2, pp=2,
+                                 num_microbatches=4)
+    assert times["megatron(dp=1,tp=2,pp=2,mb=4)"] == plan.predicted_step_time

@@ -6,5 +6,6 @@ pictures. Everything before it (search, lower, runtime, report) is called from h
 """
 
 from autopar.app._autoparallel import AutoParallel, autoparallel
+from autopar.app._compare import Comparison, compare, compare_planners
 
-__all__ = ["AutoParallel", "autoparallel"]
+__all__ = ["AutoParallel", "Comparison", "autoparallel", "compare", "compare_planners"]

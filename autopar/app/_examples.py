@@ -99,8 +99,11 @@ def parse_model_name(name: str) -> tuple[str, str]:
     )
 
 
-def named_model(name: str, batch_size: int) -> NamedModel:
+def named_model(name: str, batch_size: int, *, layer_markers: bool = False) -> NamedModel:
     """The example model `name` (e.g. ``"gpt-1.3B"``) with a batch of `batch_size`.
+
+    `layer_markers`: trace with the layers marked (``layer_boundary``) where the example's
+    config has that option, so that Megatron plans can pipeline it.
 
     **Returns:** a `NamedModel` whose `abstract_state` and `abstract_batch` are
     `jax.ShapeDtypeStruct` trees (nothing is allocated), trained by ``optax.adamw``.
@@ -112,6 +115,10 @@ def named_model(name: str, batch_size: int) -> NamedModel:
 
     module = load_example(family)
     config = module.CONFIGS[size]
+    if layer_markers and hasattr(config, "layer_markers"):
+        import dataclasses
+
+        config = dataclasses.replace(config, layer_markers=True)
     optimizer = optax.adamw(LEARNING_RATE)
     return NamedModel(
         name=name,

@@ -277,12 +277,16 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
 def _add_compare(subparsers) -> None:
     parser = subparsers.add_parser(
         "compare",
-        help="compare the automatic plan with Megatron-style plans of an example model",
+        help="autopar's plan beside the best Megatron-style plan of an example model, and why",
         description=(
-            "Plan a named example model on a virtual cluster automatically and with "
-            "Megatron-LM layouts (dp x tp x pp), and print the plans side by side: predicted "
-            "step time, TFLOP/s per device, memory, communication, pipeline bubble. A dry "
-            "run on abstract arguments; nothing is allocated."
+            "Plan a named example model on a virtual cluster with autopar and with the full "
+            "Megatron-LM grid (dp x tp x pp x sequence parallelism x distributed optimizer x "
+            "recompute x interleaving x microbatches, pruned by Megatron's rules, each "
+            "configuration planned on the step traced at its microbatch size); print both "
+            "plans side by side, the layout each chose per layer group, the predicted time "
+            "split, and the largest differences in seconds. With --configs, only those "
+            "Megatron configurations are planned. A dry run on abstract arguments; nothing "
+            "is allocated. The model is traced with its layers marked (layer_boundary)."
         ),
     )
     parser.add_argument("--model", required=True, metavar="NAME",
@@ -296,61 +300,159 @@ def _add_compare(subparsers) -> None:
     parser.add_argument("--batch", type=int, default=8, metavar="B",
                         help="global batch size (default: 8)")
     parser.add_argument("--configs", type=_megatron_configs, default=None,
-                        metavar="dp2tp4,dp8tp1",
-                        help="Megatron configurations dp<D>tp<T>[pp<P>][mb<M>], comma "
-                        "separated (default: every dp x tp with tp <= devices per host)")
+                        metavar="dp2tp4,dp8tp2pp4mb64,sp,zero1",
+                        help="Megatron configurations dp<D>tp<T>[pp<P>][mb<M>], each followed "
+                        "by its options sp, zero1, recompute=selective|full, interleaved=V, "
+                        "all comma separated (default: the full grid)")
+    parser.add_argument("--microbatch-sizes", type=_mesh_shape, default=None, metavar="1,2,4,8",
+                        help="examples per microbatch per data-parallel rank the grid tries "
+                        "(default: 1,2,4,8)")
+    parser.add_argument("--auto-microbatches", type=int, default=None, metavar="M",
+                        help="fix autopar's number of microbatches (default: searched)")
     parser.add_argument("--no-auto", action="store_true",
-                        help="leave out the automatic plan (faster)")
+                        help="leave out the automatic plan (faster; no explanation)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write both Gantt charts and both layouts there (needs matplotlib)")
     parser.set_defaults(run=_run_compare)
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    from autopar.app._compare import Comparison
     from autopar.app._examples import named_model
     from autopar.cluster import Cluster
     from autopar.graph import trace
-    from autopar.manual import MegatronConfig, megatron_configs, megatron_plan_for_graph
-    from autopar.report import compare
-    from autopar.search import plan
+    from autopar.manual import megatron_grid_search, megatron_plan_for_graph
+    from autopar.report import compare, explain_differences
+    from autopar.search import microbatch_args, plan
 
-    model = named_model(args.model, args.batch)
+    model = named_model(args.model, args.batch, layer_markers=True)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
+    num_heads = getattr(model.config, "num_heads", None)
     start = time.perf_counter()
     abstract = (model.abstract_state, model.abstract_batch)
-    graph = trace(model.train_step, *abstract)
-    degrees = args.configs or [
-        (c.dp, c.tp, c.pp, c.num_microbatches)
-        for c in megatron_configs(cluster.num_devices, cluster.devices_per_host, None)
-    ]
-    plans = [] if args.no_auto else [plan(model.train_step, *abstract, cluster=cluster)]
-    for dp, tp, pp, mb in degrees:
-        config = MegatronConfig(dp=dp, tp=tp, pp=pp, num_microbatches=mb)
-        try:
-            plans.append(megatron_plan_for_graph(graph, cluster, config))
-        except (ValueError, NotImplementedError) as err:
-            print(f"skipped {config.name}: {err}")
+    graphs = {}
+
+    def graph_for(m):  # the step traced at the microbatch size of m microbatches
+        if m not in graphs:
+            graphs[m] = trace(model.train_step, *microbatch_args(abstract, (1,), m))
+        return graphs[m]
+
+    seconds = {}
+    if args.configs is None:
+        t = time.perf_counter()
+        sizes = args.microbatch_sizes or (1, 2, 4, 8)
+        hand, grid = megatron_grid_search(model.train_step, *abstract, cluster=cluster,
+                                          num_heads=num_heads, microbatch_sizes=sizes,
+                                          num_layers=getattr(model.config, "num_layers", None),
+                                          traces=graphs)
+        seconds["Megatron grid"] = time.perf_counter() - t
+        hands = [hand]
+        _print_grid(grid)
+    else:
+        t = time.perf_counter()
+        hands = []
+        for config in args.configs:
+            try:
+                hand = megatron_plan_for_graph(graph_for(config.num_microbatches), cluster,
+                                               config)
+            except (ValueError, NotImplementedError) as err:
+                print(f"skipped {config.name}: {err}")
+                continue
+            hands.append(hand)
+            print(f"{config.name}: predicted {hand.predicted_step_time!r} s")
+        seconds["Megatron configs"] = time.perf_counter() - t
+        hands.sort(key=lambda p: p.predicted_step_time)
+    auto = None
+    if not args.no_auto:
+        t = time.perf_counter()
+        options = {} if args.auto_microbatches is None else {
+            "num_microbatches": args.auto_microbatches}
+        auto = plan(model.train_step, *abstract, cluster=cluster, **options)
+        seconds["autopar"] = time.perf_counter() - t
+    plans = hands + ([auto] if auto is not None else [])
     if not plans:
         raise ValueError("no plan to compare: every configuration was skipped (see above)")
-    print(compare(plans, flops=graph.total_flops))
+    print(compare(plans, flops=graph_for(1).total_flops))
+    if auto is not None and hands:
+        hand = hands[0]
+        print(f"\nwhy they differ (best Megatron plan {hand.method} vs autopar):")
+        print(explain_differences(
+            hand, auto, first_graph=graph_for(hand.num_microbatches),
+            second_graph=graph_for(auto.num_microbatches),
+            devices_per_host=cluster.devices_per_host,
+        ))
+        if args.out:
+            comparison = Comparison(hand, auto, [], graph_for(hand.num_microbatches),
+                                    graph_for(auto.num_microbatches), 0.0, seconds,
+                                    cluster.devices_per_host)
+            written = comparison.write_pictures(args.out)
+            print("wrote " + ", ".join(map(str, written)))
+    print("planning time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+          + f"; compare in all {time.perf_counter() - start:.1f} s")
     print(f"compared {len(plans)} plan(s) of {args.model} on {cluster.num_hosts} x "
-          f"{cluster.devices_per_host} {cluster.name} in {time.perf_counter() - start:.1f} s")
+          f"{cluster.devices_per_host} {cluster.name}")
     return 0
 
 
-def _megatron_configs(text: str) -> list[tuple[int, int, int, int]]:
-    """``"dp2tp4,dp4tp1pp2mb8"`` -> ``[(2, 4, 1, 1), (4, 1, 2, 8)]`` (dp, tp, pp, mb)."""
+def _print_grid(grid) -> None:
+    """The grid's best configurations and a count of the others, by outcome."""
+    costed = sorted(((o, c) for c, o in grid if isinstance(o, float)), key=lambda x: x[0])
+    print(f"Megatron grid: {len(grid)} configurations, {len(costed)} costed; fastest:")
+    for seconds, config in costed[:5]:
+        print(f"  {config.name}: {seconds * 1e3:.2f} ms")
+    counts: dict[str, int] = {}
+    for _, outcome in grid:
+        if isinstance(outcome, str):
+            key = outcome.split(":")[0]
+            counts[key] = counts.get(key, 0) + 1
+    if counts:
+        print("  not costed: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+
+
+def _megatron_configs(text: str) -> list:
+    """``"dp2tp4,dp4tp1pp2mb8,sp,zero1"`` -> MegatronConfigs; options follow their config."""
     import re
 
-    configs = []
-    for part in text.split(","):
-        m = re.fullmatch(r"dp(\d+)tp(\d+)(?:pp(\d+))?(?:mb(\d+))?", part.strip())
-        if m is None:
+    from autopar.manual import MegatronConfig
+
+    specs: list[dict] = []
+    for part in (p.strip() for p in text.split(",")):
+        m = re.fullmatch(r"dp(\d+)tp(\d+)(?:pp(\d+))?(?:mb(\d+))?", part)
+        if m is not None:
+            dp, tp, pp, mb = (int(g) if g else 1 for g in m.groups())
+            specs.append(dict(dp=dp, tp=tp, pp=pp, num_microbatches=mb))
+            continue
+        if not specs:
             raise argparse.ArgumentTypeError(
-                f"{part!r} is not a Megatron configuration; write dp<D>tp<T>[pp<P>][mb<M>], "
-                "e.g. dp2tp4 or dp2tp2pp2mb8"
+                f"{part!r} is not a Megatron configuration; write dp<D>tp<T>[pp<P>][mb<M>] "
+                "first, then its options, e.g. dp2tp4 or dp8tp2pp4mb64,sp,zero1"
             )
-        dp, tp, pp, mb = (int(g) if g else 1 for g in m.groups())
-        configs.append((dp, tp, pp, mb))
-    return configs
+        option = _megatron_option(part)
+        if option is None:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a Megatron configuration nor an option; write "
+                "dp<D>tp<T>[pp<P>][mb<M>], e.g. dp2tp4 or dp2tp2pp2mb8, followed by options "
+                "sp, zero1, recompute=none|selective|full, interleaved=V"
+            )
+        specs[-1].update(option)
+    try:
+        return [MegatronConfig(**spec) for spec in specs]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _megatron_option(text: str) -> dict | None:
+    if text == "sp":
+        return {"sequence_parallel": True}
+    if text == "zero1":
+        return {"distributed_optimizer": True}
+    key, _, value = text.partition("=")
+    if key == "recompute" and value:
+        return {"recompute": value}
+    if key == "interleaved" and value.isdigit():
+        return {"virtual_stages": int(value),
+                "schedule": "interleaved_1f1b" if int(value) > 1 else "1f1b"}
+    return None
 
 
 def _add_launch(subparsers) -> None:

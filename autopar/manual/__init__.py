@@ -8,11 +8,17 @@ model as the automatic planner, to compare against it (`autopar.report.compare`)
 - `_sequence.py`: the residual stream's layout (with or without sequence parallelism)
   and the ILP restricted to it;
 - `_megatron.py`: `megatron_plan`, the ILP around the pinned inputs, the stages;
-- `_grid.py`: `megatron_grid_search` over (dp, tp, pp) and microbatches.
+- `_grid.py`: `megatron_grid_search` over dp × tp × pp × sequence parallelism × ZeRO-1 ×
+  recompute × interleaving × microbatches, pruned by Megatron's rules.
 """
 
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
-from autopar.manual._grid import GridResult, megatron_configs, megatron_grid_search
+from autopar.manual._grid import (
+    GridResult,
+    megatron_candidates,
+    megatron_configs,
+    megatron_grid_search,
+)
 from autopar.manual._layout import (
     MegatronConfig,
     MeshAxis,
@@ -46,6 +52,7 @@ __all__ = [
     "classify_parameters",
     "describe_layout",
     "kept_activation_bytes",
+    "megatron_candidates",
     "megatron_configs",
     "megatron_grid_search",
     "megatron_plan",

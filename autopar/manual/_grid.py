@@ -1,19 +1,27 @@
-"""`megatron_grid_search`: the best Megatron-style plan over (dp, tp, pp) and microbatches.
+"""`megatron_grid_search`: the best Megatron-style plan over Megatron's whole space.
 
 In: a train step, abstract arguments, a cluster and the values to try. Out: the plan with
-the least predicted step time, and every configuration tried with its predicted time or
-the reason it was skipped (does not fit in memory, a weight that cannot be split, fewer
-layers than stages, a sequence tp does not divide). Sequence parallelism is tried with
-and without by default (with tp > 1): it trades the per-layer all-reduces for
-reduce-scatters and all-gathers of the same volume and keeps a tp-th of the layer-norm
-regions' activations, so it decides which configurations fit. The step is traced once
-per microbatch count; each configuration costs one ILP (or, for layer-marked models, one
-per distinct layer).
+the least predicted step time, and every configuration considered with its predicted time
+or the reason it was left out.
 
-Which configurations are valid follows Narayanan et al. 2021 (REFERENCES.md, "Guidance"):
-dp·tp·pp is the number of devices and TP stays inside a host (tp <= devices per host);
-with pipelining, the batch is cut into microbatches of each given size per data-parallel
-rank.
+The grid is dp × tp × pp × sequence parallelism × distributed optimizer (ZeRO-1) ×
+recompute × interleaving (virtual stages) × microbatch counts. Megatron's rules prune it
+before anything is costed (Narayanan et al. 2021, Korthikanti et al. 2022; REFERENCES.md
+"Megatron-LM plans"), each pruned configuration reported with the rule it breaks:
+
+- dp·tp·pp is the number of devices; tp stays inside a host (tp <= devices per host);
+- tp divides the number of attention heads (when known);
+- pp·virtual_stages divides the number of layers (pipelines need `layer_boundary` marks);
+- the batch splits into whole microbatches per data-parallel rank; a pipeline has at least
+  as many microbatches as stages, and the interleaved schedule a multiple of pp;
+- sequence parallelism only with tp > 1, interleaving only with pp > 1.
+
+Every remaining configuration is planned on the step traced at ITS microbatch size (one
+trace per size, cached), so a configuration costs what `megatron_plan` says it costs.
+Recompute only adds time, so it is costed in the order given ("none" first) and a later
+value only where the earlier ones do not fit in memory; likewise gradient accumulation
+without pipelining (pp = 1): more microbatches only where fewer do not fit. The others are
+reported as not needed. A configuration that does not fit reports the memory error.
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from autopar.graph import OpGraph, Role, trace
+from autopar.intra import MemoryBudgetError
 from autopar.manual._layout import MegatronConfig
 from autopar.manual._megatron import megatron_plan_for_graph
 from autopar.plan import Plan
@@ -31,7 +41,11 @@ from autopar.search import microbatch_args, resolve_cluster
 
 log = logging.getLogger("autopar")
 
-GridResult = tuple[MegatronConfig, float | str]  # predicted seconds, or why it was skipped
+GridResult = tuple[MegatronConfig, float | str]  # predicted seconds, or why it was left out
+
+# Prefixes of the reasons a configuration was not costed (the rest are planning errors).
+PRUNED = "pruned"
+NOT_NEEDED = "not needed"
 
 
 def megatron_grid_search(
@@ -40,26 +54,40 @@ def megatron_grid_search(
     cluster: Any,
     microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
     sequence_parallel: Sequence[bool] = (False, True),
-    pp_values: Sequence[int] = (1,),
+    pp_values: Sequence[int] | None = None,
     distributed_optimizer: Sequence[bool] = (False, True),
-    recompute: Sequence[str] = ("none", "selective"),
+    recompute: Sequence[str] = ("none", "selective", "full"),
+    virtual_stages: Sequence[int] = (1, 2),
+    num_heads: int | None = None,
+    num_layers: int | None = None,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     memory_budget: float | None = None,
+    traces: dict[int, OpGraph] | None = None,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
     **Arguments:**
     - `step_fn`, `abstract_args`, `cluster`: as for `megatron_plan`.
-    - `microbatch_sizes`: examples per microbatch per data-parallel rank, tried when
-      pp > 1 (with pp = 1 the whole batch is one microbatch).
-    - `sequence_parallel`, `pp_values`, `distributed_optimizer`, `recompute`: the values
-      to try (sequence parallelism only where tp > 1; recompute needs layer marks).
+    - `microbatch_sizes`: examples per microbatch per data-parallel rank; each that
+      divides the batch gives a microbatch count (pp = 1 included: gradient
+      accumulation). One microbatch (the whole batch) is always tried; ``()``: only it.
+    - `sequence_parallel`, `pp_values` (None: every divisor of the device count),
+      `distributed_optimizer`, `recompute`, `virtual_stages`: the values to try.
+    - `num_heads`: attention heads, for the rule tp | heads (None: not checked; a weight
+      tp cannot split still fails when planned).
+    - `num_layers`: layers, for the rule pp·v | layers (None: the forward pass's
+      `layer_boundary` marks; unmarked steps are not pipelined).
     - `donate_argnums`, `batch_argnums`, `memory_budget`: as for `megatron_plan`.
+    - `traces`: ``{number of microbatches: the step traced at that microbatch size}``,
+      read and filled (pass a dict to reuse the traces afterwards, e.g. to explain the
+      best plan).
 
-    **Returns:** ``(best plan, results)``; `results` lists every configuration tried, in
-    order, with its predicted step time in seconds or a string saying why it was skipped.
-    Raises ValueError naming every reason if no configuration works.
+    **Returns:** ``(best plan, results)``; `results` lists every configuration
+    considered, in order, with its predicted step time in seconds or a string saying why
+    it was not costed (``pruned: <rule>``, ``not needed: ...``) or could not be planned
+    (``MemoryBudgetError: ...``). Raises ValueError naming every reason if no
+    configuration works. Progress goes to the ``autopar`` logger at INFO.
 
     **Example:**
 
@@ -70,40 +98,76 @@ def megatron_grid_search(
     ```
     """
     cluster = resolve_cluster(cluster)
-    graph = trace(step_fn, *abstract_args, batch_argnums=tuple(batch_argnums))
-    configs = megatron_configs(
+    batch_argnums = tuple(batch_argnums)
+    _check_values(microbatch_sizes, pp_values, virtual_stages, recompute)
+    graphs = {} if traces is None else traces  # by microbatch count
+    if 1 not in graphs:
+        graphs[1] = trace(step_fn, *abstract_args, batch_argnums=batch_argnums)
+    graph = graphs[1]
+    batch_size = _batch_size(graph)
+    candidates = megatron_candidates(
         cluster.num_devices,
         cluster.devices_per_host,
-        _batch_size(graph),
+        batch_size,
+        num_layers=_num_layers(graph) if num_layers is None else num_layers,
+        num_heads=num_heads,
         microbatch_sizes=microbatch_sizes,
         sequence_parallel=sequence_parallel,
         pp_values=pp_values,
         distributed_optimizer=distributed_optimizer,
-        recompute=recompute,
+        virtual_stages=virtual_stages,
     )
-    results: list[GridResult] = []
+    marked = any(n.primitive == "layer_boundary" for n in graph.nodes)
+    results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
+    to_cost = [c for c, reason in candidates if not reason]
+    solve_cache: dict = {}  # layer ILPs shared by configurations with the same problem
+
+    def graph_for(m: int) -> OpGraph:
+        if m not in graphs:
+            args = microbatch_args(abstract_args, batch_argnums, m)
+            graphs[m] = trace(step_fn, *args, batch_argnums=batch_argnums)
+        return graphs[m]
+
     best: Plan | None = None
-    graphs = {1: graph}  # traced once per microbatch count: a pipelined plan runs one
-    for config in configs:
-        start = time.perf_counter()
-        try:
-            m = config.num_microbatches
-            if m not in graphs:
-                args = microbatch_args(abstract_args, tuple(batch_argnums), m)
-                graphs[m] = trace(step_fn, *args, batch_argnums=tuple(batch_argnums))
-            plan = megatron_plan_for_graph(
-                graphs[m], cluster, config, donate_argnums=donate_argnums,
-                memory_budget=memory_budget,
-            )
-        except ValueError as err:  # MemoryBudgetError is a ValueError
-            results.append((config, f"{type(err).__name__}: {err}"))
-            log.info("%s: skipped (%s)", config.name, type(err).__name__)
+    start = time.perf_counter()
+    fits_with: dict[MegatronConfig, int] = {}  # pp = 1 configuration -> microbatches
+    for index, config in enumerate(to_cost):
+        accumulation = replace(config, num_microbatches=1)
+        if config.pp == 1 and accumulation in fits_with:
+            results.append((config, f"{NOT_NEEDED}: fits with {fits_with[accumulation]} "
+                                    "microbatch(es) (accumulation only adds time)"))
             continue
-        results.append((config, plan.predicted_step_time))
-        log.info("%s: predicted %.4g s (planned in %.1f s)", config.name,
-                 plan.predicted_step_time, time.perf_counter() - start)
-        if best is None or plan.predicted_step_time < best.predicted_step_time:
-            best = plan
+        for r, remat in enumerate(recompute):
+            candidate = replace(config, recompute=remat)
+            if remat != "none" and not marked:
+                results.append((candidate, f"{PRUNED}: recompute runs per layer and the step "
+                                           "has no autopar.layer_boundary marks"))
+                continue
+            try:
+                plan = megatron_plan_for_graph(
+                    graph_for(candidate.num_microbatches), cluster, candidate,
+                    donate_argnums=donate_argnums, memory_budget=memory_budget,
+                    solve_cache=solve_cache,
+                )
+            except ValueError as err:  # MemoryBudgetError is a ValueError
+                results.append((candidate, f"{type(err).__name__}: {err}"))
+                log.info("grid %d/%d %s: %s (%.0f s)", index + 1, len(to_cost),
+                         candidate.name, type(err).__name__, time.perf_counter() - start)
+                if _out_of_memory(err):
+                    continue
+                break
+            results.append((candidate, plan.predicted_step_time))
+            log.info("grid %d/%d %s: predicted %.4g s (%.0f s)", index + 1, len(to_cost),
+                     candidate.name, plan.predicted_step_time, time.perf_counter() - start)
+            if best is None or plan.predicted_step_time < best.predicted_step_time:
+                best = plan
+            if config.pp == 1:
+                fits_with[accumulation] = config.num_microbatches
+            for later in recompute[r + 1:]:
+                results.append((replace(config, recompute=later),
+                                f"{NOT_NEEDED}: fits with recompute={remat} "
+                                "(recompute only adds time)"))
+            break
     if best is None:
         reasons = "\n".join(f"  {c.name}: {outcome}" for c, outcome in results)
         raise ValueError(
@@ -112,6 +176,71 @@ def megatron_grid_search(
             "Use more devices or memory, or other pp_values / microbatch_sizes."
         )
     return best, results
+
+
+def megatron_candidates(
+    num_devices: int,
+    devices_per_host: int,
+    batch_size: int | None,
+    *,
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    microbatch_sizes: Sequence[int] = (1, 2, 4, 8),
+    sequence_parallel: Sequence[bool] = (False,),
+    pp_values: Sequence[int] | None = None,
+    distributed_optimizer: Sequence[bool] = (False,),
+    virtual_stages: Sequence[int] = (1,),
+) -> list[tuple[MegatronConfig, str]]:
+    """Every configuration of the grid with the rule it breaks ("" when valid).
+
+    A rule on the degrees (tp across hosts, tp ∤ heads, pp·v ∤ layers) is reported once,
+    on the configuration without options; a rule on the microbatches once per count.
+    Sequence parallelism is only enumerated with tp > 1, interleaving only with pp > 1.
+
+    **Arguments:** the cluster's `num_devices` and `devices_per_host`, the global
+    `batch_size` (None: no microbatching), `num_layers` (None or 1: no pipelining; the
+    number of `layer_boundary`-marked layers), `num_heads` (None: unchecked), and the
+    values to try, as `megatron_grid_search` takes them.
+
+    **Returns:** ``[(config, reason)]`` in enumeration order, recompute left "none".
+    """
+    pps = _divisors(num_devices) if pp_values is None else list(dict.fromkeys(pp_values))
+    out: list[tuple[MegatronConfig, str]] = []
+    for pp in pps:
+        if pp < 1 or num_devices % pp:
+            continue
+        for tp in _divisors(num_devices // pp):
+            dp = num_devices // (pp * tp)
+            base = MegatronConfig(dp=dp, tp=tp, pp=pp)
+            reason = _degree_rule(base, devices_per_host, num_layers, num_heads)
+            if reason:
+                out.append((base, f"{PRUNED}: {reason}"))
+                continue
+            for v in dict.fromkeys(virtual_stages):
+                if v > 1 and pp == 1:
+                    continue
+                if v > 1 and num_layers and num_layers % (pp * v):
+                    out.append((replace(base, virtual_stages=v, schedule="interleaved_1f1b"),
+                                f"{PRUNED}: pp*v = {pp * v} model chunks do not divide the "
+                                f"{num_layers} layers"))
+                    continue
+                for m in _microbatch_counts(dp, batch_size, microbatch_sizes):
+                    reason = _microbatch_rule(pp, v, m)
+                    for sp in dict.fromkeys(sequence_parallel):
+                        if sp and tp == 1:
+                            continue
+                        for zero1 in dict.fromkeys(distributed_optimizer):
+                            config = replace(
+                                base, sequence_parallel=sp, distributed_optimizer=zero1,
+                                num_microbatches=m, virtual_stages=v,
+                                schedule="interleaved_1f1b" if v > 1 else base.schedule,
+                            )
+                            out.append((config, f"{PRUNED}: {reason}" if reason else ""))
+                            if reason:
+                                break
+                        if reason:
+                            break
+    return out
 
 
 def megatron_configs(
@@ -123,40 +252,75 @@ def megatron_configs(
     sequence_parallel: Sequence[bool] = (False,),
     pp_values: Sequence[int] = (1,),
     distributed_optimizer: Sequence[bool] = (False,),
-    recompute: Sequence[str] = ("none",),
+    num_layers: int | None = None,
+    num_heads: int | None = None,
+    virtual_stages: Sequence[int] = (1,),
 ) -> list[MegatronConfig]:
-    """Every valid configuration: dp·tp·pp = `num_devices`, tp <= `devices_per_host`.
+    """The valid configurations of `megatron_candidates` (those no rule prunes)."""
+    return [
+        c for c, reason in megatron_candidates(
+            num_devices, devices_per_host, batch_size, num_layers=num_layers,
+            num_heads=num_heads, microbatch_sizes=microbatch_sizes,
+            sequence_parallel=sequence_parallel, pp_values=pp_values,
+            distributed_optimizer=distributed_optimizer, virtual_stages=virtual_stages,
+        ) if not reason
+    ]
 
-    Sequence parallelism is only tried with tp > 1; with pp > 1 the number of microbatches
-    is ``batch_size / (dp · size)`` for each microbatch size that divides the batch.
-    """
-    configs: list[MegatronConfig] = []
-    for pp in dict.fromkeys(pp_values):
-        if pp < 1 or num_devices % pp:
+
+def _degree_rule(config: MegatronConfig, devices_per_host: int, num_layers, num_heads) -> str:
+    """Why Megatron would not use these degrees, or ""."""
+    if config.tp > devices_per_host:
+        return (f"tp={config.tp} > {devices_per_host} devices per host (tensor parallelism "
+                "stays inside a host)")
+    if num_heads is not None and num_heads % config.tp:
+        return f"tp={config.tp} does not divide the {num_heads} attention heads"
+    if config.pp > 1 and (num_layers or 1) <= 1:
+        return (f"pp={config.pp} needs layers marked with autopar.layer_boundary (for the "
+                "GPT example: GPTConfig(layer_markers=True))")
+    if config.pp > 1 and num_layers % config.pp:
+        return f"pp={config.pp} does not divide the {num_layers} layers"
+    return ""
+
+
+def _microbatch_rule(pp: int, v: int, m: int) -> str:
+    if pp > 1 and m < pp:
+        return f"{m} microbatch(es) for {pp} pipeline stages (at least one per stage)"
+    if v > 1 and m % pp:
+        return f"the interleaved schedule needs microbatches a multiple of pp={pp}, got {m}"
+    return ""
+
+
+def _out_of_memory(err: ValueError) -> bool:
+    return isinstance(err, MemoryBudgetError) or "does not fit" in str(err)
+
+
+def _check_values(microbatch_sizes, pp_values, virtual_stages, recompute) -> None:
+    from autopar.choices import REMATS, check_choice
+
+    for name, values in (("microbatch_sizes", microbatch_sizes), ("pp_values", pp_values),
+                         ("virtual_stages", virtual_stages)):
+        if values is None:
             continue
-        for tp in _divisors(num_devices // pp):
-            if tp > devices_per_host:
-                continue
-            dp = num_devices // (pp * tp)
-            for sp in dict.fromkeys(sequence_parallel):
-                if sp and tp == 1:
-                    continue
-                for zero1 in dict.fromkeys(distributed_optimizer):
-                    for m in _microbatch_counts(pp, dp, batch_size, microbatch_sizes):
-                        configs.extend(MegatronConfig(
-                            dp=dp, tp=tp, pp=pp, sequence_parallel=sp,
-                            distributed_optimizer=zero1, num_microbatches=m, recompute=rc,
-                        ) for rc in dict.fromkeys(recompute))
-    return configs
+        bad = [x for x in values if not isinstance(x, int) or isinstance(x, bool) or x < 1]
+        if bad or (not list(values) and name != "microbatch_sizes"):
+            raise ValueError(f"{name} must be a non-empty sequence of positive integers, "
+                             f"got {values!r}")
+    if isinstance(recompute, str) or not list(recompute):
+        raise ValueError(f"recompute must be a sequence such as ('none', 'selective'), got "
+                         f"{recompute!r}")
+    for value in recompute:
+        check_choice("recompute", value, REMATS)
 
 
-def _microbatch_counts(pp, dp, batch_size, microbatch_sizes) -> list[int]:
-    if pp == 1 or batch_size is None:
+def _microbatch_counts(dp, batch_size, microbatch_sizes) -> list[int]:
+    """Microbatch counts, largest microbatch first: the whole batch per data-parallel rank
+    (one microbatch), then one per size that splits the batch."""
+    if batch_size is None:
         return [1]
-    counts = [
+    counts = [1] + [
         batch_size // (dp * size)
-        for size in microbatch_sizes
-        if size >= 1 and batch_size % (dp * size) == 0
+        for size in sorted(set(microbatch_sizes), reverse=True)
+        if batch_size % (dp * size) == 0
     ]
     return list(dict.fromkeys(counts))
 
@@ -169,3 +333,17 @@ def _batch_size(graph: OpGraph) -> int | None:
     sizes = [graph.vars[v].shape[0] for v in graph.invars
              if graph.vars[v].role is Role.BATCH and graph.vars[v].shape]
     return max(sizes) if sizes else None
+
+
+def _num_layers(graph: OpGraph) -> int:
+    """Layers as Megatron counts them: the `layer_boundary` marks of the forward pass (a
+    GPT marks each transformer block's output; the embedding and the head ride with the
+    first and last stage). 1 when unmarked: no pipelining."""
+    if not any(n.primitive == "layer_boundary" for n in graph.nodes):
+        return 1
+    from autopar.inter import assign_layers
+
+    try:
+        return max(assign_layers(graph).num_layers - 1, 1)
+    except ValueError:
+        return 1

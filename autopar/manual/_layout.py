@@ -75,10 +75,26 @@ class MegatronConfig:
             )
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, REMATS)
-        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+        if self.virtual_stages > 1:
+            if self.pp == 1:
+                raise ValueError(
+                    f"virtual_stages={self.virtual_stages} interleaves model chunks over "
+                    "pipeline stages, but pp=1; use pp > 1 or virtual_stages=1"
+                )
+            if self.schedule != "interleaved_1f1b":
+                raise ValueError(
+                    f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', "
+                    f"not {self.schedule!r}"
+                )
+
+    def check_microbatches(self) -> None:
+        """Raise ValueError unless pp divides the microbatches of an interleaved schedule
+        (Megatron's rule; checked when planning, so that the grid can report it)."""
+        if self.virtual_stages > 1 and self.num_microbatches % self.pp:
             raise ValueError(
-                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b', "
-                f"not {self.schedule!r}"
+                f"the interleaved schedule (virtual_stages={self.virtual_stages}) needs a "
+                f"number of microbatches that pp={self.pp} divides, got "
+                f"num_microbatches={self.num_microbatches}; use a multiple of {self.pp}"
             )
 
     @property

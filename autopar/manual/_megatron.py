@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph, Role, tied_state, trace
 from autopar.intra._ilp import evaluate, solve
@@ -60,7 +61,7 @@ def megatron_plan(
     distributed_optimizer: bool = False,
     num_microbatches: int = 1,
     schedule: Schedule = "1f1b",
-    recompute: str = "none",
+    recompute: Remat = "none",
     virtual_stages: int = 1,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
@@ -126,20 +127,28 @@ def megatron_plan_for_graph(
     donate_argnums: Sequence[int] = (0,),
     overrides: Mapping[str, Any] | None = None,
     memory_budget: float | None = None,
+    solve_cache: dict | None = None,
 ) -> Plan:
     """`megatron_plan` for an already traced step (the grid search traces once).
+
+    `solve_cache`: a dict kept across calls on the same `graph` object (the grid search
+    passes one): each layer's ILP is keyed by everything it is built from (the layer's
+    variables, mesh shape, pinned specs, ties, weights, options), so configurations that
+    share a layer problem solve it once.
 
     **Returns:** the `Plan`. Raises ValueError and `MemoryBudgetError` as
     `megatron_plan` does.
     """
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
+    config.check_microbatches()
     specs = megatron_specs(graph, config, overrides)
     pinned = residual_specs(graph, config)
     tied = tied_state(graph, tuple(donate_argnums))
     options = ShardOptions(method="shard", memory_budget=memory_budget)
     start = time.perf_counter()
-    stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned)
+    stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
+                          solve_cache=solve_cache)
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
     pipelined = _layer_wise(graph, config)
@@ -199,7 +208,8 @@ def stage_mesh(cluster, config: MegatronConfig, stage: int) -> LogicalMesh:
 
 
 def build_stages(
-    graph, cluster, config, specs, tied, options, *, pinned: Mapping[int, Spec] | None = None
+    graph, cluster, config, specs, tied, options, *, pinned: Mapping[int, Spec] | None = None,
+    solve_cache: dict | None = None,
 ) -> tuple[Stage, ...]:
     """The plan's stages.
 
@@ -216,7 +226,8 @@ def build_stages(
     """
     pinned = dict(pinned or {})
     if _layer_wise(graph, config):
-        return _pipeline_stages(graph, cluster, config, specs, tied, options, pinned)
+        return _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
+                                solve_cache)
     if config.recompute != "none":
         raise ValueError(
             f"recompute={config.recompute!r} runs on the pipeline runtime, which plans per "
@@ -240,7 +251,8 @@ def _layer_wise(graph: OpGraph, config: MegatronConfig) -> bool:
     return config.pp > 1 or config.num_microbatches > 1 or (marked and boundary)
 
 
-def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tuple[Stage, ...]:
+def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
+                     solve_cache=None) -> tuple[Stage, ...]:
     """pp stages of consecutive layers (split as evenly as the layer marks allow), each on
     its dp x tp submesh with the same Megatron layout, run by the pipeline runtime.
 
@@ -263,15 +275,38 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned) -> tu
             f"{layers.num_layers}; mark the layer edges with autopar.layer_boundary (for the "
             "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
         )
+    # Megatron counts the marked (transformer) layers: n marks cut the step into n + 1
+    # pieces, the embedding and the head riding with the first and last layer.
+    num_marked = max(layers.num_layers - 1, 1)
+    if config.virtual_stages > 1 and num_marked % chunks:
+        raise ValueError(
+            f"pp={config.pp} x virtual_stages={config.virtual_stages} = {chunks} model chunks "
+            f"must divide the {num_marked} marked layers (Megatron's interleaved schedule); "
+            "choose pp and virtual_stages whose product divides the number of layers"
+        )
     edges = [round(i * layers.num_layers / chunks) for i in range(chunks + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]
 
     def solve(sub, mesh, ties, weights):
         invars = set(sub.invars)
         fixed = {v: spec for v, spec in specs.items() if v in invars}
-        return plan_keeping_state(
+        key = None
+        if solve_cache is not None:
+            own = {v for n in sub.nodes for v in n.outputs} | invars
+            key = (
+                id(graph), tuple(sub.invars), tuple(sub.outvars), len(sub.nodes),
+                mesh.shape, mesh.axis_names, tuple(sorted(fixed.items())),
+                tuple(sorted((v, s) for v, s in pinned.items() if v in own)),
+                tuple(ties), repr(sorted((weights or {}).items())), options,
+            )
+            if key in solve_cache:
+                return solve_cache[key]
+        plan = plan_keeping_state(
             sub, cluster, mesh, options, ties, fixed, weights, pinned=pinned
         )
+        if key is not None:
+            solve_cache[key] = plan
+        return plan
 
     table = LayerCostTable(
         graph, layers, cluster, options, tied, num_microbatches=config.num_microbatches,

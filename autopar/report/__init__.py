@@ -7,6 +7,14 @@ or measured pipeline schedules) and host-level summaries.
 """
 
 from autopar.report._compare import compare, pipeline_bubble, plan_figures
+from autopar.report._differences import (
+    Difference,
+    TimeSplit,
+    differences,
+    explain_differences,
+    layer_groups,
+    time_split,
+)
 from autopar.report._explain import diff_plans, explain
 from autopar.report._gantt import (
     TaskRecord,
@@ -23,18 +31,24 @@ from autopar.report._hosts import (
 from autopar.report._pictures import plot_layout
 
 __all__ = [
+    "Difference",
     "TaskRecord",
+    "TimeSplit",
     "axes_across_hosts",
     "compare",
     "diff_plans",
+    "differences",
+    "explain_differences",
     "explain",
     "gantt",
     "gantt_compare",
+    "layer_groups",
     "matmul_weight_splits",
     "pipeline_bubble",
     "plan_figures",
     "plan_schedule",
     "plot_layout",
+    "time_split",
     "simulate_schedule",
     "weights_split_across_hosts",
 ]
