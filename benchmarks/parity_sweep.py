@@ -353,12 +353,25 @@ def counts(results: list[dict]) -> dict[str, dict[str, list[int]]]:
     return {dim: dict(sorted(cells.items())) for dim, cells in table.items()}
 
 
+def failure_kind(result: dict) -> str:
+    """"timeout" (the per-config limit, `--timeout`), "mismatch" (ran, differs from one
+    device) or "error" (raised)."""
+    error = result.get("error", "")
+    if error.startswith("timeout"):
+        return "timeout"
+    if error.startswith("AssertionError") and "differ" in error:
+        return "mismatch"
+    return "error"
+
+
 def markdown(summary: dict) -> str:
     results = summary["results"]
     passed = sum(r["status"] == "pass" for r in results)
     planned = summary.get("planned", summary["num"])
     partial = (f"; interrupted: the first {len(results)} of {planned} ran"
                if len(results) < planned else "")
+    kind_counts = collections.Counter(failure_kind(r) for r in results if r["status"] != "pass")
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(kind_counts.items())) or "none"
     lines = [
         SECTION, "",
         f"`python benchmarks/parity_sweep.py --num {planned} --first {summary['first']}` "
@@ -371,7 +384,8 @@ def markdown(summary: dict) -> str:
         f"{'yes' if summary['remat_drawn'] else 'no (autoparallel takes no remat= option)'}.",
         "",
         f"**{passed}/{len(results)} configurations match one device** "
-        f"({summary['seconds']:.0f} s wall on {summary['host']}, shared with other jobs).",
+        f"({summary['seconds']:.0f} s wall on {summary['host']}, shared with other jobs); "
+        f"not passing: {kinds}.",
         "",
         "| dimension | value | pass | fail |", "|---|---|---|---|",
     ]
@@ -383,9 +397,12 @@ def markdown(summary: dict) -> str:
     for r in failures:
         config = Config(**{**r["config"], "mesh_shape": tuple(r["config"]["mesh_shape"])
                            if r["config"]["mesh_shape"] else None})
-        error = r["error"].splitlines()[0][:300] if r["error"] else ""
-        lines.append(f"- seed {r['seed']} ({config.describe()}): `{error}` — rerun: "
-                     f"`{rerun_command(r['seed'])}`")
+        lines_of_error = [line.strip() for line in r["error"].splitlines() if line.strip()]
+        error = " ".join(lines_of_error[:5])[:300].replace("`", "'")
+        lines.append(f"- seed {r['seed']} ({config.describe()}), {failure_kind(r)}: "
+                     f"`{error}` — rerun: `{rerun_command(r['seed'])}`"
+                     + (" (add `--timeout 1200` on a busy machine)"
+                        if failure_kind(r) == "timeout" else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -402,7 +419,7 @@ def write_docs(text: str) -> None:
     DOCS.write_text(page)
 
 
-def sweep(seeds: list[int], write: bool) -> list[dict]:
+def sweep(seeds: list[int], write: bool, timeout: float = TIMEOUT_SECONDS) -> list[dict]:
     """Run `seeds` one subprocess each; with `write`, rewrite the JSON and the docs section
     after every configuration (an interrupted sweep leaves what it ran)."""
     import platform
@@ -412,7 +429,7 @@ def sweep(seeds: list[int], write: bool) -> list[dict]:
     remat_drawn = bool(remat_options())
     reference_cache = tempfile.mkdtemp(prefix="parity_sweep_reference_")
     for seed in seeds:
-        result = run_in_subprocess(seed, reference_cache=reference_cache)
+        result = run_in_subprocess(seed, timeout, reference_cache=reference_cache)
         results.append(result)
         config = config_for(seed)
         print(f"seed {seed:4d} {result['status']:4s} {result['seconds']:6.1f} s  "
@@ -441,6 +458,10 @@ def main() -> None:
     parser.add_argument("--only", type=int, default=None, help="run exactly this seed")
     parser.add_argument("--show", action="store_true", help="print the configs, run nothing")
     parser.add_argument("--no-write", action="store_true", help="write no JSON or docs")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS,
+                        help="seconds per configuration (default %(default)s)")
+    parser.add_argument("--summarize", action="store_true",
+                        help="rewrite the docs section from the JSON results, run nothing")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--reference-cache", default=None, help=argparse.SUPPRESS)
@@ -451,13 +472,15 @@ def main() -> None:
         return worker(args.worker, args.out)
     if args.child is not None:
         return child_main(args.child, args.result, args.reference_cache)
+    if args.summarize:
+        return write_docs(markdown(json.loads(RESULTS.read_text())))
     seeds = [args.only] if args.only is not None else list(range(args.first,
                                                                  args.first + args.num))
     if args.show:
         for seed in seeds:
             print(f"seed {seed:4d}  {config_for(seed).describe()}")
         return None
-    sweep(seeds, write=args.only is None and not args.no_write)
+    sweep(seeds, write=args.only is None and not args.no_write, timeout=args.timeout)
     return None
 
 
