@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -316,18 +317,22 @@ def run_in_subprocess(seed: int, timeout: float = TIMEOUT_SECONDS,
         if reference_cache is not None:
             command += ["--reference-cache", reference_cache]
         start = time.time()
+        # A session of its own, so that a timeout also ends `autopar launch` and its workers.
+        child = subprocess.Popen(command, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True,
-                                  text=True, timeout=timeout)
+            _, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
             return {"seed": seed, "config": dataclasses.asdict(config_for(seed)),
                     "status": "fail", "error": f"timeout after {timeout:.0f} s",
                     "traceback": "", "seconds": round(time.time() - start, 1)}
         if result_path.exists():
             return json.loads(result_path.read_text())
         return {"seed": seed, "config": dataclasses.asdict(config_for(seed)), "status": "fail",
-                "error": f"the child process exited {done.returncode} without a result",
-                "traceback": done.stderr[-2000:], "seconds": round(time.time() - start, 1)}
+                "error": f"the child process exited {child.returncode} without a result",
+                "traceback": stderr[-2000:], "seconds": round(time.time() - start, 1)}
 
 
 def rerun_command(seed: int) -> str:
