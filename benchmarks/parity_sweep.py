@@ -1,0 +1,494 @@
+"""Parity sweep: randomised autopar configurations, each against one device.
+
+Every configuration is drawn from its seed (`config_for(seed)`): a model (GPT, scanned GPT,
+MoE, Wide-ResNet, Llama, all at tiny sizes), a method (auto, shard, data, zero2, zero3), a
+mesh shape (one-mesh methods) or a stage count (method "auto"), the number of microbatches,
+the pipeline schedule, the remat option (only when `autoparallel` takes `remat=`) and one
+process of 8 virtual CPU devices or 2 processes x 4 (`autopar launch`). Combinations that
+cannot run (microbatches that do not divide the batch, or whose rows do not split over the
+data-parallel devices) are never drawn. Each configuration trains `NUM_STEPS` AdamW steps in
+its own subprocess, with a timeout, and is compared with the same steps on one device: the
+losses at rtol `RTOL`, the final parameters at rtol `RTOL` and atol `PARAM_ATOL`.
+
+    python benchmarks/parity_sweep.py                  # 100 configurations, seeds 0..99
+    python benchmarks/parity_sweep.py --num 20 --first 100
+    python benchmarks/parity_sweep.py --only 17        # rerun exactly configuration 17
+    python benchmarks/parity_sweep.py --only 17 --show # print it, run nothing
+
+The full sweep writes `benchmarks/results/parity_sweep.json` and the "Parity sweep" section
+of `docs/benchmarks.md` (counts per dimension, failures with the command that reruns each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "parity_sweep.json"
+DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Parity sweep"
+
+MODELS = ("gpt", "gpt_scan", "moe", "wide_resnet", "llama")
+METHODS = ("auto", "shard", "data", "zero2", "zero3")
+MESH_SHAPES = ((8,), (2, 4), (4, 2), (2, 2, 2))
+NUM_DEVICES = 8
+BATCH_SIZE = 16
+MICROBATCHES = (1, 2, 4)
+# Stage counts of method "auto": one, two, or searched (None).
+STAGE_COUNTS = (1, 2, None)
+NUM_STEPS = 3
+LEARNING_RATE = 1e-2
+ADAM_EPS = 1e-6  # well above float32 rounding of the second moment (as tests/test_multihost)
+RTOL = 1e-5
+PARAM_ATOL = 1e-5  # parameters near zero (biases after 3 steps) compare absolutely
+# Share of configurations run as 2 processes x 4 devices (each costs two JAX start-ups).
+MULTIPROCESS_SHARE = 0.06
+NUM_PROCESSES = 2
+TIMEOUT_SECONDS = 300
+TRACEBACK_LINES = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One sweep configuration; `seed` alone determines the rest (`config_for`)."""
+
+    seed: int
+    model: str
+    method: str
+    mesh_shape: tuple[int, ...] | None
+    num_stages: int | None
+    num_microbatches: int
+    schedule: str
+    remat: str | None
+    num_processes: int
+
+    def options(self) -> dict:
+        """The `autoparallel` keyword options of this configuration."""
+        options = dict(method=self.method, num_microbatches=self.num_microbatches,
+                       schedule=self.schedule, donate_argnums=())
+        if self.mesh_shape is not None:
+            options["mesh_shape"] = self.mesh_shape
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        if self.remat is not None:
+            options["remat"] = self.remat
+        return options
+
+    def describe(self) -> str:
+        where = (f"mesh {self.mesh_shape}" if self.mesh_shape is not None
+                 else f"stages {self.num_stages or 'searched'}")
+        remat = f", remat {self.remat}" if self.remat is not None else ""
+        return (f"{self.model}, {self.method}, {where}, {self.num_microbatches} microbatches, "
+                f"{self.schedule}{remat}, {self.num_processes} process(es)")
+
+
+def remat_options() -> tuple[str, ...]:
+    """The remat values to draw: `autopar.choices.REMAT_OPTIONS` when `autoparallel` takes
+    `remat=` (detected at run time), else none."""
+    from autopar.choices import REMAT_OPTIONS
+    from autopar.search._options import OPTION_NAMES
+
+    return tuple(REMAT_OPTIONS) if "remat" in OPTION_NAMES else ()
+
+
+def config_for(seed: int, remats: tuple[str, ...] | None = None) -> Config:
+    """The configuration of `seed`; only valid combinations are drawn."""
+    from autopar.choices import SCHEDULES
+
+    rng = random.Random(seed)
+    model = rng.choice(MODELS)
+    method = rng.choice(METHODS)
+    num_processes = NUM_PROCESSES if rng.random() < MULTIPROCESS_SHARE else 1
+    if method == "auto":
+        mesh_shape, num_stages = None, rng.choice(STAGE_COUNTS)
+        # The scanned stack is one layer to the pipeline planner: it cannot be cut.
+        if model == "gpt_scan":
+            num_stages = 1
+    else:
+        mesh_shape, num_stages = rng.choice(MESH_SHAPES), None
+    if method in ("data", "zero2", "zero3"):
+        # Each microbatch's rows split over all devices.
+        valid = [m for m in MICROBATCHES if (BATCH_SIZE // m) % NUM_DEVICES == 0]
+    else:
+        valid = [m for m in MICROBATCHES if BATCH_SIZE % m == 0]
+    num_microbatches = rng.choice(valid)
+    schedule = rng.choice(SCHEDULES)
+    remats = remat_options() if remats is None else remats
+    remat = rng.choice(remats) if remats else None
+    return Config(seed, model, method, mesh_shape, num_stages, num_microbatches, schedule,
+                  remat, num_processes)
+
+
+# ----------------------------------------------------------------------------- the models
+
+
+def build(model: str):
+    """(train step, state, batch) of `model` at its tiny size, with AdamW."""
+    import jax
+    import optax
+
+    from examples import gpt, llama, moe, wide_resnet
+
+    module, cfg = {
+        "gpt": (gpt, dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)),
+        "gpt_scan": (gpt, dataclasses.replace(gpt.CONFIGS["tiny"], scan_layers=True)),
+        "moe": (moe, dataclasses.replace(moe.CONFIGS["tiny"], layer_markers=True)),
+        "wide_resnet": (wide_resnet,
+                        dataclasses.replace(wide_resnet.CONFIGS["tiny"], layer_markers=True)),
+        "llama": (llama, dataclasses.replace(llama.CONFIGS["tiny"], layer_markers=True)),
+    }[model]
+    optimizer = optax.adamw(LEARNING_RATE, eps=ADAM_EPS)
+    step = module.make_train_step(cfg, optimizer)
+    state = module.init_state(cfg, optimizer, jax.random.key(0))
+    batch = module.make_batch(cfg, BATCH_SIZE, jax.random.key(1))
+    return step, state, batch
+
+
+def train(step, state, batch) -> tuple[list[float], list]:
+    """Losses of `NUM_STEPS` steps and the final parameters as numpy leaves."""
+    import jax
+    import numpy as np
+
+    from autopar.distributed import to_host
+
+    losses = []
+    for _ in range(NUM_STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(to_host(metrics)["loss"]))
+    params = [np.asarray(x) for x in jax.tree.leaves(to_host(state.params))]
+    return losses, params
+
+
+def one_device(model: str) -> tuple[list[float], list]:
+    import jax
+
+    step, state, batch = build(model)
+    device = jax.local_devices()[0]
+    state, batch = jax.device_put((state, batch), device)
+    return train(jax.jit(step), state, batch)
+
+
+def compare(reference: tuple[list[float], list], got: tuple[list[float], list]) -> None:
+    """Raise an AssertionError naming the first loss or parameter that differs."""
+    import numpy as np
+
+    np.testing.assert_allclose(got[0], reference[0], rtol=RTOL, err_msg="losses differ")
+    assert len(got[1]) == len(reference[1]), "parameter trees differ"
+    for i, (x, y) in enumerate(zip(got[1], reference[1])):
+        np.testing.assert_allclose(x, y, rtol=RTOL, atol=PARAM_ATOL,
+                                   err_msg=f"parameter leaf {i} differs")
+
+
+# ----------------------------------------------------------------------------- one config
+
+
+def reference_for(model: str, cache: str | None) -> tuple[list[float], list]:
+    """The one-device losses and parameters of `model`, kept in the folder `cache` (the
+    sweep's): they depend only on the model, so each model's reference runs once per sweep."""
+    import numpy as np
+
+    if cache is None:
+        return one_device(model)
+    path = Path(cache) / f"{model}.npz"
+    if not path.exists():
+        losses, params = one_device(model)
+        np.savez(path, losses=np.asarray(losses), **{f"p{i}": p for i, p in enumerate(params)})
+    with np.load(path) as data:
+        return ([float(x) for x in data["losses"]],
+                [data[f"p{i}"] for i in range(len(data.files) - 1)])
+
+
+def run_config(config: Config, reference_cache: str | None = None, reference=None) -> dict:
+    """Run `config` in this process (8 devices) or under `autopar launch`; raise on a
+    mismatch. Returns the losses. `reference`: the one-device (losses, parameters), if
+    already known."""
+    import autopar
+
+    if reference is None:
+        reference = reference_for(config.model, reference_cache)
+    if config.num_processes == 1:
+        step, state, batch = build(config.model)
+        par = autopar.autoparallel(step, **config.options())
+        got = train(par, state, batch)
+        plan = par.plan
+        summary = {"num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches}
+    else:
+        got, summary = _run_multiprocess(config)
+    compare(reference, got)
+    return {"losses": got[0], "reference_losses": reference[0], "plan": summary}
+
+
+def _run_multiprocess(config: Config):
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable, "-m", "autopar.app.cli", "launch", "-n", str(config.num_processes),
+            "--devices-per-process", str(NUM_DEVICES // config.num_processes),
+            "--log-dir", out, "--", sys.executable, __file__, "--worker", str(config.seed),
+            "--out", out,
+        ]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              timeout=TIMEOUT_SECONDS)
+        if done.returncode != 0:
+            logs = "\n".join(p.read_text()[-2000:] for p in sorted(Path(out).glob("*.log")))
+            raise RuntimeError(f"autopar launch exited {done.returncode}:\n{logs}")
+        with np.load(Path(out) / "process0.npz") as data:
+            losses = [float(x) for x in data["losses"]]
+            params = [data[f"p{i}"] for i in range(len(data.files) - 1)]
+        summary = json.loads((Path(out) / "plan0.json").read_text())
+        for i in range(1, config.num_processes):
+            other = np.load(Path(out) / f"process{i}.npz")["losses"]
+            np.testing.assert_allclose(other, losses, rtol=0, err_msg=f"process {i} losses")
+    return (losses, params), summary
+
+
+def worker(seed: int, out: str) -> None:
+    """One process of a multi-process configuration (started by `autopar launch`)."""
+    from autopar.distributed import global_batch, initialize
+
+    info = initialize()
+    import jax
+    import numpy as np
+
+    import autopar
+
+    config = config_for(seed)
+    step, state, batch = build(config.model)
+    full = jax.tree.map(np.asarray, batch)
+    rows = BATCH_SIZE // info.num_processes
+    mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
+    batch = global_batch(jax.tree.map(lambda x: x[mine], full))
+    par = autopar.autoparallel(step, **config.options())
+    losses, params = train(par, state, batch)
+    arrays = {"losses": np.asarray(losses), **{f"p{i}": p for i, p in enumerate(params)}}
+    np.savez(Path(out) / f"process{info.process_id}.npz", **arrays)
+    plan = {"num_stages": par.plan.num_stages, "num_microbatches": par.plan.num_microbatches}
+    (Path(out) / f"plan{info.process_id}.json").write_text(json.dumps(plan))
+
+
+def child_main(seed: int, result_path: str, reference_cache: str | None) -> None:
+    """Run one configuration in this (fresh) process and write its result as JSON."""
+    start = time.time()
+    config = config_for(seed)
+    result = {"seed": seed, "config": dataclasses.asdict(config)}
+    try:
+        result.update(run_config(config, reference_cache), status="pass")
+    except Exception as error:  # noqa: BLE001 - every failure is recorded, not raised
+        lines = traceback.format_exception(error)
+        result.update(status="fail", error=f"{type(error).__name__}: {str(error)[:2000]}",
+                      traceback="".join(lines[-TRACEBACK_LINES:]))
+    result["seconds"] = round(time.time() - start, 1)
+    Path(result_path).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags += f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    env.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", AUTOPAR_PLAN_CACHE="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    return env
+
+
+def run_in_subprocess(seed: int, timeout: float = TIMEOUT_SECONDS,
+                      reference_cache: str | None = None) -> dict:
+    """Run configuration `seed` in a fresh Python process with 8 virtual CPU devices."""
+    with tempfile.TemporaryDirectory() as folder:
+        result_path = Path(folder) / "result.json"
+        command = [sys.executable, __file__, "--child", str(seed), "--result", str(result_path)]
+        if reference_cache is not None:
+            command += ["--reference-cache", reference_cache]
+        start = time.time()
+        # A session of its own, so that a timeout also ends `autopar launch` and its workers.
+        child = subprocess.Popen(command, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            return {"seed": seed, "config": dataclasses.asdict(config_for(seed)),
+                    "status": "fail", "error": f"timeout after {timeout:.0f} s",
+                    "traceback": "", "seconds": round(time.time() - start, 1)}
+        if result_path.exists():
+            return json.loads(result_path.read_text())
+        return {"seed": seed, "config": dataclasses.asdict(config_for(seed)), "status": "fail",
+                "error": f"the child process exited {child.returncode} without a result",
+                "traceback": stderr[-2000:], "seconds": round(time.time() - start, 1)}
+
+
+def rerun_command(seed: int) -> str:
+    return f"python benchmarks/parity_sweep.py --only {seed}"
+
+
+def counts(results: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """Per dimension and value: [passes, failures]."""
+    table: dict[str, dict[str, list[int]]] = collections.defaultdict(dict)
+    for result in results:
+        config = result["config"]
+        values = {
+            "model": config["model"], "method": config["method"],
+            "mesh / stages": (str(tuple(config["mesh_shape"])) if config["mesh_shape"]
+                              else f"stages={config['num_stages'] or 'searched'}"),
+            "microbatches": str(config["num_microbatches"]),
+            "schedule": config["schedule"], "remat": str(config["remat"]),
+            "processes": str(config["num_processes"]),
+        }
+        for dim, value in values.items():
+            cell = table[dim].setdefault(value, [0, 0])
+            cell[0 if result["status"] == "pass" else 1] += 1
+    return {dim: dict(sorted(cells.items())) for dim, cells in table.items()}
+
+
+def failure_kind(result: dict) -> str:
+    """"timeout" (the per-config limit, `--timeout`), "mismatch" (ran, differs from one
+    device) or "error" (raised)."""
+    error = result.get("error", "")
+    if error.startswith("timeout"):
+        return "timeout"
+    if error.startswith("AssertionError") and "differ" in error:
+        return "mismatch"
+    return "error"
+
+
+def markdown(summary: dict) -> str:
+    results = summary["results"]
+    passed = sum(r["status"] == "pass" for r in results)
+    planned = summary.get("planned", summary["num"])
+    partial = (f"; interrupted: the first {len(results)} of {planned} ran"
+               if len(results) < planned else "")
+    kind_counts = collections.Counter(failure_kind(r) for r in results if r["status"] != "pass")
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(kind_counts.items())) or "none"
+    lines = [
+        SECTION, "",
+        f"`python benchmarks/parity_sweep.py --num {planned} --first {summary['first']}` "
+        f"(seeds {summary['first']}..{summary['first'] + planned - 1}{partial}; results in "
+        "`benchmarks/results/parity_sweep.json`). Each configuration trains "
+        f"{NUM_STEPS} AdamW steps of a tiny model (batch {BATCH_SIZE}) in its own subprocess "
+        "on 8 virtual CPU devices (or 2 processes x 4 under `autopar launch`) and is "
+        f"compared with one device: losses at rtol {RTOL:g}, parameters at rtol {RTOL:g} / "
+        f"atol {PARAM_ATOL:g}. Invalid combinations are never drawn. Remat drawn: "
+        f"{'yes' if summary['remat_drawn'] else 'no (autoparallel takes no remat= option)'}.",
+        "",
+        f"**{passed}/{len(results)} configurations match one device** "
+        f"({summary['seconds']:.0f} s wall on {summary['host']}, shared with other jobs); "
+        f"not passing: {kinds}.",
+        "",
+        "| dimension | value | pass | fail |", "|---|---|---|---|",
+    ]
+    for dim, cells in counts(results).items():
+        for value, (ok, bad) in cells.items():
+            lines.append(f"| {dim} | {value} | {ok} | {bad} |")
+    failures = [r for r in results if r["status"] != "pass"]
+    lines += ["", "Failures:" if failures else "No failures.", ""]
+    for r in failures:
+        config = Config(**{**r["config"], "mesh_shape": tuple(r["config"]["mesh_shape"])
+                           if r["config"]["mesh_shape"] else None})
+        lines_of_error = [line.strip() for line in r["error"].splitlines() if line.strip()]
+        error = " ".join(lines_of_error[:5])[:300].replace("`", "'")
+        lines.append(f"- seed {r['seed']} ({config.describe()}), {failure_kind(r)}: "
+                     f"`{error}` — rerun: `{rerun_command(r['seed'])}`"
+                     + (" (add `--timeout 1200` on a busy machine)"
+                        if failure_kind(r) == "timeout" else ""))
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(text: str) -> None:
+    """Replace (or append) the "Parity sweep" section of docs/benchmarks.md."""
+    page = DOCS.read_text()
+    start = page.find(SECTION + "\n")
+    if start < 0:
+        page = page.rstrip("\n") + "\n\n" + text
+    else:
+        end = page.find("\n## ", start + len(SECTION))
+        rest = "\n" + page[end + 1:] if end >= 0 else ""
+        page = page[:start] + text + rest
+    DOCS.write_text(page)
+
+
+def sweep(seeds: list[int], write: bool, timeout: float = TIMEOUT_SECONDS) -> list[dict]:
+    """Run `seeds` one subprocess each; with `write`, rewrite the JSON and the docs section
+    after every configuration (an interrupted sweep leaves what it ran)."""
+    import platform
+
+    start = time.time()
+    results = []
+    remat_drawn = bool(remat_options())
+    reference_cache = tempfile.mkdtemp(prefix="parity_sweep_reference_")
+    for seed in seeds:
+        result = run_in_subprocess(seed, timeout, reference_cache=reference_cache)
+        results.append(result)
+        config = config_for(seed)
+        print(f"seed {seed:4d} {result['status']:4s} {result['seconds']:6.1f} s  "
+              f"{config.describe()}" + ("" if result["status"] == "pass"
+                                        else f"\n    {result['error'][:500]}"), flush=True)
+        if write:
+            passed = sum(r["status"] == "pass" for r in results)
+            summary = {"first": seeds[0], "num": len(results), "planned": len(seeds),
+                       "remat_drawn": remat_drawn, "seconds": time.time() - start,
+                       "host": f"{os.cpu_count()} CPU cores ({platform.machine()})",
+                       "passed": passed, "results": results}
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+            write_docs(markdown(summary))
+    shutil.rmtree(reference_cache, ignore_errors=True)
+    passed = sum(r["status"] == "pass" for r in results)
+    print(f"{passed}/{len(results)} configurations match one device "
+          f"({time.time() - start:.0f} s)")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num", type=int, default=100, help="configurations to run")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--only", type=int, default=None, help="run exactly this seed")
+    parser.add_argument("--show", action="store_true", help="print the configs, run nothing")
+    parser.add_argument("--no-write", action="store_true", help="write no JSON or docs")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_SECONDS,
+                        help="seconds per configuration (default %(default)s)")
+    parser.add_argument("--summarize", action="store_true",
+                        help="rewrite the docs section from the JSON results, run nothing")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--reference-cache", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, args.out)
+    if args.child is not None:
+        return child_main(args.child, args.result, args.reference_cache)
+    if args.summarize:
+        return write_docs(markdown(json.loads(RESULTS.read_text())))
+    seeds = [args.only] if args.only is not None else list(range(args.first,
+                                                                 args.first + args.num))
+    if args.show:
+        for seed in seeds:
+            print(f"seed {seed:4d}  {config_for(seed).describe()}")
+        return None
+    sweep(seeds, write=args.only is None and not args.no_write, timeout=args.timeout)
+    return None
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
