@@ -1,14 +1,21 @@
 """The cost model: pure functions, the single source of truth for every prediction.
 
 In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
-bytes. Collectives use the ring alpha-beta model, compute the roofline model
-(REFERENCES.md); pipelines Alpa's latency, the 1F1B bubble and in-flight
-microbatches. The ILP, the stage DP, the manual-plan scorer and the reports all call
-these functions.
+bytes. Collectives use the ring alpha-beta model (two-level, over every NIC rail, for
+groups spanning hosts), compute the roofline model with a GEMM efficiency by size and the
+bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, the 1F1B
+bubble and in-flight microbatches. The ILP, the stage DP, the manual-plan scorer and the
+reports all call these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time
-from autopar.cost._compute import bytes_per_device, compute_time
+from autopar.cost._compute import (
+    MATMUL_PRIMITIVES,
+    bytes_per_device,
+    compute_time,
+    gemm_efficiency,
+    rate_dtype,
+)
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -27,11 +34,13 @@ from autopar.cost._pipeline import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MATMUL_PRIMITIVES",
     "LayerCost",
     "bubble_fraction",
     "in_flight_microbatches",
     "memory_budget",
     "pipeline_latency",
+    "rate_dtype",
     "stage_memory",
     "AlphaBetaTerms",
     "CollectiveKind",
@@ -41,6 +50,7 @@ __all__ = [
     "collective_time",
     "compute_time",
     "fit_link",
+    "gemm_efficiency",
     "link_for",
     "transfer_time",
 ]
