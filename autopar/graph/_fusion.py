@@ -19,6 +19,10 @@ Every primitive has a fusion kind (`FUSION_KINDS`, a registry with a default):
   (the single elementwise consumer of a single-use result: bias add, activation).
 * ``"kernel"``: everything else that XLA runs as its own kernel (control flow, sort,
   scatter, cumulative ops, collectives, dynamic_update_slice): nothing fuses with it.
+* ``"boundary"``: the markers of an opened scan (`autopar.intra._scan`: ``scan_slice``,
+  ``scan_enter``, ``scan_exit``, ``scan_stack``). A loop body is its own computation,
+  so no fusion crosses them: what enters the body is read from device memory every
+  iteration, what leaves it is written. The markers themselves move no data (0 bytes).
 
 An edge p -> c between fusible nodes fuses only when no reduction or kernel lies on any
 path from p to c, i.e. both are at the same *depth* (the most kernels and reductions on a
@@ -36,7 +40,7 @@ from typing import Literal
 
 from autopar.graph._opgraph import Node, OpGraph
 
-FusionKind = Literal["elementwise", "reduce", "matmul", "kernel"]
+FusionKind = Literal["elementwise", "reduce", "matmul", "kernel", "boundary"]
 
 FUSION_KINDS: dict[str, FusionKind] = {}
 DEFAULT_FUSION_KIND: FusionKind = "elementwise"
@@ -68,6 +72,8 @@ register_fusion(
     "all_to_all", "ppermute", "rng_bit_generator", "custom_call", "fft", "top_k",
     "triangular_solve", "cholesky", "lu", "qr", "eigh", "svd",
 )
+
+register_fusion("boundary", "scan_slice", "scan_enter", "scan_exit", "scan_stack")
 
 # Elementwise producers a dot or convolution reads through (cuBLAS/Triton GEMM fusions fuse
 # an operand's layout or dtype change; XLA's GEMM rewriter folds transposes into the call).
@@ -133,11 +139,18 @@ def _compute(graph: OpGraph) -> FusionTraffic:
             return single_use and producer.primitive in PROLOGUE_PRIMITIVES
         return c in ("elementwise", "reduce") and depth[producer.id] == depth[consumer.id]
 
+    def boundary(node: Node) -> bool:
+        return fusion_kind(node.primitive) == "boundary"
+
     by_id = {node.id: node for node in graph.nodes}
-    reads = {node.id: tuple(not fused(v, node) for v in node.inputs) for node in graph.nodes}
+    reads = {
+        node.id: tuple(not boundary(node) and not fused(v, node) for v in node.inputs)
+        for node in graph.nodes
+    }
     writes = {
         node.id: tuple(
-            v in outputs or any(not fused(v, by_id[c]) for c in consumers[v])
+            not boundary(node)
+            and (v in outputs or any(not fused(v, by_id[c]) for c in consumers[v]))
             for v in node.outputs
         )
         for node in graph.nodes
