@@ -86,6 +86,10 @@ class Cluster:
       matmul runs at `matmul_efficiency`.
     - `nics_per_host`: network ports (rails) per host, e.g. 8 on a DGX A100 or H100 (one
       per GPU); None for a profile without rail information. See `network_link`.
+    - `overlap`: the fraction of a hideable collective (data-parallel gradient reduction
+      during the backward, ZeRO-3 parameter gathers, pipeline sends) the runtime runs
+      concurrently with compute, in [0, 1]; 0 (the default): every collective in series.
+      See `autopar.cost.exposed_time`.
 
     **Example:**
     ```python
@@ -107,6 +111,7 @@ class Cluster:
     inter_host: Link
     nics_per_host: int | None = None
     gemm_efficiency: tuple[tuple[float, float], ...] | None = None
+    overlap: float = 0.0
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -176,6 +181,8 @@ class Cluster:
         optional = {} if self.nics_per_host is None else {"nics_per_host": self.nics_per_host}
         if self.gemm_efficiency is not None:
             optional["gemm_efficiency"] = [list(point) for point in self.gemm_efficiency]
+        if self.overlap:
+            optional["overlap"] = self.overlap
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -367,6 +374,7 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             nics_per_host=read.field("nics_per_host", int) if "nics_per_host" in data else None,
             gemm_efficiency=_read_table(read, "gemm_efficiency") if "gemm_efficiency" in data
             else None,
+            overlap=read.number("overlap") if "overlap" in data else 0.0,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -438,6 +446,7 @@ _FIELD_HELP = {
     "intra_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "nics_per_host": "an integer: network ports (rails) per host",
+    "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }
@@ -465,6 +474,8 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
         if not all(0 < eff <= 1 for _, eff in table):
             problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
+    if not 0 <= cluster.overlap <= 1:
+        problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")
     nics = cluster.nics_per_host
     if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
         problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")

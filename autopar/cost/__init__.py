@@ -16,6 +16,7 @@ from autopar.cost._compute import (
     gemm_efficiency,
     rate_dtype,
 )
+from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -49,7 +50,9 @@ __all__ = [
     "bytes_per_device",
     "collective_time",
     "compute_time",
+    "exposed_time",
     "fit_link",
+    "hideable_weight",
     "gemm_efficiency",
     "link_for",
     "transfer_time",
