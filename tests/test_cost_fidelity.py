@@ -251,3 +251,95 @@ def test_fusion_kinds_registry():
     assert fusion_kind("reduce_sum") == "reduce"
     assert fusion_kind("scan") == "kernel"
     assert fusion_kind("some_new_elementwise_op") == "elementwise"  # the default
+
+
+def test_exposed_time_by_hand():
+    """A fraction `overlap` of the hideable collectives is hidden, never more than the
+    compute they run under."""
+    from autopar.cost import exposed_time, hideable_weight
+
+    ms = 1e-3
+    assert exposed_time(40 * ms, [6 * ms, 4 * ms], 0.9) == pytest.approx(1 * ms)  # 10 - 9
+    assert exposed_time(5 * ms, 10 * ms, 0.9) == pytest.approx(5 * ms)  # 10 - min(9, 5)
+    assert exposed_time(40 * ms, 10 * ms, 0.0) == pytest.approx(10 * ms)
+    assert hideable_weight(0.8) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="overlap must be in"):
+        exposed_time(1.0, 1.0, 1.5)
+
+
+def test_profile_overlap_hides_the_gradient_reduction_in_the_ilp(a100):
+    """The deferred gradient reduction of a layer weighs 1 - overlap of its time in the ILP
+    (the same LayerCostTable serves method="auto" and the Megatron scorer); its count stays
+    whole for the check against compiled HLO."""
+    import optax
+
+    from autopar.graph import tied_state
+    from autopar.inter import LayerCostTable, assign_layers
+    from autopar.intra._options import ShardOptions
+    from examples import gpt
+
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+    opt = optax.sgd(1e-2)
+    graph = trace(gpt.make_train_step(cfg, opt), gpt.abstract_state(cfg, opt),
+                  gpt.abstract_batch(cfg, 8), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    tables = {
+        overlap: LayerCostTable(graph, layers, dataclasses.replace(a100, overlap=overlap),
+                                ShardOptions(), tied_state(graph, (0,)))
+        for overlap in (0.0, 0.75)
+    }
+    for k in range(layers.num_layers):
+        serial, hidden = tables[0.0].weights[k], tables[0.75].weights[k]
+        assert serial.keys() == hidden.keys()
+        for node, weight in serial.items():
+            if len(hidden[node]) == 3:  # a deferred reduction
+                assert hidden[node] == (*weight, pytest.approx(0.25))
+    assert any(len(w) == 3 for table in tables[0.75].weights for w in table.values())
+
+
+def test_scan_markers_end_fusions():
+    """A loop body is its own computation: what enters a scan's body is read from memory
+    and what leaves it is written, and the markers themselves move nothing."""
+    from autopar.intra._scan import expand_scans
+
+    def step(ws, x):
+        def body(h, w):
+            return jnp.tanh(h * w), None
+
+        return jax.lax.scan(body, x, ws)[0]
+
+    graph = trace(step, jnp.ones((3, 4)), jnp.ones((4,)))
+    planning = expand_scans(graph, {}, ()).graph
+    traffic = fusion_traffic(planning)
+    markers = [n for n in planning.nodes if n.primitive.startswith("scan_")]
+    assert markers
+    for node in markers:
+        assert not any(traffic.reads[node.id]) and not any(traffic.writes[node.id])
+    mul = next(n for n in planning.nodes if n.primitive == "mul")
+    tanh = next(n for n in planning.nodes if n.primitive == "tanh")
+    assert all(traffic.reads[mul.id])  # carry and weight slice come from memory
+    assert all(traffic.writes[tanh.id])  # the new carry leaves the body
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_mixed_precision_option_keeps_fp32_master_state_and_computes_in_bf16(model):
+    """``master_dtype="float32"``: 12 bytes of persistent state per parameter (fp32 weights
+    and AdamW moments) and every matmul on bf16 operands."""
+    import math
+
+    import optax
+
+    from examples import gpt, llama
+
+    module = {"gpt": gpt, "llama": llama}[model]
+    small = {"gpt": "tiny", "llama": "tiny"}[model]
+    cfg = dataclasses.replace(module.CONFIGS[small], dtype="bfloat16", master_dtype="float32")
+    opt = optax.adamw(1e-3)
+    state = module.abstract_state(cfg, opt)
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert 12 * num_params <= state_bytes <= 12 * num_params + 64  # + the step count
+    graph = trace(module.make_train_step(cfg, opt), state, module.abstract_batch(cfg, 2),
+                  batch_argnums=(1,))
+    for dot in _dots(graph):
+        assert {str(graph.vars[v].dtype) for v in dot.inputs} == {"bfloat16"}, dot
