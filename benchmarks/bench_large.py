@@ -103,7 +103,11 @@ def model_step(row: Row):
             f"unknown {row.family} config {row.model!r}; choose one of "
             f"{', '.join(module.CONFIGS)}"
         )
-    cfg = dataclasses.replace(module.CONFIGS[row.model], layer_markers=True, dtype="bfloat16")
+    cfg = module.CONFIGS[row.model]
+    # Realistic mixed precision (issue 14): bf16 compute, fp32 master weights and AdamW
+    # moments, where the model has the option (examples/gpt.py's GPTConfig.master_dtype).
+    precision = {"master_dtype": "float32"} if hasattr(cfg, "master_dtype") else {}
+    cfg = dataclasses.replace(cfg, layer_markers=True, dtype="bfloat16", **precision)
     optimizer = optax.adamw(1e-4)
     step = module.make_train_step(cfg, optimizer)
     args = (module.abstract_state(cfg, optimizer), module.abstract_batch(cfg, row.global_batch))

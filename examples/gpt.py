@@ -50,6 +50,12 @@ class GPTConfig:
     num_heads: int
     mlp_ratio: int = 4
     dtype: str = "float32"
+    # Mixed precision as users train large models: with ``master_dtype="float32"`` and
+    # ``dtype="bfloat16"`` the state keeps fp32 master weights (so AdamW's moments are fp32
+    # too: 12 bytes per parameter, plus the fp32 gradient and the bf16 copy during the
+    # step), and the forward and backward compute on a bf16 cast of them. None: the
+    # parameters are stored in `dtype` (the default; the small tests use it).
+    master_dtype: str | None = None
     layer_markers: bool = False
     # Stack the layers' parameters on a leading layer axis and run them with
     # `jax.lax.scan` (MaxText's scan_layers); `remat_layers` wraps each layer in
@@ -216,6 +222,8 @@ def forward(params: dict, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
 
 def loss_fn(params: dict, batch: dict, cfg: GPTConfig) -> jax.Array:
     """Mean next-token cross-entropy; ``batch = {"tokens", "targets"}``, int32[B, S]."""
+    if cfg.master_dtype is not None:  # compute on a `dtype` copy of the master weights
+        params = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
     logits = forward(params, batch["tokens"], cfg).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)
@@ -233,8 +241,10 @@ class TrainState(NamedTuple):
 
 
 def init_state(cfg: GPTConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
-    """Random parameters and a fresh optimizer state."""
+    """Random parameters and a fresh optimizer state (both in `master_dtype` if set)."""
     params = init_params(cfg, key)
+    if cfg.master_dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(cfg.master_dtype), params)
     return TrainState(params, optimizer.init(params))
 
 

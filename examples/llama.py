@@ -62,6 +62,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dtype: str = "float32"
+    # Mixed precision: fp32 master weights and moments, compute in `dtype` (see
+    # `examples.gpt.GPTConfig.master_dtype`). None: parameters stored in `dtype`.
+    master_dtype: str | None = None
     layer_markers: bool = False
     scan_layers: bool = False
     attention: Attention = "einsum"
@@ -270,6 +273,8 @@ def forward(params: dict, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
 
 def loss_fn(params: dict, batch: dict, cfg: LlamaConfig) -> jax.Array:
     """Mean next-token cross-entropy; ``batch = {"tokens", "targets"}``, int32[B, S]."""
+    if cfg.master_dtype is not None:  # compute on a `dtype` copy of the master weights
+        params = jax.tree.map(lambda p: p.astype(cfg.dtype), params)
     logits = forward(params, batch["tokens"], cfg).astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)
@@ -287,8 +292,10 @@ class TrainState(NamedTuple):
 
 
 def init_state(cfg: LlamaConfig, optimizer: optax.GradientTransformation, key) -> TrainState:
-    """Random parameters and a fresh optimizer state."""
+    """Random parameters and a fresh optimizer state (both in `master_dtype` if set)."""
     params = init_params(cfg, key)
+    if cfg.master_dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(cfg.master_dtype), params)
     return TrainState(params, optimizer.init(params))
 
 

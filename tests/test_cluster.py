@@ -37,7 +37,12 @@ def test_vendor_figures():
     v100 = Cluster.from_profile("p3.16xlarge-v100")
     assert v100.peak_flops["float16"] == 125e12 and v100.device_memory == 16 * 2**30
     # 25 Gb/s per host shared by 8 GPUs.
-    assert v100.inter_host.bandwidth * 8 == pytest.approx(25e9 / 8)
+    # one 25 Gb/s NIC per host (3.125 GB/s), shared by 8 GPUs
+    assert v100.inter_host.bandwidth == pytest.approx(25e9 / 8)
+    assert v100.nics_per_host == 1
+    assert v100.network_link().bandwidth * 8 == pytest.approx(25e9 / 8)
+    assert a100.nics_per_host == h100.nics_per_host == 8
+    assert a100.network_link() == a100.inter_host
 
 
 def test_shape_and_device_ids():

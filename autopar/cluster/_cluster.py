@@ -77,7 +77,19 @@ class Cluster:
     - `peak_flops`: FLOP/s per device by dtype name (``"float32"`` is required).
     - `matmul_efficiency`: the fraction of peak a large matmul achieves, in (0, 1].
     - `hbm_bandwidth`: device memory bandwidth in bytes/s.
-    - `intra_host`, `inter_host`: the `Link` inside a host and between hosts.
+    - `intra_host`, `inter_host`: the `Link` inside a host and between hosts. With
+      `nics_per_host` set, `inter_host.bandwidth` is one NIC's (one rail's); without it,
+      each device's share of the network with every device communicating at once.
+    - `gemm_efficiency`: optional ``((size, fraction of peak), ...)`` by increasing size,
+      where size is the geometric mean ``(M·N·K)**(1/3)`` of a GEMM per device; the cost
+      model interpolates it in log(size) (`autopar.cost.gemm_efficiency`). None: every
+      matmul runs at `matmul_efficiency`.
+    - `nics_per_host`: network ports (rails) per host, e.g. 8 on a DGX A100 or H100 (one
+      per GPU); None for a profile without rail information. See `network_link`.
+    - `overlap`: the fraction of a hideable collective (data-parallel gradient reduction
+      during the backward, ZeRO-3 parameter gathers, pipeline sends) the runtime runs
+      concurrently with compute, in [0, 1]; 0 (the default): every collective in series.
+      See `autopar.cost.exposed_time`.
 
     **Example:**
     ```python
@@ -97,10 +109,16 @@ class Cluster:
     hbm_bandwidth: float
     intra_host: Link
     inter_host: Link
+    nics_per_host: int | None = None
+    gemm_efficiency: tuple[tuple[float, float], ...] | None = None
+    overlap: float = 0.0
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
         object.__setattr__(self, "peak_flops", dict(sorted(self.peak_flops.items())))
+        if self.gemm_efficiency is not None:
+            table = tuple((float(size), float(eff)) for size, eff in self.gemm_efficiency)
+            object.__setattr__(self, "gemm_efficiency", table)
         _check_cluster(self)
 
     def __hash__(self) -> int:
@@ -142,8 +160,29 @@ class Cluster:
         peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
         return peak * self.matmul_efficiency
 
+    def network_link(self) -> Link:
+        """Each device's link to other hosts when every device of its host talks at once.
+
+        With `nics_per_host` = r: the host's r rails shared by its devices, each device
+        using at most one rail (NCCL binds a GPU to its nearest NIC),
+        ``inter_host.bandwidth · min(r, devices_per_host) / devices_per_host``. Without it:
+        `inter_host` as given (the documented default: its bandwidth is already per device).
+
+        **Example:** DGX A100, 8 rails of 25 GB/s for 8 GPUs: 25 GB/s per GPU; a host with
+        one 3.125 GB/s NIC for 8 GPUs: 0.39 GB/s per GPU.
+        """
+        if self.nics_per_host is None:
+            return self.inter_host
+        share = min(self.nics_per_host, self.devices_per_host) / self.devices_per_host
+        return Link(self.inter_host.bandwidth * share, self.inter_host.latency)
+
     def to_json(self) -> dict:
         """A JSON-ready dict in the profile schema (``cost_profiles/README.md``)."""
+        optional = {} if self.nics_per_host is None else {"nics_per_host": self.nics_per_host}
+        if self.gemm_efficiency is not None:
+            optional["gemm_efficiency"] = [list(point) for point in self.gemm_efficiency]
+        if self.overlap:
+            optional["overlap"] = self.overlap
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -155,6 +194,7 @@ class Cluster:
             "hbm_bandwidth": self.hbm_bandwidth,
             "intra_host": self.intra_host.to_json(),
             "inter_host": self.inter_host.to_json(),
+            **optional,
         }
 
     @staticmethod
@@ -331,11 +371,23 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             hbm_bandwidth=read.number("hbm_bandwidth"),
             intra_host=read.link("intra_host"),
             inter_host=read.link("inter_host"),
+            nics_per_host=read.field("nics_per_host", int) if "nics_per_host" in data else None,
+            gemm_efficiency=_read_table(read, "gemm_efficiency") if "gemm_efficiency" in data
+            else None,
+            overlap=read.number("overlap") if "overlap" in data else 0.0,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
             raise
         raise ValueError(f"cost profile {source}: {e}. Schema: cost_profiles/README.md") from None
+
+
+def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
+    rows = read.field(name, list)
+    if not all(isinstance(r, list) and len(r) == 2 for r in rows):
+        read.fail(name, f"must be a list of [size, fraction] pairs ({_FIELD_HELP[name]})")
+    return tuple((read.number(f"{name}.{i}", r[0]), read.number(f"{name}.{i}", r[1]))
+                 for i, r in enumerate(rows))
 
 
 _MISSING = object()
@@ -393,6 +445,10 @@ _FIELD_HELP = {
     "hbm_bandwidth": "a number: device memory bandwidth in bytes/s",
     "intra_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
+    "nics_per_host": "an integer: network ports (rails) per host",
+    "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
+    "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
+    "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }
 
 
@@ -411,6 +467,18 @@ def _check_cluster(cluster: Cluster) -> None:
     for name in ("device_memory", "hbm_bandwidth"):
         if not getattr(cluster, name) > 0:
             problems.append(f"{name} must be > 0, got {getattr(cluster, name)!r}")
+    table = cluster.gemm_efficiency
+    if table is not None:
+        sizes = [size for size, _ in table]
+        if not table or sizes != sorted(set(sizes)) or sizes[0] <= 0:
+            problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
+        if not all(0 < eff <= 1 for _, eff in table):
+            problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
+    if not 0 <= cluster.overlap <= 1:
+        problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")
+    nics = cluster.nics_per_host
+    if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
+        problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")
     for name in ("intra_host", "inter_host"):
         if not isinstance(getattr(cluster, name), Link):
             problems.append(f"{name} must be a Link, got {getattr(cluster, name)!r}")

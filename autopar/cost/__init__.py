@@ -1,14 +1,22 @@
 """The cost model: pure functions, the single source of truth for every prediction.
 
 In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
-bytes. Collectives use the ring alpha-beta model, compute the roofline model
-(REFERENCES.md); pipelines Alpa's latency, the 1F1B bubble and in-flight
-microbatches. The ILP, the stage DP, the manual-plan scorer and the reports all call
-these functions.
+bytes. Collectives use the ring alpha-beta model (two-level, over every NIC rail, for
+groups spanning hosts), compute the roofline model with a GEMM efficiency by size and the
+bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, the 1F1B
+bubble and in-flight microbatches. The ILP, the stage DP, the manual-plan scorer and the
+reports all call these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time
-from autopar.cost._compute import bytes_per_device, compute_time
+from autopar.cost._compute import (
+    MATMUL_PRIMITIVES,
+    bytes_per_device,
+    compute_time,
+    gemm_efficiency,
+    rate_dtype,
+)
+from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -35,6 +43,7 @@ from autopar.cost._remat import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "MATMUL_PRIMITIVES",
     "LayerCost",
     "boundary_transfer_time",
     "bubble_fraction",
@@ -42,6 +51,7 @@ __all__ = [
     "in_flight_microbatches",
     "memory_budget",
     "pipeline_latency",
+    "rate_dtype",
     "stage_memory",
     "full_recompute_cost",
     "recompute_seconds",
@@ -54,7 +64,10 @@ __all__ = [
     "bytes_per_device",
     "collective_time",
     "compute_time",
+    "exposed_time",
     "fit_link",
+    "hideable_weight",
+    "gemm_efficiency",
     "link_for",
     "transfer_time",
 ]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from autopar.cluster._cluster import Cluster, Link
 from autopar.cluster._mesh import LogicalMesh
-from autopar.cost._formulas import CollectiveKind, alpha_beta_terms
+from autopar.cost._formulas import CollectiveKind, alpha_beta_terms, hierarchical_terms
 
 
 def link_for(cluster: Cluster, device_ids: Sequence[int]) -> Link:
@@ -17,10 +18,10 @@ def link_for(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     - `device_ids`: cluster device ids of the group.
 
     **Returns:** `cluster.intra_host` if all devices are on one host, else
-    `cluster.inter_host`.
+    `cluster.network_link()` (each device's share of its host's NICs).
     """
     hosts = {cluster.host_of(d) for d in device_ids}
-    return cluster.intra_host if len(hosts) <= 1 else cluster.inter_host
+    return cluster.intra_host if len(hosts) <= 1 else cluster.network_link()
 
 
 def collective_time(
@@ -41,23 +42,36 @@ def collective_time(
     - `cluster`: gives the links; `mesh` device ids are cluster device ids.
     - `axes`: the mesh axes the collective runs over; n is the product of their sizes.
 
-    **Returns:** ``latency_steps · alpha + wire_bytes / bandwidth`` (see
-    `autopar.cost._formulas`); 0 when n == 1. All groups run at once; the link is
-    `inter_host` if any group spans hosts, else `intra_host`.
+    **Returns:** the slowest group's time (all groups run at once, every device of a host
+    on its own rail); 0 when n == 1. A group on one host is a ring over `intra_host`:
+    ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`). A group with
+    g > 1 devices on each of k > 1 hosts runs the two-level algorithm
+    (`hierarchical_terms`): rings inside the hosts over `intra_host`, rings across hosts
+    over each device's rail (`Cluster.network_link`). One device per host, or uneven
+    counts per host: one ring over the network.
 
     **Example:** all-reduce of 1 GiB over the 8 GPUs of a DGX A100:
-    ``2·7/8·2**30 / 300e9 + 2·7·5e-6`` ≈ 6.33 ms.
+    ``2·7/8·2**30 / 300e9 + 2·7·5e-6`` ≈ 6.33 ms; over 2 DGX A100 (16 GPUs) it adds
+    ``2·1/2·2**30/8 / 25e9 + 2·10e-6`` ≈ 5.39 ms across hosts, 11.7 ms in all.
     """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     _check_axes(mesh, axes)
     n = mesh.axis_size(axes)
-    terms = alpha_beta_terms(kind, nbytes, n)
+    alpha_beta_terms(kind, nbytes, n)  # checks the arguments
     if n == 1:
         return 0.0
-    groups = mesh.groups(axes)
-    spans_hosts = any(len({cluster.host_of(d) for d in group}) > 1 for group in groups)
-    link = cluster.inter_host if spans_hosts else cluster.intra_host
-    return terms.seconds(link)
+    return max(_group_time(kind, nbytes, cluster, group) for group in mesh.groups(axes))
+
+
+def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group) -> float:
+    per_host = Counter(cluster.host_of(d) for d in group)
+    counts = set(per_host.values())
+    if len(per_host) == 1:
+        return alpha_beta_terms(kind, nbytes, len(group)).seconds(cluster.intra_host)
+    if len(counts) == 1 and (g := counts.pop()) > 1:
+        terms = hierarchical_terms(kind, nbytes, g, len(per_host))
+        return terms.seconds(cluster.intra_host, cluster.network_link())
+    return alpha_beta_terms(kind, nbytes, len(group)).seconds(cluster.network_link())
 
 
 def transfer_time(

@@ -15,23 +15,99 @@ from autopar.graph._opgraph import dtype_itemsize
 
 
 def compute_time(
-    flops: float, bytes_accessed: float, cluster: Cluster, dtype: Any = "float32"
+    flops: float,
+    bytes_accessed: float,
+    cluster: Cluster,
+    dtype: Any = "float32",
+    *,
+    matmul: bool = False,
 ) -> float:
     """Seconds for an operator on one device, by the roofline model.
 
     **Arguments:**
     - `flops`: floating point operations per device.
-    - `bytes_accessed`: bytes read plus written per device.
-    - `cluster`: gives `peak_flops`, `matmul_efficiency` and `hbm_bandwidth`.
-    - `dtype`: selects the peak (a name like ``"bfloat16"`` or a numpy/JAX dtype).
+    - `bytes_accessed`: bytes read plus written per device (for a node inside a fusion,
+      only the bytes crossing the fusion's boundary: `autopar.graph.fusion_traffic`).
+    - `cluster`: gives `peak_flops`, the efficiencies and `hbm_bandwidth`.
+    - `dtype`: selects the peak (a name like ``"bfloat16"`` or a numpy/JAX dtype); for a
+      dot, `rate_dtype` of its operands.
+    - `matmul`: the operator is a GEMM (dot or convolution) of `flops`, so its efficiency
+      comes from `gemm_efficiency` by its size; else `matmul_efficiency`.
 
-    **Returns:** ``max(flops / (peak[dtype] · matmul_efficiency), bytes / hbm_bandwidth)``.
+    **Returns:** ``max(flops / (peak[dtype] · efficiency), bytes / hbm_bandwidth)``.
     """
     if flops < 0 or bytes_accessed < 0:
         raise ValueError(
             f"compute_time needs flops >= 0 and bytes >= 0, got {flops} and {bytes_accessed}"
         )
-    return max(flops / cluster.flops(dtype), bytes_accessed / cluster.hbm_bandwidth)
+    if flops == 0:
+        return bytes_accessed / cluster.hbm_bandwidth
+    rate = cluster.flops(dtype)
+    if matmul:
+        rate *= gemm_efficiency(cluster, flops) / cluster.matmul_efficiency
+    return max(flops / rate, bytes_accessed / cluster.hbm_bandwidth)
+
+
+def gemm_efficiency(cluster: Cluster, flops: float) -> float:
+    """The fraction of peak a GEMM of `flops` FLOPs per device achieves on `cluster`.
+
+    Its size is the geometric mean of its dimensions, ``(M·N·K)**(1/3) = (flops / 2)**(1/3)``
+    (batch dimensions count in M); the profile's `gemm_efficiency` table is interpolated
+    linearly in log(size) and held constant beyond its ends. Small GEMMs fill few SMs
+    (tile and wave quantization, launch overhead), large ones reach 70-85% of peak
+    (REFERENCES.md, "Compute on GPUs"). A skinny GEMM (one small dimension) is bounded by
+    its bytes in `compute_time`'s roofline rather than by this table. Without a table:
+    `matmul_efficiency` for every size.
+
+    **Example:** on dgx-a100-80g, 8192³ gives the table's last point (0.82), 1024³ about
+    0.45.
+    """
+    table = cluster.gemm_efficiency
+    if not table or flops <= 0:
+        return cluster.matmul_efficiency
+    size = (flops / 2) ** (1 / 3)
+    sizes = np.log([s for s, _ in table])
+    return float(np.interp(np.log(size), sizes, [e for _, e in table]))
+
+
+# Primitives that run on the matrix units: their rate is set by the operand dtypes.
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def rate_dtype(primitive: str, operand_dtypes: Sequence[Any], result_dtype: Any) -> str:
+    """The dtype whose peak FLOP/s an operator runs at.
+
+    A dot or convolution runs at the rate of its operands, not of its result: a bf16 x bf16
+    dot with ``preferred_element_type=float32`` accumulates in f32 on the bf16 tensor cores
+    (REFERENCES.md, "Compute on GPUs"), so it costs at the bf16 rate. Operands of different
+    widths are promoted to the widest (XLA converts the narrower one), so a bf16 x f32 dot
+    runs at the f32 rate. Every other operator uses its result dtype. Typed PRNG keys
+    (``key<fry>``) run at the uint32 rate of their key data.
+
+    **Arguments:**
+    - `primitive`: the primitive name, e.g. ``"dot_general"``.
+    - `operand_dtypes`: the dtypes of the array operands (constants included).
+    - `result_dtype`: the dtype of the (first) result.
+
+    **Returns:** a dtype name, e.g. ``"bfloat16"``.
+
+    **Example:** ``rate_dtype("dot_general", ["bfloat16", "bfloat16"], "float32") ==
+    "bfloat16"``.
+    """
+    if primitive in MATMUL_PRIMITIVES and operand_dtypes:
+        return max((_rate_np_dtype(d) for d in operand_dtypes), key=lambda d: d.itemsize).name
+    return _rate_np_dtype(result_dtype).name
+
+
+def _rate_np_dtype(dtype: Any) -> np.dtype:
+    """`np.dtype`, with typed PRNG keys (``"key<fry>"``, which NumPy rejects) as uint32.
+
+    A key's arithmetic (threefry, splitting, folding) runs on its uint32 key data.
+    """
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype("uint32")
 
 
 def bytes_per_device(

@@ -5,6 +5,7 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 `tied_state`, which pairs the step's returned state with the state it was given.
 """
 
+from autopar.graph._fusion import FusionTraffic, fusion_kind, fusion_traffic, register_fusion
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._stacked import StackedSplit, split_stacked
@@ -12,15 +13,19 @@ from autopar.graph._state import tied_state
 from autopar.graph._trace import abstract_args, trace, trace_jaxpr
 
 __all__ = [
+    "FusionTraffic",
     "Node",
     "OpGraph",
     "Role",
     "StackedSplit",
     "Var",
     "abstract_args",
+    "fusion_kind",
+    "fusion_traffic",
     "grad",
     "layer_boundary",
     "marking_layers",
+    "register_fusion",
     "split_stacked",
     "tied_state",
     "trace",

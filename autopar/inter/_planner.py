@@ -136,7 +136,8 @@ class LayerCostTable:
         for k, sub in enumerate(self.per_layer.stage_graphs):
             phases = {i: layers.phase[full] for full, i in self.per_layer.node_index[k].items()}
             self.weights.append(
-                step_weights(sub, phases, self.per_layer.deferrable, num_microbatches)
+                step_weights(sub, phases, self.per_layer.deferrable, num_microbatches,
+                             overlap=cluster.overlap)
             )
         self.fingerprints = [
             structural_fingerprint(g) + repr(sorted(w.items()))

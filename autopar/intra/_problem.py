@@ -212,11 +212,15 @@ def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
     return strategies
 
 
-def _weighted(strategy: Strategy, weight: float, reduction_weight: float) -> Strategy:
+def _weighted(
+    strategy: Strategy, weight: float, reduction_weight: float, exposed: float = 1.0
+) -> Strategy:
+    """`exposed`: the share of the reduction collectives' time not hidden under compute
+    (`autopar.cost.hideable_weight`); their counts stay whole."""
     return replace(
         strategy,
         compute_cost=weight * strategy.compute_cost,
-        comm_cost=weight * reduction_weight * strategy.comm_cost,
+        comm_cost=weight * reduction_weight * exposed * strategy.comm_cost,
         collectives=tuple(
             replace(c, weight=c.weight * weight * reduction_weight) for c in strategy.collectives
         ),

@@ -133,7 +133,7 @@ def _open_scan(node, graph, vars_, nodes, add, weight, tied) -> OpenedScan:
     first_xs = num_consts + num_carry
     length = float(params["length"])
     outer = weight or (1.0, 1.0)
-    inner = (outer[0] * length, outer[1])
+    inner = (outer[0] * length, *outer[1:])
     var_offset = len(vars_)
     for var in body.vars:
         role = Role.CONST if var.role is Role.CONST else Role.ACTIVATION

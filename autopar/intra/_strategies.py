@@ -14,8 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
-from autopar.cost import bytes_per_device, collective_time, compute_time
-from autopar.graph import Node, OpGraph, Role
+from autopar.cost import (
+    MATMUL_PRIMITIVES,
+    bytes_per_device,
+    collective_time,
+    compute_time,
+    rate_dtype,
+)
+from autopar.graph import Node, OpGraph, Role, fusion_traffic
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
 from autopar.intra._signature import (
@@ -122,17 +128,14 @@ def node_strategies(
         )
         used_axes = {a for axes in assignment.values() for a in axes}
         parallelism = math.prod(mesh.axis_size(a) for a in used_axes) if used_axes else 1
-        in_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, mesh)
-            for v, s in zip(in_vars, in_specs)
-            if s is not None
-        )
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
-        dtype = out_vars[0].dtype if out_vars else "float32"
-        work = (node.flops / parallelism, in_bytes + out_bytes, dtype)
-        compute = compute_time(work[0], work[1], ctx.cluster, dtype)
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh)
+        dtype = _rate_dtype(node, in_vars, out_vars)
+        matmul = node.primitive in MATMUL_PRIMITIVES
+        work = (node.flops / parallelism, accessed, dtype, matmul)
+        compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul)
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -182,8 +185,8 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
 def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx):
     """The strategy that leaves the summed result split over the reduced `axes`.
 
-    `work` is (FLOPs per device, bytes accessed per device, dtype) of the node when it
-    computes the whole partial result.
+    `work` is (FLOPs per device, bytes accessed per device, dtype, is a matmul) of the node
+    when it computes the whole partial result.
     """
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
@@ -200,16 +203,16 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx)
     # size 4 on (2, 4), with only x of size 2 unused, reduce-scatters (on XLA:CPU an
     # all-reduce and a local slice).
     on_spare = bool(spare) and mesh.axis_size(spare) % split == 0
-    flops, accessed, dtype = work
+    flops, accessed, dtype, matmul = work
     if on_spare:
         reduce = (
             Collective("all_reduce", tuple(axes), full_bytes / split),
             Collective("send_recv", (*axes, *spare), full_bytes / split),
         )
-        compute = compute_time(flops / split, accessed, ctx.cluster, dtype)
+        compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul)
     else:
         reduce = (Collective("reduce_scatter", tuple(axes), full_bytes),)
-        compute = compute_time(flops, accessed, ctx.cluster, dtype)
+        compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul)
     comm = sum(collective_time(c.kind, c.nbytes, ctx.cluster, mesh, c.axes) for c in reduce)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
@@ -292,19 +295,40 @@ def follow_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
         )
-        in_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, ctx.mesh)
-            for v, s in zip(in_vars, in_specs)
-            if s is not None
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh)
+        dtype = _rate_dtype(node, in_vars, out_vars)
+        compute = compute_time(
+            node.flops / parallelism, accessed, ctx.cluster, dtype,
+            matmul=node.primitive in MATMUL_PRIMITIVES,
         )
-        dtype = out_vars[0].dtype
-        compute = compute_time(node.flops / parallelism, in_bytes + out_bytes, ctx.cluster, dtype)
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
         )
         cache[spec] = strategy
         result.append(strategy)
     return result
+
+
+def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMesh) -> float:
+    """Bytes per device the node moves to and from device memory: its operands and results
+    that cross its fusion's boundary (`autopar.graph.fusion_traffic`; constants count 0)."""
+    def nbytes(var_id, spec):
+        var = graph.vars[var_id]
+        return None if spec is None else bytes_per_device(var.shape, var.dtype, spec, mesh)
+
+    in_bytes = [nbytes(v, s) for v, s in zip(node.inputs, in_specs)]
+    out_bytes = [nbytes(v, s) for v, s in zip(node.outputs, out_specs)]
+    traffic = fusion_traffic(graph)
+    if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
+            or graph.nodes[node.id] is not node:
+        return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph
+    return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
+
+
+def _rate_dtype(node: Node, in_vars, out_vars) -> str:
+    """The dtype whose FLOP rate the node runs at (`autopar.cost.rate_dtype`)."""
+    result = out_vars[0].dtype if out_vars else "float32"
+    return rate_dtype(node.primitive, [v.dtype for v in in_vars], result)
 
 
 def _divisible(shape, spec: Spec, mesh: LogicalMesh) -> bool:

@@ -152,6 +152,7 @@ def measure_profile(
         device_memory=_device_memory(mine),
         peak_flops={dtype: max(by_size.values()) for dtype, by_size in flops.items()},
         matmul_efficiency=1.0,
+        gemm_efficiency=_gemm_table(flops),
         hbm_bandwidth=hbm,
         intra_host=intra_link,
         inter_host=inter_link,
@@ -167,6 +168,19 @@ def measure_profile(
             measured[level] = _samples_json(samples, link)
     result = ProfileResult(cluster, _note(len(hosts), bool(inter)), measured)
     return ProfileResult.from_json(_from_process_zero(result.to_json()))
+
+
+def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float], ...] | None:
+    """The measured fraction of the best rate by matmul size, averaged over dtypes: the
+    profile's `gemm_efficiency` (None with fewer than two sizes)."""
+    sizes = sorted(set.intersection(*(set(by_size) for by_size in flops.values())))
+    if len(sizes) < 2:
+        return None
+    fractions = [
+        sum(by_size[n] / max(by_size.values()) for by_size in flops.values()) / len(flops)
+        for n in sizes
+    ]
+    return tuple((float(n), round(f, 3)) for n, f in zip(sizes, fractions))
 
 
 def measure_collectives(

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autopar.cluster._mesh import Spec, replicated
+from autopar.cost import hideable_weight
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes._layers import LayerAssignment, accumulated_values
 from autopar.intra._problem import summed_axes
@@ -106,7 +107,8 @@ def step_weights(
     phases: Mapping[int, str],
     deferrable: Deferrable,
     num_microbatches: int,
-) -> dict[int, tuple[float, float]]:
+    overlap: float = 0.0,
+) -> dict[int, tuple[float, ...]]:
     """ILP cost weights of a stage or layer sub-graph, per microbatch of the pipeline.
 
     **Arguments:**
@@ -114,16 +116,19 @@ def step_weights(
     - `deferrable`: from `deferrable_gradients` on the full graph.
 
     **Returns:** node id -> (weight of its whole cost and its operands' resharding, weight of
-    its own reduction collectives), for the nodes whose weights are not (1, 1): the update
-    runs once per step, and a deferred reduction happens once per step.
+    its own reduction collectives[, share of their time exposed]), for the nodes whose
+    weights are not (1, 1): the update runs once per step, and a deferred reduction
+    happens once per step, under the backward: `overlap` (`Cluster.overlap`) of its time is
+    hidden (`autopar.cost.hideable_weight`; its count stays whole).
     """
+    exposed = hideable_weight(overlap)
     once = 1.0 / num_microbatches
     weights = {}
     for node in graph.nodes:
         if phases[node.id] == "apply":
             weights[node.id] = (once, 1.0)
         elif any(v in deferrable.roots for v in node.outputs):
-            weights[node.id] = (1.0, once)
+            weights[node.id] = (1.0, once) if exposed == 1 else (1.0, once, exposed)
     return weights
 
 

@@ -1,0 +1,178 @@
+"""Fusion: which bytes of each node cross a kernel boundary, the way XLA's GPU fusion does.
+
+In: an `OpGraph`. Out: `FusionTraffic`, per node and operand whether the operand is read
+from device memory, and per result whether it is written there. A node inside a fusion
+reads and writes only what crosses the fusion's boundary; the cost model charges a node
+those bytes (plus its FLOPs), so the per-node ILP keeps per-node costs while a chain of
+elementwise ops costs about one read of its inputs and one write of its outputs
+(REFERENCES.md, "Compute on GPUs"), not one round trip per op.
+
+Every primitive has a fusion kind (`FUSION_KINDS`, a registry with a default):
+
+* ``"elementwise"`` (the default): elementwise math, broadcast, convert, reshape,
+  transpose, slices, select, iota, gather, the autopar markers. Fuses with producers and
+  consumers of the same kind, and into a reduction that consumes it.
+* ``"reduce"``: reductions. Fuse with their producers (XLA's input fusion); their results
+  leave the kernel.
+* ``"matmul"``: dots and convolutions, a library kernel each, with a fused prologue (a
+  single-use convert, transpose, reshape or broadcast of an operand) and a fused epilogue
+  (the single elementwise consumer of a single-use result: bias add, activation).
+* ``"kernel"``: everything else that XLA runs as its own kernel (control flow, sort,
+  scatter, cumulative ops, collectives, dynamic_update_slice): nothing fuses with it.
+* ``"boundary"``: the markers of an opened scan (`autopar.intra._scan`: ``scan_slice``,
+  ``scan_enter``, ``scan_exit``, ``scan_stack``). A loop body is its own computation,
+  so no fusion crosses them: what enters the body is read from device memory every
+  iteration, what leaves it is written. The markers themselves move no data (0 bytes).
+
+An edge p -> c between fusible nodes fuses only when no reduction or kernel lies on any
+path from p to c, i.e. both are at the same *depth* (the most kernels and reductions on a
+path from the graph inputs; a matmul with a fused epilogue does not count, since its
+epilogue runs in its kernel). Otherwise fusing would make a cycle: a forward activation
+read by the backward pass, or `x` in ``x - mean(x)``, is written once and read again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from autopar.graph._opgraph import Node, OpGraph
+
+FusionKind = Literal["elementwise", "reduce", "matmul", "kernel", "boundary"]
+
+FUSION_KINDS: dict[str, FusionKind] = {}
+DEFAULT_FUSION_KIND: FusionKind = "elementwise"
+
+
+def register_fusion(kind: FusionKind, *names: str) -> None:
+    """Give primitives `names` the fusion kind `kind` (see the module docstring)."""
+    for name in names:
+        FUSION_KINDS[name] = kind
+
+
+def fusion_kind(primitive: str) -> FusionKind:
+    """The fusion kind of `primitive`; unlisted primitives are elementwise."""
+    return FUSION_KINDS.get(primitive, DEFAULT_FUSION_KIND)
+
+
+register_fusion("matmul", "dot_general", "conv_general_dilated")
+register_fusion(
+    "reduce",
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin",
+)
+register_fusion(
+    "kernel",
+    "scan", "while", "cond", "sort", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+    "scatter_mul", "dynamic_update_slice", "cumsum", "cumprod", "cummax", "cummin",
+    "cumlogsumexp", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "select_and_scatter_add", "psum", "all_gather", "psum_scatter", "reduce_scatter",
+    "all_to_all", "ppermute", "rng_bit_generator", "custom_call", "fft", "top_k",
+    "triangular_solve", "cholesky", "lu", "qr", "eigh", "svd",
+)
+
+register_fusion("boundary", "scan_slice", "scan_enter", "scan_exit", "scan_stack")
+
+# Elementwise producers a dot or convolution reads through (cuBLAS/Triton GEMM fusions fuse
+# an operand's layout or dtype change; XLA's GEMM rewriter folds transposes into the call).
+PROLOGUE_PRIMITIVES = frozenset(
+    {"convert_element_type", "transpose", "reshape", "broadcast_in_dim", "copy", "copy_p"}
+)
+
+
+@dataclass(frozen=True)
+class FusionTraffic:
+    """Per node (by node id): `reads[i]` is True when operand i comes from device memory;
+    `writes[j]` is True when result j is written there (used outside its fusion, or a graph
+    output)."""
+
+    reads: Mapping[int, tuple[bool, ...]]
+    writes: Mapping[int, tuple[bool, ...]]
+
+    def hbm_bytes(self, node_id: int, in_bytes, out_bytes) -> float:
+        """The node's bytes that cross its fusion's boundary, given per operand and per
+        result bytes (None entries count 0)."""
+        read = sum(b or 0 for b, hbm in zip(in_bytes, self.reads[node_id]) if hbm)
+        written = sum(b or 0 for b, hbm in zip(out_bytes, self.writes[node_id]) if hbm)
+        return float(read + written)
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fusion_traffic(graph: OpGraph) -> FusionTraffic:
+    """Which bytes of every node of `graph` cross a fusion boundary (module docstring).
+
+    Cached per graph object (keyed also by its node count, so a graph that grew is redone).
+
+    **Example:** for ``gelu(x @ w + b)`` alone, the dot reads x and w and writes nothing;
+    the bias add reads b; the last op of the GELU writes the result; every op in between
+    reads and writes nothing.
+    """
+    cached = _CACHE.get(graph)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    traffic = _compute(graph)
+    _CACHE[graph] = (len(graph.nodes), traffic)
+    return traffic
+
+
+def _compute(graph: OpGraph) -> FusionTraffic:
+    consumers = graph.consumers()
+    outputs = set(graph.outvars)
+    depth = _depths(graph, consumers, outputs)
+    producer_of = {v: node for node in graph.nodes for v in node.outputs}
+
+    def fused(var: int, consumer: Node) -> bool:
+        producer = producer_of.get(var)
+        if producer is None:
+            return False
+        single_use = len(consumers[var]) == 1
+        p, c = fusion_kind(producer.primitive), fusion_kind(consumer.primitive)
+        if p == "matmul":  # epilogue
+            return single_use and c == "elementwise" and var not in outputs
+        if p != "elementwise":
+            return False
+        if c == "matmul":  # prologue
+            return single_use and producer.primitive in PROLOGUE_PRIMITIVES
+        return c in ("elementwise", "reduce") and depth[producer.id] == depth[consumer.id]
+
+    def boundary(node: Node) -> bool:
+        return fusion_kind(node.primitive) == "boundary"
+
+    by_id = {node.id: node for node in graph.nodes}
+    reads = {
+        node.id: tuple(not boundary(node) and not fused(v, node) for v in node.inputs)
+        for node in graph.nodes
+    }
+    writes = {
+        node.id: tuple(
+            not boundary(node)
+            and (v in outputs or any(not fused(v, by_id[c]) for c in consumers[v]))
+            for v in node.outputs
+        )
+        for node in graph.nodes
+    }
+    return FusionTraffic(reads, writes)
+
+
+def _depths(graph: OpGraph, consumers, outputs) -> dict[int, int]:
+    """Per node, the most non-elementwise nodes (reductions, matmuls, kernels) on a path
+    from the graph inputs to it, not counting itself. A matmul's result that goes only to
+    an elementwise epilogue does not count: the epilogue runs in the matmul's kernel, so
+    its other operands (a bias) may fuse with it."""
+    depth: dict[int, int] = {}
+    var_depth: dict[int, int] = {}
+    kinds = {node.id: fusion_kind(node.primitive) for node in graph.nodes}
+    for node in graph.nodes:
+        d = max((var_depth.get(v, 0) for v in node.inputs), default=0)
+        depth[node.id] = d
+        for v in node.outputs:
+            epilogue = (
+                kinds[node.id] == "matmul" and len(consumers[v]) == 1 and v not in outputs
+                and kinds[consumers[v][0]] == "elementwise"
+            )
+            var_depth[v] = d + int(kinds[node.id] != "elementwise" and not epilogue)
+    return depth

@@ -1,0 +1,345 @@
+"""Issue 14, "Predictions you can trust": the cost model against hand computation on the
+DGX profiles: dot precision, collectives over NIC rails, GEMM efficiency by shape, fusion."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from autopar.cluster import Cluster, LogicalMesh
+from autopar.cost import collective_time, compute_time, gemm_efficiency, rate_dtype
+from autopar.graph import fusion_kind, fusion_traffic, trace
+from autopar.intra._strategies import CostContext, node_signature, node_strategies
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def a100():
+    return Cluster.from_profile("dgx-a100-80g")
+
+
+def _replicated(graph, node, cluster):
+    """The replicated strategy of `node` on one device of `cluster`."""
+    ctx = CostContext(cluster, LogicalMesh.create((1,), axis_names=("x",)))
+    return node_strategies(node, graph, node_signature(node, graph), ctx)[0]
+
+
+def _dots(graph):
+    return [n for n in graph.nodes if n.primitive == "dot_general"]
+
+
+# ---- 1. dot precision -----------------------------------------------------------------
+
+
+def test_rate_dtype_from_operands():
+    assert rate_dtype("dot_general", ["bfloat16", "bfloat16"], "float32") == "bfloat16"
+    assert rate_dtype("dot_general", ["bfloat16", "float32"], "float32") == "float32"
+    assert rate_dtype("conv_general_dilated", ["float16", "float16"], "float32") == "float16"
+    assert rate_dtype("add", ["bfloat16", "bfloat16"], "float32") == "float32"
+
+
+def test_rate_dtype_of_typed_prng_keys_is_uint32():
+    """NumPy rejects ``key<fry>``; a key's arithmetic runs on its uint32 key data."""
+    key = jax.random.key(0)
+    assert rate_dtype("random_split", [key.dtype], key.dtype) == "uint32"
+    assert rate_dtype("random_bits", ["key<fry>"], "uint32") == "uint32"
+    assert rate_dtype("dot_general", ["key<fry>", "float32"], "float32") == "uint32"
+
+
+def test_typed_key_ops_get_costed_strategies(a100):
+    """Every node of a step that splits a typed key gets a strategy (no TypeError)."""
+
+    def step(key, x):
+        k1, _ = jax.random.split(key)
+        return x * jax.random.uniform(k1, x.shape)
+
+    graph = trace(step, jax.random.key(0), jnp.ones((4, 4)))
+    assert any("key<" in str(graph.vars[v].dtype) for v in graph.invars)
+    for node in graph.nodes:
+        assert _replicated(graph, node, a100).compute_cost >= 0
+
+
+def test_bf16_dot_with_f32_accumulation_costs_bf16_rate(a100):
+    n = 4096
+    x = jax.ShapeDtypeStruct((n, n), jnp.bfloat16)
+
+    def f(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    graph = trace(f, x, x)
+    (dot,) = _dots(graph)
+    assert graph.vars[dot.outputs[0]].dtype == "float32"
+    # By hand: 2·4096³ FLOPs at the bf16 rate, 312 TFLOP/s x 0.8 (the profile's GEMM
+    # efficiency at size 4096); the bytes (two bf16 operands, one f32 result:
+    # 2·4096²·2 + 4096²·4 = 134 MB, 67 us at 2 TB/s) do not bind. 0.55 ms, where the f32
+    # (TF32, 156 TFLOP/s) rate would give 1.1 ms.
+    flops = 2 * n**3
+    by_hand = flops / (312e12 * 0.8)
+    assert _replicated(graph, dot, a100).compute_cost == pytest.approx(by_hand)
+
+
+# ---- 2. collectives over NIC rails ------------------------------------------------------
+
+
+def test_all_reduce_over_two_dgx_a100_hosts_is_hierarchical(a100):
+    cluster = a100.with_shape(2, 8)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    # NCCL on 2 DGX A100 (8 GPUs each, one 25 GB/s HDR NIC per GPU), S = 1 GiB:
+    #   reduce-scatter inside each host:  7/8 · 2**30 / 300e9  = 3.131 ms, 7 steps · 5 us
+    #   all-reduce across the 2 hosts of S/8 per GPU, each GPU on its own rail:
+    #                                     2·1/2 · 2**30/8 / 25e9 = 5.369 ms, 2 steps · 10 us
+    #   all-gather inside each host:      7/8 · 2**30 / 300e9  = 3.131 ms, 7 steps · 5 us
+    #   total 11.63 ms + 0.09 ms = 11.72 ms   (one ring at one NIC: 2·15/16·2**30/25e9 = 80.5 ms)
+    by_hand = 2 * (7 / 8 * GiB / 300e9 + 7 * 5e-6) + (GiB / 8 / 25e9 + 2 * 10e-6)
+    assert by_hand == pytest.approx(11.72e-3, rel=1e-3)
+    predicted = collective_time("all_reduce", GiB, cluster, mesh, "x")
+    assert predicted == pytest.approx(by_hand, rel=0.10)
+
+
+def test_hierarchical_reduce_scatter_plus_all_gather_is_all_reduce(a100):
+    cluster = a100.with_shape(4, 8)
+    mesh = LogicalMesh.create((32,), axis_names=("x",))
+    parts = sum(
+        collective_time(k, GiB, cluster, mesh, "x") for k in ("reduce_scatter", "all_gather")
+    )
+    assert parts == pytest.approx(collective_time("all_reduce", GiB, cluster, mesh, "x"))
+
+
+def test_dgx_h100_rails(a100):
+    h100 = Cluster.from_profile("dgx-h100", num_hosts=2)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    # as above with NVLink 4 (450 GB/s) and NDR (50 GB/s per rail)
+    by_hand = 2 * (7 / 8 * GiB / 450e9 + 7 * 5e-6) + (GiB / 8 / 50e9 + 2 * 10e-6)
+    assert collective_time("all_reduce", GiB, h100, mesh, "x") == pytest.approx(by_hand)
+
+
+def test_profile_without_rails_keeps_per_device_network(a100):
+    """No `nics_per_host`: `inter_host.bandwidth` is each device's share, as before."""
+    plain = dataclasses.replace(a100, nics_per_host=None).with_shape(8, 8)
+    assert plain.network_link() == plain.inter_host
+    mesh = LogicalMesh.create((8,), [host * 8 for host in range(8)], ("x",))
+    expected = 2 * 7 / 8 * GiB / 25e9 + 2 * 7 * 10e-6
+    assert collective_time("all_reduce", GiB, plain, mesh, "x") == pytest.approx(expected)
+
+
+def test_one_nic_per_host_is_shared():
+    """p3.16xlarge: one 3.125 GB/s NIC for 8 GPUs; the cross-host level of 2 hosts moves
+    S/8 per GPU at 3.125/8 GB/s, i.e. S at 3.125 GB/s per host."""
+    v100 = Cluster.from_profile("p3.16xlarge-v100", num_hosts=2)
+    mesh = LogicalMesh.create((16,), axis_names=("x",))
+    by_hand = 2 * (7 / 8 * GiB / 150e9 + 7 * 5e-6) + (GiB / 8 / (3.125e9 / 8) + 2 * 50e-6)
+    assert collective_time("all_reduce", GiB, v100, mesh, "x") == pytest.approx(by_hand)
+
+
+def test_nics_per_host_round_trips_and_is_checked(a100, tmp_path):
+    assert Cluster.from_json(a100.to_json()) == a100
+    data = {**a100.to_json(), "nics_per_host": 0}
+    with pytest.raises(ValueError, match="nics_per_host must be an integer >= 1"):
+        Cluster.from_json(data)
+
+
+# ---- 3. GEMM efficiency by size -----------------------------------------------------------
+
+
+def test_gemm_efficiency_interpolates_the_profile_table(a100):
+    # dgx-a100-80g.json: 1024 -> 0.45, 2048 -> 0.7, 8192 -> 0.82 (size = (M·N·K)^(1/3))
+    assert gemm_efficiency(a100, 2 * 1024**3) == pytest.approx(0.45)
+    assert gemm_efficiency(a100, 2 * 8192**3) == pytest.approx(0.82)
+    assert gemm_efficiency(a100, 2 * 65536**3) == pytest.approx(0.82)  # held beyond the end
+    between = 2 * (1024 * 2**0.5) ** 3  # halfway in log(size)
+    assert gemm_efficiency(a100, between) == pytest.approx((0.45 + 0.7) / 2)
+    # a skinny 4096 x 4096 x 64 GEMM counts as size 1024
+    assert gemm_efficiency(a100, 2 * 4096 * 4096 * 64) == pytest.approx(0.45)
+
+
+def test_small_gemms_far_below_peak_large_ones_near_it(a100):
+    def seconds(n):
+        return compute_time(2 * n**3, 0, a100, "bfloat16", matmul=True)
+
+    assert seconds(256) == pytest.approx(2 * 256**3 / (312e12 * 0.06))
+    assert seconds(8192) == pytest.approx(2 * 8192**3 / (312e12 * 0.82))
+    # elementwise FLOPs keep the flat matmul_efficiency
+    assert compute_time(1e12, 0, a100, "bfloat16") == pytest.approx(1e12 / (312e12 * 0.7))
+
+
+def test_without_table_every_gemm_at_matmul_efficiency(a100):
+    flat = dataclasses.replace(a100, gemm_efficiency=None)
+    assert gemm_efficiency(flat, 2 * 256**3) == 0.7
+    assert Cluster.from_json(a100.to_json()) == a100
+    assert "gemm_efficiency" not in flat.to_json()
+    with pytest.raises(ValueError, match="gemm_efficiency sizes must be > 0 and increasing"):
+        Cluster.from_json({**a100.to_json(), "gemm_efficiency": [[512, 0.5], [256, 0.2]]})
+    with pytest.raises(ValueError, match=r"gemm_efficiency fractions must be in \(0, 1\]"):
+        Cluster.from_json({**a100.to_json(), "gemm_efficiency": [[512, 1.5]]})
+
+
+def test_profiler_fits_the_table_from_its_matmul_sizes():
+    from autopar.profile._measure import _gemm_table
+
+    measured = {"float32": {256: 1e9, 512: 2e9, 1024: 4e9}, "bfloat16": {256: 1e9, 512: 1e9}}
+    # sizes both dtypes measured; float32 at 1/4 and 2/4 of its best, bfloat16 at 1 and 1
+    assert _gemm_table(measured) == ((256.0, 0.625), (512.0, 0.75))
+    assert _gemm_table({"float32": {256: 1e9}}) is None
+
+
+# ---- 4. fusion-aware compute ---------------------------------------------------------------
+
+
+def _gelu(x):
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608 * (x + 0.044715 * x**3)))
+
+
+def test_dot_bias_gelu_costs_the_dot_plus_one_pass(a100):
+    m, k, n = 8192, 1024, 4096
+    bf16 = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((k, n), bf16),
+            jax.ShapeDtypeStruct((n,), bf16))
+    graph = trace(lambda x, w, b: _gelu(x @ w + b), *args)
+    assert len(graph.nodes) > 8  # the dot, the bias broadcast and add, the GELU's ops
+    total = sum(_replicated(graph, node, a100).compute_cost for node in graph.nodes)
+    out_bytes = m * n * 2
+    # By hand: the dot reads x and w and would write its output (roofline, compute-bound:
+    # 2·8192·4096·1024 / (312e12 · 0.8) = 275 us); one more pass over the output (64 MiB at
+    # 2 TB/s = 34 us) is the most the bias and GELU may add in bytes, with the bias vector
+    # read once, plus their own FLOPs (about 12 ops x 33.5 M, 2 us).
+    dot_alone = compute_time(2 * m * n * k, (m * k + k * n) * 2 + out_bytes, a100, bf16,
+                             matmul=True)
+    elementwise_flops = sum(nd.flops for nd in graph.nodes if nd.primitive != "dot_general")
+    one_pass = (out_bytes + n * 2) / a100.hbm_bandwidth
+    assert total <= dot_alone + one_pass + elementwise_flops / a100.flops(bf16)
+    # Unfused, every one of the ~12 elementwise ops would read and write the output.
+    unfused_passes = sum(
+        node.primitive != "dot_general" for node in graph.nodes
+    ) * 2 * out_bytes / a100.hbm_bandwidth
+    assert total < dot_alone + unfused_passes / 4
+
+
+def test_fusion_traffic_of_dot_bias_gelu():
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    b = jax.ShapeDtypeStruct((16,), jnp.float32)
+    graph = trace(lambda x, w, b: _gelu(x @ w + b), x, w, b)
+    traffic = fusion_traffic(graph)
+    (dot,) = _dots(graph)
+    assert traffic.reads[dot.id] == (True, True) and traffic.writes[dot.id] == (False,)
+    written = [n.primitive for n in graph.nodes if any(traffic.writes[n.id])]
+    assert written == [graph.nodes[-1].primitive]  # only the GELU's last op writes
+
+
+def test_values_read_after_a_reduction_or_by_the_backward_are_written():
+    # x - mean(x): the reduction sits between the producer of x and the subtraction
+    graph = trace(lambda a: (a * 2) - jnp.mean(a * 2, axis=-1, keepdims=True),
+                  jax.ShapeDtypeStruct((8, 128), jnp.float32), batch_argnums=())
+    traffic = fusion_traffic(graph)
+    doubled = [n for n in graph.nodes if n.primitive == "mul"]
+    assert any(traffic.writes[n.id] == (True,) for n in doubled)
+    # the backward of tanh(x @ w) reads the forward's tanh output after a dot
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w) @ w.T)
+
+    graph = trace(jax.grad(loss), jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                  jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    traffic = fusion_traffic(graph)
+    (tanh,) = [n for n in graph.nodes if n.primitive == "tanh"]
+    assert traffic.writes[tanh.id] == (True,)
+
+
+def test_fusion_kinds_registry():
+    assert fusion_kind("dot_general") == "matmul"
+    assert fusion_kind("reduce_sum") == "reduce"
+    assert fusion_kind("scan") == "kernel"
+    assert fusion_kind("some_new_elementwise_op") == "elementwise"  # the default
+
+
+def test_exposed_time_by_hand():
+    """A fraction `overlap` of the hideable collectives is hidden, never more than the
+    compute they run under."""
+    from autopar.cost import exposed_time, hideable_weight
+
+    ms = 1e-3
+    assert exposed_time(40 * ms, [6 * ms, 4 * ms], 0.9) == pytest.approx(1 * ms)  # 10 - 9
+    assert exposed_time(5 * ms, 10 * ms, 0.9) == pytest.approx(5 * ms)  # 10 - min(9, 5)
+    assert exposed_time(40 * ms, 10 * ms, 0.0) == pytest.approx(10 * ms)
+    assert hideable_weight(0.8) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="overlap must be in"):
+        exposed_time(1.0, 1.0, 1.5)
+
+
+def test_profile_overlap_hides_the_gradient_reduction_in_the_ilp(a100):
+    """The deferred gradient reduction of a layer weighs 1 - overlap of its time in the ILP
+    (the same LayerCostTable serves method="auto" and the Megatron scorer); its count stays
+    whole for the check against compiled HLO."""
+    import optax
+
+    from autopar.graph import tied_state
+    from autopar.inter import LayerCostTable, assign_layers
+    from autopar.intra._options import ShardOptions
+    from examples import gpt
+
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+    opt = optax.sgd(1e-2)
+    graph = trace(gpt.make_train_step(cfg, opt), gpt.abstract_state(cfg, opt),
+                  gpt.abstract_batch(cfg, 8), batch_argnums=(1,))
+    layers = assign_layers(graph)
+    tables = {
+        overlap: LayerCostTable(graph, layers, dataclasses.replace(a100, overlap=overlap),
+                                ShardOptions(), tied_state(graph, (0,)))
+        for overlap in (0.0, 0.75)
+    }
+    for k in range(layers.num_layers):
+        serial, hidden = tables[0.0].weights[k], tables[0.75].weights[k]
+        assert serial.keys() == hidden.keys()
+        for node, weight in serial.items():
+            if len(hidden[node]) == 3:  # a deferred reduction
+                assert hidden[node] == (*weight, pytest.approx(0.25))
+    assert any(len(w) == 3 for table in tables[0.75].weights for w in table.values())
+
+
+def test_scan_markers_end_fusions():
+    """A loop body is its own computation: what enters a scan's body is read from memory
+    and what leaves it is written, and the markers themselves move nothing."""
+    from autopar.intra._scan import expand_scans
+
+    def step(ws, x):
+        def body(h, w):
+            return jnp.tanh(h * w), None
+
+        return jax.lax.scan(body, x, ws)[0]
+
+    graph = trace(step, jnp.ones((3, 4)), jnp.ones((4,)))
+    planning = expand_scans(graph, {}, ()).graph
+    traffic = fusion_traffic(planning)
+    markers = [n for n in planning.nodes if n.primitive.startswith("scan_")]
+    assert markers
+    for node in markers:
+        assert not any(traffic.reads[node.id]) and not any(traffic.writes[node.id])
+    mul = next(n for n in planning.nodes if n.primitive == "mul")
+    tanh = next(n for n in planning.nodes if n.primitive == "tanh")
+    assert all(traffic.reads[mul.id])  # carry and weight slice come from memory
+    assert all(traffic.writes[tanh.id])  # the new carry leaves the body
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_mixed_precision_option_keeps_fp32_master_state_and_computes_in_bf16(model):
+    """``master_dtype="float32"``: 12 bytes of persistent state per parameter (fp32 weights
+    and AdamW moments) and every matmul on bf16 operands."""
+    import math
+
+    import optax
+
+    from examples import gpt, llama
+
+    module = {"gpt": gpt, "llama": llama}[model]
+    small = {"gpt": "tiny", "llama": "tiny"}[model]
+    cfg = dataclasses.replace(module.CONFIGS[small], dtype="bfloat16", master_dtype="float32")
+    opt = optax.adamw(1e-3)
+    state = module.abstract_state(cfg, opt)
+    num_params = sum(math.prod(p.shape) for p in jax.tree.leaves(state.params))
+    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert 12 * num_params <= state_bytes <= 12 * num_params + 64  # + the step count
+    graph = trace(module.make_train_step(cfg, opt), state, module.abstract_batch(cfg, 2),
+                  batch_argnums=(1,))
+    for dot in _dots(graph):
+        assert {str(graph.vars[v].dtype) for v in dot.inputs} == {"bfloat16"}, dot
