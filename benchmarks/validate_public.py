@@ -30,7 +30,6 @@ Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-writ
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time

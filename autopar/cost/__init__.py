@@ -16,7 +16,6 @@ from autopar.cost._compute import (
     gemm_efficiency,
     rate_dtype,
 )
-from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
     COLLECTIVE_KINDS,
@@ -24,6 +23,7 @@ from autopar.cost._formulas import (
     CollectiveKind,
     alpha_beta_terms,
 )
+from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
     LayerCost,
     boundary_transfer_time,

@@ -35,7 +35,9 @@ def exposed_time(compute: float, hideable: float | Iterable[float], overlap: flo
     """
     total = hideable if isinstance(hideable, (int, float)) else sum(hideable)
     if compute < 0 or total < 0:
-        raise ValueError(f"exposed_time needs compute >= 0 and hideable >= 0, got {compute}, {total}")
+        raise ValueError(
+            f"exposed_time needs compute >= 0 and hideable >= 0, got {compute}, {total}"
+        )
     if not 0 <= overlap <= 1:
         raise ValueError(f"overlap must be in [0, 1], got {overlap}; see Cluster.overlap")
     return total - min(overlap * total, compute)

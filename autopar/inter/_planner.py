@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import (
     LayerCost,
+    boundary_transfer_time,
     bytes_per_device,
     full_recompute_cost,
-    boundary_transfer_time,
     in_flight_microbatches,
     memory_budget,
     recompute_seconds,

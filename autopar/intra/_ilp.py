@@ -177,8 +177,8 @@ def solve(
     - `problem`: the numbers (see `ShardingProblem`).
     - `time_limit`: seconds the MILP solver may run; past it the best plan found so far is
       returned with status "time_limit".
-    - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC) or "auto" (HiGHS when
-      highspy is installed, else CBC).
+    - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC)
+      or "auto" (HiGHS when highspy is installed, else CBC).
     - `msg`: print the solver's log.
     - `formulation`: edge linearisation, "marginal" (Alpa's, the default: fastest in
       benchmarks/ilp_scaling.py) or "product".

@@ -14,7 +14,6 @@ Nothing here solves anything: the solver (`_ilp.py`) and the brute-force referen
 from __future__ import annotations
 
 import functools
-
 import math
 import types
 from collections.abc import Mapping, Sequence

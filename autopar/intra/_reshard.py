@@ -45,7 +45,7 @@ Layout = list[list[Digit]]  # per tensor dimension, its digits major to minor
 Move = tuple[int, int, int]  # an all-to-all: (from dimension, to dimension, factor)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _axis_digits(axis: str, size: int) -> tuple[Digit, ...]:
     """The prime factors of an axis, as digits major to minor."""
     factors = []
