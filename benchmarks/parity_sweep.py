@@ -104,6 +104,11 @@ def remat_options() -> tuple[str, ...]:
     return tuple(REMAT_OPTIONS) if "remat" in OPTION_NAMES else ()
 
 
+# The schedules of the first sweeps; "interleaved_1f1b" is not drawn (it needs
+# num_stages, virtual_stages and microbatches in rounds of the stages).
+BASE_SCHEDULES = ("gpipe", "1f1b")
+
+
 def config_for(seed: int, remats: tuple[str, ...] | None = None) -> Config:
     """The configuration of `seed`; only valid combinations are drawn."""
     from autopar.choices import SCHEDULES
@@ -125,7 +130,14 @@ def config_for(seed: int, remats: tuple[str, ...] | None = None) -> Config:
     else:
         valid = [m for m in MICROBATCHES if BATCH_SIZE % m == 0]
     num_microbatches = rng.choice(valid)
-    schedule = rng.choice(SCHEDULES)
+    schedule = rng.choice(BASE_SCHEDULES)
+    if method == "auto" and num_stages != 1:
+        # The schedules added later (zero bubble) come from a second stream, so the
+        # configurations drawn before stay what they were.
+        later = [s for s in SCHEDULES if s not in BASE_SCHEDULES and s != "interleaved_1f1b"]
+        extra = random.Random(seed * 7919 + 1)
+        if later and extra.random() < 0.5:
+            schedule = extra.choice(later)
     remats = remat_options() if remats is None else remats
     remat = rng.choice(remats) if remats else None
     return Config(seed, model, method, mesh_shape, num_stages, num_microbatches, schedule,

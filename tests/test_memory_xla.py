@@ -54,11 +54,19 @@ def _measure(module):
     return last.plan.stages[0].sharding.cost.memory_per_device, xla_peak_bytes(compiled)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_MISSES[n], strict=True))
-     if n in KNOWN_MISSES else n for n in EXAMPLES],
-)
+# moe (about 60 s on 2 cores) and the known miss run in the extended tier (CI time);
+# mlp and gpt stay in the default run.
+EXTENDED = ("moe", "wide_resnet")
+
+
+def _param(name):
+    marks = [pytest.mark.extended] if name in EXTENDED else []
+    if name in KNOWN_MISSES:
+        marks.append(pytest.mark.xfail(reason=KNOWN_MISSES[name], strict=True))
+    return pytest.param(name, marks=marks)
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in EXAMPLES])
 def test_one_stage_peak_memory_matches_xla(name):
     predicted, measured = _measure(EXAMPLES[name])
     ratio = measured / predicted
