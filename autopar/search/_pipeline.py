@@ -61,6 +61,13 @@ MESH_SHAPE_WARNING = (
 )
 
 
+STACK_REMAT_WARNING = (
+    "recompute is not searched for a scanned layer stack cut into pipeline stages: every "
+    "activation of the stack is kept (remat='auto' acts as 'none' there); a jax.checkpoint "
+    "around the scan body is respected as written"
+)
+
+
 class _NotALayerStack(Exception):
     """The step's scan over stacked inputs is not run by the differentiated loss function
     (`scan_layers` found nothing to cut there)."""
@@ -361,6 +368,8 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
         )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
+    if scan_ranges and options.remat == "auto":
+        warnings += (STACK_REMAT_WARNING,)
     return Plan(
         method="auto",
         cluster=cluster.to_json(),
