@@ -80,8 +80,10 @@ class _Model:
     binary: list[bool] = field(default_factory=list)
     rows: list[tuple[np.ndarray, np.ndarray, int, float]] = field(default_factory=list)
     node_columns: dict[int, np.ndarray] = field(default_factory=dict)
-    # (v, w, grid): grid[i, j] is the column of edge {v, w} at strategies (i, j), -1 if none
+    # (v, w, grid): grid[a, b] is the column of edge {v, w} at strategy classes (a, b), -1
+    # if none; edge_classes[k] = (class of each strategy of v, of w) for edge_columns[k]
     edge_columns: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    edge_classes: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     # cost units per unit of `cost` (`sharding_model` scales the largest coefficient to 1)
     scale: float = 1.0
 
@@ -101,7 +103,7 @@ class _Model:
         return columns
 
     def add_edge_columns(self, v: int, w: int, shape, pairs: np.ndarray, costs) -> np.ndarray:
-        """Continuous columns for the strategy pairs `pairs` of edge {v, w}."""
+        """Continuous columns for the class pairs `pairs` of edge {v, w}."""
         columns = self.add_columns(costs, binary=False)
         grid = np.full(shape, -1)
         grid[pairs[:, 0], pairs[:, 1]] = columns
@@ -113,9 +115,10 @@ class _Model:
         values = np.zeros(len(self.cost))
         for v, columns in self.node_columns.items():
             values[columns[choice[v]]] = 1.0
-        for v, w, grid in self.edge_columns:
-            if grid[choice[v], choice[w]] >= 0:
-                values[grid[choice[v], choice[w]]] = 1.0
+        for (v, w, grid), (row_class, col_class) in zip(self.edge_columns, self.edge_classes):
+            column = grid[row_class[choice[v]], col_class[choice[w]]]
+            if column >= 0:
+                values[column] = 1.0
         return values
 
     def objective_of(self, choice: Mapping[int, int]) -> float:
@@ -144,28 +147,70 @@ def _normalised_costs(graph: CostGraph):
     return node_cost, edges, scale
 
 
+def _classes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of `matrix`, in order of first appearance: (index of each class's
+    first row, class of every row)."""
+    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return first[order], rank[np.ravel(inverse)]
+
+
+def _compressed_edge(matrix: np.ndarray):
+    """An edge's cost matrix over classes of identical rows and identical columns.
+
+    Strategies of a node that give the edge's tensor the same layout have identical rows
+    (columns) of resharding costs; the ILP needs one edge column per pair of such classes,
+    not per pair of strategies. **Returns:** (row class of each row, column class of each
+    column, the class matrix)."""
+    row_first, row_class = _classes(matrix)
+    col_first, col_class = _classes(matrix.T)
+    return row_class, col_class, matrix[np.ix_(row_first, col_first)]
+
+
+def _class_sums(columns: np.ndarray, classes: np.ndarray, count: int) -> list[np.ndarray]:
+    """The strategy columns of each class (their sum is the class's indicator)."""
+    return [columns[classes == k] for k in range(count)]
+
+
 def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
-    """Alpa's linearisation: e[i, j] >= 0 for every pair, sum_j e[i, j] = s_v[i] and
-    sum_i e[i, j] = s_w[j] (the last column's equation is implied and left out). With
-    one-hot s the only such e is the outer product s_v s_w^T, so continuous e is exact."""
-    s_v, s_w = model.node_columns[v], model.node_columns[w]
-    pairs = np.argwhere(np.ones(matrix.shape, dtype=bool))  # row-major, as matrix.ravel()
-    e = model.add_edge_columns(v, w, matrix.shape, pairs, matrix.ravel()).reshape(matrix.shape)
-    for i in range(matrix.shape[0]):
-        model.add_row(np.append(e[i, :], s_v[i]), [1.0] * matrix.shape[1] + [-1.0], _EQ, 0.0)
-    for j in range(matrix.shape[1] - 1):
-        model.add_row(np.append(e[:, j], s_w[j]), [1.0] * matrix.shape[0] + [-1.0], _EQ, 0.0)
+    """Alpa's linearisation over strategy classes (`_compressed_edge`): e[a, b] >= 0 for
+    every pair of classes, sum_b e[a, b] = S_v[a] and sum_a e[a, b] = S_w[b], with S the
+    sum of a class's strategy columns (the last column class's equation is implied and
+    left out). With one-hot s the classes' indicators are one-hot, and the only such e is
+    their outer product, so continuous e is exact; with one strategy per class this is
+    Alpa's formulation itself, and merging classes leaves the LP relaxation's bound as it
+    was (a fractional e disaggregates in proportion to s)."""
+    row_class, col_class, classes = _compressed_edge(matrix)
+    rows, cols = classes.shape
+    s_v = _class_sums(model.node_columns[v], row_class, rows)
+    s_w = _class_sums(model.node_columns[w], col_class, cols)
+    pairs = np.argwhere(np.ones(classes.shape, dtype=bool))  # row-major, as classes.ravel()
+    e = model.add_edge_columns(v, w, (rows, cols), pairs, classes.ravel()).reshape(rows, cols)
+    model.edge_classes.append((row_class, col_class))
+    for a in range(rows):
+        model.add_row(np.concatenate([e[a, :], s_v[a]]),
+                      [1.0] * cols + [-1.0] * len(s_v[a]), _EQ, 0.0)
+    for b in range(cols - 1):
+        model.add_row(np.concatenate([e[:, b], s_w[b]]),
+                      [1.0] * rows + [-1.0] * len(s_w[b]), _EQ, 0.0)
 
 
 def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
-    """Product bound: e[i, j] >= s_v[i] + s_w[j] - 1, e >= 0, only where matrix > 0. The
-    matrix is >= 0 so the minimum puts e at max(0, s_v[i] + s_w[j] - 1) = s_v[i] s_w[j]
-    for one-hot s; exact, smaller than the marginal form, but a weaker LP relaxation."""
-    s_v, s_w = model.node_columns[v], model.node_columns[w]
-    pairs = np.argwhere(matrix > 0)
-    e = model.add_edge_columns(v, w, matrix.shape, pairs, matrix[pairs[:, 0], pairs[:, 1]])
-    for column, (i, j) in zip(e, pairs):
-        model.add_row([column, s_v[i], s_w[j]], [1.0, -1.0, -1.0], _GE, -1.0)
+    """Product bound over strategy classes: e[a, b] >= S_v[a] + S_w[b] - 1, e >= 0, only
+    where the class matrix is > 0. It is >= 0, so the minimum puts e at
+    max(0, S_v[a] + S_w[b] - 1) = S_v[a] S_w[b] for one-hot s; exact, smaller than the
+    marginal form, but a weaker LP relaxation."""
+    row_class, col_class, classes = _compressed_edge(matrix)
+    s_v = _class_sums(model.node_columns[v], row_class, classes.shape[0])
+    s_w = _class_sums(model.node_columns[w], col_class, classes.shape[1])
+    pairs = np.argwhere(classes > 0)
+    e = model.add_edge_columns(v, w, classes.shape, pairs, classes[pairs[:, 0], pairs[:, 1]])
+    model.edge_classes.append((row_class, col_class))
+    for column, (a, b) in zip(e, pairs):
+        model.add_row(np.concatenate([[column], s_v[a], s_w[b]]),
+                      [1.0] + [-1.0] * (len(s_v[a]) + len(s_w[b])), _GE, -1.0)
 
 
 def sharding_model(
@@ -226,7 +271,7 @@ def plans_within(model: _Model, duals: np.ndarray, bound: float) -> dict[int, np
 
     With y the duals (clipped to the sign their row's sense allows) and d = c - A^T y, every
     feasible x has cost c.x = y.b + d.x + sum_i y_i (a_i.x - b_i) >= y.b + d.x, and at a plan
-    every column is in [0, 1] (edge columns are products of two strategy columns). So
+    every column is in [0, 1] (edge columns are products of two class indicators). So
     c.x >= D + sum_(d_j > 0) d_j x_j + sum_(d_j < 0) |d_j| (1 - x_j), D = y.b + sum min(0, d),
     and a plan within `bound` has x_j = 0 where d_j > slack = bound - D, and x_j = 1 where
     d_j < -slack. `_FIXING_MARGIN` widens the slack by the solvers' feasibility tolerance.
