@@ -166,7 +166,10 @@ def _local_section(local: dict | None) -> str:
         f"{local['batch']}, on 8 virtual CPU devices of this 2-core machine. Predictions use "
         f"the `{local['profile']}` profile; measured = median of "
         f"{local['steps'] * local.get('rounds', 1)} steps after one warm-up step "
-        f"(`block_until_ready`), timed in {local.get('rounds', 1)} round(s) of "
+        f"(`block_until_ready`"
+        + ("; by this process's CPU time, `time.process_time`" if local.get("clock") == "process"
+           else "")
+        + f"), timed in {local.get('rounds', 1)} round(s) of "
         f"{local['steps']} steps of every plan in turn"
         + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
         + ".\n",

@@ -469,3 +469,22 @@ def test_recompute_of_a_row_parallel_dot_costs_its_forward_per_device(a100):
     allreduce = collective_time("all_reduce", 8 * 512 * 1024 * 4 / 2, a100, mesh, "model")
     assert rerun_seconds(graph, plan, [dot.id], a100) == pytest.approx(hand + allreduce,
                                                                         rel=0.05)
+
+
+def test_megatron_pins_the_residual_gradient_at_layer_edges(mixed_graph):
+    """The gradient of the residual stream crosses each layer edge in the stream's layout
+    (sequence-split under sequence parallelism), as Megatron's backward hands it on: the
+    layer below must not take it whole and leave the gather to the stitched stage."""
+    from autopar.manual import MegatronConfig
+    from autopar.manual._sequence import forward_nodes, residual_specs
+
+    graph = mixed_graph
+    forward = forward_nodes(graph)
+    marks = [n for n in graph.nodes
+             if n.primitive == "layer_boundary" and n.id not in forward]
+    assert marks
+    for sp, spec in ((True, (("data",), ("model",), ())), (False, (("data",), (), ()))):
+        specs = residual_specs(graph, MegatronConfig(dp=2, tp=2, sequence_parallel=sp))
+        for mark in marks:
+            for v in (*mark.inputs, *mark.outputs):
+                assert specs[v] == spec
