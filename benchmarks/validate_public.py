@@ -38,6 +38,7 @@ Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-writ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -152,6 +153,7 @@ RUNS = (
                  124, 8, 1, 1024, 1, 147.0, True, "recompute",
                  "Zhang et al. 2022 (OPT, sec. 2.4): 992 A100-80GB, FSDP with Megatron TP8, "
                  "batch 2M tokens (1024 sequences of 2048), 147 TFLOP/s per GPU",
+                 recompute="full",
                  expressible="1024 sequences do not split over 124 data-parallel replicas "
                  "(OPT's FSDP ran 992 GPUs = 124 x TP8); no even MegatronConfig"),
     PublishedRun("llama3-405b-8k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
@@ -268,18 +270,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(r.key for r in RUNS))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--save", help="also write the scored rows to this JSON file")
+    parser.add_argument("--load", nargs="*", default=(),
+                        help="JSON files of rows scored earlier (--save): table them with "
+                        "this run's rows instead of scoring them again (several processes "
+                        "can score disjoint --rows)")
     args = parser.parse_args()
     wanted = args.rows.split(",")
-    rows = []
+    loaded = {}
+    for path in args.load:
+        with open(path) as f:
+            loaded.update(json.load(f))
+    rows, scored = [], {}
     for run in RUNS:
-        if run.key not in wanted:
+        if run.key in loaded:
+            rows.append({"run": run, **loaded[run.key]})
+            continue
+        if run.key not in wanted or args.load:
             continue
         try:
             row = evaluate(run)
         except Exception as err:  # report every row, including those that fail
             row = {"run": run, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         rows.append(row)
-        print({k: v for k, v in row.items() if k != "run"}, run.key, flush=True)
+        scored[run.key] = {k: v for k, v in row.items() if k != "run"}
+        print(scored[run.key], run.key, flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(scored, f, indent=1)
     section = table(rows)
     print(section)
     if not args.no_write:

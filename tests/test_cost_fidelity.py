@@ -488,3 +488,35 @@ def test_megatron_pins_the_residual_gradient_at_layer_edges(mixed_graph):
         for mark in marks:
             for v in (*mark.inputs, *mark.outputs):
                 assert specs[v] == spec
+
+
+def test_fused_attention_keeps_the_scores_on_chip(a100):
+    """With a profile's ``fused_attention``, hand-written attention moves only its
+    inputs and output through device memory (q, k, v read once, the output written
+    once, plus the softmax's per-row statistics), as a FlashAttention kernel does; without it, the sequence x sequence scores
+    and probabilities cross device memory too."""
+    from autopar.graph import attention_core
+
+    def attention(q, k, v):
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 8.0
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+    qkv = jax.ShapeDtypeStruct((2, 4, 512, 64), jnp.bfloat16)
+    graph = trace(attention, qkv, qkv, qkv, batch_argnums=())
+
+    def hbm_bytes(fused):
+        traffic = fusion_traffic(graph, fused_attention=fused)
+        return sum(
+            traffic.hbm_bytes(n.id, [graph.vars[v].nbytes for v in n.inputs],
+                              [graph.vars[v].nbytes for v in n.outputs])
+            for n in graph.nodes
+        )
+
+    tensor = 2 * 4 * 512 * 64 * 2
+    stats = 2 * 4 * 512 * 4  # a softmax statistic per row in f32 (max, sum; Flash's lse)
+    assert attention_core(graph)
+    assert 4 * tensor <= hbm_bytes(True) <= 4 * tensor + 4 * stats
+    assert hbm_bytes(False) >= 4 * tensor + 2 * (2 * 4 * 512 * 512 * 2)
+    h100 = Cluster.from_profile("dgx-h100")
+    assert h100.fused_attention and not a100.fused_attention
+    assert Cluster.from_json(h100.to_json()).fused_attention
