@@ -493,8 +493,9 @@ def test_megatron_pins_the_residual_gradient_at_layer_edges(mixed_graph):
 def test_fused_attention_keeps_the_scores_on_chip(a100):
     """With a profile's ``fused_attention``, hand-written attention moves only its
     inputs and output through device memory (q, k, v read once, the output written
-    once, plus the softmax's per-row statistics), as a FlashAttention kernel does; without it, the sequence x sequence scores
-    and probabilities cross device memory too."""
+    once, plus the softmax's per-row statistics), as a FlashAttention kernel does;
+    without it, the sequence x sequence scores and probabilities cross device memory
+    too."""
     from autopar.graph import attention_core
 
     def attention(q, k, v):
