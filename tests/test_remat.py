@@ -107,7 +107,7 @@ def test_layer_table_prices_full_as_one_forward_and_the_input():
                            sub.vars[node.outputs[0]].dtype)
         by_hand += compute_time(node.flops, accessed, cluster, dtype,
                                 matmul=node.primitive in MATMUL_PRIMITIVES)
-    # to 0.01%: a few tiny nodes the plan runs without a costed strategy count 0 there
+    # agrees to 0.007% (3.7e-8 s of 5.0e-4 s); the node behind the gap is not pinned down
     assert full.latency - base.latency == pytest.approx(by_hand, rel=1e-3)
     rows, seq, hidden = 4, GPT.seq_len, GPT.hidden
     assert full.activation_memory == rows * seq * hidden * 4  # the block's float32 input
