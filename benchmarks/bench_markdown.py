@@ -166,7 +166,10 @@ def _local_section(local: dict | None) -> str:
         f"{local['batch']}, on 8 virtual CPU devices of this 2-core machine. Predictions use "
         f"the `{local['profile']}` profile; measured = median of "
         f"{local['steps'] * local.get('rounds', 1)} steps after one warm-up step "
-        f"(`block_until_ready`), timed in {local.get('rounds', 1)} round(s) of "
+        f"(`block_until_ready`"
+        + ("; by this process's CPU time, `time.process_time`" if local.get("clock") == "process"
+           else "")
+        + f"), timed in {local.get('rounds', 1)} round(s) of "
         f"{local['steps']} steps of every plan in turn"
         + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
         + ".\n",
@@ -223,8 +226,6 @@ def _misses(plans: list[dict]) -> str:
         "move more bytes are not slowed in proportion; (2) the pipeline runtime dispatches "
         "one program per stage, microbatch and direction (plus the gradient accumulation and "
         "update programs), and the model charges nothing per dispatch, while on CPU each "
-        "costs a fixed overhead; it charges instead every layer-boundary reshard and a full "
-        "stage cost per microbatch, which over-predicts small pipelined and layer-wise "
-        "(Megatron) plans; (3) XLA fuses the many small element-wise ops of a tiny model, "
-        "which the per-operator roofline counts one by one.\n"
+        "costs a fixed overhead, so the pipelined plans, which run the most programs, "
+        "measure several times their prediction and rank last.\n"
     )

@@ -155,12 +155,14 @@ def run_local_part(args) -> dict:
     from bench_local import run_local, spearman
 
     results, per_round = run_local(args.local_config, args.local_batch, args.local_steps,
-                                   args.profile, rounds=args.local_rounds)
+                                   args.profile, rounds=args.local_rounds,
+                                   clock=args.local_clock)
     record = {
         "config": args.local_config,
         "batch": args.local_batch,
         "steps": args.local_steps,
         "rounds": args.local_rounds,
+        "clock": args.local_clock,
         "commit": code_version(),
         "profile": args.profile,
         "plans": [dataclasses.asdict(r) for r in results],
@@ -187,6 +189,9 @@ def parse_args(argv=None):
                         help="steps timed per plan in each round (default: 10)")
     parser.add_argument("--local-rounds", type=int, default=3,
                         help="rounds of timing every plan in turn (default: 3)")
+    parser.add_argument("--local-clock", choices=("wall", "process"), default="wall",
+                        help="time local steps by wall clock or by this process's CPU time "
+                        "(less distorted by other processes on a shared machine)")
     parser.add_argument("--profile", default="cpu-local",
                         help="cost profile of the local predictions (name or JSON path)")
     parser.add_argument("--results", type=Path, default=RESULTS)

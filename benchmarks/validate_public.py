@@ -19,10 +19,18 @@ instead of 3; Narayanan et al. 2021, eq. 3), so their step time is
 FLOPs (MFU), so ``F / (TFLOP/s · GPUs)``. F is the traced one-microbatch step's FLOPs times
 the step's microbatches.
 
-Rows whose published run recomputes activations or uses an interleaved schedule are
-marked: autopar's Megatron scorer has no recompute option in this branch (another change
-adds ``MegatronConfig(recompute=...)``), so their predictions lack the recompute and are
-not a pass/fail check until it lands.
+Each row runs the published plan as published where autopar can express it: recompute
+(`MegatronConfig(recompute="full")` for BLOOM, MT-NLG and Megatron-LM, which all used full
+activation recomputation), the distributed optimizer (ZeRO-1) where the system had it
+(Megatron-DeepSpeed, Llama 3; not Megatron-LM 2021) and sequence parallelism only for
+Llama 3 (Korthikanti et al. 2022 came after the other runs), 1F1B. Llama 3's
+interleaved schedule cannot be written (126 layers do not split evenly over 16 stages x v
+chunks; Megatron's interleaving needs pp x v to divide the layers), so its rows run 1F1B
+and say so in *waits on*. The last column splits the predicted step: the slowest stage's
+seconds per microbatch into compute, the collectives inside operators (tensor-parallel
+all-reduce/reduce-scatter, the once-per-step data-parallel reduction weighed per
+microbatch), resharding between operators (sequence parallelism's all-gathers), and
+recompute; the step into m x that stage plus the pipeline's fill and drain.
 
 Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-write]``
 """
@@ -30,6 +38,7 @@ Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-writ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -71,6 +80,9 @@ class PublishedRun:
     waits_on: str  # "" or which feature of the published run autopar cannot express yet
     source: str
     expressible: str = ""  # why the plan cannot be written as a MegatronConfig, if so
+    recompute: str = "none"  # as published: Megatron-LM's --recompute-granularity
+    sequence_parallel: bool = True
+    distributed_optimizer: bool = True
 
     @property
     def num_microbatches(self) -> int:
@@ -102,25 +114,52 @@ LLAMA_SRC = ("Llama 3 Herd of Models (Dubey et al. 2024), Table 4: 405B on H100,
              "sequence 8192; 430 TFLOP/s/GPU (43% BF16 MFU) on 8192 GPUs with DP64, 400 "
              "(41%) on 16384 with DP128; interleaved pipeline schedule")
 
+# Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", Table 1): GPT models, sequence 2048, vocabulary 51,200,
+# micro-batch 1, full activation recompute, no sequence parallelism (it came in 2022), no
+# distributed optimizer; TFLOP/s per GPU counted with eq. 3 (recompute included).
+GPT146 = gpt.GPTConfig(gpt.PADDED_VOCAB, 2048, 12288, 80, 96, dtype="bfloat16",
+                       master_dtype="float32", layer_markers=True)
+GPT310 = gpt.GPTConfig(gpt.PADDED_VOCAB, 2048, 16384, 96, 128, dtype="bfloat16",
+                       master_dtype="float32", layer_markers=True)
+MEGATRON_SRC = ("Narayanan et al. 2021 (Megatron-LM, SC21), Table 1: {}: tensor 8, pipeline "
+                "{}, {} A100 GPUs, batch {}, {} TFLOP/s per GPU (eq. 3, recompute counted)")
+
+# Llama 3's interleaved schedule cannot be written: Megatron's interleaving needs pp x v to
+# divide the layers, and 126 layers over 16 stages is uneven (the paper drops one layer
+# from the first and the last stage), so these rows run 1F1B: their bubble is 15/32 of the
+# step (interleaving with v chunks would cut it v-fold).
+LLAMA_WAIT = "interleaved schedule (126 layers do not split evenly over pp16 x v chunks)"
+
 RUNS = (
     PublishedRun("bloom-176b", "Megatron-DeepSpeed (BigScience)", BLOOM, "gpt", "dgx-a100-80g",
-                 384, 8, 4, 12, 2048, 2, 150.0, True, "recompute", BLOOM_SRC),
+                 384, 8, 4, 12, 2048, 2, 150.0, True, "", BLOOM_SRC, recompute="full",
+                 sequence_parallel=False),
     PublishedRun("mtnlg-530b-2240", "Megatron-DeepSpeed (Microsoft/NVIDIA)", MTNLG, "gpt",
-                 "dgx-a100-80g", 2240, 8, 8, 35, 1920, 1, 126.0, True, "recompute", MTNLG_SRC),
+                 "dgx-a100-80g", 2240, 8, 8, 35, 1920, 1, 126.0, True, "", MTNLG_SRC,
+                 recompute="full", sequence_parallel=False),
     PublishedRun("mtnlg-530b-3360", "Megatron-DeepSpeed (Microsoft/NVIDIA)", MTNLG, "gpt",
-                 "dgx-a100-80g", 3360, 12, 8, 35, 1920, 1, 113.0, True, "recompute", MTNLG_SRC),
+                 "dgx-a100-80g", 3360, 12, 8, 35, 1920, 1, 113.0, True, "", MTNLG_SRC,
+                 recompute="full", sequence_parallel=False),
+    PublishedRun("megatron-146b", "Megatron-LM (NVIDIA)", GPT146, "gpt", "dgx-a100-80g", 1536,
+                 24, 8, 8, 2304, 1, 148.0, True, "",
+                 MEGATRON_SRC.format("145.6B (hidden 12288, 80 layers)", 8, 1536, 2304, 148),
+                 recompute="full", sequence_parallel=False, distributed_optimizer=False),
+    PublishedRun("megatron-310b", "Megatron-LM (NVIDIA)", GPT310, "gpt", "dgx-a100-80g", 1920,
+                 15, 8, 16, 2160, 1, 155.0, True, "",
+                 MEGATRON_SRC.format("310.1B (hidden 16384, 96 layers)", 16, 1920, 2160, 155),
+                 recompute="full", sequence_parallel=False, distributed_optimizer=False),
     PublishedRun("opt-175b", "Metaseq (FSDP + Megatron TP)", OPT, "gpt", "dgx-a100-80g", 992,
                  124, 8, 1, 1024, 1, 147.0, True, "recompute",
                  "Zhang et al. 2022 (OPT, sec. 2.4): 992 A100-80GB, FSDP with Megatron TP8, "
                  "batch 2M tokens (1024 sequences of 2048), 147 TFLOP/s per GPU",
+                 recompute="full",
                  expressible="1024 sequences do not split over 124 data-parallel replicas "
                  "(OPT's FSDP ran 992 GPUs = 124 x TP8); no even MegatronConfig"),
     PublishedRun("llama3-405b-8k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
-                 "dgx-h100", 8192, 64, 8, 16, 2048, 1, 430.0, False, "interleaved schedule",
-                 LLAMA_SRC),
+                 "dgx-h100", 8192, 64, 8, 16, 2048, 1, 430.0, False, LLAMA_WAIT, LLAMA_SRC),
     PublishedRun("llama3-405b-16k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
-                 "dgx-h100", 16384, 128, 8, 16, 2048, 1, 400.0, False, "interleaved schedule",
-                 LLAMA_SRC),
+                 "dgx-h100", 16384, 128, 8, 16, 2048, 1, 400.0, False, LLAMA_WAIT, LLAMA_SRC),
 )
 
 
@@ -148,20 +187,38 @@ def evaluate(run: PublishedRun) -> dict:
         run.tflops_per_gpu * TERA * run.num_gpus)
     cluster = Cluster.from_profile(run.profile, num_hosts=run.num_gpus // 8)
     config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp,
-                            num_microbatches=run.num_microbatches, sequence_parallel=True,
-                            distributed_optimizer=True)
+                            num_microbatches=run.num_microbatches,
+                            sequence_parallel=run.sequence_parallel,
+                            distributed_optimizer=run.distributed_optimizer,
+                            recompute=run.recompute)
     try:
         plan = megatron_plan_for_graph(graph, cluster, config)
-    except ValueError as err:  # without recompute the published layout may not fit
+    except ValueError as err:  # the published layout may not fit autopar's memory model
         if "does not fit" not in str(err):
             raise
         # time scored with the memory check lifted, and said so in the table
         plan = megatron_plan_for_graph(graph, cluster, config, memory_budget=UNLIMITED)
-        row["note"] = f"does not fit {cluster.device_memory / 2**30:.0f} GiB without " \
-            "recompute; time scored with the memory check lifted"
+        row["note"] = f"does not fit {cluster.device_memory / 2**30:.0f} GiB in autopar's " \
+            "memory model; time scored with the memory check lifted"
     row.update(predicted=plan.predicted_step_time, published=published,
-               seconds=time.perf_counter() - start, config=config.name)
+               seconds=time.perf_counter() - start, config=config.name,
+               split=decomposition(plan))
     return row
+
+
+def decomposition(plan) -> str:
+    """Where the predicted step goes: the slowest stage's seconds per microbatch split into
+    compute, collectives inside its operators, resharding between them, and recompute, then
+    the step as m x that stage plus the fill and drain (`pipeline_latency`)."""
+    slowest = max(plan.stages, key=lambda st: st.time_per_microbatch)
+    c = slowest.sharding.cost
+    m = plan.num_microbatches
+    busy = m * slowest.time_per_microbatch
+    return (f"slowest stage {slowest.time_per_microbatch * 1e3:.0f} ms/microbatch = compute "
+            f"{c.compute * 1e3:.0f} + collectives {c.communication * 1e3:.0f} + resharding "
+            f"{c.resharding * 1e3:.0f} + recompute {slowest.recompute_time * 1e3:.0f}; "
+            f"step = {m} x stage {busy:.1f} s + fill/drain "
+            f"{plan.predicted_step_time - busy:.1f} s")
 
 
 def table(rows: list[dict]) -> str:
@@ -176,12 +233,14 @@ def table(rows: list[dict]) -> str:
         "express in this branch: their predictions leave it out and are not yet a check.",
         "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
-        "predicted/published | waits on | source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "predicted/published | waits on | where the predicted time goes | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         run = row["run"]
-        plan = f"dp{run.dp} tp{run.tp} pp{run.pp}, {run.num_microbatches} microbatches"
+        plan = (f"dp{run.dp} tp{run.tp} pp{run.pp}, {run.num_microbatches} microbatches, "
+                f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
+                f"{', zero1' if run.distributed_optimizer else ''}")
         if "predicted" in row:
             numbers = (f"{row['predicted']:.2f} | {row['published']:.2f} | "
                        f"{row['predicted'] / row['published']:.2f}")
@@ -191,7 +250,7 @@ def table(rows: list[dict]) -> str:
         if "predicted" in row and row.get("note"):
             waits += f" ({row['note']})"
         lines.append(f"| {run.key} | {run.system} | {run.num_gpus} ({run.profile}) | {plan} | "
-                     f"{numbers} | {waits} | {run.source} |")
+                     f"{numbers} | {waits} | {row.get('split', '—')} | {run.source} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,18 +270,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(r.key for r in RUNS))
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--save", help="also write the scored rows to this JSON file")
+    parser.add_argument("--load", nargs="*", default=(),
+                        help="JSON files of rows scored earlier (--save): table them with "
+                        "this run's rows instead of scoring them again (several processes "
+                        "can score disjoint --rows)")
     args = parser.parse_args()
     wanted = args.rows.split(",")
-    rows = []
+    loaded = {}
+    for path in args.load:
+        with open(path) as f:
+            loaded.update(json.load(f))
+    rows, scored = [], {}
     for run in RUNS:
-        if run.key not in wanted:
+        if run.key in loaded:
+            rows.append({"run": run, **loaded[run.key]})
+            continue
+        if run.key not in wanted or args.load:
             continue
         try:
             row = evaluate(run)
         except Exception as err:  # report every row, including those that fail
             row = {"run": run, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         rows.append(row)
-        print({k: v for k, v in row.items() if k != "run"}, run.key, flush=True)
+        scored[run.key] = {k: v for k, v in row.items() if k != "run"}
+        print(scored[run.key], run.key, flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(scored, f, indent=1)
     section = table(rows)
     print(section)
     if not args.no_write:

@@ -90,6 +90,11 @@ class Cluster:
       during the backward, ZeRO-3 parameter gathers, pipeline sends) the runtime runs
       concurrently with compute, in [0, 1]; 0 (the default): every collective in series.
       See `autopar.cost.exposed_time`.
+    - `fused_attention`: the runtime runs attention as one fused kernel (FlashAttention,
+      cuDNN's fused attention on Hopper): the sequence x sequence scores, probabilities
+      and their gradients stay on chip, so no bytes of them cross device memory
+      (`autopar.graph.fusion_traffic`). False (the default): they are written and read
+      like any fusion's results.
 
     **Example:**
     ```python
@@ -112,6 +117,7 @@ class Cluster:
     nics_per_host: int | None = None
     gemm_efficiency: tuple[tuple[float, float], ...] | None = None
     overlap: float = 0.0
+    fused_attention: bool = False
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -183,6 +189,8 @@ class Cluster:
             optional["gemm_efficiency"] = [list(point) for point in self.gemm_efficiency]
         if self.overlap:
             optional["overlap"] = self.overlap
+        if self.fused_attention:
+            optional["fused_attention"] = True
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -375,11 +383,19 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             gemm_efficiency=_read_table(read, "gemm_efficiency") if "gemm_efficiency" in data
             else None,
             overlap=read.number("overlap") if "overlap" in data else 0.0,
+            fused_attention=_read_bool(data, "fused_attention"),
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
             raise
         raise ValueError(f"cost profile {source}: {e}. Schema: cost_profiles/README.md") from None
+
+
+def _read_bool(data: dict, name: str) -> bool:
+    value = data.get(name, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"field {name!r} must be true or false, got {value!r}")
+    return value
 
 
 def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
@@ -447,6 +463,7 @@ _FIELD_HELP = {
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "nics_per_host": "an integer: network ports (rails) per host",
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
+    "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }

@@ -5,7 +5,13 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 `tied_state`, which pairs the step's returned state with the state it was given.
 """
 
-from autopar.graph._fusion import FusionTraffic, fusion_kind, fusion_traffic, register_fusion
+from autopar.graph._fusion import (
+    FusionTraffic,
+    attention_core,
+    fusion_kind,
+    fusion_traffic,
+    register_fusion,
+)
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._stacked import StackedSplit, split_stacked
@@ -22,6 +28,7 @@ __all__ = [
     "abstract_args",
     "fusion_kind",
     "fusion_traffic",
+    "attention_core",
     "grad",
     "layer_boundary",
     "marking_layers",

@@ -102,8 +102,35 @@ class FusionTraffic:
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def fusion_traffic(graph: OpGraph) -> FusionTraffic:
+# The smallest sequence length whose sequence x sequence attention tensors a fused
+# attention kernel keeps on chip (`attention_core`); shorter ones are not worth a kernel.
+MIN_FUSED_SEQUENCE = 128
+
+
+def attention_core(graph: OpGraph) -> frozenset[int]:
+    """Variables a fused attention kernel (FlashAttention; Dao et al. 2022) never writes to
+    device memory: the results of operations shaped (..., s, s) with at least 3
+    dimensions and s >= `MIN_FUSED_SEQUENCE` — the scores, mask, softmax and, backward,
+    their gradients, per batch and head. The kernel streams Q, K and V through on-chip
+    memory in tiles and keeps only the softmax statistics; the FLOPs of the two matmuls
+    remain. Weights are 2-D and never match; the step's inputs and outputs are never
+    core."""
+    outputs = set(graph.outvars)
+    core = set()
+    for node in graph.nodes:
+        for v in node.outputs:
+            shape = graph.vars[v].shape
+            if (len(shape) >= 3 and shape[-1] == shape[-2] >= MIN_FUSED_SEQUENCE
+                    and v not in outputs):
+                core.add(v)
+    return frozenset(core)
+
+
+def fusion_traffic(graph: OpGraph, fused_attention: bool = False) -> FusionTraffic:
     """Which bytes of every node of `graph` cross a fusion boundary (module docstring).
+
+    With `fused_attention` (`Cluster.fused_attention`), the `attention_core` values are
+    neither written nor read: they stay inside the attention kernel.
 
     Cached per graph object (keyed also by its node count, so a graph that grew is redone).
 
@@ -111,12 +138,30 @@ def fusion_traffic(graph: OpGraph) -> FusionTraffic:
     the bias add reads b; the last op of the GELU writes the result; every op in between
     reads and writes nothing.
     """
-    cached = _CACHE.get(graph)
+    cached = _CACHE.get(graph, {}).get(fused_attention)
     if cached is not None and cached[0] == len(graph.nodes):
         return cached[1]
     traffic = _compute(graph)
-    _CACHE[graph] = (len(graph.nodes), traffic)
+    if fused_attention:
+        traffic = _without(traffic, graph, attention_core(graph))
+    _CACHE.setdefault(graph, {})[fused_attention] = (len(graph.nodes), traffic)
     return traffic
+
+
+def _without(traffic: FusionTraffic, graph: OpGraph, core: frozenset[int]) -> FusionTraffic:
+    """`traffic` with no read or write of the variables in `core`."""
+    if not core:
+        return traffic
+    reads = {
+        node.id: tuple(r and v not in core for r, v in zip(traffic.reads[node.id], node.inputs))
+        for node in graph.nodes
+    }
+    writes = {
+        node.id: tuple(w and v not in core
+                       for w, v in zip(traffic.writes[node.id], node.outputs))
+        for node in graph.nodes
+    }
+    return FusionTraffic(reads, writes)
 
 
 def _compute(graph: OpGraph) -> FusionTraffic:

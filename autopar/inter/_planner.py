@@ -29,7 +29,6 @@ from autopar.cost import (
     full_recompute_cost,
     in_flight_microbatches,
     memory_budget,
-    recompute_seconds,
     selective_recompute_cost,
     stage_memory,
 )
@@ -254,6 +253,9 @@ class LayerCostTable:
         # its graph by position (same fingerprint, same numbering of nodes and vars).
         sub = self.per_layer.stage_graphs[layer]
         to_solved = _var_map(sub, solved_on)
+        to_node = {} if sub is solved_on else {
+            a.id: b.id for a, b in zip(sub.nodes, solved_on.nodes)
+        }
 
         def nbytes(v):
             var = sub.vars[v]
@@ -262,20 +264,8 @@ class LayerCostTable:
                 return float(var.nbytes)
             return bytes_per_device(var.shape, var.dtype, spec, plan.mesh)
 
-        work = []
-        for n in rerun.nodes:
-            node = sub.nodes[n]
-            outs = [v for v in node.outputs if sub.vars[v].shape]
-            split = 1
-            if outs:
-                spec = plan.var_specs[to_solved.get(outs[0], outs[0])]
-                if spec:
-                    split = math.prod(plan.mesh.shape[plan.mesh.axis_names.index(a)]
-                                      for dim in spec for a in dim)
-            accessed = sum(nbytes(v) for v in (*node.inputs, *node.outputs))
-            dtype = sub.vars[node.outputs[0]].dtype if node.outputs else "float32"
-            work.append((node.flops / split, accessed, dtype))
-        seconds = recompute_seconds(work, self.cluster)
+        seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes],
+                                self.cluster)
         dropped = math.fsum(nbytes(v) for v in rerun.dropped)
         added = math.fsum(nbytes(v) for v in rerun.added)
         if remat == "full":
@@ -380,6 +370,40 @@ class LayerCostTable:
             _tied_in(stage_graph, self.tied), weights=weights,
             tie_weight=1.0 / self.num_microbatches, handed_on=handed_on,
         )
+
+
+def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> float:
+    """Predicted seconds to rerun forward nodes `node_ids` of `graph` as `plan` runs them:
+    each node's chosen strategy's compute (its FLOPs per device, at the rate of its operand
+    dtypes, GEMMs by the efficiency table, bytes across fusion boundaries) and its own
+    collectives (a row-parallel dot's all-reduce), plus the resharding of its operands the
+    plan does (sequence parallelism's all-gathers): exactly what the forward cost, since a
+    recompute reruns the forward as planned (Megatron-LM reissues the tensor-parallel
+    collectives too; Korthikanti et al. 2022, section 5)."""
+    from autopar.intra._reshard import reshard_time
+    from autopar.intra._strategies import CostContext, node_signature, node_strategies
+
+    ctx = CostContext(cluster, plan.mesh)
+    wanted = set(node_ids)
+    operand_specs = {(n, p): spec for n, p, spec in plan.operand_specs if n in wanted}
+    seconds = 0.0
+    for n in node_ids:
+        node = graph.nodes[n]
+        name = plan.node_strategies[n]
+        chosen = next(
+            (s for s in node_strategies(node, graph, node_signature(node, graph), ctx)
+             if s.name == name),
+            None,
+        )
+        if chosen is None:  # an identity marker or a node planned without a rule
+            continue
+        seconds += chosen.compute_cost + chosen.comm_cost
+        for p, v in enumerate(node.inputs):
+            var = graph.vars[v]
+            have, want = plan.var_specs[v], operand_specs.get((n, p))
+            if want is not None and have is not None and want != have:
+                seconds += reshard_time(var.shape, var.dtype, have, want, plan.mesh, cluster)
+    return seconds
 
 
 def _var_map(sub: OpGraph, solved_on: OpGraph) -> dict[int, int]:

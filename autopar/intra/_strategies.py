@@ -131,7 +131,8 @@ def node_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
-        accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh)
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
+                              getattr(ctx.cluster, "fused_attention", False))
         dtype = _rate_dtype(node, in_vars, out_vars)
         matmul = node.primitive in MATMUL_PRIMITIVES
         work = (node.flops / parallelism, accessed, dtype, matmul)
@@ -295,7 +296,8 @@ def follow_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
         )
-        accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh)
+        accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
+                              getattr(ctx.cluster, "fused_attention", False))
         dtype = _rate_dtype(node, in_vars, out_vars)
         compute = compute_time(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
@@ -309,16 +311,18 @@ def follow_strategies(
     return result
 
 
-def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMesh) -> float:
+def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMesh,
+               fused_attention: bool = False) -> float:
     """Bytes per device the node moves to and from device memory: its operands and results
-    that cross its fusion's boundary (`autopar.graph.fusion_traffic`; constants count 0)."""
+    that cross its fusion's boundary (`autopar.graph.fusion_traffic`, under the cluster's
+    `fused_attention`; constants count 0)."""
     def nbytes(var_id, spec):
         var = graph.vars[var_id]
         return None if spec is None else bytes_per_device(var.shape, var.dtype, spec, mesh)
 
     in_bytes = [nbytes(v, s) for v, s in zip(node.inputs, in_specs)]
     out_bytes = [nbytes(v, s) for v, s in zip(node.outputs, out_specs)]
-    traffic = fusion_traffic(graph)
+    traffic = fusion_traffic(graph, fused_attention)
     if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
             or graph.nodes[node.id] is not node:
         return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph

@@ -93,7 +93,32 @@ def residual_specs(graph: OpGraph, config: MegatronConfig) -> dict[int, Spec]:
         (MeshAxis.MODEL.value,) if config.sequence_parallel else (),
         (),
     )
-    return dict.fromkeys(stream.vars, spec)
+    return dict.fromkeys(stream.vars + _layer_cotangents(graph, stream), spec)
+
+
+def _layer_cotangents(graph: OpGraph, stream: ResidualStream) -> tuple[int, ...]:
+    """The residual stream's gradients where they cross a layer edge: the operands and
+    results of the backward `layer_boundary` marks shaped (batch, sequence, hidden).
+
+    Megatron's backward hands each block the gradient of the residual stream in the
+    stream's own layout (under sequence parallelism split on the sequence: the reduce-
+    scatter that ends a block's backward). Layers planned one at a time see that gradient
+    as a free input of the layer below, which would take it in whatever layout suits it
+    best (replicated) and leave the gather to the stitched stage; pinning it keeps each
+    layer's plan Megatron's.
+    """
+    forward = forward_nodes(graph)
+    found = []
+    for node in graph.nodes:
+        if node.primitive != "layer_boundary" or node.id in forward:
+            continue
+        for v in (*node.inputs, *node.outputs):
+            var = graph.vars[v]
+            if (len(var.shape) == 3 and var.shape[:2] == (stream.batch, stream.sequence)
+                    and var.shape[2] in stream.hidden
+                    and jnp.issubdtype(jnp.dtype(var.dtype), jnp.inexact)):
+                found.append(v)
+    return tuple(dict.fromkeys(found))
 
 
 def residual_stream(graph: OpGraph) -> ResidualStream:

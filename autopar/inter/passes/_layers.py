@@ -101,8 +101,94 @@ def assign_layers(graph: OpGraph) -> LayerAssignment:
         else:
             layer.append(num_marks - k_bwd)
             phase.append("backward")
+    _place_with_consumers(graph, layer, phase)
+    _place_with_producers(graph, boundary, layer, phase)
     _sum_shared_gradients_once(graph, boundary, layer, phase)
     return LayerAssignment(num_marks + 1, tuple(layer), tuple(phase), boundary)
+
+
+def _place_with_consumers(graph: OpGraph, layer: list, phase: list) -> None:
+    """Move forward work on the step's inputs alone to the first layer that reads it.
+
+    Program order puts work that reads only the step's inputs (parameters, the batch,
+    constants) wherever the program wrote it: a mixed-precision step casts every
+    parameter to its compute dtype before the first layer (``params = tree_map(astype,
+    params)``), so by program order all those casts belong to layer 0, and every later
+    layer would receive its weights from the first stage once per microbatch. Such work
+    belongs with its earliest reader (Megatron keeps each stage's bf16 weights on that
+    stage), so it runs there and nothing crosses stages. Nodes are visited in reverse
+    program order, so a chain of such nodes moves together.
+    """
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    consumers: dict[int, list[int]] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            consumers.setdefault(v, []).append(node.id)
+    outputs = set(graph.outvars)
+    inputs_only: set[int] = set()  # nodes computed from the step's inputs alone
+    for node in graph.nodes:
+        if node.primitive in ("layer_boundary", "grad_boundary"):
+            continue
+        if all(producer.get(v) is None or producer[v].id in inputs_only for v in node.inputs):
+            inputs_only.add(node.id)
+    for node in reversed(graph.nodes):
+        if node.id not in inputs_only or phase[node.id] != "forward":
+            continue
+        if any(v in outputs for v in node.outputs):
+            continue
+        readers = [c for v in node.outputs for c in consumers.get(v, [])]
+        if not readers or any(layer[c] is None for c in readers):
+            continue
+        first = min(layer[c] for c in readers)
+        if first > layer[node.id]:
+            layer[node.id] = first
+
+
+# Operations that change a gradient's dtype or layout only: the tail a mixed-precision
+# backward adds between a weight's gradient and the grad boundary.
+GRADIENT_TAIL = frozenset(
+    {"convert_element_type", "reshape", "transpose", "copy", "squeeze", "expand_dims"}
+)
+
+
+def _place_with_producers(graph: OpGraph, boundary: int, layer: list, phase: list) -> None:
+    """Move the last steps of a gradient to the layer whose backward computes it.
+
+    The backward of a mixed-precision step casts each weight's gradient back to the
+    master dtype after the whole backward pass (the transpose of the forward's cast), so
+    by program order it lands in layer 0, and every layer's gradient would travel to the
+    first stage once per microbatch and miss the once-per-step deferred reduction
+    (`autopar.inter.passes._deferred`). A cast or layout change (`GRADIENT_TAIL`) whose
+    results go only to the grad boundary as gradients (or to other such nodes), and
+    whose array operands all come from one layer and phase, joins that layer and phase.
+    """
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    consumers: dict[int, set[int]] = {}
+    for node in graph.nodes:
+        for v in node.inputs:
+            consumers.setdefault(v, set()).add(node.id)
+    outputs = set(graph.outvars)
+    losses = set(graph.nodes[boundary].inputs[:1])  # the loss value, not a gradient
+    tail: set[int] = set()  # nodes whose results reach the grad boundary only as gradients
+    for node in reversed(graph.nodes[:boundary]):
+        if node.primitive not in GRADIENT_TAIL:
+            continue
+        readers = set().union(*(consumers.get(v, set()) for v in node.outputs))
+        if (readers and readers <= tail | {boundary}
+                and not any(v in outputs or v in losses for v in node.outputs)):
+            tail.add(node.id)
+    for node in graph.nodes[:boundary]:
+        if node.id not in tail or phase[node.id] not in ("forward", "backward"):
+            continue
+        sources = {
+            (layer[producer[v].id], phase[producer[v].id])
+            for v in node.inputs if v in producer
+        }
+        if len(sources) != 1:
+            continue
+        (k, p), = sources
+        if k is not None and p in ("forward", "backward"):
+            layer[node.id], phase[node.id] = k, p
 
 
 def _sum_shared_gradients_once(graph: OpGraph, boundary: int, layer: list, phase: list) -> None:
