@@ -233,3 +233,43 @@ def test_python_compare_runs_both_planners_and_explains(tmp_path):
     assert sorted(p.name for p in written) == [
         "autopar_gantt.png", "autopar_layout.png", "megatron_gantt.png", "megatron_layout.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_reported_memory_is_the_planners_stage_memory():
+    """A stage stitched from layer plans records what the planner checked against the
+    budget (`Stage.predicted_memory`); its sharding plan's peak is the sum of its layers'
+    peaks. The reports show the former (a plan predicted at 81.5 GiB on 80 GiB devices was
+    the latter)."""
+    spmd, pipeline = _plans()
+    stages = (dataclasses.replace(pipeline.stages[0], predicted_memory=1.5 * GIB),
+              pipeline.stages[1])  # stage 1 records nothing: its sharding plan's peak
+    pipeline = dataclasses.replace(pipeline, stages=stages)
+    assert [s.memory_per_device for s in stages] == [1.5 * GIB, 2 * GIB]
+    stages = (dataclasses.replace(stages[0], predicted_memory=2.5 * GIB), stages[1])
+    pipeline = dataclasses.replace(pipeline, stages=stages)
+    assert plan_figures(pipeline).memory_per_device == 2.5 * GIB
+    assert time_split(pipeline).memory_per_device == 2.5 * GIB
+    assert "2.5 GiB" in compare([spmd, pipeline])
+
+
+def test_search_log_gives_the_plans_predicted_step_time(caplog):
+    """The pipeline search logs, per microbatch count, the time the plan it makes
+    predicts (`Plan.predicted_step_time`: the stitched stage plans), and says by how much
+    the stage DP's sum of layer costs differs; each stage's memory fits the budget."""
+    import logging
+
+    model = named_model("gpt-tiny", 8, layer_markers=True)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=2)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        plan = autopar.plan(model.train_step, model.abstract_state, model.abstract_batch,
+                            cluster=cluster, num_microbatches=2)
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("2 microbatch(es):"))
+    logged = float(line.split("predicted ")[1].split(" s")[0])
+    assert logged == pytest.approx(plan.predicted_step_time, rel=1e-3)
+    if "stage DP's sum of layer costs" in line:
+        dp = float(line.split("layer costs ")[1].split(" s")[0])
+        extra = float(line.split("boundaries ")[1].split(" s")[0])
+        assert dp + extra == pytest.approx(logged, rel=1e-3)
+    assert all(0 < s.memory_per_device <= cluster.device_memory for s in plan.stages)
+    assert plan_figures(plan).memory_per_device == max(s.predicted_memory for s in plan.stages)

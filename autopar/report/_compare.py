@@ -70,7 +70,7 @@ def plan_figures(plan, flops: float | None = None, measured: float | None = None
         num_devices=num_devices,
         num_microbatches=plan.num_microbatches,
         step_time=step_time,
-        memory_per_device=max(s.sharding.cost.memory_per_device for s in plan.stages),
+        memory_per_device=max(s.memory_per_device for s in plan.stages),
         collectives={k: (int(n), float(b)) for k, (n, b) in sorted(collectives.items())},
         bubble=pipeline_bubble(plan.num_stages, plan.num_microbatches),
         tflops_per_device=tflops,
