@@ -116,6 +116,7 @@ def test_compare_rejects_mismatched_measurements():
         compare([spmd, "megatron"])
 
 
+@pytest.mark.extended  # the default tier prints the table in the --configs test below
 def test_cli_compare_prints_table(capsys):
     status = cli.main([
         "compare", "--model", "gpt-tiny", "--profile", "dgx-a100-80g", "--hosts", "1",
@@ -139,6 +140,9 @@ def test_cli_configs_cost_like_megatron_plan_at_the_microbatch_size(capsys):
     assert status == 0
     line = next(x for x in out.splitlines() if x.startswith("megatron(dp=2,tp=2,pp=2,mb=4):"))
     printed = float(line.split("predicted ")[1].split(" s")[0])
+    header = next(x for x in out.splitlines() if x.startswith("plan "))
+    assert "megatron(dp=2,tp=2,pp=2,mb=4)" in header
+    assert "predicted step time" in out and "TFLOP/s per device" in out
     model = named_model("gpt-tiny", 8, layer_markers=True)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1)
     plan = autopar.megatron_plan(model.train_step, model.abstract_state, model.abstract_batch,
