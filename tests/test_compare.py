@@ -277,3 +277,19 @@ def test_search_log_gives_the_plans_predicted_step_time(caplog):
         assert dp + extra == pytest.approx(logged, rel=1e-3)
     assert all(0 < s.memory_per_device <= cluster.device_memory for s in plan.stages)
     assert plan_figures(plan).memory_per_device == max(s.predicted_memory for s in plan.stages)
+
+
+def test_interleaved_plan_figures_count_each_device_once():
+    """Interleaved 1F1B: 4 stages (model chunks) on 2 device groups of 4, v = 2, 4
+    microbatches. The plan uses 8 devices, not 16, and idles (p - 1) / (v·m + p - 1) =
+    1/9 of the step (Narayanan et al. 2021, §2.2.2), not the 3/7 of 4 plain stages."""
+    _, pipeline = _plans()
+    first, second = pipeline.stages
+    chunks = (first, second, dataclasses.replace(first, layers=(4, 6)),
+              dataclasses.replace(second, layers=(6, 8)))
+    interleaved = dataclasses.replace(pipeline, stages=chunks, schedule="interleaved_1f1b")
+    figures = plan_figures(interleaved, flops=8e12)
+    assert figures.num_devices == 8
+    assert figures.bubble == pytest.approx(1 / 9)
+    assert figures.tflops_per_device == pytest.approx(
+        8e12 / (interleaved.predicted_step_time * 8) / 1e12)
