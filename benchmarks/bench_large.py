@@ -5,12 +5,14 @@ batch and the microbatch counts to try). Out: a `RowResult`: planning time by ph
 predicted step time and TFLOP/s per GPU of both planners, and each chosen plan in one line.
 Nothing executes; every figure comes from the shared cost model.
 
-The Megatron baseline is a grid over dp x tp x pp (tp inside a host, Narayanan et al. 2021;
-REFERENCES.md "Megatron-LM plans"), sequence parallelism on and off (Korthikanti et al.
-2022) and the same microbatch counts, each configuration
-planned on the step traced at one microbatch (`megatron_plan_for_graph`), so pp = 1 plans
-accumulate gradients over microbatches as Megatron does. The distributed optimizer (ZeRO-1)
-is tried only when a configuration does not fit without it (it changes memory, not time).
+The Megatron baseline is the full grid of `autopar.manual.megatron_grid_search`, the one
+`autopar compare` and users search: dp x tp x pp x sequence parallelism x distributed
+optimizer (ZeRO-1) x recompute x interleaving, pruned by Megatron's rules (tp inside a host,
+tp | heads, pp·v | layers; Narayanan et al. 2021, Korthikanti et al. 2022; REFERENCES.md
+"Megatron-LM plans"), with the same microbatch counts as autopar, each configuration
+planned on the step traced at one microbatch, so pp = 1 plans accumulate gradients over
+microbatches as Megatron does. Recompute is costed only where a configuration does not
+fit without it (it only adds time).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import optax
 
 from autopar.cluster import Cluster
 from autopar.graph import trace
-from autopar.manual import MegatronConfig, megatron_plan_for_graph
+from autopar.manual import megatron_grid_search
 from autopar.report import weights_split_across_hosts
 from autopar.search import microbatch_args, plan
 from examples import gpt, moe
@@ -149,74 +151,28 @@ def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> 
     return _result(best, cluster, flops, seconds, phases, graph)
 
 
-def megatron_configs(num_gpus: int, gpus_per_host: int, num_layers: int, batch: int,
-                     microbatches: Sequence[int],
-                     pp_values: Sequence[int] | None = None) -> list[MegatronConfig]:
-    """Every dp x tp x pp x microbatch count x sequence parallelism (with tp > 1) with
-    tp <= gpus per host, pp <= layers and a whole number of examples per microbatch per
-    data-parallel rank; `pp_values`, if given, limits pp to those values."""
-    configs = []
-    for pp in _divisors(num_gpus):
-        if pp > num_layers or (pp_values is not None and pp not in pp_values):
-            continue
-        for tp in _divisors(num_gpus // pp):
-            dp = num_gpus // (pp * tp)
-            if tp > gpus_per_host:
-                continue
-            for m in microbatches:
-                if batch % (m * dp) == 0:
-                    for sp in (False, True) if tp > 1 else (False,):
-                        configs.append(MegatronConfig(
-                            dp=dp, tp=tp, pp=pp, num_microbatches=m, sequence_parallel=sp,
-                        ))
-    return configs
-
-
 def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: int,
-                 flops: float, pp_values: Sequence[int] | None = None
-                 ) -> tuple[PlannerResult, int]:
-    """The best Megatron plan of the grid. **Returns:** (result, configurations planned)."""
+                 flops: float, pp_values: Sequence[int] | None = None,
+                 num_heads: int | None = None) -> tuple[PlannerResult, int]:
+    """The best plan of the full Megatron grid (`autopar.manual.megatron_grid_search`, the
+    grid `autopar compare` and users search) with the row's microbatch counts.
+
+    **Returns:** (result, configurations costed). Raises ValueError naming every
+    configuration's reason when none works.
+    """
     start = time.perf_counter()
-    phases = {"trace": 0.0, "intra_op_ilp": 0.0}
-    graphs = {}
-    best, tried, failures = None, 0, []
-    batch = args[1]["tokens"].shape[0]
-    for config in megatron_configs(cluster.num_devices, cluster.devices_per_host, num_layers,
-                                   batch, microbatches, pp_values):
-        m = config.num_microbatches
-        if m not in graphs:
-            t = time.perf_counter()
-            graphs[m] = trace(step, *microbatch_args(args, (1,), m))
-            phases["trace"] += time.perf_counter() - t
-        t = time.perf_counter()
-        p = _megatron_plan(graphs[m], cluster, config)
-        phases["intra_op_ilp"] += time.perf_counter() - t
-        tried += 1
-        if isinstance(p, str):
-            failures.append(f"{config.name}: {p}")
-            continue
-        log.info("%s: %.4g s predicted", config.name, p.predicted_step_time)
-        if best is None or p.predicted_step_time < best.predicted_step_time:
-            best = p
-    if best is None:
-        raise ValueError("no Megatron configuration fits:\n" + "\n".join(failures))
+    graphs: dict = {}
+    best, grid = megatron_grid_search(
+        step, *args, cluster=cluster, microbatch_counts=microbatches, pp_values=pp_values,
+        num_layers=num_layers, num_heads=num_heads, traces=graphs,
+    )
     seconds = time.perf_counter() - start
+    costed = sum(1 for _, outcome in grid if isinstance(outcome, float))
+    log.info("Megatron grid: %d configurations, %d costed, best %s: %.4g s predicted",
+             len(grid), costed, best.method, best.predicted_step_time)
+    phases = {"grid": seconds}
     graph = graphs[best.num_microbatches]
-    return _result(best, cluster, flops, seconds, phases, graph), tried
-
-
-def _megatron_plan(graph, cluster, config):
-    """A plan, retried with the distributed optimizer if it does not fit; else why not."""
-    try:
-        return megatron_plan_for_graph(graph, cluster, config)
-    except (ValueError, NotImplementedError) as err:
-        first = f"{type(err).__name__}: {str(err)[:160]}"
-    try:
-        return megatron_plan_for_graph(
-            graph, cluster, dataclasses.replace(config, distributed_optimizer=True)
-        )
-    except (ValueError, NotImplementedError):
-        return first
+    return _result(best, cluster, flops, seconds, phases, graph), costed
 
 
 def run_row(row: Row, microbatches: Sequence[int],
@@ -241,11 +197,13 @@ def run_row(row: Row, microbatches: Sequence[int],
         auto = run_auto(step, args, cluster, microbatches, flops)
     except ValueError as err:
         notes.append(f"autopar found no plan: {str(err)[:200]}")
+    module = {"gpt": gpt, "moe": moe}.get(row.family)
+    num_heads = getattr(module.CONFIGS[row.model], "num_heads", None) if module else None
     try:
         megatron, tried = run_megatron(
-            step, args, cluster, microbatches, num_layers, flops, pp_values
+            step, args, cluster, microbatches, num_layers, flops, pp_values, num_heads
         )
-        notes.append(f"{tried} Megatron configurations planned")
+        notes.append(f"{tried} Megatron configurations costed")
     except ValueError as err:
         notes.append(f"Megatron grid found no plan: {str(err)[:200]}")
     return RowResult(row, cluster.num_devices, flops, auto, megatron, tuple(notes))
@@ -291,6 +249,3 @@ def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:
         ),
     )
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]

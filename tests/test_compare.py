@@ -116,6 +116,7 @@ def test_compare_rejects_mismatched_measurements():
         compare([spmd, "megatron"])
 
 
+@pytest.mark.extended  # the default tier prints the table in the --configs test below
 def test_cli_compare_prints_table(capsys):
     status = cli.main([
         "compare", "--model", "gpt-tiny", "--profile", "dgx-a100-80g", "--hosts", "1",
@@ -139,6 +140,9 @@ def test_cli_configs_cost_like_megatron_plan_at_the_microbatch_size(capsys):
     assert status == 0
     line = next(x for x in out.splitlines() if x.startswith("megatron(dp=2,tp=2,pp=2,mb=4):"))
     printed = float(line.split("predicted ")[1].split(" s")[0])
+    header = next(x for x in out.splitlines() if x.startswith("plan "))
+    assert "megatron(dp=2,tp=2,pp=2,mb=4)" in header
+    assert "predicted step time" in out and "TFLOP/s per device" in out
     model = named_model("gpt-tiny", 8, layer_markers=True)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1)
     plan = autopar.megatron_plan(model.train_step, model.abstract_state, model.abstract_batch,
@@ -233,3 +237,59 @@ def test_python_compare_runs_both_planners_and_explains(tmp_path):
     assert sorted(p.name for p in written) == [
         "autopar_gantt.png", "autopar_layout.png", "megatron_gantt.png", "megatron_layout.png"]
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_reported_memory_is_the_planners_stage_memory():
+    """A stage stitched from layer plans records what the planner checked against the
+    budget (`Stage.predicted_memory`); its sharding plan's peak is the sum of its layers'
+    peaks. The reports show the former (a plan predicted at 81.5 GiB on 80 GiB devices was
+    the latter)."""
+    spmd, pipeline = _plans()
+    stages = (dataclasses.replace(pipeline.stages[0], predicted_memory=1.5 * GIB),
+              pipeline.stages[1])  # stage 1 records nothing: its sharding plan's peak
+    pipeline = dataclasses.replace(pipeline, stages=stages)
+    assert [s.memory_per_device for s in stages] == [1.5 * GIB, 2 * GIB]
+    stages = (dataclasses.replace(stages[0], predicted_memory=2.5 * GIB), stages[1])
+    pipeline = dataclasses.replace(pipeline, stages=stages)
+    assert plan_figures(pipeline).memory_per_device == 2.5 * GIB
+    assert time_split(pipeline).memory_per_device == 2.5 * GIB
+    assert "2.5 GiB" in compare([spmd, pipeline])
+
+
+def test_search_log_gives_the_plans_predicted_step_time(caplog):
+    """The pipeline search logs, per microbatch count, the time the plan it makes
+    predicts (`Plan.predicted_step_time`: the stitched stage plans), and says by how much
+    the stage DP's sum of layer costs differs; each stage's memory fits the budget."""
+    import logging
+
+    model = named_model("gpt-tiny", 8, layer_markers=True)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=1, devices_per_host=2)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        plan = autopar.plan(model.train_step, model.abstract_state, model.abstract_batch,
+                            cluster=cluster, num_microbatches=2)
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("2 microbatch(es):"))
+    logged = float(line.split("predicted ")[1].split(" s")[0])
+    assert logged == pytest.approx(plan.predicted_step_time, rel=1e-3)
+    if "stage DP's sum of layer costs" in line:
+        dp = float(line.split("layer costs ")[1].split(" s")[0])
+        extra = float(line.split("boundaries ")[1].split(" s")[0])
+        assert dp + extra == pytest.approx(logged, rel=1e-3)
+    assert all(0 < s.memory_per_device <= cluster.device_memory for s in plan.stages)
+    assert plan_figures(plan).memory_per_device == max(s.predicted_memory for s in plan.stages)
+
+
+def test_interleaved_plan_figures_count_each_device_once():
+    """Interleaved 1F1B: 4 stages (model chunks) on 2 device groups of 4, v = 2, 4
+    microbatches. The plan uses 8 devices, not 16, and idles (p - 1) / (v·m + p - 1) =
+    1/9 of the step (Narayanan et al. 2021, §2.2.2), not the 3/7 of 4 plain stages."""
+    _, pipeline = _plans()
+    first, second = pipeline.stages
+    chunks = (first, second, dataclasses.replace(first, layers=(4, 6)),
+              dataclasses.replace(second, layers=(6, 8)))
+    interleaved = dataclasses.replace(pipeline, stages=chunks, schedule="interleaved_1f1b")
+    figures = plan_figures(interleaved, flops=8e12)
+    assert figures.num_devices == 8
+    assert figures.bubble == pytest.approx(1 / 9)
+    assert figures.tflops_per_device == pytest.approx(
+        8e12 / (interleaved.predicted_step_time * 8) / 1e12)

@@ -479,6 +479,17 @@ def test_megatron_configs_enumeration():
     # pp=1 accumulates gradients: the whole batch, or 4 or 8 microbatches
     assert {c.num_microbatches for c in configs if (c.dp, c.pp) == (4, 1)} == {1, 4, 8}
 
+    # Counts instead of sizes (what the benchmark gives both planners): each count that
+    # splits the batch into whole examples per data-parallel rank, one microbatch only if
+    # listed; pp=2 still needs at least 2.
+    counted = megatron_configs(16, 8, 32, pp_values=(1, 2), microbatch_counts=(1, 2, 16),
+                               num_layers=4)
+    assert {c.num_microbatches for c in counted if (c.dp, c.pp) == (4, 1)} == {1, 2}
+    assert {c.num_microbatches for c in counted if (c.dp, c.pp) == (2, 2)} == {2, 16}
+    with pytest.raises(ValueError, match="microbatch_counts must be a non-empty"):
+        megatron_grid_search(lambda s, b: s, {}, {}, cluster="dgx-a100-80g",
+                             microbatch_counts=())
+
     both = megatron_configs(16, 8, 32, distributed_optimizer=(False, True))
     assert len(both) == 2 * len(megatron_configs(16, 8, 32))
     assert {c.distributed_optimizer for c in both} == {False, True}

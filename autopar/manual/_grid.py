@@ -64,6 +64,7 @@ def megatron_grid_search(
     batch_argnums: Sequence[int] = (1,),
     memory_budget: float | None = None,
     traces: dict[int, OpGraph] | None = None,
+    microbatch_counts: Sequence[int] | None = None,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
@@ -72,6 +73,9 @@ def megatron_grid_search(
     - `microbatch_sizes`: examples per microbatch per data-parallel rank; each that
       divides the batch gives a microbatch count (pp = 1 included: gradient
       accumulation). One microbatch (the whole batch) is always tried; ``()``: only it.
+    - `microbatch_counts`: numbers of microbatches to try instead of `microbatch_sizes`
+      (each that splits the batch into whole examples per data-parallel rank; one
+      microbatch only if listed), e.g. to give the grid the counts autopar searches.
     - `sequence_parallel`, `pp_values` (None: every divisor of the device count),
       `distributed_optimizer`, `recompute`, `virtual_stages`: the values to try.
     - `num_heads`: attention heads, for the rule tp | heads (None: not checked; a weight
@@ -99,7 +103,7 @@ def megatron_grid_search(
     """
     cluster = resolve_cluster(cluster)
     batch_argnums = tuple(batch_argnums)
-    _check_values(microbatch_sizes, pp_values, virtual_stages, recompute)
+    _check_values(microbatch_sizes, pp_values, virtual_stages, recompute, microbatch_counts)
     graphs = {} if traces is None else traces  # by microbatch count
     if 1 not in graphs:
         graphs[1] = trace(step_fn, *abstract_args, batch_argnums=batch_argnums)
@@ -116,6 +120,7 @@ def megatron_grid_search(
         pp_values=pp_values,
         distributed_optimizer=distributed_optimizer,
         virtual_stages=virtual_stages,
+        microbatch_counts=microbatch_counts,
     )
     marked = any(n.primitive == "layer_boundary" for n in graph.nodes)
     results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
@@ -190,6 +195,7 @@ def megatron_candidates(
     pp_values: Sequence[int] | None = None,
     distributed_optimizer: Sequence[bool] = (False,),
     virtual_stages: Sequence[int] = (1,),
+    microbatch_counts: Sequence[int] | None = None,
 ) -> list[tuple[MegatronConfig, str]]:
     """Every configuration of the grid with the rule it breaks ("" when valid).
 
@@ -224,7 +230,8 @@ def megatron_candidates(
                                 f"{PRUNED}: pp*v = {pp * v} model chunks do not divide the "
                                 f"{num_layers} layers"))
                     continue
-                for m in _microbatch_counts(dp, batch_size, microbatch_sizes):
+                for m in _microbatch_counts(dp, batch_size, microbatch_sizes,
+                                            microbatch_counts):
                     reason = _microbatch_rule(pp, v, m)
                     for sp in dict.fromkeys(sequence_parallel):
                         if sp and tp == 1:
@@ -255,6 +262,7 @@ def megatron_configs(
     num_layers: int | None = None,
     num_heads: int | None = None,
     virtual_stages: Sequence[int] = (1,),
+    microbatch_counts: Sequence[int] | None = None,
 ) -> list[MegatronConfig]:
     """The valid configurations of `megatron_candidates` (those no rule prunes)."""
     return [
@@ -263,6 +271,7 @@ def megatron_configs(
             num_heads=num_heads, microbatch_sizes=microbatch_sizes,
             sequence_parallel=sequence_parallel, pp_values=pp_values,
             distributed_optimizer=distributed_optimizer, virtual_stages=virtual_stages,
+            microbatch_counts=microbatch_counts,
         ) if not reason
     ]
 
@@ -294,11 +303,13 @@ def _out_of_memory(err: ValueError) -> bool:
     return isinstance(err, MemoryBudgetError) or "does not fit" in str(err)
 
 
-def _check_values(microbatch_sizes, pp_values, virtual_stages, recompute) -> None:
+def _check_values(microbatch_sizes, pp_values, virtual_stages, recompute,
+                  microbatch_counts=None) -> None:
     from autopar.choices import REMATS, check_choice
 
     for name, values in (("microbatch_sizes", microbatch_sizes), ("pp_values", pp_values),
-                         ("virtual_stages", virtual_stages)):
+                         ("virtual_stages", virtual_stages),
+                         ("microbatch_counts", microbatch_counts)):
         if values is None:
             continue
         bad = [x for x in values if not isinstance(x, int) or isinstance(x, bool) or x < 1]
@@ -312,11 +323,14 @@ def _check_values(microbatch_sizes, pp_values, virtual_stages, recompute) -> Non
         check_choice("recompute", value, REMATS)
 
 
-def _microbatch_counts(dp, batch_size, microbatch_sizes) -> list[int]:
+def _microbatch_counts(dp, batch_size, microbatch_sizes, microbatch_counts=None) -> list[int]:
     """Microbatch counts, largest microbatch first: the whole batch per data-parallel rank
-    (one microbatch), then one per size that splits the batch."""
+    (one microbatch), then one per size that splits the batch; or, given
+    `microbatch_counts`, those that split it into whole examples per data-parallel rank."""
     if batch_size is None:
         return [1]
+    if microbatch_counts is not None:
+        return [m for m in sorted(set(microbatch_counts)) if batch_size % (dp * m) == 0]
     counts = [1] + [
         batch_size // (dp * size)
         for size in sorted(set(microbatch_sizes), reverse=True)

@@ -74,6 +74,15 @@ class Stage:
         return self.sharding.mesh
 
     @property
+    def memory_per_device(self) -> float:
+        """Predicted bytes per device: the planner's figure for the whole stage
+        (`predicted_memory`, what it checked against the budget) when recorded, else the
+        sharding plan's peak. A stage stitched from layer plans has as its sharding plan's
+        peak the sum of its layers' peaks, an upper bound that counts every layer's
+        working memory at once, where one layer runs at a time (`autopar.cost.stage_memory`)."""
+        return self.predicted_memory or self.sharding.cost.memory_per_device
+
+    @property
     def time_per_microbatch(self) -> float:
         """Predicted seconds per microbatch: the sharding plan's cost plus recompute."""
         return self.sharding.cost.total + self.recompute_time

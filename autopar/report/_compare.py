@@ -57,7 +57,8 @@ def plan_figures(plan, flops: float | None = None, measured: float | None = None
             entry = collectives.setdefault(kind, [0, 0.0])
             entry[0] += count * per_step
             entry[1] += nbytes * per_step
-    num_devices = sum(stage.mesh.num_devices for stage in plan.stages)
+    # Interleaved 1F1B puts several stages (model chunks) on each device group.
+    num_devices = len({d for stage in plan.stages for d in stage.mesh.device_ids})
     step_time = plan.predicted_step_time
     tflops = None
     if flops is not None and step_time > 0:
@@ -70,9 +71,9 @@ def plan_figures(plan, flops: float | None = None, measured: float | None = None
         num_devices=num_devices,
         num_microbatches=plan.num_microbatches,
         step_time=step_time,
-        memory_per_device=max(s.sharding.cost.memory_per_device for s in plan.stages),
+        memory_per_device=max(s.memory_per_device for s in plan.stages),
         collectives={k: (int(n), float(b)) for k, (n, b) in sorted(collectives.items())},
-        bubble=pipeline_bubble(plan.num_stages, plan.num_microbatches),
+        bubble=plan.bubble_fraction,
         tflops_per_device=tflops,
         measured=measured,
     )

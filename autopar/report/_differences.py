@@ -79,7 +79,7 @@ def time_split(plan) -> TimeSplit:
         recompute=recompute,
         communication=by_kind,
         bubble=max(bubble, 0.0),
-        memory_per_device=max(s.sharding.cost.memory_per_device for s in plan.stages),
+        memory_per_device=max(s.memory_per_device for s in plan.stages),
     )
 
 

@@ -74,7 +74,7 @@ def explain(plan, detail: int = 1) -> str:
         lines.append(
             f"  compute {_fmt_time(cost.compute)}  communication {_fmt_time(cost.communication)}"
             f"  resharding {_fmt_time(cost.resharding)}  peak memory/device "
-            f"{_fmt_bytes(cost.memory_per_device)}"
+            f"{_fmt_bytes(stage.memory_per_device)}"
         )
         if cost.collectives:
             items = sorted(cost.collectives.items())

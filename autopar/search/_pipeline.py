@@ -264,9 +264,10 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             timings["stage_dp_and_ilps"] = (
                 timings.get("stage_dp_and_ilps", 0.0) + time.perf_counter() - start
             )
-        log.info("%d microbatch(es): %d stage(s), predicted %.4g s",
-                 num_micro, len(choice.stage_layers), choice.latency)
         schedule, latency = _schedule_for(choice, num_micro, options)
+        log.info("%d microbatch(es): %d stage(s), predicted %.4g s%s",
+                 num_micro, len(choice.stage_layers), latency,
+                 _stitch_note(choice, num_micro, options, latency))
         candidates.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
     if not candidates:
         raise last_error
@@ -287,11 +288,31 @@ def _stack_remat(remat: str) -> str:
     return "none"
 
 
-def _schedule_for(choice: PipelineChoice, num_micro: int, options) -> tuple[Schedule, float]:
-    """The schedule the plan runs and its predicted step time (`pipeline_latency`): the
-    option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations in
-    flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B)."""
-    times = [c.latency for c in choice.dp.stage_costs]
+def _stage_times(choice: PipelineChoice) -> list[float]:
+    """Seconds per microbatch of each chosen stage as its plan predicts it
+    (`Stage.time_per_microbatch`): the stitched sharding plan's cost plus recompute. The
+    stage DP adds up its layers' costs instead; the stitched plan adds what joining them
+    costs (a value resharded where one layer hands it to the next in another layout)."""
+    return [sp.cost.total + r for sp, r in zip(choice.stage_plans, choice.stage_recompute)]
+
+
+def _stitch_note(choice: PipelineChoice, num_micro: int, options, latency: float) -> str:
+    """Where the plan's predicted time differs from the stage DP's: says by how much."""
+    _, dp_latency = _schedule_for(choice, num_micro, options, [c.latency for c in
+                                                               choice.dp.stage_costs])
+    if abs(latency - dp_latency) <= 1e-9 * max(latency, 1e-30):
+        return ""
+    return (f" (the stage DP's sum of layer costs {dp_latency:.4g} s; joining the layers' "
+            f"plans and the stage boundaries {latency - dp_latency:+.4g} s)")
+
+
+def _schedule_for(choice: PipelineChoice, num_micro: int, options,
+                  times: list[float] | None = None) -> tuple[Schedule, float]:
+    """The schedule the plan runs and its predicted step time (`pipeline_latency` of the
+    stages' `times`, by default `_stage_times`: what `Plan.predicted_step_time` computes):
+    the option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations
+    in flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B)."""
+    times = _stage_times(choice) if times is None else times
     if options.schedule == "interleaved_1f1b":
         v = options.virtual_stages
         groups = len(times) // v
