@@ -70,6 +70,10 @@ def test_row_on_tiny_gpt_and_markdown(tmp_path):
     text = render(results, [row.key, "gpt-39B@64"])
     assert f"planned at commit {stored['commit']}" in text
     assert f"| {row.key} | 8 |" in text
+    # The schedule columns come from the plans (Megatron: pp = 2 runs 1F1B).
+    assert result.megatron.schedule == "1f1b" and stored["megatron"]["schedule"] == "1f1b"
+    line = next(x for x in text.splitlines() if x.startswith(f"| {row.key} |"))
+    assert f"| {result.auto.schedule} |" in line and "| 1f1b |" in line
     assert "Rows not run yet: gpt-39B@64" in text
     assert "--rows gpt-39B@64" in text
 

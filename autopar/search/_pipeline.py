@@ -296,7 +296,8 @@ def _stack_remat(remat: str) -> str:
 def _schedule_for(choice: PipelineChoice, num_micro: int, options) -> tuple[Schedule, float]:
     """The schedule the plan runs and its predicted step time (`pipeline_latency`): the
     option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations in
-    flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B)."""
+    flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B); "auto"
+    weighs interleaving too, as candidates of their own (`_interleaved_candidates`)."""
     times = [c.latency for c in choice.dp.stage_costs]
     if options.schedule == "interleaved_1f1b":
         v = options.virtual_stages
