@@ -133,9 +133,10 @@ def schedule_label(plan) -> str:
 
 
 def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float,
-             schedule: str = "auto") -> PlannerResult:
+             schedule: str = "1f1b") -> PlannerResult:
     """`autopar.plan` once per microbatch count; the fastest predicted plan wins.
-    `schedule`: the planner's schedule option ("auto": it chooses by predicted step time).
+    `schedule`: the planner's schedule option (`run_benchmarks.py --schedule`, default
+    "auto": the planner chooses by predicted step time).
 
     **Returns:** the `PlannerResult`; phases are summed over the microbatch counts.
     Raises the last ValueError if no count gives a plan.
@@ -233,14 +234,15 @@ def _megatron_plan(graph, cluster, config):
 
 
 def run_row(row: Row, microbatches: Sequence[int],
-            pp_values: Sequence[int] | None = None, schedule: str = "auto") -> RowResult:
+            pp_values: Sequence[int] | None = None, schedule: str = "1f1b") -> RowResult:
     """Plan one row with both planners.
 
     **Arguments:**
     - `row`: the model and cluster.
     - `microbatches`: the microbatch counts both planners may use.
     - `pp_values`: limit the Megatron grid's pipeline degrees (None: all).
-    - `schedule`: autopar's schedule option ("auto": chosen by predicted step time).
+    - `schedule`: autopar's schedule option (the planner's default "1f1b" here;
+      `run_benchmarks.py` passes "auto", chosen by predicted step time).
 
     **Returns:** the `RowResult` (a planner that finds no plan is None, with a note).
     """

@@ -4,14 +4,17 @@
    `autopar.runtime._fused`) and task by task, against a hand-written `jax.jit` of the
    same step with the plan's shardings (`train_step.shardings()`): median wall and process
    (CPU) seconds per step over interleaved rounds (each round times `--steps` steps of
-   each, in turn). Process time counts every thread of this process (XLA's included),
+   each, in turn); and the plan's sharding plan lowered as one SPMD `jax.jit`
+   (`lower_sharding_plan`), which separates the runtime's cost from the plan's layouts
+   (every intermediate pinned, where the hand-written `jax.jit` lets XLA choose). Process
+   time counts every thread of this process (XLA's included),
    so it is less disturbed than wall time by other work on a shared machine.
 2. A 4-stage pipeline (8 microbatches) under 1F1B, interleaved 1F1B (v = 2) and zero bubble:
    the measured idle share of the device groups (bubble) against the predicted one
    (`Plan.bubble_fraction`, and the simulated chart `plan_schedule`), and the fraction of
    the step with at least 2 device groups busy.
 
-Timings come from `record_timeline`, which waits for every task (one thread per device
+Part 2 times tasks with `record_timeline`, which waits for every task (one thread per device
 group), so they measure the schedule, not the asynchronous dispatch of a plain step.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -38,6 +41,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.lower import lower_sharding_plan  # noqa: E402
 from autopar.report import plan_schedule  # noqa: E402
 from autopar.report._gantt import idle_fraction  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -87,21 +91,35 @@ def one_stage_overhead(rounds: int, steps: int) -> dict:
             executable.fused = fused
 
     jax.block_until_ready(tasks(*placed))
-    times = {"runtime": [], "tasks": [], "jit": []}
+    spmd = _plan_as_one_jit(par, state, batch)
+    jax.block_until_ready(spmd())
+    times = {"runtime": [], "tasks": [], "spmd": [], "jit": []}
     for _ in range(rounds):
         times["runtime"].append(_timed(par, *placed, steps))
         times["tasks"].append(_timed(tasks, *placed, steps))
+        times["spmd"].append(_timed(lambda *_: spmd(), None, None, steps))
         times["jit"].append(_timed(hand, *placed, steps))
     result = {"mesh": tuple(par.plan.stages[0].sharding.mesh.shape)}
     for name, rows in times.items():
         result[f"{name}_wall_s"] = statistics.median(w for w, _ in rows)
         result[f"{name}_cpu_s"] = statistics.median(c for _, c in rows)
-    for name in ("runtime", "tasks"):
+    for name in ("runtime", "tasks", "spmd"):
         for clock in ("wall", "cpu"):
             result[f"{name}_{clock}_ratio"] = (
                 result[f"{name}_{clock}_s"] / result[f"jit_{clock}_s"]
             )
     return result
+
+
+def _plan_as_one_jit(par, state, batch):
+    """The one-stage plan's sharding plan lowered as one SPMD `jax.jit` of its stage graph
+    (`lower_sharding_plan`, as a one-mesh plan runs): the plan's own layouts, every
+    intermediate pinned, without the runtime. Returns a thunk running it."""
+    graph = par.pipeline.partition.stage_graphs[0]
+    fn, in_shardings, _ = lower_sharding_plan(graph, par.plan.stages[0].sharding)
+    by_var = dict(zip(par.pipeline.graph.invars, jax.tree.leaves((state, batch))))
+    args = [jax.device_put(by_var[v], s) for v, s in zip(graph.invars, in_shardings)]
+    return lambda: fn(*args)
 
 
 def _busy_groups_fraction(timeline, groups: int) -> float:
@@ -180,6 +198,7 @@ def _print_overhead(args) -> None:
     print("|---|---|---|---|---|")
     for name, label in (("runtime", "autopar runtime (one program per step)"),
                         ("tasks", "task by task (forward, backward, update)"),
+                        ("spmd", "the plan's layouts as one SPMD jit (no runtime)"),
                         ("jit", "hand-written jax.jit, plan shardings")):
         wall, cpu = overhead[f"{name}_wall_s"] * 1e3, overhead[f"{name}_cpu_s"] * 1e3
         ratios = ("1 | 1" if name == "jit" else
