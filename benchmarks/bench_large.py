@@ -64,6 +64,7 @@ class PlannerResult:
     tflops_per_gpu: float
     plan_line: str
     planning_seconds: float
+    schedule: str = "-"  # `schedule_label` of the plan
     phases: dict[str, float] = field(default_factory=dict)
     # Matmul weights split across hosts where the matmul reads them (tensor parallelism
     # over the slow links; `autopar.report.weights_split_across_hosts`).
@@ -124,8 +125,20 @@ def plan_line(plan) -> str:
     return f"{plan.method}: {plan.num_stages} stage(s) x {mesh}, {plan.num_microbatches} mb"
 
 
-def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> PlannerResult:
+def schedule_label(plan) -> str:
+    """The pipeline schedule a plan runs: ``1f1b``, ``interleaved_1f1b (v=2)``, ...;
+    ``-`` for one stage (nothing to schedule: one program, or gradient accumulation)."""
+    if plan.runtime != "pipeline" or plan.num_stages == 1:
+        return "-"
+    v = plan.virtual_stages
+    return plan.schedule + (f" (v={v})" if v > 1 else "")
+
+
+def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float,
+             schedule: str = "1f1b") -> PlannerResult:
     """`autopar.plan` once per microbatch count; the fastest predicted plan wins.
+    `schedule`: the planner's schedule option (`run_benchmarks.py --schedule`, default
+    "auto": the planner chooses by predicted step time).
 
     **Returns:** the `PlannerResult`; phases are summed over the microbatch counts.
     Raises the last ValueError if no count gives a plan.
@@ -134,7 +147,8 @@ def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float) -> 
     start = time.perf_counter()
     for m in microbatches:
         try:
-            p = plan(step, *args, cluster=cluster, num_microbatches=m, cache=False)
+            p = plan(step, *args, cluster=cluster, num_microbatches=m, schedule=schedule,
+                     cache=False)
         except ValueError as err:
             error = err
             log.info("auto, %d microbatches: no plan (%s)", m, str(err)[:120])
@@ -176,13 +190,15 @@ def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: i
 
 
 def run_row(row: Row, microbatches: Sequence[int],
-            pp_values: Sequence[int] | None = None) -> RowResult:
+            pp_values: Sequence[int] | None = None, schedule: str = "1f1b") -> RowResult:
     """Plan one row with both planners.
 
     **Arguments:**
     - `row`: the model and cluster.
     - `microbatches`: the microbatch counts both planners may use.
     - `pp_values`: limit the Megatron grid's pipeline degrees (None: all).
+    - `schedule`: autopar's schedule option (the planner's default "1f1b" here;
+      `run_benchmarks.py` passes "auto", chosen by predicted step time).
 
     **Returns:** the `RowResult` (a planner that finds no plan is None, with a note).
     """
@@ -194,7 +210,7 @@ def run_row(row: Row, microbatches: Sequence[int],
     notes = []
     auto = megatron = None
     try:
-        auto = run_auto(step, args, cluster, microbatches, flops)
+        auto = run_auto(step, args, cluster, microbatches, flops, schedule)
     except ValueError as err:
         notes.append(f"autopar found no plan: {str(err)[:200]}")
     module = {"gpt": gpt, "moe": moe}.get(row.family)
@@ -243,6 +259,7 @@ def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:
         tflops_per_gpu=flops / (step_time_ * cluster.num_devices) / TERA,
         plan_line=plan_line(p),
         planning_seconds=seconds,
+        schedule=schedule_label(p),
         phases=dict(phases),
         cross_host_splits=tuple(
             weights_split_across_hosts(p, graph, cluster.devices_per_host)

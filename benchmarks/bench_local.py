@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from bench_large import plan_line
+from bench_large import plan_line, schedule_label
 
 from autopar.app._autoparallel import autoparallel
 from autopar.cluster import Cluster
@@ -42,6 +42,7 @@ class LocalResult:
     predicted: float
     measured: float
     runtime: str  # "spmd" (one jitted program) or "pipeline" (per-stage programs)
+    schedule: str = "-"  # `schedule_label` of the plan
 
 
 def spearman(x, y) -> float:
@@ -174,7 +175,8 @@ def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int =
     for name, (p, t) in timers.items():
         seconds = statistics.median(t.times)
         log.info("%s: predicted %.4g s, measured %.4g s", name, p.predicted_step_time, seconds)
-        results.append(LocalResult(name, plan_line(p), p.predicted_step_time, seconds, p.runtime))
+        results.append(LocalResult(name, plan_line(p), p.predicted_step_time, seconds, p.runtime,
+                                   schedule_label(p)))
     return results, per_round
 
 

@@ -76,10 +76,11 @@ def _large_section(rows: dict, all_rows: list[str]) -> str:
         "trace and stage DP + layer ILPs, "
         "summed over the microbatch counts tried.\n",
         "| row | GPUs | autopar TFLOP/s/GPU | Megatron TFLOP/s/GPU | ratio | bar | "
-        "autopar plan | autopar weights split across hosts | Megatron plan | "
+        "autopar plan | autopar schedule | autopar weights split across hosts | "
+        "Megatron plan | Megatron schedule | "
         "autopar planning (trace / DP+ILPs / total) | Megatron grid time | "
         "microbatches tried |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in all_rows:
         if key in rows:
@@ -122,11 +123,20 @@ def _row_line(key: str, r: dict) -> str:
                   f"{auto['planning_seconds']:.0f} s")
     return (
         f"| {key} | {r['num_gpus']} | {_tflops(auto)} | {_tflops(meg)} | {ratio} | {bar} | "
-        f"{_cell(auto['plan_line']) if auto else '-'} | {_tp_across(auto)} | "
-        f"{_cell(meg['plan_line']) if meg else '-'} | "
+        f"{_cell(auto['plan_line']) if auto else '-'} | {_schedule(auto)} | "
+        f"{_tp_across(auto)} | "
+        f"{_cell(meg['plan_line']) if meg else '-'} | {_schedule(meg)} | "
         f"{phases} | {_seconds(meg)} | "
         f"{', '.join(map(str, r['microbatches']))} |"
     )
+
+
+def _schedule(result: dict | None) -> str:
+    """The plan's pipeline schedule (`bench_large.schedule_label`); "?" for results
+    stored before the column existed."""
+    if not result:
+        return "-"
+    return result.get("schedule", "?")
 
 
 def _cell(text: str) -> str:
@@ -175,12 +185,13 @@ def _local_section(local: dict | None) -> str:
         f"{local['steps']} steps of every plan in turn"
         + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
         + ".\n",
-        "| plan | chosen layout | predicted | measured | measured / predicted |",
-        "|---|---|---|---|---|",
+        "| plan | chosen layout | schedule | predicted | measured | measured / predicted |",
+        "|---|---|---|---|---|---|",
     ]
     for p in local["plans"]:
         lines.append(
-            f"| {p['name']} | {p['plan_line']} | {p['predicted'] * 1e3:.2f} ms | "
+            f"| {p['name']} | {p['plan_line']} | {p.get('schedule', '?')} | "
+            f"{p['predicted'] * 1e3:.2f} ms | "
             f"{p['measured'] * 1e3:.2f} ms | {p['measured'] / p['predicted']:.2f} |"
         )
     rho = local.get("spearman")

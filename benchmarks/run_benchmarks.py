@@ -110,7 +110,8 @@ def code_version() -> str:
     return commit + ("-dirty" if changes else "")
 
 
-def plan_row(row: Row, counts: tuple[int, ...]) -> tuple[tuple[int, ...], RowResult]:
+def plan_row(row: Row, counts: tuple[int, ...],
+             schedule: str = "auto") -> tuple[tuple[int, ...], RowResult]:
     """Both planners on `row`, with more microbatches where memory asks for them (see
     `MAX_MICROBATCHES`). **Returns:** the counts used and the result, whose notes say why
     the counts changed."""
@@ -123,7 +124,7 @@ def plan_row(row: Row, counts: tuple[int, ...]) -> tuple[tuple[int, ...], RowRes
         notes.append(f"{max(counts)} microbatches: even a plan splitting everything over "
                      f"every GPU needs {least / 2**30:.0f} GiB per GPU")
         counts = (max(counts) * 2,)
-    result = run_row(row, counts)
+    result = run_row(row, counts, schedule=schedule)
     while (result.auto is None or result.megatron is None) and max(counts) * 2 <= min(
         MAX_MICROBATCHES, row.global_batch
     ):
@@ -134,7 +135,7 @@ def plan_row(row: Row, counts: tuple[int, ...]) -> tuple[tuple[int, ...], RowRes
         notes.append(f"{max(counts)} microbatches: no {missing} plan fits")
         counts = (max(counts) * 2,)
         log.info("%s: retrying with %d microbatches", row.key, counts[0])
-        result = run_row(row, counts)
+        result = run_row(row, counts, schedule=schedule)
     if notes:
         result = dataclasses.replace(result, notes=(*notes, *result.notes))
     return counts, result
@@ -181,6 +182,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_ROWS)}")
     parser.add_argument("--list", action="store_true", help="print the row names and exit")
     parser.add_argument("--microbatches", type=int, nargs="+", default=DEFAULT_MICROBATCHES)
+    parser.add_argument("--schedule", default="auto",
+                        help="autopar's schedule option (default: auto, the planner chooses "
+                             "by predicted step time; the tables show the chosen one)")
     parser.add_argument("--no-local", action="store_true", help="skip the local plans")
     parser.add_argument("--local-only", action="store_true", help="only the local plans")
     parser.add_argument("--local-config", default="small-test")
@@ -212,7 +216,7 @@ def main(argv=None) -> None:
     for i, row in enumerate(rows):
         log.info("row %d/%d: %s ...", i + 1, len(rows), row.key)
         start = time.perf_counter()
-        counts, result = plan_row(row, tuple(args.microbatches))
+        counts, result = plan_row(row, tuple(args.microbatches), args.schedule)
         seconds = time.perf_counter() - start
         results["rows"][row.key] = row_record(result, counts, seconds)
         save(results, args.results, args.out)

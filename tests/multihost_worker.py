@@ -37,6 +37,25 @@ PLAN_OPTIONS = {
     "interleaved": dict(num_stages=2, submeshes=[(1, 4)], num_microbatches=4,
                         schedule="interleaved_1f1b", virtual_stages=2),
 }
+# 4 stages of 2 devices (two per process) with 8 microbatches under each schedule, on the
+# tiny GPT with 8 layers (interleaving needs 4 x 2 chunks) and 16 rows (2 per microbatch).
+FOUR_STAGE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 1}
+for _schedule, _v in FOUR_STAGE_SCHEDULES.items():
+    PLAN_OPTIONS[f"4stages_{_schedule}"] = dict(
+        num_stages=4, submeshes=[(1, 2)], logical_shapes=[(2,)], num_microbatches=8,
+        schedule=_schedule, **({"virtual_stages": _v} if _v > 1 else {}),
+    )
+FOUR_STAGE_LAYERS = 8
+FOUR_STAGE_BATCH = 16
+
+
+def model_for(mode: str) -> tuple[dict, int]:
+    """(GPT config changes, global batch) of a mode's run."""
+    if mode.startswith("4stages_"):
+        return {"num_layers": FOUR_STAGE_LAYERS}, FOUR_STAGE_BATCH
+    return {}, GLOBAL_BATCH
+
+
 # "disagree": process 0 asks for the shard plan above, the others for a 1-D mesh; every
 # process must end up running process 0's plan.
 OTHER_PROCESSES_DISAGREE = dict(method="shard", mesh_shape=(8,))
@@ -62,16 +81,17 @@ def main() -> None:
     import autopar
     from examples import gpt
 
-    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
     optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
-    step = gpt.make_train_step(cfg, optimizer)
-    full = jax.tree.map(np.asarray, gpt.make_batch(cfg, GLOBAL_BATCH, jax.random.key(1)))
-    rows = GLOBAL_BATCH // info.num_processes
-    mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
     made: dict = {}  # mode -> its decorated step
     for mode in args.modes.split(","):
+        changes, global_rows = model_for(mode)
+        cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True, **changes)
+        step = gpt.make_train_step(cfg, optimizer)
+        full = jax.tree.map(np.asarray, gpt.make_batch(cfg, global_rows, jax.random.key(1)))
+        rows = global_rows // info.num_processes
+        mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
         state = gpt.init_state(cfg, optimizer, jax.random.key(0))
-        batch = global_batch(jax.tree.map(lambda x: x[mine], full))
+        batch = global_batch(jax.tree.map(lambda x, mine=mine: x[mine], full))
         if mode == "checkpoint":
             _checkpoint_across_plans(step, state, batch, args, info, made)
             continue

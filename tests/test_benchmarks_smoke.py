@@ -62,6 +62,10 @@ def test_row_on_tiny_gpt_and_markdown(tmp_path):
     text = render(results, [row.key, "gpt-39B@64"])
     assert f"planned at commit {stored['commit']}" in text
     assert f"| {row.key} | 8 |" in text
+    # The schedule columns come from the plans (Megatron: pp = 2 runs 1F1B).
+    assert result.megatron.schedule == "1f1b" and stored["megatron"]["schedule"] == "1f1b"
+    line = next(x for x in text.splitlines() if x.startswith(f"| {row.key} |"))
+    assert f"| {result.auto.schedule} |" in line and "| 1f1b |" in line
     assert "Rows not run yet: gpt-39B@64" in text
     assert "--rows gpt-39B@64" in text
 
@@ -87,7 +91,7 @@ def test_memory_bound_rows_double_the_microbatches(monkeypatch):
                         lambda r, m: device * 7.9 / m)
     ran = []
 
-    def fake_run_row(r, counts):
+    def fake_run_row(r, counts, schedule="auto"):
         ran.append(counts)
         auto = object() if counts[0] >= 16 else None
         return bench_large.RowResult(r, 8, 1.0, auto, object(), ("grid note",))

@@ -162,13 +162,61 @@ def test_four_stage_parity(schedule, v):
 
 
 def test_auto_schedule_picks_the_fastest_predicted():
-    par = _parity(2, "auto", 1)
-    plan = par.plan
+    """A dry run (zero bubble's parity is test_two_stage_parity's): on the cheap MLP the
+    stage-boundary transfers of interleaving outweigh its smaller bubble, and zero bubble
+    beats 1F1B."""
+    optimizer = optax.adamw(1e-2, eps=1e-6)
+    step = mlp.make_train_step(MLP, optimizer)
+    args = (mlp.abstract_state(MLP, optimizer), mlp.abstract_batch(MLP, 32))
+    plan = autopar.plan(
+        step, *args, cluster=autopar.Cluster.from_profile("cpu-local"), num_stages=2,
+        num_microbatches=8, schedule="auto", submeshes=[(1, 4)], logical_shapes=[(4,)],
+        cache=False,
+    )
     predicted = {
         s: pipeline_latency([st.sharding.cost.total for st in plan.stages], 8, s)
         for s in ("1f1b", "zero_bubble")
     }
     assert plan.schedule == min(predicted, key=predicted.get) == "zero_bubble"
+
+
+def test_auto_schedule_weighs_interleaving_by_predicted_time():
+    """A dry run where compute dwarfs the stage-boundary transfers (8 dense layers of
+    16384 x 16384 on a dgx-a100-80g host, 2 device groups, 2 microbatches: a bubble of 1/3
+    under 1F1B): "auto" weighs 1F1B, zero bubble and interleaved 1F1B with v = 2 and 4
+    (the last two planned by the stage DP as 4 and 8 stages, every boundary's transfer in
+    their stage costs) and takes the least predicted step time, here interleaving with
+    v = 4. Each candidate's time is `pipeline_latency` of its stage costs."""
+    from autopar.graph import trace
+    from autopar.search._microbatch import batch_size
+    from autopar.search._options import PlanOptions
+    from autopar.search._pipeline import _pick, _stage_choices
+
+    big = mlp.MLPConfig(in_dim=16384, hidden=16384, out_dim=16384, num_layers=8,
+                        layer_markers=True)
+    optimizer = optax.adamw(1e-3)
+    step = mlp.make_train_step(big, optimizer)
+    args = (mlp.abstract_state(big, optimizer), mlp.abstract_batch(big, 4096))
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    options = PlanOptions(num_stages=2, num_microbatches=2, schedule="auto")
+    rows = batch_size(trace(step, *args, batch_argnums=options.batch_argnums))
+    candidates = _stage_choices(step, args, cluster, options, rows, None, {})
+    by_stages = {len(c.choice.stage_layers): c for c in candidates}
+    assert sorted(by_stages) == [2, 4, 8]
+    assert by_stages[2].schedule == "zero_bubble"  # beats 1F1B: a third of its bubble
+    times = [c.latency for c in by_stages[2].choice.dp.stage_costs]
+    assert by_stages[2].latency == pytest.approx(pipeline_latency(times, 2, "zero_bubble"))
+    assert by_stages[2].latency < pipeline_latency(times, 2, "1f1b")
+    for stages, v in ((4, 2), (8, 4)):
+        c = by_stages[stages]
+        assert c.schedule == "interleaved_1f1b"
+        chunks = [x.latency for x in c.choice.dp.stage_costs]
+        per_group = [sum(chunks[g::2]) for g in range(2)]
+        assert c.latency == pytest.approx(
+            pipeline_latency(per_group, 2, "interleaved_1f1b", v)
+        )
+    best = _pick(candidates)
+    assert best is min(candidates, key=lambda c: c.latency) is by_stages[8]
 
 
 @pytest.mark.extended  # 34 s on 2 busy cores; test_two_stage_parity covers the runtime

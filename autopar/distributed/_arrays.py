@@ -268,6 +268,12 @@ def _placeholder(x: jax.Array, sharding) -> jax.Array:
     assert not sharding.addressable_devices, (
         f"a placeholder is for devices this process does not own, not {sharding}"
     )
+    if sharding.is_fully_replicated:
+        # `make_array_from_callback` reads the value of a replicated layout once even when
+        # no device of it is local (it then puts it on none): a zero-byte stand-in.
+        nothing = np.broadcast_to(np.zeros((), x.dtype), x.shape)
+        return jax.make_array_from_callback(x.shape, sharding, lambda _: nothing,
+                                            dtype=x.dtype)
     return jax.make_array_from_callback(x.shape, sharding, _never_called, dtype=x.dtype)
 
 

@@ -67,6 +67,9 @@ class PipelineChoice:
     # microbatch the recompute adds (part of `latency`, not of the stage plans' costs).
     stage_remat: tuple[tuple[str, ...], ...] = ()
     stage_recompute: tuple[float, ...] = ()
+    # Per stage: seconds per microbatch of the transfer into it (`boundary_transfer_time`,
+    # part of `latency` as the stage DP charges it; 0 for the first stage).
+    stage_transfer: tuple[float, ...] = ()
 
 
 def structural_fingerprint(graph: OpGraph) -> str:
@@ -609,9 +612,10 @@ def choose_stages(
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
+    crossing = boundary_bytes(graph, layers)
     stage_cost = _StageCosts(
         table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
-        boundary_bytes(graph, layers),
+        crossing,
     )
     if allowed is not None:
         stage_cost = _Restricted(stage_cost, allowed)
@@ -643,6 +647,11 @@ def choose_stages(
         stage_recompute=tuple(
             recompute_time(table, range(*layers_), c.detail)
             for layers_, c in zip(stage_layers, dp.stage_costs)
+        ),
+        stage_transfer=tuple(
+            boundary_transfer_time(crossing[start], table.cluster,
+                                   all_submeshes[i].num_devices) if start > 0 else 0.0
+            for start, _, i in dp.stages
         ),
     )
 

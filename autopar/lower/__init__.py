@@ -14,6 +14,7 @@ from autopar.lower._spmd import (
     local_devices,
     lower_segment,
     lower_sharding_plan,
+    segment_body,
     stack_spec,
 )
 from autopar.lower._stacked import join_pieces, pieces_of, stacked_sharding
@@ -28,6 +29,7 @@ __all__ = [
     "lower_sharding_plan",
     "pieces_of",
     "plan_shardings",
+    "segment_body",
     "shardings_by_path",
     "stack_spec",
     "stacked_sharding",

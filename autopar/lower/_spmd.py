@@ -194,6 +194,43 @@ def lower_segment(
 
     **Returns:** `(fn, in_shardings, out_shardings)`; `fn(*inputs, *sums) -> outputs`.
     """
+    run, in_shardings, out_shardings, sum_shardings = segment_body(
+        graph, plan, nodes, inputs, outputs, mesh, accumulate=accumulate, scale=scale,
+        output_specs=output_specs, stacked=stacked,
+    )
+    donate = tuple(range(len(inputs), len(inputs) + len(sum_shardings)))
+    fn = jax.jit(
+        run,
+        in_shardings=in_shardings + sum_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=donate,
+    )
+    return fn, in_shardings, out_shardings
+
+
+def segment_body(
+    graph: OpGraph,
+    plan,
+    nodes: Sequence[int],
+    inputs: Sequence[int],
+    outputs: Sequence[int],
+    mesh: Mesh,
+    *,
+    accumulate: Sequence[int] = (),
+    scale: dict[int, float] | None = None,
+    output_specs: dict | None = None,
+    stacked: Mapping[int, tuple[str, ...]] | None = None,
+    constrain: bool = False,
+):
+    """The traceable function `lower_segment` jits, for composing several segments into
+    one program (a one-stage pipeline's whole step, `autopar.runtime._fused`). Arguments
+    as `lower_segment`'s; with `constrain`, every input and result is pinned to its
+    sharding by `with_sharding_constraint` (what `jax.jit`'s in/out shardings do for a
+    segment run on its own).
+
+    **Returns:** `(run, in_shardings, out_shardings, sum_shardings)`;
+    `run(*inputs, *sums) -> outputs`.
+    """
     scale = scale or {}
     output_specs = output_specs or {}
     stacked = dict(stacked or {})
@@ -217,6 +254,11 @@ def lower_segment(
 
     def run(*args):
         env = {}
+        if constrain:
+            args = [
+                jax.lax.with_sharding_constraint(x, sh)
+                for x, sh in zip(args, in_shardings + sum_shardings)
+            ]
         for v, x in zip(inputs, args[:num_inputs]):
             if v in stacked:  # the deferred reduction of partial sums
                 x = jax.lax.with_sharding_constraint(x.sum(axis=0), sharding(v, stack=False))
@@ -233,16 +275,14 @@ def lower_segment(
                     )
             graph.run_nodes(env, [node], on_input, on_output)
         sums = dict(zip(accumulate, args[num_inputs:]))
-        return [env[v] + sums[v] if v in sums else env[v] for v in outputs]
+        outs = [env[v] + sums[v] if v in sums else env[v] for v in outputs]
+        if constrain:
+            outs = [jax.lax.with_sharding_constraint(x, sh) for x, sh in zip(outs, out_shardings)]
+        return outs
 
-    donate = tuple(range(num_inputs, num_inputs + len(accumulate)))
-    fn = jax.jit(
-        run,
-        in_shardings=in_shardings + sum_shardings,
-        out_shardings=out_shardings,
-        donate_argnums=donate,
-    )
-    return fn, in_shardings, out_shardings
+    return run, in_shardings, out_shardings, sum_shardings
+
+
 
 
 def stack_spec(spec, axes: tuple[str, ...]):

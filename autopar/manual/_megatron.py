@@ -261,9 +261,9 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     from its layers' plans (the same layer-wise planning as `method="auto"`), so large
     models plan in seconds.
     """
-    from autopar.cost import in_flight_microbatches, memory_budget
+    from autopar.cost import boundary_transfer_time, in_flight_microbatches, memory_budget
     from autopar.inter import LayerCostTable, assign_layers, partition
-    from autopar.inter._planner import choose_remat, recompute_time
+    from autopar.inter._planner import boundary_bytes, choose_remat, recompute_time
 
     layers = assign_layers(graph)
     # Interleaved: pp·v chunks of layers, chunk s on the devices of stage s mod pp.
@@ -316,6 +316,9 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     shape = (config.dp, config.tp)
     budget = memory_budget(cluster, options.memory_budget)
     stages = []
+    # Activations entering a stage from the one before (and their gradients back), as the
+    # stage DP of method="auto" charges them (`boundary_transfer_time`).
+    crossing = boundary_bytes(graph, layers)
     for s, layer_range in enumerate(bounds):
         for k in range(*layer_range):
             if table.cost(k, shape) is None:
@@ -352,7 +355,10 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
         )
         remat = fit.remat if any(r != "none" for r in fit.remat) else ()
         seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
-        stages.append(Stage(layer_range, sharding, remat, seconds, memory))
+        transfer = boundary_transfer_time(
+            crossing[layer_range[0]], cluster, config.dp * config.tp
+        ) if s > 0 else 0.0
+        stages.append(Stage(layer_range, sharding, remat, seconds, memory, transfer))
     return tuple(stages)
 
 

@@ -68,6 +68,10 @@ class Stage:
     # schedule keeps in flight (`autopar.cost.stage_memory`); 0 when not recorded. A
     # figure for reports, not part of the plan's identity or its JSON.
     predicted_memory: float = field(default=0.0, compare=False)
+    # Seconds per microbatch to bring the activations crossing into this stage from the
+    # one before, and their gradients back (`autopar.cost.boundary_transfer_time`, what
+    # the stage DP charges the stage); 0 for the first stage and one-stage plans.
+    transfer_time: float = 0.0
 
     @property
     def mesh(self) -> LogicalMesh:
@@ -84,14 +88,17 @@ class Stage:
 
     @property
     def time_per_microbatch(self) -> float:
-        """Predicted seconds per microbatch: the sharding plan's cost plus recompute."""
-        return self.sharding.cost.total + self.recompute_time
+        """Predicted seconds per microbatch: the sharding plan's cost, recompute and the
+        transfer into the stage."""
+        return self.sharding.cost.total + self.recompute_time + self.transfer_time
 
     def to_json(self, *, timings: bool = False) -> dict:
         data = {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
         if any(r != "none" for r in self.remat):  # additive: plans without remat unchanged
             data["remat"] = list(self.remat)
             data["recompute_time"] = self.recompute_time
+        if self.transfer_time:  # additive: first stages and one-stage plans unchanged
+            data["transfer_time"] = self.transfer_time
         return data
 
     @staticmethod
@@ -99,6 +106,7 @@ class Stage:
         return Stage(
             tuple(d["layers"]), ShardingPlan.from_json(d["sharding"]),
             tuple(d.get("remat", ())), float(d.get("recompute_time", 0.0)),
+            transfer_time=float(d.get("transfer_time", 0.0)),
         )
 
 

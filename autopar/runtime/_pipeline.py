@@ -11,6 +11,10 @@ update fragments run once, each on its stage, with the summed gradients scaled b
 device group's schedule (`autopar.runtime._schedule`), and nothing waits per task, so
 stages overlap and a stage's next work is queued while its devices compute.
 
+A one-stage plan in one process runs instead as one compiled program per step, with the
+microbatches accumulated inside it by a `lax.scan` (`autopar.runtime._fused`); a recorded
+step (`record`, `record_memory`) still runs its tasks.
+
 Memory: every per-microbatch value is dropped after its last reader on each stage
 (`autopar.runtime._values`, reader counts computed once here at build time), so a stage
 holds the activations of the microbatches its schedule keeps in flight, not of the whole
@@ -35,6 +39,7 @@ from autopar.distributed import copy_to_devices, place, settle_transfers, transf
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
+from autopar.runtime._fused import FusedStep
 from autopar.runtime._memory import MemoryRecorder, MemorySample
 from autopar.runtime._schedule import dependencies, device_orders, dispatch_order
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
@@ -134,6 +139,11 @@ class PipelineExecutable:
         self.order = dispatch_order(
             schedule, partition.num_stages, num_microbatches, self.virtual_stages
         )
+        # One stage in one process: the whole step as one program (`FusedStep`); the tasks
+        # above still run it when a step is recorded.
+        self.fused = (
+            FusedStep(self) if partition.num_stages == 1 and jax.process_count() == 1 else None
+        )
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -210,7 +220,10 @@ class PipelineExecutable:
         returns as soon as the work is enqueued, and each device runs its queue as its
         inputs arrive, so stages overlap and a stage's next microbatch is queued while its
         device computes. Nothing waits per task. Recording times or memory waits for
-        every task instead (see `_run_timed`)."""
+        every task instead (see `_run_timed`). One stage in one process: one program for
+        the whole step (`FusedStep`) unless recording."""
+        if self.fused is not None and not record and not record_memory:
+            return self.fused(flat_args)
         graph, part = self.graph, self.partition
         recorder = MemoryRecorder(flat_args) if record_memory else None
         step_env: dict[int, Any] = dict(zip(graph.invars, flat_args))

@@ -52,7 +52,8 @@ class PlanOptions:
     - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe",
       "1f1b", "interleaved_1f1b" (with `virtual_stages` v: `num_stages` device groups of
       v non-adjacent layer chunks each), "zero_bubble", or "auto" (the lowest predicted
-      step time among 1F1B and zero bubble under the memory limit); `num_stages`,
+      step time among 1F1B, zero bubble and interleaved 1F1B with 2 or 4 virtual stages,
+      each planned by the stage DP under the memory limit); `num_stages`,
       `submeshes` ((hosts, devices per host) pairs a stage may use)
       and `logical_shapes` fix parts of the pipeline search (method "auto").
     - `num_layers`: layers cut automatically when the model has no `layer_boundary` marks.

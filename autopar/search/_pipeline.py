@@ -269,6 +269,12 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                  num_micro, len(choice.stage_layers), latency,
                  _stitch_note(choice, num_micro, options, latency))
         candidates.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
+        if options.schedule == "auto" and scan_length is None:
+            start = time.perf_counter()
+            candidates += _interleaved_candidates(
+                mb_graph, layers, cluster, num_micro, options, len(choice.stage_layers)
+            )
+            timings["stage_dp_and_ilps"] += time.perf_counter() - start
     if not candidates:
         raise last_error
     return candidates
@@ -290,10 +296,13 @@ def _stack_remat(remat: str) -> str:
 
 def _stage_times(choice: PipelineChoice) -> list[float]:
     """Seconds per microbatch of each chosen stage as its plan predicts it
-    (`Stage.time_per_microbatch`): the stitched sharding plan's cost plus recompute. The
-    stage DP adds up its layers' costs instead; the stitched plan adds what joining them
-    costs (a value resharded where one layer hands it to the next in another layout)."""
-    return [sp.cost.total + r for sp, r in zip(choice.stage_plans, choice.stage_recompute)]
+    (`Stage.time_per_microbatch`): the stitched sharding plan's cost, recompute and the
+    transfer into the stage. The stage DP adds up its layers' costs instead; the stitched
+    plan adds what joining them costs (a value resharded where one layer hands it to the
+    next in another layout)."""
+    transfer = choice.stage_transfer or (0.0,) * len(choice.stage_plans)
+    return [sp.cost.total + r + t for sp, r, t in
+            zip(choice.stage_plans, choice.stage_recompute, transfer)]
 
 
 def _stitch_note(choice: PipelineChoice, num_micro: int, options, latency: float) -> str:
@@ -311,7 +320,8 @@ def _schedule_for(choice: PipelineChoice, num_micro: int, options,
     """The schedule the plan runs and its predicted step time (`pipeline_latency` of the
     stages' `times`, by default `_stage_times`: what `Plan.predicted_step_time` computes):
     the option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations
-    in flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B)."""
+    in flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B);
+    "auto" weighs interleaving too, as candidates of their own (`_interleaved_candidates`)."""
     times = _stage_times(choice) if times is None else times
     if options.schedule == "interleaved_1f1b":
         v = options.virtual_stages
@@ -321,6 +331,48 @@ def _schedule_for(choice: PipelineChoice, num_micro: int, options,
     names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
     latency, name = min((pipeline_latency(times, num_micro, n), n) for n in reversed(names))
     return name, latency
+
+
+AUTO_VIRTUAL_STAGES = (2, 4)
+"""The virtual stages per device group that `schedule="auto"` weighs for interleaved 1F1B
+(Megatron-LM's runs use 2 to 4 chunks per device; each doubling halves the bubble again
+and doubles the stage-boundary transfers)."""
+
+
+def _interleaved_candidates(mb_graph, layers, cluster, num_micro, options,
+                            num_groups) -> list[_Candidate]:
+    """With `schedule="auto"`: interleaved 1F1B on the `num_groups` device groups the
+    1F1B search chose (or `num_stages`), one candidate per v of `AUTO_VIRTUAL_STAGES`
+    that fits, each planned by the stage DP as interleaving is (p·v stages, so each
+    boundary's transfer is charged; a 1/v share of the memory budget per chunk) and timed
+    by `pipeline_latency` with its bubble. `_pick` then takes the fastest of these and
+    the 1F1B / zero-bubble candidates by predicted step time."""
+    p = options.num_stages or num_groups
+    found = []
+    for v in AUTO_VIRTUAL_STAGES:
+        if p < 2 or num_micro % p or p * v > layers.num_layers:
+            continue
+        chosen = dataclasses.replace(options, schedule="interleaved_1f1b", virtual_stages=v,
+                                     num_stages=p)
+        try:
+            dp_cluster, single, num_stages, submeshes = _interleaved_search(
+                cluster, shard_options(chosen, cluster), chosen
+            )
+            choice = choose_stages(
+                mb_graph, layers, dp_cluster, num_micro, "1f1b", single,
+                tied_state(mb_graph, options.donate_argnums), num_stages=num_stages,
+                submeshes=submeshes, logical_shapes=options.logical_shapes,
+                remat=options.remat,
+            )
+            choice = _fold(choice, p, cluster.num_devices)
+        except ValueError as err:
+            log.info("%d microbatch(es), interleaved v=%d: no plan (%s)", num_micro, v,
+                     str(err).split(";")[0])
+            continue
+        schedule, latency = _schedule_for(choice, num_micro, chosen)
+        log.info("%d microbatch(es), interleaved v=%d: predicted %.4g s", num_micro, v, latency)
+        found.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
+    return found
 
 
 def _interleaved_search(cluster, single, options):
@@ -382,10 +434,11 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
     choice = best.choice
     stages = tuple(
         Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds,
-              cost.memory)
-        for layers, sp, remat, seconds, cost in zip(
+              cost.memory, transfer)
+        for layers, sp, remat, seconds, cost, transfer in zip(
             choice.stage_layers, choice.stage_plans, choice.stage_remat,
             choice.stage_recompute, choice.dp.stage_costs,
+            choice.stage_transfer or (0.0,) * len(choice.stage_plans),
         )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
