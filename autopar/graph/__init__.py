@@ -5,7 +5,13 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 `tied_state`, which pairs the step's returned state with the state it was given.
 """
 
-from autopar.graph._fusion import FusionTraffic, fusion_kind, fusion_traffic, register_fusion
+from autopar.graph._fusion import (
+    FusionTraffic,
+    fusion_kind,
+    fusion_traffic,
+    register_fusion,
+    stored_residuals,
+)
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._stacked import StackedSplit, split_stacked
@@ -26,6 +32,7 @@ __all__ = [
     "layer_boundary",
     "marking_layers",
     "register_fusion",
+    "stored_residuals",
     "split_stacked",
     "tied_state",
     "trace",
