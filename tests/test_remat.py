@@ -276,6 +276,39 @@ def test_selective_reruns_the_attention_core_in_the_compiled_backward():
 GPT3 = dict(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, tp=8, pp=8)
 
 
+def test_stored_residuals_of_a_gelu_mlp():
+    """`gelu(x @ w1 + b1) @ w2` (`autopar.graph.stored_residuals`' example): the backward
+    reads the GELU's inner values (tanh, powers) and its output; of the forward's values,
+    stored are the first dot's result and the GELU's output (read by the second dot),
+    nothing else (Korthikanti et al. 2022, section 4.1: the GELU's input and the second
+    linear's input; x is the step's input, held anyway)."""
+    from autopar.graph import stored_residuals
+    from autopar.manual._sequence import forward_nodes
+
+    def loss_fn(params, x):
+        return jax.numpy.sum(gpt.gelu(x @ params["w1"] + params["b1"]) @ params["w2"])
+
+    def step(params, x):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, x)
+        return loss, grads
+
+    params = {"w1": np.ones((8, 32), np.float32), "b1": np.ones((32,), np.float32),
+              "w2": np.ones((32, 8), np.float32)}
+    graph = trace(step, params, np.ones((4, 8), np.float32))
+    forward = sorted(forward_nodes(graph))
+    made = {v for n in forward for v in graph.nodes[n].outputs}
+    read_later = {v for n in graph.nodes if n.id not in set(forward) for v in n.inputs}
+    kept = {v for v in made & read_later if graph.vars[v].shape}  # not the loss
+    state = (Role.PARAM, Role.OPT_STATE, Role.CONST)
+    stored = stored_residuals(graph, forward, kept,
+                              free=lambda v: graph.vars[v].role in state)
+    producers = {v: n.primitive for n in graph.nodes for v in n.outputs}
+    assert len(kept) > 3  # JAX's autodiff reads the GELU's intermediates
+    assert sorted((graph.vars[v].shape, producers[v]) for v in stored) == [
+        ((4, 32), "dot_general"), ((4, 32), "mul")
+    ]
+
+
 def _megatron_attention(p: dict, x, cfg):
     """`gpt.attention` with Megatron-LM's QKV layout: the fused projection's columns
     ordered head by head (q, k, v of each head together), so a column split over t devices
