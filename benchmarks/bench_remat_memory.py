@@ -23,12 +23,16 @@ two dropout masks; tests/test_remat.py::test_layer_activation_bytes_follow_korth
 on stage 0 (last stage 51.5), step 3.213 s, 138 s to plan; full fits, 59.3 GiB (stage 0
 59.1, last 50.6), step 4.182 s. 530B tp8 pp35 sp: none needs 96.5 GiB on stage 0 (does not
 fit); selective fits, 73.8 GiB on the fullest stage (stage 0 70.5, last 35.4), step 9.257 s,
-173 s to plan; full fits, 63.4 GiB (stage 0 55.3, last 35.3), step 12.456 s. (Before the
+173 s to plan; full fits, 63.4 GiB (stage 17, which holds 4 of the 106 layer pieces;
+stage 0 55.3, last 35.3), step 12.456 s. (Before the
 fusion rule, 530B with selective needed 85.7 GiB on stage 0: every GELU and layer-norm
 intermediate JAX's autodiff reads was counted as kept.) gpt-13B@8 at 64 microbatches
 (before the fusion rule): one stage on (4, 2), layers recomputing a mix of none and
-selective, 79.1 GiB, planned in 2973 s. Not finished within the time limits: `--auto`
-(175B, over 35 minutes) and gpt-39B@8.
+selective, 79.1 GiB, planned in 2973 s. gpt-39B@8 at 64 microbatches (with the fusion
+rule): no plan, the smallest shortfall 0.0131 GiB per device (layers [1, 32) on a 1x2
+submesh), 609 s. Not finished within the time limits: `--auto` (175B, over 35 minutes;
+a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
+the problems, half in HiGHS including tie-breaking).
 """
 
 from __future__ import annotations
