@@ -15,14 +15,24 @@ gradients too, 18 bytes; Rajbhandari et al. 2020 count 16 with bf16 gradients).
 Usage: ``python benchmarks/bench_remat_memory.py [--auto] [--models 175B,530B]
 [--rows gpt-13B@8,gpt-39B@8]``.
 
-Measured (2 CPU cores shared by six agents at load ~16, so times are upper bounds):
-175B tp8 pp8 sp: selective fits, 67.8 GiB on stage 0 (last stage 42.8), 76 s to plan;
-none needs 90.1 GiB (does not fit). 530B tp8 pp35 sp: selective needs 85.7 GiB on stage 0
-(does not fit: the cost model keeps six unfused 4h-wide GELU intermediates per layer where
-Korthikanti et al. count two), full fits at 55.2 GiB, 216 s. gpt-13B@8 at 64 microbatches:
-one stage on (4, 2), layers recomputing a mix of none and selective, 79.1 GiB, planned in
-2973 s. Not finished within the time limits: `--auto` (175B, over 35 minutes) and
-gpt-39B@8.
+Measured (2 CPU cores shared by six agents at load ~15, so times are upper bounds), with
+kept activations counted as XLA keeps them (`autopar.graph.stored_residuals`: a GPT layer
+with tp + sp keeps 32 sbh/t + its attention core, Korthikanti et al.'s 34 sbh/t less their
+two dropout masks; tests/test_remat.py::test_layer_activation_bytes_follow_korthikanti):
+175B tp8 pp8 sp: none needs 85.3 GiB on stage 0 (does not fit); selective fits, 67.5 GiB
+on stage 0 (last stage 51.5), step 3.213 s, 138 s to plan; full fits, 59.3 GiB (stage 0
+59.1, last 50.6), step 4.182 s. 530B tp8 pp35 sp: none needs 96.5 GiB on stage 0 (does not
+fit); selective fits, 73.8 GiB on the fullest stage (stage 0 70.5, last 35.4), step 9.257 s,
+173 s to plan; full fits, 63.4 GiB (stage 17, which holds 4 of the 106 layer pieces;
+stage 0 55.3, last 35.3), step 12.456 s. (Before the
+fusion rule, 530B with selective needed 85.7 GiB on stage 0: every GELU and layer-norm
+intermediate JAX's autodiff reads was counted as kept.) gpt-13B@8 at 64 microbatches
+(before the fusion rule): one stage on (4, 2), layers recomputing a mix of none and
+selective, 79.1 GiB, planned in 2973 s. gpt-39B@8 at 64 microbatches (with the fusion
+rule): no plan, the smallest shortfall 0.0131 GiB per device (layers [1, 32) on a 1x2
+submesh), 609 s. Not finished within the time limits: `--auto` (175B, over 35 minutes;
+a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
+the problems, half in HiGHS including tie-breaking).
 """
 
 from __future__ import annotations

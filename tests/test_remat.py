@@ -290,6 +290,110 @@ def test_selective_reruns_the_attention_core_in_the_compiled_backward():
 GPT3 = dict(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200, tp=8, pp=8)
 
 
+def test_stored_residuals_of_a_gelu_mlp():
+    """`gelu(x @ w1 + b1) @ w2` (`autopar.graph.stored_residuals`' example): the backward
+    reads the GELU's inner values (tanh, powers) and its output; of the forward's values,
+    stored are the first dot's result and the GELU's output (read by the second dot),
+    nothing else (Korthikanti et al. 2022, section 4.1: the GELU's input and the second
+    linear's input; x is the step's input, held anyway)."""
+    from autopar.graph import stored_residuals
+    from autopar.manual._sequence import forward_nodes
+
+    def loss_fn(params, x):
+        return jax.numpy.sum(gpt.gelu(x @ params["w1"] + params["b1"]) @ params["w2"])
+
+    def step(params, x):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, x)
+        return loss, grads
+
+    params = {"w1": np.ones((8, 32), np.float32), "b1": np.ones((32,), np.float32),
+              "w2": np.ones((32, 8), np.float32)}
+    graph = trace(step, params, np.ones((4, 8), np.float32))
+    forward = sorted(forward_nodes(graph))
+    made = {v for n in forward for v in graph.nodes[n].outputs}
+    read_later = {v for n in graph.nodes if n.id not in set(forward) for v in n.inputs}
+    kept = {v for v in made & read_later if graph.vars[v].shape}  # not the loss
+    state = (Role.PARAM, Role.OPT_STATE, Role.CONST)
+    stored = stored_residuals(graph, forward, kept,
+                              free=lambda v: graph.vars[v].role in state)
+    producers = {v: n.primitive for n in graph.nodes for v in n.outputs}
+    assert len(kept) > 3  # JAX's autodiff reads the GELU's intermediates
+    assert sorted((graph.vars[v].shape, producers[v]) for v in stored) == [
+        ((4, 32), "dot_general"), ((4, 32), "mul")
+    ]
+
+
+def _megatron_attention(p: dict, x, cfg):
+    """`gpt.attention` with Megatron-LM's QKV layout: the fused projection's columns
+    ordered head by head (q, k, v of each head together), so a column split over t devices
+    gives each device whole heads and q, k, v stay split by heads."""
+    b, s, _ = x.shape
+    qkv = (x @ p["wqkv"] + p["bqkv"]).reshape(b, s, cfg.num_heads, 3, cfg.head_dim)
+    q, k, v = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
+    scores = jax.numpy.einsum("bqnd,bknd->bnqk", q, k) / math.sqrt(cfg.head_dim)
+    causal = jax.numpy.tril(jax.numpy.ones((s, s), dtype=bool))
+    scores = jax.numpy.where(causal, scores, jax.numpy.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jax.numpy.einsum("bnqk,bknd->bqnd", weights, v).reshape(b, s, cfg.hidden)
+    return out @ p["wo"] + p["bo"]
+
+
+def test_layer_activation_bytes_follow_korthikanti(monkeypatch):
+    """Per-layer kept bytes of a bf16 GPT layer with tensor + sequence parallelism t, against
+    Korthikanti et al. 2022 (section 4.1, table 2; REFERENCES.md), microbatch b = 1:
+
+    - tp + sp, no recompute: ``sbh (34/t + 5as/(ht))``. The paper's layer has dropout (a
+      1-byte mask of sbh after attention and after the MLP, and in the core a 1-byte
+      as^2b mask and its 2-byte output); ours has none, so the non-core term is 32 sbh/t.
+      Its core is the softmax output, 2 as^2b/t; JAX differentiates softmax by the quotient
+      rule, which also reads the exponentials: 4 as^2b/t.
+    - tp + sp, selective recompute: ``34 sbh/t``, here 32 sbh/t (no dropout masks).
+    - full recompute: the layer input only, ``2 sbh`` in the paper's table (before t);
+      under sequence parallelism the input is split by sequence: 2 sbh/t.
+
+    Beside these, each layer norm keeps its mean and variance, 2 x 4 bytes per token (f32)
+    and the softmax its denominator, 4 bytes per (head, query): within `TOLERANCE`.
+    The layer counts what XLA keeps: the GELU's and the layer norms' inner elementwise
+    values are recomputed inside the backward's fusions (`autopar.graph.stored_residuals`),
+    so the MLP keeps 2 x 8 sbh/t (the GELU's input and output), not every intermediate.
+    """
+    import autopar.inter
+    from autopar.cluster import Cluster
+    from autopar.manual import megatron_plan_for_graph
+    from autopar.search import microbatch_args
+    from benchmarks.bench_remat_memory import mixed_precision_adamw
+
+    tolerance = 0.02
+    s, h, a, t = 512, 1024, 16, 8
+    cfg = gpt.GPTConfig(1024, s, h, 3, a, layer_markers=True, dtype="bfloat16")
+    monkeypatch.setattr(gpt, "attention", _megatron_attention)
+    optimizer = mixed_precision_adamw()
+    step = gpt.make_train_step(cfg, optimizer)
+    args = (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, 2))
+    graph = trace(step, *microbatch_args(args, (1,), 2), batch_argnums=(1,))
+    cluster = Cluster.from_profile("dgx-a100-80g", num_hosts=2)
+    tables = []
+
+    class Recorded(LayerCostTable):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            tables.append(self)
+
+    monkeypatch.setattr(autopar.inter, "LayerCostTable", Recorded)
+    sbh = s * h
+    core = 4 * a * s * s / t
+    want = {"none": sbh * 32 / t + core, "selective": sbh * 32 / t, "full": sbh * 2 / t}
+    config = MegatronConfig(dp=1, tp=t, pp=2, sequence_parallel=True, num_microbatches=2)
+    megatron_plan_for_graph(graph, cluster, config)
+    (table,) = tables
+    for remat, expected in want.items():
+        kept = table.remat_cost(1, (1, t), 0, remat).activation_memory  # a middle layer
+        print(f"{remat}: {kept:.0f} B per device, {kept / sbh * t:.3f} sbh/t "
+              f"(expected {expected / sbh * t:.3f})")
+        assert kept == pytest.approx(expected, rel=tolerance), remat
+    assert want["none"] - want["selective"] == core
+
+
 def test_gpt3_175b_megatron_fits_with_selective_by_arithmetic():
     """Korthikanti et al. 2022 (section 4, with tensor and sequence parallelism t): a layer
     keeps ``sbh (34 / t + 5 a s / (h t))`` bytes per microbatch, the second term the

@@ -11,6 +11,7 @@ from autopar.graph._fusion import (
     fusion_kind,
     fusion_traffic,
     register_fusion,
+    stored_residuals,
 )
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
@@ -33,6 +34,7 @@ __all__ = [
     "layer_boundary",
     "marking_layers",
     "register_fusion",
+    "stored_residuals",
     "split_stacked",
     "tied_state",
     "trace",

@@ -34,7 +34,7 @@ read by the backward pass, or `x` in ``x - mean(x)``, is written once and read a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -171,18 +171,7 @@ def _compute(graph: OpGraph) -> FusionTraffic:
     producer_of = {v: node for node in graph.nodes for v in node.outputs}
 
     def fused(var: int, consumer: Node) -> bool:
-        producer = producer_of.get(var)
-        if producer is None:
-            return False
-        single_use = len(consumers[var]) == 1
-        p, c = fusion_kind(producer.primitive), fusion_kind(consumer.primitive)
-        if p == "matmul":  # epilogue
-            return single_use and c == "elementwise" and var not in outputs
-        if p != "elementwise":
-            return False
-        if c == "matmul":  # prologue
-            return single_use and producer.primitive in PROLOGUE_PRIMITIVES
-        return c in ("elementwise", "reduce") and depth[producer.id] == depth[consumer.id]
+        return _fuses(var, producer_of.get(var), consumer, consumers, depth, outputs)
 
     def boundary(node: Node) -> bool:
         return fusion_kind(node.primitive) == "boundary"
@@ -203,15 +192,116 @@ def _compute(graph: OpGraph) -> FusionTraffic:
     return FusionTraffic(reads, writes)
 
 
+def _fuses(var: int, producer: Node | None, consumer: Node, consumers, depth, outputs) -> bool:
+    """Whether `var` (made by `producer`) stays inside the kernel that runs `consumer`."""
+    if producer is None:
+        return False
+    single_use = len(consumers[var]) == 1
+    p, c = fusion_kind(producer.primitive), fusion_kind(consumer.primitive)
+    if p == "matmul":  # epilogue
+        return single_use and c == "elementwise" and var not in outputs
+    if p != "elementwise":
+        return False
+    if c == "matmul":  # prologue
+        return single_use and producer.primitive in PROLOGUE_PRIMITIVES
+    return c in ("elementwise", "reduce") and depth[producer.id] == depth[consumer.id]
+
+
+def stored_residuals(
+    graph: OpGraph, forward: Sequence[int], kept: Iterable[int], leaving: Iterable[int] = (),
+    free: Callable[[int], bool] = lambda v: False,
+) -> set[int]:
+    """The values a forward pass writes to device memory for its backward, when the
+    backward reads `kept` (values the `forward` nodes make; `leaving`: forward values read
+    outside both passes, e.g. by the next layer).
+
+    One rule, XLA's fusion seen from the backward: a kept value that the forward writes
+    to memory anyway (made by a matmul, a reduction, a kernel or a scan marker, or an
+    elementwise result that crosses a fusion boundary of the forward alone: read by a
+    matmul or a kernel, leaving, or an expensive one (`EXPENSIVE_ELEMENTWISE`) read at
+    another fusion depth; a cheap one is recomputed in each reader's loop) is stored as
+    it is. A kept value made
+    inside a forward fusion (an elementwise chain: GELU's tanh and powers, layer norm's
+    centred input, a broadcast mask) is never written: the backward's own fusion
+    recomputes it from what the chain reads, so those reads are stored in its place,
+    found by walking back through such values. Values for which `free(v)` holds
+    (parameters, optimizer state, constants: held anyway) are left out.
+
+    **Example:** for ``gelu(x @ w1 + b1) @ w2`` the backward reads the GELU's input and
+    its inner tanh and powers, and its output; stored are the dot's result ``x @ w1`` (the
+    chain's input, `b1` being a parameter) and the GELU's output (read by the second
+    matmul), 2 x 4h per token, as Korthikanti et al. 2022 (section 4.1) count them.
+    """
+    forward = [graph.nodes[n] for n in forward]
+    producer_of = {v: node for node in forward for v in node.outputs}
+    consumers: dict[int, list[int]] = {v: [] for v in producer_of}
+    for node in forward:
+        for v in node.inputs:
+            if v in consumers:
+                consumers[v].append(node.id)
+    leaving = set(leaving)
+    depth = _depths_of(forward, consumers, leaving)
+    by_id = {node.id: node for node in forward}
+
+    def duplicated(producer: Node, consumer: Node) -> bool:
+        # XLA fuses a cheap producer into each consumer's loop, recomputing it there.
+        return producer.primitive not in EXPENSIVE_ELEMENTWISE and fusion_kind(
+            consumer.primitive
+        ) in ("elementwise", "reduce")
+
+    def written(v: int) -> bool:
+        producer = producer_of.get(v)
+        if producer is None or fusion_kind(producer.primitive) != "elementwise":
+            return True
+        return v in leaving or any(
+            not _fuses(v, producer, by_id[c], consumers, depth, leaving)
+            and not duplicated(producer, by_id[c])
+            for c in consumers[v]
+        )
+
+    stored: set[int] = set()
+    seen: set[int] = set()
+    stack = list(kept)
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if free(v):
+            continue
+        if written(v):
+            stored.add(v)
+        else:
+            stack.extend(producer_of[v].inputs)
+    return stored
+
+
+# Elementwise primitives XLA counts as expensive (`InstructionFusion::IsExpensive`): it
+# does not duplicate them into several consumers' fusions, so a result of one read by two
+# kernels is written once; cheaper ones (add, multiply, select, compare, convert,
+# broadcast, layout changes, integer powers) are recomputed inside each consumer's loop.
+EXPENSIVE_ELEMENTWISE = frozenset({
+    "div", "rem", "pow", "exp", "exp2", "expm1", "log", "log1p", "logistic", "sqrt", "rsqrt",
+    "cbrt", "tanh", "tan", "sin", "cos", "asin", "acos", "atan", "atan2", "sinh", "cosh",
+    "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma", "igamma",
+    "random_bits", "threefry2x32",
+})
+
+
 def _depths(graph: OpGraph, consumers, outputs) -> dict[int, int]:
     """Per node, the most non-elementwise nodes (reductions, matmuls, kernels) on a path
     from the graph inputs to it, not counting itself. A matmul's result that goes only to
     an elementwise epilogue does not count: the epilogue runs in the matmul's kernel, so
     its other operands (a bias) may fuse with it."""
+    return _depths_of(graph.nodes, consumers, outputs)
+
+
+def _depths_of(nodes: Sequence[Node], consumers, outputs) -> dict[int, int]:
+    """`_depths` over `nodes` (program order), `consumers[v]` the ids of v's readers."""
     depth: dict[int, int] = {}
     var_depth: dict[int, int] = {}
-    kinds = {node.id: fusion_kind(node.primitive) for node in graph.nodes}
-    for node in graph.nodes:
+    kinds = {node.id: fusion_kind(node.primitive) for node in nodes}
+    for node in nodes:
         d = max((var_depth.get(v, 0) for v in node.inputs), default=0)
         depth[node.id] = d
         for v in node.outputs:

@@ -32,7 +32,7 @@ from autopar.cost import (
     selective_recompute_cost,
     stage_memory,
 )
-from autopar.graph import OpGraph, Role
+from autopar.graph import OpGraph, Role, stored_residuals
 from autopar.graph._opgraph import dtype_itemsize
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 from autopar.inter._stitch import stitch
@@ -40,7 +40,7 @@ from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_sh
 from autopar.inter.passes._deferred import gradient_roots, stacked_layout, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
-from autopar.inter.passes._remat import recompute
+from autopar.inter.passes._remat import STATE_ROLES, recompute
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_on_mesh
@@ -149,6 +149,7 @@ class LayerCostTable:
         self._plans: dict[tuple, tuple[ShardingPlan, OpGraph]] = {}
         self._remat_cache: dict[tuple, LayerCost] = {}
         self._recomputes: dict[tuple, object] = {}
+        self._kept: dict[int, frozenset[int]] = {}
         self.num_ilps = 0
 
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
@@ -271,8 +272,11 @@ class LayerCostTable:
                                 self.cluster)
         dropped = math.fsum(nbytes(v) for v in rerun.dropped)
         added = math.fsum(nbytes(v) for v in rerun.added)
-        if remat == "full":
-            return full_recompute_cost(base, seconds, added)  # it drops all it kept
+        if remat == "full":  # it drops all it kept, and keeps what its forward reads
+            inputs = math.fsum(
+                nbytes(v) for v in rerun.reads if sub.vars[v].role not in STATE_ROLES
+            )
+            return full_recompute_cost(base, seconds, inputs)
         return selective_recompute_cost(base, seconds, dropped, added)
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -314,10 +318,21 @@ class LayerCostTable:
         return self._plans[(self.fingerprints[layer], shape, level)][0]
 
     def kept_for_backward(self, layer: int) -> set[int]:
-        """Values the layer's forward computes and its backward reads: what a microbatch
-        in flight keeps on the stage."""
-        part = self.per_layer
-        return set(part.forward[layer].outputs) & set(part.backward[layer].inputs)
+        """What a microbatch in flight keeps on the stage for the layer's backward: of the
+        values its forward computes and its backward reads, those the forward writes to
+        memory, and for the others (made inside a forward fusion) what the backward's
+        fusion recomputes them from (`autopar.graph.stored_residuals`)."""
+        if layer not in self._kept:
+            part = self.per_layer
+            sub = part.stage_graphs[layer]
+            fwd, bwd_inputs = part.forward[layer], set(part.backward[layer].inputs)
+            leaving = set(sub.outvars)
+            leaving.update(v for v in fwd.outputs if v not in bwd_inputs)
+            self._kept[layer] = frozenset(stored_residuals(
+                sub, fwd.nodes, set(fwd.outputs) & bwd_inputs, leaving,
+                free=lambda v: sub.vars[v].role in STATE_ROLES,
+            ))
+        return set(self._kept[layer])
 
     def chain_ties(self, layer: int) -> list[tuple[int, int]]:
         """(output, input) activation pairs that chain identical layers.
