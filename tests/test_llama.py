@@ -89,7 +89,8 @@ def test_param_counts_match_meta_llama_sizes():
 @pytest.mark.parametrize(
     # The Python loop takes twice the planning time (13 s CPU against 7 s); the scanned form,
     # as MaxText writes it, is the default-tier twin.
-    "scan_layers", [pytest.param(False, marks=pytest.mark.extended), True],
+    "scan_layers",
+    [pytest.param(False, marks=pytest.mark.extended), True],
     ids=["layers", "scan_layers"],
 )
 def test_mid_size_plan_on_an_a100_node_shards_every_matmul_weight(scan_layers):

@@ -36,7 +36,8 @@ def _check(cfg, **options):
 
 
 @pytest.mark.parametrize(
-    "scan_layers", [pytest.param(False, marks=pytest.mark.extended), True],
+    "scan_layers",
+    [pytest.param(False, marks=pytest.mark.extended), True],
     ids=["layers", "nnx_scan"],
 )
 def test_nnx_llama_shard_matches_one_device(scan_layers):
