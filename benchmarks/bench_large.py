@@ -1,9 +1,9 @@
 """Large models on virtual clusters: autopar's plan against the best Megatron-style plan.
 
-In: a `Row` (a GPT or MoE configuration by name, a number of dgx-a100-80g hosts, the global
-batch and the microbatch counts to try). Out: a `RowResult`: planning time by phase,
-predicted step time and TFLOP/s per GPU of both planners, and each chosen plan in one line.
-Nothing executes; every figure comes from the shared cost model.
+In: a `Row` (a GPT, MoE or Llama configuration by name, a cost profile and a number of its
+hosts, the global batch) and the microbatch counts to try. Out: a `RowResult`: planning
+time by phase, predicted step time and TFLOP/s per GPU of both planners, and each chosen
+plan in one line. Nothing executes; every figure comes from the shared cost model.
 
 The Megatron baseline is the full grid of `autopar.manual.megatron_grid_search`, the one
 `autopar compare` and users search: dp x tp x pp x sequence parallelism x distributed
@@ -30,11 +30,16 @@ from autopar.graph import trace
 from autopar.manual import megatron_grid_search
 from autopar.report import weights_split_across_hosts
 from autopar.search import microbatch_args, plan
-from examples import gpt, moe
+from examples import gpt, llama, moe
 
 log = logging.getLogger("autopar.benchmarks")
 
+# The profile of a row that names none (every GPT and MoE row).
 PROFILE = "dgx-a100-80g"
+# Model families: the example module of each. Llama runs its layers with `jax.lax.scan`
+# over stacked weights, as MaxText (`scan_layers`) writes it, so it has no layer marks.
+FAMILIES = {"gpt": gpt, "moe": moe, "llama": llama}
+SCANNED_FAMILIES = ("llama",)
 TERA = 1e12
 # Alpa's GPT and MoE benchmarks use a global batch of 1024 sequences (Zheng et al. 2022,
 # benchmark/alpa/suite_*.py); the sequence length is the config's.
@@ -43,17 +48,32 @@ GLOBAL_BATCH = 1024
 
 @dataclass(frozen=True)
 class Row:
-    """One benchmark row: `family` "gpt" or "moe", `model` a config name of that example."""
+    """One benchmark row: `family` "gpt", "moe" or "llama", `model` a config name of that
+    example, `num_hosts` hosts of the cost profile `profile`."""
 
     family: str
     model: str
     num_hosts: int
     global_batch: int = GLOBAL_BATCH
+    profile: str = PROFILE
 
     @property
     def key(self) -> str:
         """The row's name on the command line, e.g. ``gpt-1.3B@8``."""
-        return f"{self.family}-{self.model}@{self.num_hosts * 8}"
+        return f"{self.family}-{self.model}@{self.num_gpus}"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_hosts * self.cluster().devices_per_host
+
+    def cluster(self) -> Cluster:
+        """The row's virtual cluster."""
+        return Cluster.from_profile(self.profile, num_hosts=self.num_hosts)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the row's model (the pipeline degrees Megatron may use)."""
+        return _config(self).num_layers
 
 
 @dataclass(frozen=True)
@@ -90,27 +110,42 @@ class RowResult:
         return self.megatron.step_time / self.auto.step_time
 
 
-def model_step(row: Row):
-    """``(train step, abstract args)`` of a row's model in bfloat16 with layer marks.
-
-    **Arguments:**
-    - `row`: the `Row`.
-
-    **Returns:** the train step and ``(abstract state, abstract batch)``.
-    """
-    module = {"gpt": gpt, "moe": moe}.get(row.family)
+def _config(row: Row):
+    module = FAMILIES.get(row.family)
     if module is None:
-        raise ValueError(f"unknown model family {row.family!r}; use 'gpt' or 'moe'")
+        raise ValueError(
+            f"unknown model family {row.family!r}; use one of {', '.join(FAMILIES)}"
+        )
     if row.model not in module.CONFIGS:
         raise ValueError(
             f"unknown {row.family} config {row.model!r}; choose one of "
             f"{', '.join(module.CONFIGS)}"
         )
-    cfg = module.CONFIGS[row.model]
+    return module.CONFIGS[row.model]
+
+
+def model_step(row: Row, *, loop: bool = False):
+    """``(train step, abstract args)`` of a row's model in bfloat16, with layer marks or
+    (Llama) with its layers scanned.
+
+    **Arguments:**
+    - `row`: the `Row`.
+    - `loop`: write a scanned family's layers as a Python loop with layer marks instead
+      (the same computation). The Megatron baseline plans this form: Megatron-LM runs its
+      layers as a loop, and `megatron_plan` places no weight whose first use is a scan.
+
+    **Returns:** the train step and ``(abstract state, abstract batch)``.
+    """
+    module, cfg = FAMILIES[row.family], _config(row)
     # Realistic mixed precision (issue 14): bf16 compute, fp32 master weights and AdamW
     # moments, where the model has the option (examples/gpt.py's GPTConfig.master_dtype).
     precision = {"master_dtype": "float32"} if hasattr(cfg, "master_dtype") else {}
-    cfg = dataclasses.replace(cfg, layer_markers=True, dtype="bfloat16", **precision)
+    layers = (
+        {"scan_layers": True, "layer_markers": False}
+        if row.family in SCANNED_FAMILIES and not loop
+        else {"layer_markers": True}
+    )
+    cfg = dataclasses.replace(cfg, dtype="bfloat16", **layers, **precision)
     optimizer = optax.adamw(1e-4)
     step = module.make_train_step(cfg, optimizer)
     args = (module.abstract_state(cfg, optimizer), module.abstract_batch(cfg, row.global_batch))
@@ -203,18 +238,20 @@ def run_row(row: Row, microbatches: Sequence[int],
     **Returns:** the `RowResult` (a planner that finds no plan is None, with a note).
     """
     step, args = model_step(row)
-    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    cluster = row.cluster()
     flops = trace(step, *args).total_flops
-    state = args[0]
-    num_layers = len(state.params["layers"])
+    num_layers = row.num_layers
     notes = []
     auto = megatron = None
     try:
         auto = run_auto(step, args, cluster, microbatches, flops, schedule)
     except ValueError as err:
         notes.append(f"autopar found no plan: {str(err)[:200]}")
-    module = {"gpt": gpt, "moe": moe}.get(row.family)
+    module = {"gpt": gpt, "moe": moe, "llama": llama}.get(row.family)
     num_heads = getattr(module.CONFIGS[row.model], "num_heads", None) if module else None
+    if row.family in SCANNED_FAMILIES:  # the same model, its layers a loop (`model_step`)
+        step, args = model_step(row, loop=True)
+        notes.append("Megatron planned on the Python-loop form of the layers")
     try:
         megatron, tried = run_megatron(
             step, args, cluster, microbatches, num_layers, flops, pp_values, num_heads
@@ -234,7 +271,7 @@ def least_memory_per_device(row: Row, num_microbatches: int) -> float:
     from autopar.inter.passes._layers import assign_layers
     from autopar.inter.passes._partition import partition
 
-    step, args = model_step(row)
+    step, args = model_step(row, loop=True)  # the layer marks delimit layers
     graph = trace(step, *microbatch_args(args, (1,), num_microbatches), batch_argnums=(1,))
     layers = assign_layers(graph)
     part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
@@ -248,8 +285,7 @@ def least_memory_per_device(row: Row, num_microbatches: int) -> float:
         for k in range(layers.num_layers)
         for v in set(part.forward[k].outputs) & set(part.backward[k].inputs)
     )
-    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
-    return (state + grads + kept) / cluster.num_devices
+    return (state + grads + kept) / row.num_gpus
 
 
 def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:

@@ -27,15 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from bench_large import (  # noqa: E402
-    PROFILE,
     Row,
     RowResult,
     least_memory_per_device,
     run_row,
 )
 from bench_markdown import render  # noqa: E402
-
-from autopar.cluster import Cluster  # noqa: E402
 
 log = logging.getLogger("autopar.benchmarks")
 
@@ -46,7 +43,15 @@ HOSTS = (1, 2, 4, 8)  # 8, 16, 32, 64 GPUs of dgx-a100-80g
 # MoE on 16 and 32 GPUs at the sizes Alpa benchmarks there (Zheng et al. 2022, Table 4:
 # 10B on 16 GPUs, 27B on 32).
 MOE_ROWS = (Row("moe", "10B", 2), Row("moe", "27B", 4))
-ALL_ROWS = tuple(Row("gpt", m, h) for m in GPT_MODELS for h in HOSTS) + MOE_ROWS
+# Llama 3 8B on one DGX H100 and 70B on four, layers scanned (`bench_large.model_step`).
+# Global batch 256 sequences of 8192 tokens, 2M tokens (Llama 3 405B's pre-training began
+# at 4M tokens a step: Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.4.1);
+# run them with `--microbatches 128` (2 sequences each).
+LLAMA_ROWS = (
+    Row("llama", "8B", 1, global_batch=256, profile="dgx-h100"),
+    Row("llama", "70B", 4, global_batch=256, profile="dgx-h100"),
+)
+ALL_ROWS = tuple(Row("gpt", m, h) for m in GPT_MODELS for h in HOSTS) + MOE_ROWS + LLAMA_ROWS
 QUICK_ROWS = ("gpt-1.3B@8", "gpt-2.6B@16")
 # Microbatch counts both planners try for a global batch of 1024 (16 sequences per
 # microbatch). 16 microbatches do not fit 80 GB for 1.3B on 8 GPUs without remat; each
@@ -116,7 +121,7 @@ def plan_row(row: Row, counts: tuple[int, ...],
     `MAX_MICROBATCHES`). **Returns:** the counts used and the result, whose notes say why
     the counts changed."""
     notes = []
-    device_memory = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts).device_memory
+    device_memory = row.cluster().device_memory
     while max(counts) * 2 <= min(MAX_MICROBATCHES, row.global_batch):
         least = least_memory_per_device(row, max(counts))
         if least <= device_memory:

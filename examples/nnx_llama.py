@@ -34,9 +34,17 @@ import optax
 from flax import nnx
 
 from autopar import value_and_grad
-from examples.llama import CONFIGS, INIT_STD, LlamaConfig, apply_rotary, make_batch, rotary_tables
+from examples.llama import (
+    CONFIGS,
+    INIT_STD,
+    LlamaConfig,
+    abstract_batch,
+    apply_rotary,
+    make_batch,
+    rotary_tables,
+)
 
-__all__ = ["CONFIGS", "LlamaConfig", "make_batch"]
+__all__ = ["CONFIGS", "LlamaConfig", "abstract_batch", "make_batch"]
 
 
 def _linear(d_in: int, d_out: int, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Linear:
@@ -205,8 +213,10 @@ def init_state(cfg: LlamaConfig, tx: optax.GradientTransformation, key: jax.Arra
 def abstract_state(cfg: LlamaConfig, tx: optax.GradientTransformation):
     """`init_state`'s state as `jax.ShapeDtypeStruct`s (and its graphdefs); allocates
     nothing."""
-    graphdefs, state = nnx.eval_shape(lambda: init_state(cfg, tx, jax.random.key(0)))
-    return graphdefs, state
+    # nnx.eval_shape returns the objects with `jax.ShapeDtypeStruct` values; the graphdefs
+    # are not JAX types, so split after, not inside.
+    model, optimizer = nnx.eval_shape(lambda: create(cfg, tx, jax.random.key(0)))
+    return split_train_state(model, optimizer)
 
 
 def make_train_step(graphdefs: GraphDefs):

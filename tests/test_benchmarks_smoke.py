@@ -33,7 +33,7 @@ def test_select_rows_rejects_unknown_names():
     assert [r.key for r in run_benchmarks.select_rows(None, quick=True)] == list(
         run_benchmarks.QUICK_ROWS
     )
-    assert len(run_benchmarks.select_rows(None, quick=False)) == 22
+    assert len(run_benchmarks.select_rows(None, quick=False)) == 24
     with pytest.raises(ValueError, match="unknown row"):
         run_benchmarks.select_rows(["gpt-7B@8"], quick=False)
 
@@ -108,3 +108,19 @@ def test_memory_bound_rows_double_the_microbatches(monkeypatch):
         "8 microbatches: no autopar plan fits",
         "grid note",
     )
+
+
+def test_llama_rows_scan_their_layers_on_h100_and_render_apart(tmp_path):
+    row = bench_large.Row("llama", "tiny", 1, global_batch=8, profile="dgx-h100")
+    assert row.key == "llama-tiny@8" and row.num_layers == 4
+    assert row.cluster().device_kind == "NVIDIA H100 80GB HBM3"
+    _, args = bench_large.model_step(row)
+    _, loop_args = bench_large.model_step(row, loop=True)  # the Megatron baseline's form
+    assert args[0].params["layers"]["attn"]["wq"].shape[0] == 4  # stacked for the scan
+    assert len(loop_args[0].params["layers"]) == 4  # a list of layers
+    record = {"num_gpus": 8, "auto": None, "megatron": None, "ratio": None,
+              "microbatches": [2], "notes": ["note"], "commit": "abc"}
+    text = render({"rows": {row.key: record}}, ["gpt-1.3B@8", row.key])
+    gpt_table, llama_table = text.split("## Llama (scanned layers)")
+    assert row.key not in gpt_table and f"| {row.key} | 8 |" in llama_table
+    assert "Rows not run yet: gpt-1.3B@8." in gpt_table

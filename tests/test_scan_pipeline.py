@@ -44,10 +44,21 @@ def _step(cfg):
     return gpt.make_train_step(cfg, optimizer), optimizer
 
 
-def test_split_graph_computes_the_step_and_holds_no_whole_stack():
-    step, optimizer = _step(SMALL)
-    state = gpt.init_state(SMALL, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(SMALL, 2, jax.random.key(1))
+# Mixed precision: the loss casts the fp32 stacked master weights to bfloat16 before the
+# scan; the stack is still found through the cast and cut into the ranges.
+MIXED = dataclasses.replace(SMALL, dtype="bfloat16", master_dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    # CI time: the mixed-precision step runs the same split with a cast on top.
+    [pytest.param(SMALL, marks=pytest.mark.extended), MIXED],
+    ids=["float32", "mixed_precision"],
+)
+def test_split_graph_computes_the_step_and_holds_no_whole_stack(cfg):
+    step, optimizer = _step(cfg)
+    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(cfg, 2, jax.random.key(1))
     ranges = ((0, 1), (1, 4))
     with scan_layers(ranges):
         graph = trace(step, state, batch)
@@ -62,7 +73,7 @@ def test_split_graph_computes_the_step_and_holds_no_whole_stack():
         (n.primitive, split.vars[v].shape)
         for n in split.nodes
         for v in (*n.inputs, *n.outputs)
-        if split.vars[v].shape[:1] == (SMALL.num_layers,)
+        if split.vars[v].shape[:1] == (cfg.num_layers,)
     ]
     assert not whole, f"equations hold a whole stacked array: {whole[:5]}"
     leaves = jax.tree.leaves((state, batch))

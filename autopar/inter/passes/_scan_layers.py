@@ -33,11 +33,26 @@ from autopar.graph._markers import layer_boundary_p, marking_layers
 Ranges = tuple[tuple[int, int], ...]
 
 
+# Ops through which a scanned operand still is its stacked parameter: mixed precision
+# casts the fp32 master weights to the compute dtype before the scan (`master_dtype` in
+# examples/gpt.py and examples/llama.py).
+_SAME_VALUE_OPS = ("convert_element_type", "copy", "copy_p")
+
+
 def layer_scan(graph: OpGraph) -> Node | None:
     """The graph's layer scan: the longest `scan` (length >= 2, most FLOPs among equals)
     one of whose scanned operands (``xs``) is a floating graph input, i.e. a stacked
-    parameter; None when there is none."""
+    parameter, or such an input cast to another dtype; None when there is none."""
     inputs = set(graph.invars)
+    producer = {v: node for node in graph.nodes for v in node.outputs}
+
+    def source(v: int) -> int:
+        node = producer.get(v)
+        while node is not None and node.primitive in _SAME_VALUE_OPS and len(node.inputs) == 1:
+            v = node.inputs[0]
+            node = producer.get(v)
+        return v
+
     found = []
     for node in graph.nodes:
         if node.primitive != "scan" or node.params["length"] < 2:
@@ -46,7 +61,7 @@ def layer_scan(graph: OpGraph) -> Node | None:
         if any(
             v in inputs and jnp.issubdtype(graph.vars[v].dtype, jnp.floating)
             and graph.vars[v].role is not Role.BATCH
-            for v in node.inputs[first_xs:]
+            for v in map(source, node.inputs[first_xs:])
         ):
             found.append(node)
     if not found:
