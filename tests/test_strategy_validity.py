@@ -1,6 +1,7 @@
 """Every strategy the generator lists is one the rest of autopar can use.
 
-For each node of the example models and of tiny Hugging Face decoders (Llama with
+For each node of the example models (the Llama example as a loop of layers and scanned,
+the flax NNX Llama with `nnx.scan`) and of tiny Hugging Face decoders (Llama with
 grouped-query attention, Mistral, Gemma), on logical meshes (8,), (2, 4) and (4, 2):
 every spec names real mesh axes, each at most once per tensor, and divides the dimensions
 it splits; every collective a strategy lists is costed by `autopar.cost.collective_time`
@@ -11,6 +12,7 @@ by position ids got a reduce-scatter over ('x', 'x').
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,6 +25,7 @@ from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
 from autopar.cost import collective_time
 from autopar.graph import Role, trace
+from autopar.intra._scan import expand_scans
 from autopar.intra._strategies import (
     CostContext,
     follow_strategies,
@@ -34,20 +37,42 @@ from autopar.intra._strategies import (
 )
 
 MESHES = [(8,), (2, 4), (4, 2)]
-EXAMPLES = ["gpt", "moe", "wide_resnet", "mlp"]
+EXAMPLES = ["gpt", "moe", "wide_resnet", "mlp", "llama_example", "llama_scan", "nnx_llama"]
 HF_MODELS = ["llama", "mistral", "gemma"]
 REDUCTIONS = {"all_reduce", "reduce_scatter"}
 
 
 @functools.cache
 def _graph(model: str):
+    """The graph the sharding planner enumerates: a scan over layers opened into one copy
+    of its body (`expand_scans`), as `build_problem` plans it."""
+    graph = _traced(model)
+    expansion = expand_scans(graph)
+    return graph if expansion is None else expansion.graph
+
+
+def _traced(model: str):
     if model in HF_MODELS:
         pytest.importorskip("transformers")
         from hf_models import make_model
 
         step, state, batch = make_model(model, optax.sgd(0.1))
         return trace(step, state, batch)
-    named = named_model(f"{model}-tiny", batch_size=16)
+    if model == "nnx_llama":
+        from examples import nnx_llama
+
+        cfg = dataclasses.replace(nnx_llama.CONFIGS["tiny"], scan_layers=True)
+        graphdefs, state = nnx_llama.abstract_state(cfg, optax.sgd(0.1))
+        batch = jax.eval_shape(lambda k: nnx_llama.make_batch(cfg, 16, k), jax.random.key(1))
+        return trace(nnx_llama.make_train_step(graphdefs), state, batch)
+    if model == "llama_scan":
+        from examples import llama
+
+        cfg = dataclasses.replace(llama.CONFIGS["tiny"], scan_layers=True)
+        optimizer = optax.sgd(0.1)
+        return trace(llama.make_train_step(cfg, optimizer), llama.abstract_state(cfg, optimizer),
+                     llama.abstract_batch(cfg, 16))
+    named = named_model(f"{model.removesuffix('_example')}-tiny", batch_size=16)
     return trace(named.train_step, named.abstract_state, named.abstract_batch)
 
 
@@ -103,7 +128,11 @@ def _problems(in_specs, out_specs, collectives, ins, outs, cluster, mesh) -> tup
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
-@pytest.mark.parametrize("model", EXAMPLES + HF_MODELS)
+@pytest.mark.parametrize("model", [
+    # The loop form's operators are the scanned body's (llama_scan checks them), 3x over.
+    pytest.param(m, marks=pytest.mark.extended) if m == "llama_example" else m
+    for m in EXAMPLES + HF_MODELS
+])
 def test_strategies_are_valid(model, mesh_shape):
     graph = _graph(model)
     ctx = CostContext(autopar.Cluster.from_profile("cpu-local"), LogicalMesh.create(mesh_shape))
