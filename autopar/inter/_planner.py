@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import (
@@ -68,6 +68,15 @@ class PipelineChoice:
     # microbatch the recompute adds (part of `latency`, not of the stage plans' costs).
     stage_remat: tuple[tuple[str, ...], ...] = ()
     stage_recompute: tuple[float, ...] = ()
+    # Wall seconds of the search's parts (`PLANNING_PHASES`) and the layer cost look-ups
+    # answered without a solve; not part of the choice's identity.
+    timings: dict = field(default_factory=dict, compare=False)
+
+
+# The parts of `choose_stages`, as `PipelineChoice.timings` names them: layers cut out as
+# graphs of their own; the layer ILPs built and solved; the stage DP less the ILPs it
+# asked for; the chosen stages' plans stitched from their layers' plans.
+PLANNING_PHASES = ("layer clustering", "layer ILPs", "stage DP", "stage plans")
 
 
 def structural_fingerprint(graph: OpGraph) -> str:
@@ -148,6 +157,8 @@ class LayerCostTable:
         self._remat_cache: dict[tuple, LayerCost] = {}
         self._recomputes: dict[tuple, object] = {}
         self.num_ilps = 0
+        self.ilp_seconds = 0.0  # wall seconds in `_solve`
+        self.num_hits = 0  # `cost` look-ups answered from the table
 
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
@@ -161,10 +172,12 @@ class LayerCostTable:
         plan of the level below. Each (layer structure, shape, level) is solved once.
         """
         key = (self.fingerprints[layer], shape, level)
-        if key not in self._cache:
-            self._cache[key], plan = self._plan_level(layer, shape, level)
-            if plan is not None:
-                self._plans[key] = plan
+        if key in self._cache:
+            self.num_hits += 1
+            return self._cache[key]
+        self._cache[key], plan = self._plan_level(layer, shape, level)
+        if plan is not None:
+            self._plans[key] = plan
         return self._cache[key]
 
     def _plan_level(self, layer: int, shape, level: int):
@@ -198,6 +211,7 @@ class LayerCostTable:
         self.num_ilps += 1
         ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
         weights = self.weights[layer]
+        start = time.perf_counter()
         try:
             if self.solve is not None:
                 plan = self.solve(sub, mesh, ties, weights)
@@ -208,6 +222,8 @@ class LayerCostTable:
                 )
         except MemoryBudgetError:
             return None, None
+        finally:
+            self.ilp_seconds += time.perf_counter() - start
         cost = LayerCost(
             plan.cost.total,
             plan.cost.memory_per_device,
@@ -510,8 +526,15 @@ def choose_remat(
     return _Fit(level, tuple(chosen), tuple(costs), stage_memory(costs, in_flight))
 
 
+# A leaner memory level or a recompute never makes a stage faster than its layers' fastest
+# plans (level 0: the same ILP without the footprint row; recompute adds work), up to the
+# MIP's relative gap (`MIP_RELATIVE_GAP`, 1e-9); this margin, far above it, keeps the
+# pruning below exact: a shape is skipped only when it would lose by more than rounding.
+DOMINANCE_MARGIN = 1e-6
+
+
 def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                   remat: str = "auto") -> _Fit | None:
+                   remat: str = "auto", cutoff: float = math.inf) -> _Fit | None:
     """The fastest (memory level, remat per layer) at which the layers fit `budget`
     together on a mesh of `shape`, or the leanest tried when none does; None when a layer
     has no plan on that mesh.
@@ -521,6 +544,10 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     up the same fraction of what it can give), then steps down while that does not fit;
     every level visited is also tried with recompute, and the fastest fit wins (a leaner
     sharding costs communication, recompute costs forward work).
+
+    `cutoff`: the latency of the best stage found on another shape. When the layers'
+    fastest plans already take at least that long, no level or recompute here can win
+    (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs.
     """
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
@@ -531,6 +558,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     if table.solve is not None:
         return first_fit
     plain = [table.cost(k, shape) for k in layer_range]
+    if math.fsum(c.latency for c in plain) * (1 - DOMINANCE_MARGIN) >= cutoff:
+        return None
     memory = stage_memory(plain, in_flight)
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
@@ -581,7 +610,9 @@ def choose_stages(
     the stages whose layer range it rejects (e.g. uneven slices of a scanned stack).
     """
     budget = memory_budget(cluster, options.memory_budget)
+    start_time = time.perf_counter()
     table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    clustering = time.perf_counter() - start_time
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
@@ -597,24 +628,36 @@ def choose_stages(
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
         memory_budget=budget, num_positions=stage_cost.num_positions,
     )
+    dp_seconds = time.perf_counter() - start_time
     log.info(
-        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs, %.2f s",
-        len(dp.stages), dp.latency, table.num_ilps, time.perf_counter() - start_time,
+        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs (%.2f s), %d cost look-ups "
+        "answered from the table, %.2f s",
+        len(dp.stages), dp.latency, table.num_ilps, table.ilp_seconds, table.num_hits,
+        dp_seconds,
     )
+    ilp_seconds = table.ilp_seconds
+    start_time = time.perf_counter()
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
     shapes = tuple(c.detail[0] for c in dp.stage_costs)
     part = partition(graph, layers, list(stage_layers))
     stage_remat = tuple(c.detail[2] for c in dp.stage_costs)
+    stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
+    stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
+    timings = dict(zip(PLANNING_PHASES, (
+        clustering, table.ilp_seconds, dp_seconds - ilp_seconds, stitching,
+    )))
+    timings.update({"layer ILPs solved": table.num_ilps, "layer costs reused": table.num_hits})
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
         device_ids=tuple(dp.device_ids),
         logical_shapes=shapes,
         latency=dp.latency,
-        stage_plans=_stage_plans(table, graph, part, dp, stage_layers, tied),
+        stage_plans=stage_plans,
         partition=part,
         dp=dp,
         num_layer_ilps=table.num_ilps,
+        timings=timings,
         stage_remat=stage_remat,
         stage_recompute=tuple(
             recompute_time(table, range(*layers_), c.detail)
@@ -708,6 +751,9 @@ class _StageCosts:
     # Per layer k: bytes of the forward values crossing into layer k from earlier layers,
     # moved to a stage starting at k once per microbatch (`boundary_transfer_time`).
     boundary: Sequence[float] = ()
+    # Skip the leaner levels of a shape whose fastest plans already lose to a fitting shape
+    # (`_fitting_level`'s cutoff): the same choice, fewer ILPs.
+    prune: bool = True
 
     @property
     def num_positions(self) -> int | None:
@@ -722,20 +768,24 @@ class _StageCosts:
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         best = None
         least_memory = math.inf
+        transfer = 0.0
+        if start > 0 and self.boundary:
+            transfer = boundary_transfer_time(
+                self.boundary[start], self.table.cluster, sub.num_devices
+            )
         for shape in shapes:
             shape = tuple(shape)
+            # Once a shape fits, another one must beat it (`least_memory` then unused).
+            cutoff = math.inf if best is None or not self.prune else best.latency - transfer
             fit = _fitting_level(
-                self.table, range(start, end), shape, in_flight, self.budget, self.remat
+                self.table, range(start, end), shape, in_flight, self.budget, self.remat,
+                cutoff,
             )
             if fit is None:
                 continue
             least_memory = min(least_memory, fit.memory)
             if fit.memory <= self.budget:
-                latency = fit.latency
-                if start > 0 and self.boundary:
-                    latency += boundary_transfer_time(
-                        self.boundary[start], self.table.cluster, sub.num_devices
-                    )
+                latency = fit.latency + transfer
                 if best is None or latency < best.latency:
                     best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
         if best is None:
