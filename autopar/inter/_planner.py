@@ -458,6 +458,21 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 
 
+def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
+    """Below the latency of the layers at `level` or any leaner level, with any recompute,
+    by `DOMINANCE_MARGIN`; -inf when a layer's plan there is not a proven optimum (its
+    ILP stopped at the time limit) or a caller's `solve` made it."""
+    if table.solve is not None:
+        return -math.inf
+    total = []
+    for k in layer_range:
+        cost, plan = table.cost(k, shape, level), table.plan(k, shape, level)
+        if cost is None or plan.stats.get("status") != "optimal":
+            return -math.inf
+        total.append(cost.latency)
+    return math.fsum(total) * (1 - DOMINANCE_MARGIN)
+
+
 @dataclass(frozen=True)
 class _Fit:
     """A stage's layers at one memory level with one remat choice per layer."""
@@ -547,7 +562,9 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
 
     `cutoff`: the latency of the best stage found on another shape. When the layers'
     fastest plans already take at least that long, no level or recompute here can win
-    (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs.
+    (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs. The walk to
+    leaner levels also stops once the next one cannot beat `cutoff` or a fit already
+    found (a leaner level is never faster); what it skips would not have been chosen.
     """
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
@@ -558,7 +575,7 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     if table.solve is not None:
         return first_fit
     plain = [table.cost(k, shape) for k in layer_range]
-    if math.fsum(c.latency for c in plain) * (1 - DOMINANCE_MARGIN) >= cutoff:
+    if _lower_bound(table, layer_range, shape, 0) >= cutoff:
         return None
     memory = stage_memory(plain, in_flight)
     spans = [table.footprint_span(k, shape) for k in layer_range]
@@ -580,6 +597,11 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
         tried.append(fit)
         if fit.memory <= budget and all(r == "none" for r in fit.remat):
+            break
+        # A leaner level is no faster than this one: stop once it cannot win.
+        bound = _lower_bound(table, layer_range, shape, level)
+        fastest_fit = min((f.latency for f in tried if f.memory <= budget), default=math.inf)
+        if bound >= cutoff or bound >= fastest_fit:
             break
     fitting = [f for f in tried if f.memory <= budget]
     if fitting:
@@ -751,9 +773,6 @@ class _StageCosts:
     # Per layer k: bytes of the forward values crossing into layer k from earlier layers,
     # moved to a stage starting at k once per microbatch (`boundary_transfer_time`).
     boundary: Sequence[float] = ()
-    # Skip the leaner levels of a shape whose fastest plans already lose to a fitting shape
-    # (`_fitting_level`'s cutoff): the same choice, fewer ILPs.
-    prune: bool = True
 
     @property
     def num_positions(self) -> int | None:
@@ -773,21 +792,33 @@ class _StageCosts:
             transfer = boundary_transfer_time(
                 self.boundary[start], self.table.cluster, sub.num_devices
             )
-        for shape in shapes:
+        # Shapes by their layers' fastest plans (a lower bound on any fit there), so that
+        # a fitting shape is found early and the leaner levels of shapes that cannot beat
+        # it are not solved; among equally fast fits the first shape of `shapes` wins, as
+        # when they are tried in that order.
+        layer_range = range(start, end)
+        order = []
+        for rank, shape in enumerate(shapes):
             shape = tuple(shape)
-            # Once a shape fits, another one must beat it (`least_memory` then unused).
-            cutoff = math.inf if best is None or not self.prune else best.latency - transfer
+            plain = [self.table.cost(k, shape) for k in layer_range]
+            if all(c is not None for c in plain):
+                order.append((math.fsum(c.latency for c in plain), rank, shape))
+        order.sort()
+        best_rank = None
+        for _, rank, shape in order:
+            # Once a shape fits, another must beat it (`least_memory` is then unused).
+            cutoff = math.inf if best is None else best.latency - transfer
             fit = _fitting_level(
-                self.table, range(start, end), shape, in_flight, self.budget, self.remat,
-                cutoff,
+                self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
             if fit is None:
                 continue
             least_memory = min(least_memory, fit.memory)
             if fit.memory <= self.budget:
                 latency = fit.latency + transfer
-                if best is None or latency < best.latency:
+                if best is None or (latency, rank) < (best.latency, best_rank):
                     best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
+                    best_rank = rank
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best
