@@ -6,7 +6,8 @@ on 64 dgx-a100-80g GPUs (8 hosts, 64 microbatches) and GPT-3 175B on 1,024 (128 
 per-row time limit (a row that runs out is reported as far as it got).
 
 Per row it prints wall-clock and CPU seconds (user + system of the child, which includes
-anything the child starts) for each phase of the search:
+anything the child starts) for each phase of the search (a row that runs out of time
+gives its whole child's totals, and its phases up to the last one that ended):
 
 - ``trace``: the step traced at full batch, then at one microbatch;
 - ``layer clustering``: layers assigned and each layer cut out as its own graph (with its
@@ -187,6 +188,7 @@ def run_row(row: str, limit: float) -> dict:
         cmd = [sys.executable, __file__, "--child", row, "--out", str(out)]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
             proc.wait(timeout=limit)
@@ -196,8 +198,12 @@ def run_row(row: str, limit: float) -> dict:
             proc.wait()
             timed_out = True
         wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(row=row, timed_out=timed_out, returncode=proc.returncode, process_wall=wall)
+    # The whole child (killed or not): its phase figures stop at the last phase it ended.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    data.update(row=row, timed_out=timed_out, returncode=proc.returncode, process_wall=wall,
+                process_cpu=cpu)
     return data
 
 
@@ -212,7 +218,8 @@ def report(results: list[dict]) -> str:
             continue
         total = f"{r['total_cpu']:.1f} / {r['total_wall']:.1f}"
         if r["timed_out"]:
-            total += " (timed out)"
+            total = (f"{r['process_cpu']:.1f} / {r['process_wall']:.1f} (timed out; phases to "
+                     f"{r['total_wall']:.0f} s)")
         elif not r.get("done"):
             total += f" (failed, rc {r['returncode']})"
         phases = [f"{r['cpu'][p]:.1f} / {r['wall'][p]:.1f}" for p in PHASES]
