@@ -124,6 +124,26 @@ def bytes_per_device(
     ``NamedSharding(jax_mesh, to_partition_spec(spec)).shard_shape(shape)`` in bytes; an
     uneven split (which only arises inside ``jax.jit``) is padded up, as XLA pads it.
     """
+    key = (tuple(shape), dtype, spec, mesh.shape, mesh.axis_names)
+    try:
+        cached = _SHARD_BYTES.get(key)
+    except TypeError:  # a spec given as lists: not memoised
+        return _bytes_per_device(shape, dtype, spec, mesh)
+    if cached is not None:
+        return cached
+    result = _SHARD_BYTES[key] = _bytes_per_device(shape, dtype, spec, mesh)
+    if len(_SHARD_BYTES) > _SHARD_BYTES_LIMIT:
+        _SHARD_BYTES.clear()
+    return result
+
+
+# (shape, dtype, spec, mesh shape, axis names) -> bytes: the planner asks millions of times
+# per search (issue 18), for a few thousand distinct tensors. Emptied when it grows large.
+_SHARD_BYTES: dict = {}
+_SHARD_BYTES_LIMIT = 1 << 18
+
+
+def _bytes_per_device(shape, dtype, spec: Spec, mesh: LogicalMesh) -> float:
     if len(spec) != len(shape):
         raise ValueError(
             f"spec {spec} has {len(spec)} entries but the tensor has shape {tuple(shape)} "

@@ -16,6 +16,7 @@ of microbatches, the schedule and the single-mesh planner's options. Out: a
 
 from autopar.inter._planner import (
     LEVEL_FRACTIONS,
+    PLANNING_PHASES,
     LayerCostTable,
     PipelineChoice,
     choose_stages,
@@ -49,6 +50,7 @@ __all__ = [
     "LayerAssignment",
     "LayerCostTable",
     "Partition",
+    "PLANNING_PHASES",
     "PipelineChoice",
     "StageCost",
     "StagePlan",

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import (
@@ -70,6 +70,15 @@ class PipelineChoice:
     # Per stage: seconds per microbatch of the transfer into it (`boundary_transfer_time`,
     # part of `latency` as the stage DP charges it; 0 for the first stage).
     stage_transfer: tuple[float, ...] = ()
+    # Wall seconds of the search's parts (`PLANNING_PHASES`) and the layer cost look-ups
+    # answered without a solve; not part of the choice's identity.
+    timings: dict = field(default_factory=dict, compare=False)
+
+
+# The parts of `choose_stages`, as `PipelineChoice.timings` names them: layers cut out as
+# graphs of their own; the layer ILPs built and solved; the stage DP less the ILPs it
+# asked for; the chosen stages' plans stitched from their layers' plans.
+PLANNING_PHASES = ("layer clustering", "layer ILPs", "stage DP", "stage plans")
 
 
 def structural_fingerprint(graph: OpGraph) -> str:
@@ -151,6 +160,8 @@ class LayerCostTable:
         self._recomputes: dict[tuple, object] = {}
         self._kept: dict[int, frozenset[int]] = {}
         self.num_ilps = 0
+        self.ilp_seconds = 0.0  # wall seconds in `_solve`
+        self.num_hits = 0  # `cost` look-ups answered from the table
 
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
@@ -164,10 +175,12 @@ class LayerCostTable:
         plan of the level below. Each (layer structure, shape, level) is solved once.
         """
         key = (self.fingerprints[layer], shape, level)
-        if key not in self._cache:
-            self._cache[key], plan = self._plan_level(layer, shape, level)
-            if plan is not None:
-                self._plans[key] = plan
+        if key in self._cache:
+            self.num_hits += 1
+            return self._cache[key]
+        self._cache[key], plan = self._plan_level(layer, shape, level)
+        if plan is not None:
+            self._plans[key] = plan
         return self._cache[key]
 
     def _plan_level(self, layer: int, shape, level: int):
@@ -201,6 +214,7 @@ class LayerCostTable:
         self.num_ilps += 1
         ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
         weights = self.weights[layer]
+        start = time.perf_counter()
         try:
             if self.solve is not None:
                 plan = self.solve(sub, mesh, ties, weights)
@@ -211,6 +225,8 @@ class LayerCostTable:
                 )
         except MemoryBudgetError:
             return None, None
+        finally:
+            self.ilp_seconds += time.perf_counter() - start
         cost = LayerCost(
             plan.cost.total,
             plan.cost.memory_per_device,
@@ -484,6 +500,21 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 
 
+def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
+    """Below the latency of the layers at `level` or any leaner level, with any recompute,
+    by `DOMINANCE_MARGIN`; -inf when a layer's plan there is not a proven optimum (its
+    ILP stopped at the time limit) or a caller's `solve` made it."""
+    if table.solve is not None:
+        return -math.inf
+    total = []
+    for k in layer_range:
+        cost, plan = table.cost(k, shape, level), table.plan(k, shape, level)
+        if cost is None or plan.stats.get("status") != "optimal":
+            return -math.inf
+        total.append(cost.latency)
+    return math.fsum(total) * (1 - DOMINANCE_MARGIN)
+
+
 @dataclass(frozen=True)
 class _Fit:
     """A stage's layers at one memory level with one remat choice per layer."""
@@ -552,8 +583,15 @@ def choose_remat(
     return _Fit(level, tuple(chosen), tuple(costs), stage_memory(costs, in_flight))
 
 
+# A leaner memory level or a recompute never makes a stage faster than its layers' fastest
+# plans (level 0: the same ILP without the footprint row; recompute adds work), up to the
+# MIP's relative gap (`MIP_RELATIVE_GAP`, 1e-9); this margin, far above it, keeps the
+# pruning below exact: a shape is skipped only when it would lose by more than rounding.
+DOMINANCE_MARGIN = 1e-6
+
+
 def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                   remat: str = "auto") -> _Fit | None:
+                   remat: str = "auto", cutoff: float = math.inf) -> _Fit | None:
     """The fastest (memory level, remat per layer) at which the layers fit `budget`
     together on a mesh of `shape`, or the leanest tried when none does; None when a layer
     has no plan on that mesh.
@@ -563,6 +601,12 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     up the same fraction of what it can give), then steps down while that does not fit;
     every level visited is also tried with recompute, and the fastest fit wins (a leaner
     sharding costs communication, recompute costs forward work).
+
+    `cutoff`: the latency of the best stage found on another shape. When the layers'
+    fastest plans already take at least that long, no level or recompute here can win
+    (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs. The walk to
+    leaner levels also stops once the next one cannot beat `cutoff` or a fit already
+    found (a leaner level is never faster); what it skips would not have been chosen.
     """
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
@@ -573,6 +617,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     if table.solve is not None:
         return first_fit
     plain = [table.cost(k, shape) for k in layer_range]
+    if _lower_bound(table, layer_range, shape, 0) >= cutoff:
+        return None
     memory = stage_memory(plain, in_flight)
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
@@ -593,6 +639,11 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
         tried.append(fit)
         if fit.memory <= budget and all(r == "none" for r in fit.remat):
+            break
+        # A leaner level is no faster than this one: stop once it cannot win.
+        bound = _lower_bound(table, layer_range, shape, level)
+        fastest_fit = min((f.latency for f in tried if f.memory <= budget), default=math.inf)
+        if bound >= cutoff or bound >= fastest_fit:
             break
     fitting = [f for f in tried if f.memory <= budget]
     if fitting:
@@ -623,7 +674,9 @@ def choose_stages(
     the stages whose layer range it rejects (e.g. uneven slices of a scanned stack).
     """
     budget = memory_budget(cluster, options.memory_budget)
+    start_time = time.perf_counter()
     table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    clustering = time.perf_counter() - start_time
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
@@ -640,24 +693,36 @@ def choose_stages(
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
         memory_budget=budget, num_positions=stage_cost.num_positions,
     )
+    dp_seconds = time.perf_counter() - start_time
     log.info(
-        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs, %.2f s",
-        len(dp.stages), dp.latency, table.num_ilps, time.perf_counter() - start_time,
+        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs (%.2f s), %d cost look-ups "
+        "answered from the table, %.2f s",
+        len(dp.stages), dp.latency, table.num_ilps, table.ilp_seconds, table.num_hits,
+        dp_seconds,
     )
+    ilp_seconds = table.ilp_seconds
+    start_time = time.perf_counter()
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
     shapes = tuple(c.detail[0] for c in dp.stage_costs)
     part = partition(graph, layers, list(stage_layers))
     stage_remat = tuple(c.detail[2] for c in dp.stage_costs)
+    stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
+    stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
+    timings = dict(zip(PLANNING_PHASES, (
+        clustering, table.ilp_seconds, dp_seconds - ilp_seconds, stitching,
+    )))
+    timings.update({"layer ILPs solved": table.num_ilps, "layer costs reused": table.num_hits})
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
         device_ids=tuple(dp.device_ids),
         logical_shapes=shapes,
         latency=dp.latency,
-        stage_plans=_stage_plans(table, graph, part, dp, stage_layers, tied),
+        stage_plans=stage_plans,
         partition=part,
         dp=dp,
         num_layer_ilps=table.num_ilps,
+        timings=timings,
         stage_remat=stage_remat,
         stage_recompute=tuple(
             recompute_time(table, range(*layers_), c.detail)
@@ -770,22 +835,38 @@ class _StageCosts:
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         best = None
         least_memory = math.inf
-        for shape in shapes:
+        transfer = 0.0
+        if start > 0 and self.boundary:
+            transfer = boundary_transfer_time(
+                self.boundary[start], self.table.cluster, sub.num_devices
+            )
+        # Shapes by their layers' fastest plans (a lower bound on any fit there), so that
+        # a fitting shape is found early and the leaner levels of shapes that cannot beat
+        # it are not solved; among equally fast fits the first shape of `shapes` wins, as
+        # when they are tried in that order.
+        layer_range = range(start, end)
+        order = []
+        for rank, shape in enumerate(shapes):
             shape = tuple(shape)
+            plain = [self.table.cost(k, shape) for k in layer_range]
+            if all(c is not None for c in plain):
+                order.append((math.fsum(c.latency for c in plain), rank, shape))
+        order.sort()
+        best_rank = None
+        for _, rank, shape in order:
+            # Once a shape fits, another must beat it (`least_memory` is then unused).
+            cutoff = math.inf if best is None else best.latency - transfer
             fit = _fitting_level(
-                self.table, range(start, end), shape, in_flight, self.budget, self.remat
+                self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
             if fit is None:
                 continue
             least_memory = min(least_memory, fit.memory)
             if fit.memory <= self.budget:
-                latency = fit.latency
-                if start > 0 and self.boundary:
-                    latency += boundary_transfer_time(
-                        self.boundary[start], self.table.cluster, sub.num_devices
-                    )
-                if best is None or latency < best.latency:
+                latency = fit.latency + transfer
+                if best is None or (latency, rank) < (best.latency, best_rank):
                     best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
+                    best_rank = rank
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best

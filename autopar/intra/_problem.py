@@ -9,6 +9,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -327,10 +328,24 @@ def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):
     """Groups of ILP nodes live together at the program points with the most live bytes.
 
     Graph inputs are live throughout; an activation is live from its producer to its last
-    consumer (a liveness estimate in program order).
+    consumer (a liveness estimate in program order). The same on every mesh (it reads
+    sizes of whole tensors and which ILP node makes each), so computed once per graph and
+    numbering of the ILP nodes (the stage DP builds a layer's problem on many meshes).
     """
     if num_points <= 0:
         return ()
+    key = (num_points, tuple(sorted(source_of.items())))
+    by_key = _MEMORY_GROUPS.setdefault(graph, {})
+    if key not in by_key:
+        by_key[key] = _live_groups(graph, source_of, num_points)
+    return by_key[key]
+
+
+# graph -> {(points, ILP node of each var): groups}; forgets graphs nothing else holds.
+_MEMORY_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _live_groups(graph: OpGraph, source_of, num_points: int):
     last_use = {}
     for node in graph.nodes:
         for v in node.inputs:

@@ -117,6 +117,7 @@ def node_strategies(
         if carried.issuperset(assignment)
     ]
     strategies = []
+    dtype = _rate_dtype(node, in_vars, out_vars)
     for assignment in assignments:
         in_specs = tuple(
             None if var.role is Role.CONST else spec_for(labels, len(var.shape), assignment)
@@ -133,7 +134,6 @@ def node_strategies(
         )
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
                               getattr(ctx.cluster, "fused_attention", False))
-        dtype = _rate_dtype(node, in_vars, out_vars)
         matmul = node.primitive in MATMUL_PRIMITIVES
         work = (node.flops / parallelism, accessed, dtype, matmul)
         compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul)
@@ -270,6 +270,7 @@ def follow_strategies(
     in_vars = [graph.vars[v] for v in node.inputs]
     result = []
     cache: dict[Spec, Strategy] = {}
+    dtype = _rate_dtype(node, in_vars, out_vars)
     for spec in leader_specs:
         if spec in cache:
             result.append(cache[spec])
@@ -298,7 +299,6 @@ def follow_strategies(
         )
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
                               getattr(ctx.cluster, "fused_attention", False))
-        dtype = _rate_dtype(node, in_vars, out_vars)
         compute = compute_time(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,

@@ -93,6 +93,9 @@ def explain(plan, detail: int = 1) -> str:
         lines.append(
             "planning time: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
         )
+    counts = {k: v for k, v in plan.timings.items() if type(v) is int}
+    if counts:
+        lines.append("planning work: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     if plan.warnings:
         lines.append("warnings:")
         lines.extend(f"  - {w}" for w in plan.warnings)

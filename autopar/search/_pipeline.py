@@ -264,6 +264,8 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             timings["stage_dp_and_ilps"] = (
                 timings.get("stage_dp_and_ilps", 0.0) + time.perf_counter() - start
             )
+        for name, value in choice.timings.items():  # the search's parts, summed over counts
+            timings[name] = timings.get(name, 0) + value
         schedule, latency = _schedule_for(choice, num_micro, options)
         log.info("%d microbatch(es): %d stage(s), predicted %.4g s%s",
                  num_micro, len(choice.stage_layers), latency,

@@ -1,0 +1,263 @@
+"""Planning time of `method="auto"` by phase (issue 18).
+
+Rows: the demo (``autopar demo``'s GPT on 8 virtual CPU devices, 2 microbatches), GPT-39B
+on 64 dgx-a100-80g GPUs (8 hosts, 64 microbatches) and GPT-3 175B on 1,024 (128 hosts,
+64 microbatches), each planned with no plan cache in a child process of its own under a
+per-row time limit (a row that runs out is reported as far as it got).
+
+Per row it prints wall-clock and CPU seconds (user + system of the child, which includes
+anything the child starts) for each phase of the search (a row that runs out of time
+gives its whole child's totals, and its phases up to the last one that ended):
+
+- ``trace``: the step traced at full batch, then at one microbatch;
+- ``layer clustering``: layers assigned and each layer cut out as its own graph (with its
+  structural fingerprint);
+- ``layer ILPs``: one sharding ILP per (layer structure, logical mesh, memory level),
+  built and solved (`plan_on_mesh`); how many, and how many cost look-ups were answered
+  from the table instead (``cached``);
+- ``stage DP``: Alpa's DP over layer ranges x submeshes, less the ILPs it triggered;
+- ``lowering``: each chosen stage's plan stitched from its layers' plans, and the `Plan`.
+
+It also prints the planner's peak memory (the child's maximum resident set) and the
+predicted step time of the plan. CPU time is the figure to trust on a shared machine:
+wall time grows with whatever else runs on the cores.
+
+Run: ``python benchmarks/planning_time.py`` (all rows), ``--rows demo gpt-39B@64``,
+``--limit 600`` (seconds per row), ``--json out.json``. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ("demo", "gpt-39B@64", "gpt-175B@1024")
+# Issue 18's acceptance: planning wall seconds on a quiet 2-core machine.
+TARGETS = {"demo": 3.0, "gpt-39B@64": 120.0, "gpt-175B@1024": 600.0}
+DEFAULT_LIMIT = 900.0
+PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering")
+# The GPT rows: (model config, hosts of 8 GPUs, microbatches). 64 microbatches as issue 18
+# states the 39B row (global batch 1024, Alpa's benchmark batch).
+GPT_ROWS = {"gpt-39B@64": ("39B", 8, 64), "gpt-175B@1024": ("175B", 128, 64)}
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class _Clock:
+    """Wall and CPU seconds per phase; a phase nested in another is taken out of it."""
+
+    def __init__(self, out: Path):
+        self.wall = dict.fromkeys(PHASES, 0.0)
+        self.cpu = dict.fromkeys(PHASES, 0.0)
+        self.counts = {"ilps": 0, "cached": 0}
+        self.stack: list[list] = []
+        self.out = out
+        self.start_wall, self.start_cpu = time.perf_counter(), _cpu()
+        self.extra: dict = {}
+        self.last_dump = 0.0
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            frame = [name, time.perf_counter(), _cpu(), 0.0, 0.0]  # nested wall, cpu
+            self.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                wall = time.perf_counter() - frame[1]
+                cpu = _cpu() - frame[2]
+                self.wall[name] += wall - frame[3]
+                self.cpu[name] += cpu - frame[4]
+                if self.stack:
+                    self.stack[-1][3] += wall
+                    self.stack[-1][4] += cpu
+                if name == "layer ILPs":
+                    self.counts["ilps"] += 1
+                self.dump()
+
+        return timed
+
+    def dump(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last_dump < 2.0:
+            return
+        self.last_dump = now
+        data = {
+            "wall": self.wall, "cpu": self.cpu, "counts": self.counts,
+            "total_wall": now - self.start_wall, "total_cpu": _cpu() - self.start_cpu,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **self.extra,
+        }
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.out)
+        print(
+            f"  [{data['total_wall']:.0f} s] ILPs {self.counts['ilps']}, cached "
+            f"{self.counts['cached']}; " + ", ".join(
+                f"{k} {self.cpu[k]:.1f}" for k in PHASES if self.cpu[k]
+            ) + " (CPU s)",
+            file=sys.stderr, flush=True,
+        )
+
+
+def _instrument(clock: _Clock) -> None:
+    """Time the search's phases by wrapping the functions that do them."""
+    from autopar.inter import _planner as inter_planner
+    from autopar.search import _api, _pipeline
+
+    _api.trace = clock.wrap("trace", _api.trace)
+    _pipeline._trace_microbatch = clock.wrap("trace", _pipeline._trace_microbatch)
+    _pipeline.assign_layers = clock.wrap("layer clustering", _pipeline.assign_layers)
+    table = inter_planner.LayerCostTable
+    table.__init__ = clock.wrap("layer clustering", table.__init__)
+    inter_planner.plan_on_mesh = clock.wrap("layer ILPs", inter_planner.plan_on_mesh)
+    inter_planner.plan_stages = clock.wrap("stage DP", inter_planner.plan_stages)
+    inter_planner._stage_plans = clock.wrap("lowering", inter_planner._stage_plans)
+    _pipeline._pipeline_plan = clock.wrap("lowering", _pipeline._pipeline_plan)
+    cost = table.cost
+
+    def counted(self, layer, shape, level=0):
+        if (self.fingerprints[layer], shape, level) in self._cache:
+            clock.counts["cached"] += 1
+        return cost(self, layer, shape, level)
+
+    table.cost = counted
+
+
+def _row_args(row: str):
+    """(step, args, cluster, num_microbatches) of a row."""
+    import optax
+
+    from autopar.cluster import Cluster
+
+    if row == "demo":
+        from autopar.app._demo import DEMO_BATCH_SIZE, DEMO_GPT, DEMO_MICROBATCHES
+        from autopar.app._examples import LEARNING_RATE, load_example
+
+        gpt = load_example("gpt")
+        cfg = gpt.GPTConfig(**DEMO_GPT)
+        optimizer = optax.adamw(LEARNING_RATE)
+        args = (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, DEMO_BATCH_SIZE))
+        return gpt.make_train_step(cfg, optimizer), args, Cluster.local(), DEMO_MICROBATCHES
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_large import PROFILE, Row, model_step
+
+    model, hosts, micro = GPT_ROWS[row]
+    step, args = model_step(Row("gpt", model, hosts))
+    return step, args, Cluster.from_profile(PROFILE, num_hosts=hosts), micro
+
+
+def child(row: str, out: Path) -> None:
+    """Plan one row in this process, writing the phase times to `out` as it goes."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    clock = _Clock(out)
+    import autopar
+    from autopar._progress import show_progress
+
+    _instrument(clock)
+    step, args, cluster, micro = _row_args(row)
+    clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
+    with show_progress():
+        plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False)
+    clock.extra.update(
+        done=True,
+        predicted_step_time=plan.predicted_step_time,
+        plan=f"{plan.num_stages} stage(s), meshes "
+             f"{sorted({tuple(s.mesh.shape) for s in plan.stages})}, "
+             f"{plan.num_microbatches} mb",
+    )
+    clock.dump(force=True)
+
+
+def run_row(row: str, limit: float) -> dict:
+    """Plan `row` in a child process under `limit` seconds; its figures (partial on
+    timeout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--child", row, "--out", str(out)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=limit)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            timed_out = True
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        data = json.loads(out.read_text()) if out.exists() else {}
+    # The whole child (killed or not): its phase figures stop at the last phase it ended.
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    data.update(row=row, timed_out=timed_out, returncode=proc.returncode, process_wall=wall,
+                process_cpu=cpu)
+    return data
+
+
+def report(results: list[dict]) -> str:
+    """The rows as a markdown table (CPU / wall seconds per phase)."""
+    head = ["row", "total CPU / wall s", *PHASES, "ILPs", "cached", "peak MB", "target",
+            "predicted step s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        if "wall" not in r:
+            lines.append(f"| {r['row']} | failed before planning (rc {r['returncode']}) |")
+            continue
+        total = f"{r['total_cpu']:.1f} / {r['total_wall']:.1f}"
+        if r["timed_out"]:
+            total = (f"{r['process_cpu']:.1f} / {r['process_wall']:.1f} (timed out; phases to "
+                     f"{r['total_wall']:.0f} s)")
+        elif not r.get("done"):
+            total += f" (failed, rc {r['returncode']})"
+        phases = [f"{r['cpu'][p]:.1f} / {r['wall'][p]:.1f}" for p in PHASES]
+        target = TARGETS.get(r["row"])
+        met = "" if target is None else (
+            f"≤{target:g} s: " + ("yes" if r.get("done") and r["total_wall"] <= target else "no")
+        )
+        step = f"{r['predicted_step_time']:.4g}" if r.get("done") else "-"
+        lines.append(
+            "| " + " | ".join([
+                r["row"], total, *phases, str(r["counts"]["ilps"]), str(r["counts"]["cached"]),
+                f"{r['peak_rss_mb']:.0f}", met, step,
+            ]) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--limit", type=float, default=DEFAULT_LIMIT,
+                        help="seconds per row (default %(default)s)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    if ns.child:
+        child(ns.child, ns.out)
+        return
+    results = []
+    for row in ns.rows:
+        print(f"planning {row} (limit {ns.limit:g} s) ...", file=sys.stderr, flush=True)
+        results.append(run_row(row, ns.limit))
+        print(report(results[-1:]), file=sys.stderr, flush=True)
+    print(report(results))
+    if ns.json:
+        ns.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Planning speed (issue 18): what makes the search faster must not change what it finds,
+and the search says where its time went."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import optax
+import pytest
+
+import autopar
+from examples import gpt
+
+GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)  # 4 blocks + head
+LR = 1e-2
+
+
+def _tiny_gpt_graph():
+    from autopar.graph import tied_state
+    from autopar.inter.passes._layers import assign_layers
+
+    opt = optax.adamw(LR)
+    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+                          gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
+    return graph, assign_layers(graph), tied_state(graph, (0,))
+
+
+def _search(graph, layers, tied, budget, monkeypatch, prune: bool):
+    from autopar.inter import _planner
+    from autopar.intra._options import ShardOptions
+
+    if not prune:  # no shape or level is known to lose: every one is solved
+        monkeypatch.setattr(_planner, "_lower_bound", lambda *args: -math.inf)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    choice = _planner.choose_stages(
+        graph, layers, cluster, 4, "1f1b", ShardOptions(memory_budget=budget), tied,
+        submeshes=[autopar.inter.SubmeshShape(1, 4), autopar.inter.SubmeshShape(1, 8)],
+    )
+    monkeypatch.undo()
+    return choice
+
+
+@pytest.mark.extended  # minutes: the leaner levels' MIPs; the made-up tables below are its twin
+def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
+    """The stage DP skips the leaner memory levels of a mesh shape whose fastest layer
+    plans already lose to a shape that fits (`_fitting_level`'s cutoff): under a budget
+    that needs leaner levels, the choice (stages, shapes, levels, remat, latency, every
+    stage's specs) is the one the unpruned search makes, from fewer ILPs."""
+    graph, layers, tied = _tiny_gpt_graph()
+    unlimited = _search(graph, layers, tied, None, monkeypatch, prune=True)
+    budget = 0.7 * max(c.memory for c in unlimited.dp.stage_costs)
+    full = _search(graph, layers, tied, budget, monkeypatch, prune=False)
+    pruned = _search(graph, layers, tied, budget, monkeypatch, prune=True)
+    assert any(c.detail[1] > 0 for c in full.dp.stage_costs)  # leaner levels in play
+    assert pruned.stage_layers == full.stage_layers
+    assert [c.detail for c in pruned.dp.stage_costs] == [c.detail for c in full.dp.stage_costs]
+    assert pruned.latency == full.latency
+    assert [p.var_specs for p in pruned.stage_plans] == [p.var_specs for p in full.stage_plans]
+    assert pruned.num_layer_ilps < full.num_layer_ilps
+
+
+def test_search_reports_its_parts():
+    """A pipelined plan's timings hold the search's parts (seconds) and how many layer
+    ILPs it solved; explain() prints both."""
+    from autopar.inter import PLANNING_PHASES
+
+    opt = optax.adamw(LR)
+    plan = autopar.plan(
+        gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt), gpt.abstract_batch(GPT, 16),
+        cluster=autopar.Cluster.from_profile("dgx-a100-80g"), num_microbatches=2,
+        submeshes=[(1, 8)], logical_shapes=[(8,)], cache=False,
+    )
+    assert plan.runtime == "pipeline"
+    for name in ("trace", *PLANNING_PHASES):
+        assert plan.timings[name] >= 0.0
+    parts = sum(plan.timings[name] for name in PLANNING_PHASES)
+    assert parts <= plan.timings["stage_dp_and_ilps"] * (1 + 1e-6)
+    solved = plan.timings["layer ILPs solved"]
+    assert solved == 3  # embedding + block, block, head on (8,): blocks share one ILP
+    text = plan.explain()
+    assert "planning time: " in text and "layer ILPs " in text
+    assert f"planning work: layer ILPs solved {solved}," in text
+
+
+class _FakeTable:
+    """A layer cost table of made-up numbers with the real table's properties: a leaner
+    level holds less and is no faster; recompute keeps fewer activations and is slower.
+    Counts the (layer, shape, level) costs it was asked for: the ILPs a search solves."""
+
+    solve = None
+    cluster = None
+
+    def __init__(self, rng, num_layers, shapes):
+        self.base = {(k, s): (rng.uniform(1, 2), rng.uniform(4, 8))
+                     for k in range(num_layers) for s in shapes}
+        self.slope = {key: rng.uniform(0.0, 0.3) for key in self.base}
+        self.solved = set()
+
+    def cost(self, k, shape, level=0):
+        from autopar.cost import LayerCost
+
+        self.solved.add((k, shape, level))
+        latency, held = self.base[k, shape]
+        lean = 1 - 0.06 * level
+        latency *= 1 + self.slope[k, shape] * level
+        return LayerCost(latency, held * lean + 0.5, held * lean * 0.2, held * lean * 0.6,
+                         held * lean * 0.2)
+
+    def plan(self, k, shape, level=0):
+        return type("Plan", (), {"stats": {"status": "optimal"}})
+
+    def footprint_span(self, k, shape):
+        return 0.4 * self.base[k, shape][1], self.base[k, shape][1]
+
+    def remat_cost(self, k, shape, level, remat):
+        from autopar.cost import LayerCost
+
+        c = self.cost(k, shape, level)
+        if remat == "none":
+            return c
+        keep, extra = (0.5, 0.1) if remat == "selective" else (0.1, 0.3)
+        return LayerCost(c.latency * (1 + extra), c.memory, c.activation_memory * keep,
+                         c.state_memory, c.gradient_memory)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
+    """Every (layers, submesh, position) the stage DP asks about gets the same answer with
+    and without the dominance pruning, on tables whose numbers are drawn at random and
+    budgets tight enough to need leaner levels and recompute; the pruned walk asks for
+    fewer of the leaner levels (the ILPs that cost most)."""
+    import numpy as np
+
+    from autopar.inter import SubmeshShape, _planner
+
+    rng = np.random.default_rng(seed)
+    shapes = [(8,), (2, 4), (4, 2)]
+    answers, solved = [], []
+    budget = float(rng.uniform(8, 20))
+    for prune in (True, False):
+        if not prune:
+            monkeypatch.setattr(_planner, "_lower_bound", lambda *args: -math.inf)
+        table = _FakeTable(np.random.default_rng(seed), 6, shapes)
+        stage_cost = _planner._StageCosts(table, [SubmeshShape(1, 8)], shapes, "1f1b", 4,
+                                          budget, "auto")
+        answers.append([stage_cost(a, b, 0, p) for a in range(6) for b in range(a + 1, 7)
+                        for p in (1, 2, 4)])
+        solved.append(table.solved)
+    assert answers[0] == answers[1]
+    assert any(c.detail and c.detail[1] > 0 for c in answers[1])  # leaner levels in play
+    assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (8,)])
+def test_bytes_per_device_memo_matches_the_formula(mesh_shape):
+    """`bytes_per_device` answers repeated questions from a memo: the same figure as the
+    formula, and a bad spec is still refused the second time it is asked."""
+    from autopar.cluster import LogicalMesh
+    from autopar.cost import bytes_per_device
+    from autopar.cost._compute import _bytes_per_device
+
+    mesh = LogicalMesh.create(mesh_shape)
+    spec = (("x",), ()) if len(mesh_shape) == 1 else (("x",), ("y",))
+    for _ in range(2):
+        assert bytes_per_device((6, 8), "bfloat16", spec, mesh) == \
+            _bytes_per_device((6, 8), "bfloat16", spec, mesh)
+        with pytest.raises(ValueError, match="at most once"):
+            bytes_per_device((6, 8), "float32", (("x",), ("x",)), mesh)
