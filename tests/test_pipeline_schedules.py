@@ -190,7 +190,7 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     from autopar.graph import trace
     from autopar.search._microbatch import batch_size
     from autopar.search._options import PlanOptions
-    from autopar.search._pipeline import _pick, _stage_choices
+    from autopar.search._pipeline import _pick, _stage_choices, _stage_times
 
     big = mlp.MLPConfig(in_dim=16384, hidden=16384, out_dim=16384, num_layers=8,
                         layer_markers=True)
@@ -204,13 +204,15 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     by_stages = {len(c.choice.stage_layers): c for c in candidates}
     assert sorted(by_stages) == [2, 4, 8]
     assert by_stages[2].schedule == "zero_bubble"  # beats 1F1B: a third of its bubble
-    times = [c.latency for c in by_stages[2].choice.dp.stage_costs]
+    # The plan's own stage times: the stitched stage plans, recompute and the transfer
+    # into each stage (what Plan.predicted_step_time adds up).
+    times = _stage_times(by_stages[2].choice)
     assert by_stages[2].latency == pytest.approx(pipeline_latency(times, 2, "zero_bubble"))
     assert by_stages[2].latency < pipeline_latency(times, 2, "1f1b")
     for stages, v in ((4, 2), (8, 4)):
         c = by_stages[stages]
         assert c.schedule == "interleaved_1f1b"
-        chunks = [x.latency for x in c.choice.dp.stage_costs]
+        chunks = _stage_times(c.choice)
         per_group = [sum(chunks[g::2]) for g in range(2)]
         assert c.latency == pytest.approx(
             pipeline_latency(per_group, 2, "interleaved_1f1b", v)
