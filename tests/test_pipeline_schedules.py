@@ -174,7 +174,7 @@ def test_auto_schedule_picks_the_fastest_predicted():
         cache=False,
     )
     predicted = {
-        s: pipeline_latency([st.sharding.cost.total for st in plan.stages], 8, s)
+        s: pipeline_latency([st.time_per_microbatch for st in plan.stages], 8, s)
         for s in ("1f1b", "zero_bubble")
     }
     assert plan.schedule == min(predicted, key=predicted.get) == "zero_bubble"
