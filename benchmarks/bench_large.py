@@ -37,7 +37,8 @@ log = logging.getLogger("autopar.benchmarks")
 # The profile of a row that names none (every GPT and MoE row).
 PROFILE = "dgx-a100-80g"
 # Model families: the example module of each. Llama runs its layers with `jax.lax.scan`
-# over stacked weights, as MaxText (`scan_layers`) writes it, so it has no layer marks.
+# over stacked weights with each layer checkpointed, as MaxText (`scan_layers`,
+# `remat_policy: full`) writes it, so it has no layer marks.
 FAMILIES = {"gpt": gpt, "moe": moe, "llama": llama}
 SCANNED_FAMILIES = ("llama",)
 TERA = 1e12
@@ -141,7 +142,9 @@ def model_step(row: Row, *, loop: bool = False):
     # moments, where the model has the option (examples/gpt.py's GPTConfig.master_dtype).
     precision = {"master_dtype": "float32"} if hasattr(cfg, "master_dtype") else {}
     layers = (
-        {"scan_layers": True, "layer_markers": False}
+        # Each scanned layer recomputed in the backward, as MaxText's default remat_policy
+        # ("full") writes it; the loop form gets Megatron's recompute from the grid.
+        {"scan_layers": True, "remat_layers": True, "layer_markers": False}
         if row.family in SCANNED_FAMILIES and not loop
         else {"layer_markers": True}
     )

@@ -8,8 +8,11 @@ biases, and an output layer (``lm_head``) separate from the token embedding. No 
 Two options change how the layers are written, not what they compute:
 
 - ``scan_layers=True`` stacks the layers' parameters (a leading layer dimension) and runs
-  them with `jax.lax.scan`: one traced layer instead of ``num_layers``. The pipeline
-  planner cannot cut inside a scan, so it goes with ``layer_markers=False``.
+  them with `jax.lax.scan`: one traced layer instead of ``num_layers``. It goes with
+  ``layer_markers=False``: the pipeline planner takes its layers from the scan's
+  iterations. ``remat_layers=True`` wraps the scanned layer in `jax.checkpoint`, so its
+  backward recomputes the layer from its input (MaxText's default ``remat_policy:
+  full``).
 - ``attention="dot_product_attention"`` uses `jax.nn.dot_product_attention` (which does
   grouped-query attention itself) instead of the einsum written out here.
 
@@ -67,6 +70,7 @@ class LlamaConfig:
     master_dtype: str | None = None
     layer_markers: bool = False
     scan_layers: bool = False
+    remat_layers: bool = False  # jax.checkpoint around each scanned layer
     attention: Attention = "einsum"
 
     def __post_init__(self) -> None:
@@ -86,6 +90,11 @@ class LlamaConfig:
             raise ValueError(
                 "scan_layers=True runs every layer inside one jax.lax.scan, where no layer "
                 "boundary can be marked; set layer_markers=False (or scan_layers=False)."
+            )
+        if self.remat_layers and not self.scan_layers:
+            raise ValueError(
+                "remat_layers=True checkpoints the scanned layer; set scan_layers=True too "
+                "(a loop of layers is recomputed by the planner's remat option instead)."
             )
         if self.attention not in ("einsum", "dot_product_attention"):
             raise ValueError(
@@ -261,7 +270,11 @@ def forward(params: dict, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Logits ``[B, S, V]`` for ``tokens: int32[B, S]``."""
     h = jnp.take(params["embed"], tokens, axis=0)
     if cfg.scan_layers:
-        h, _ = jax.lax.scan(lambda h, p: (block(p, h, cfg), None), h, params["layers"])
+        def layer(h, p):
+            return block(p, h, cfg), None
+
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if cfg.remat_layers else layer, h,
+                            params["layers"])
     else:
         for layer_params in params["layers"]:
             h = block(layer_params, h, cfg)

@@ -129,3 +129,21 @@ def test_llama_is_a_named_model_for_the_cli():
     model = named_model("llama-8B", batch_size=4)
     assert model.config == llama.CONFIGS["8B"]
     assert "llama-tiny" in model_names()
+
+
+def test_remat_layers_checkpoints_the_scanned_layer_and_computes_the_same():
+    cfg = dataclasses.replace(TINY, scan_layers=True)
+    remat = dataclasses.replace(cfg, remat_layers=True)
+    params = llama.init_params(cfg, jax.random.key(0))
+    batch = llama.make_batch(cfg, 4, jax.random.key(1))
+    grad = jax.value_and_grad(llama.loss_fn)
+    (loss, grads), (loss_r, grads_r) = (
+        jax.jit(grad, static_argnums=2)(params, batch, c) for c in (cfg, remat)
+    )
+    np.testing.assert_allclose(loss_r, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(lambda p: llama.loss_fn(p, batch, remat))(params))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    with pytest.raises(ValueError, match="scan_layers=True"):
+        dataclasses.replace(TINY, remat_layers=True)
