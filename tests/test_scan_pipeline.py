@@ -234,3 +234,16 @@ def test_auto_pipelines_a_scanned_gpt_across_slow_hosts():
     assert plan.num_stages == 2 and plan.scan_ranges == ((0, 4), (4, 8))
     for path, pieces in plan.split_inputs().items():
         assert [(i.shape[0], i.stage) for i in pieces] == [(4, 0), (4, 1)], path
+
+
+def test_scanned_stack_cut_into_stages_under_the_auto_schedule():
+    """schedule="auto" (the benchmarks' default) over a scanned stack: the stages are
+    re-planned on the stack cut into slices with the memory of the schedule it picked (it
+    was passed "auto" itself, and failed: "unknown schedule 'auto'")."""
+    step, optimizer = _step(SMALL)
+    plan = autopar.plan(
+        step, gpt.abstract_state(SMALL, optimizer), gpt.abstract_batch(SMALL, BATCH),
+        cluster=CPU, cache=False, **{**PIPELINE, "schedule": "auto"},
+    )
+    assert plan.num_stages == 2 and plan.scan_ranges == ((0, 2), (2, 4))
+    assert plan.schedule in ("1f1b", "zero_bubble")

@@ -192,7 +192,7 @@ def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
     ]
     graph = _trace_microbatch(fn, args, options, best.num_microbatches, None, ranges)
     regrouped = plan_chosen_stages(
-        graph, assign_layers(graph), cluster, best.num_microbatches, options.schedule,
+        graph, assign_layers(graph), cluster, best.num_microbatches, _dp_schedule(best.schedule),
         shard_options(options, cluster), tied_state(graph, options.donate_argnums),
         stage_layers, choice,
     )
@@ -214,9 +214,7 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     # The stage DP's memory model: 1F1B's activations in flight for the schedules that
     # keep as many (zero bubble; "auto" chooses among those) and for the chunks of an
     # interleaved pipeline searched as p·v stages.
-    dp_schedule = options.schedule
-    if dp_schedule in ("auto", "zero_bubble", "interleaved_1f1b"):
-        dp_schedule = "1f1b"
+    dp_schedule = _dp_schedule(options.schedule)
     candidates: list[_Candidate] = []
     last_error: ValueError | None = None
     allowed, remat = None, options.remat
@@ -294,6 +292,13 @@ def _stack_remat(remat: str) -> str:
             "remat='auto' or 'none'"
         )
     return "none"
+
+
+def _dp_schedule(schedule: str) -> str:
+    """The schedule whose activations in flight the stage DP's memory model counts:
+    1F1B's for the schedules that keep as many (zero bubble; "auto" chooses among those)
+    and for the chunks of an interleaved pipeline searched as p·v stages."""
+    return "1f1b" if schedule in ("auto", "zero_bubble", "interleaved_1f1b") else schedule
 
 
 def _stage_times(choice: PipelineChoice) -> list[float]:
