@@ -204,13 +204,13 @@ def _add_plan(subparsers) -> None:
         description=(
             "Plan a named example model on a cluster described by a cost profile, with "
             "autopar.plan on abstract arguments (nothing is allocated), print the plan and "
-            "write it as JSON. Models are <family>-<size>: gpt, moe, wide_resnet or mlp and a "
-            "size of that example's CONFIGS, e.g. gpt-1.3B, moe-tiny, wide_resnet-250M, "
-            "mlp-tiny. Large models can take long to plan."
+            "write it as JSON. Models are <family>-<size>: gpt, moe, wide_resnet, mlp or llama "
+            "and a size of that example's CONFIGS, e.g. gpt-1.3B, moe-tiny, wide_resnet-250M, "
+            "mlp-tiny, llama-8B. Large models can take long to plan."
         ),
     )
     parser.add_argument("--model", required=True, metavar="NAME",
-                        help="e.g. gpt-1.3B, moe-380M, wide_resnet-tiny, mlp-tiny")
+                        help="e.g. gpt-1.3B, moe-380M, wide_resnet-tiny, mlp-tiny, llama-8B")
     parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
                         help="a cost profile name or JSON path (default: dgx-a100-80g)")
     parser.add_argument("--hosts", type=int, default=None, metavar="H",
