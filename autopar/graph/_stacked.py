@@ -169,7 +169,8 @@ class _Splitter:
 
         def find(v):
             while parent.get(v, v) != v:
-                v = parent[v] = parent.get(parent[v], parent[v])
+                parent[v] = parent.get(parent[v], parent[v])  # path halving
+                v = parent[v]
             return v
 
         sources: set[int] = set()
