@@ -188,12 +188,10 @@ def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
     ]
     # A stage's layer at new index k holds range k - 1 of the stack (its sub-scan,
     # recomputing as `piece_remat` says), or the embeddings / the head, as chosen.
-    old_remat = dict(zip(range(length + 2), ("none",) * (length + 2)))
-    for (start, end), remats in zip(choice.stage_layers, choice.stage_remat):
-        old_remat.update(zip(range(start, end), remats))
+    old_remat = _remat_by_layer(choice)
     stage_remat = [
         tuple(piece_remat[k - 1] if 1 <= k <= len(ranges)
-              else old_remat[0 if k == 0 else length + 1] for k in range(a, b))
+              else old_remat.get(0 if k == 0 else length + 1, "none") for k in range(a, b))
         for a, b in stage_layers
     ]
     graph = _trace_microbatch(fn, args, options, best.num_microbatches, None, ranges,
@@ -213,13 +211,19 @@ def _piece_remat(choice, ranges, length: int) -> tuple[str, ...]:
     """Per piece of the stack (one sub-scan, one body): the most its iterations recompute
     in the stage DP's choice (it chose per iteration, and a sub-scan has one body; the
     regrouped plan is timed with it). Iteration i of the stack is the DP's layer i + 1."""
-    per_layer: dict[int, str] = {}
-    for (start, end), remats in zip(choice.stage_layers, choice.stage_remat):
-        per_layer.update(zip(range(start, end), remats))
+    per_layer = _remat_by_layer(choice)
     return tuple(
         max((per_layer.get(i + 1, "none") for i in range(a, b)), key=REMAT_ORDER.index)
         for a, b in ranges
     )
+
+
+def _remat_by_layer(choice) -> dict[int, str]:
+    """The stage DP's remat choice of every layer, by layer index."""
+    per_layer: dict[int, str] = {}
+    for (start, end), remats in zip(choice.stage_layers, choice.stage_remat):
+        per_layer.update(zip(range(start, end), remats))
+    return per_layer
 
 
 def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
