@@ -30,7 +30,14 @@ intermediate JAX's autodiff reads was counted as kept.) gpt-13B@8 at 64 microbat
 (before the fusion rule): one stage on (4, 2), layers recomputing a mix of none and
 selective, 79.1 GiB, planned in 2973 s. gpt-39B@8 at 64 microbatches (with the fusion
 rule): no plan, the smallest shortfall 0.0131 GiB per device (layers [1, 32) on a 1x2
-submesh), 609 s. Not finished within the time limits: `--auto` (175B, over 35 minutes;
+submesh), 609 s. Later (commit of branch s8-memory, load ~16): one stage on the (1, 8)
+submesh (`num_stages=1, submeshes=[(1, 8)]`) plans at 64 microbatches: mesh (4, 2), layers
+recomputing a mix of none, selective and full, 79.996 GiB of 80 per device, step 215.9 s,
+296 s CPU (1436 s wall); its terms at the leanest memory level on an (8,) mesh with full
+recompute match a hand count: optimizer state 54.64 GiB (fp32 master + Adam moments, 12 B
+x 39.09e9 / 8 = 54.60), accumulated fp32 gradients 18.20 (18.20), kept layer inputs 1.47
+(48 x 16 x 1024 x 8192 x 2 B / 8 = 1.50), working memory 3.77 (the embedding layer's).
+Not finished within the time limits: `--auto` (175B, over 35 minutes;
 a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
 the problems, half in HiGHS including tie-breaking).
 """

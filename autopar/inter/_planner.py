@@ -29,10 +29,12 @@ from autopar.cost import (
     full_recompute_cost,
     in_flight_microbatches,
     memory_budget,
+    rate_dtype,
+    recompute_seconds,
     selective_recompute_cost,
     stage_memory,
 )
-from autopar.graph import OpGraph, Role, stored_residuals
+from autopar.graph import OpGraph, Role, fusion_traffic, stored_residuals, trace_jaxpr
 from autopar.graph._opgraph import dtype_itemsize
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 from autopar.inter._stitch import stitch
@@ -40,7 +42,13 @@ from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_sh
 from autopar.inter.passes._deferred import gradient_roots, stacked_layout, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
-from autopar.inter.passes._remat import STATE_ROLES, recompute
+from autopar.inter.passes._remat import (
+    STATE_ROLES,
+    in_core,
+    recompute,
+    scan_body,
+    score_shapes,
+)
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import plan_on_mesh
@@ -286,6 +294,10 @@ class LayerCostTable:
 
         seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes],
                                 self.cluster)
+        for n in rerun.nodes:  # a scan's body plan is no node strategy: priced by its work
+            node = sub.nodes[n]
+            if node.primitive == "scan":
+                seconds += _scan_rerun_seconds(node, nbytes, sub, rerun.core_only, self.cluster)
         dropped = math.fsum(nbytes(v) for v in rerun.dropped)
         added = math.fsum(nbytes(v) for v in rerun.added)
         if remat == "full":  # it drops all it kept, and keeps what its forward reads
@@ -404,6 +416,34 @@ class LayerCostTable:
             _tied_in(stage_graph, self.tied), weights=weights,
             tie_weight=1.0 / self.num_microbatches, handed_on=handed_on,
         )
+
+
+def _scan_rerun_seconds(node, nbytes, graph: OpGraph, core_only: bool, cluster) -> float:
+    """Predicted seconds to rerun a scan's forward (`core_only`: only its body's attention
+    core, the values shaped like the body's `score_shapes`): each body node's roofline time
+    (`recompute_seconds`: its FLOPs, the bytes crossing its fusion's boundary,
+    `autopar.graph.fusion_traffic`), `length` times, at the share of the work one device
+    does, taken as the share of the scan's results a device holds (`nbytes(v)` per device
+    over their whole size). A rerun body's tensor-parallel collectives are not counted."""
+    body = trace_jaxpr(node.params["jaxpr"], name="scan body")
+    scores = score_shapes(scan_body(node))
+    traffic = fusion_traffic(body, cluster.fused_attention)
+    whole = math.fsum(graph.vars[v].nbytes for v in node.outputs)
+    share = math.fsum(nbytes(v) for v in node.outputs) / whole if whole > 0 else 1.0
+    scale = node.params["length"] * share
+    work = []
+    for b in body.nodes:
+        outs = [body.vars[v] for v in b.outputs]
+        if core_only and not any(in_core(o.shape, scores) for o in outs):
+            continue
+        ins = [body.vars[v] for v in b.inputs]
+        hbm = traffic.hbm_bytes(
+            b.id, [0 if i.role is Role.CONST else i.nbytes for i in ins], [o.nbytes for o in outs]
+        )
+        dtype = rate_dtype(b.primitive, [i.dtype for i in ins],
+                           outs[0].dtype if outs else "float32")
+        work.append((b.flops * scale, hbm * scale, dtype))
+    return recompute_seconds(work, cluster)
 
 
 def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> float:
@@ -770,19 +810,30 @@ def plan_chosen_stages(
     tied: Sequence[tuple[int, int]],
     stage_layers: Sequence[tuple[int, int]],
     chosen: PipelineChoice,
+    *,
+    stage_remat: Sequence[tuple[str, ...]] | None = None,
 ) -> PipelineChoice:
     """`chosen` (the DP's answer on another tracing of the same step) re-planned on
     `graph`, whose layers `stage_layers` are those of `chosen`'s stages: the same
     submeshes, logical mesh shapes and memory levels, each stage's plan stitched from
     `graph`'s layers (a scanned stack traced as one sub-scan per stage,
-    `autopar.inter.passes.scan_layers`)."""
+    `autopar.inter.passes.scan_layers`). `stage_remat`: per stage, per layer of `graph`,
+    its remat choice (default: `chosen`'s); the recompute it adds is priced on `graph` (a
+    sub-scan whose body is checkpointed has it in its own cost already)."""
     table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
     stage_layers = tuple(tuple(r) for r in stage_layers)
     part = partition(graph, layers, list(stage_layers))
     plans = _stage_plans(table, graph, part, chosen.dp, stage_layers, tied)
+    changes = {}
+    if stage_remat is not None:
+        stage_remat = tuple(tuple(r) for r in stage_remat)
+        changes = dict(stage_remat=stage_remat, stage_recompute=tuple(
+            recompute_time(table, range(*layer_range), (c.detail[0], c.detail[1], remats))
+            for layer_range, c, remats in zip(stage_layers, chosen.dp.stage_costs, stage_remat)
+        ))
     return dataclasses.replace(
         chosen, stage_layers=stage_layers, stage_plans=plans, partition=part,
-        num_layer_ilps=chosen.num_layer_ilps + table.num_ilps,
+        num_layer_ilps=chosen.num_layer_ilps + table.num_ilps, **changes,
     )
 
 

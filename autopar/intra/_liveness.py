@@ -7,7 +7,7 @@ per device over the program points, walked in program order.
 
 The sharding ILP limits memory with a coarser linear model (`_problem._memory_groups`:
 every graph input live all step, every variable materialised). The compiled program differs
-from that model in three ways, each modelled here:
+from that model in four ways, each modelled here:
 
 - **Donation.** A donated input's buffer is aliased to the output that updates it
   (`jax.jit(donate_argnums=...)`; XLA's `alias_size_in_bytes`), so the old state dies at its
@@ -19,7 +19,12 @@ from that model in three ways, each modelled here:
   not guess), as is one read by a non-fusible op (a matmul, a convolution, a gather, a
   collective) or returned by the step.
 - **Resharding.** An operand whose layout changes on the way to its consumer is copied to
-  the consumer's layout: a temporary at that layout, live while the consumer runs.
+  the consumer's layout: a temporary, live while the consumer runs, as large as the
+  largest value on XLA's route there (an all-gather's result; the whole tensor where XLA
+  gathers everything and slices).
+- **Layout copies.** A convolution reads its kernel in a layout of the backend's choosing:
+  a kernel that is a graph input is copied once into it, and the copy lives from its first
+  convolution (the forward) to its last (the backward's).
 
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
@@ -33,6 +38,7 @@ from collections.abc import Collection, Sequence
 
 from autopar.cost import bytes_per_device
 from autopar.graph import OpGraph, Role
+from autopar.intra._reshard import reshard_collectives
 from autopar.intra._rules import ELEMENTWISE
 
 # Ops XLA fuses into their consumers, besides the elementwise ones: layout-only ops and
@@ -82,7 +88,12 @@ def peak_live_bytes(
     reshards: dict[int, float] = {}
     for node_id, position, spec in operand_specs:
         v = graph.nodes[node_id].inputs[position]
-        reshards[node_id] = reshards.get(node_id, 0.0) + nbytes(v, spec)
+        reshards[node_id] = reshards.get(node_id, 0.0) + _reshard_bytes(graph, v, var_specs[v],
+                                                                        spec, mesh, nbytes)
+    copies = _layout_copies(graph, consumers)
+    starting: dict[int, list[int]] = {}
+    for v, (first, _) in copies.items():
+        starting.setdefault(first, []).append(v)
     donated = set(donated)
     always = 0.0  # non-donated inputs
     live: dict[int, float] = {}
@@ -96,16 +107,68 @@ def peak_live_bytes(
             always += nbytes(v)
     current = sum(live.values())
     peak = always + current
+    copy_bytes: dict[int, float] = {}
     for node in graph.nodes:
         for v in node.outputs:
             if v in last_use and v not in fused and v not in live:
                 live[v] = nbytes(v)
                 current += live[v]
+        for v in starting.get(node.id, ()):
+            copy_bytes[v] = nbytes(v)
+            current += copy_bytes[v]
         peak = max(peak, always + current + reshards.get(node.id, 0.0))
         for v in dict.fromkeys(buffer.get(u, u) for u in (*node.inputs, *node.outputs)):
             if v in live and last_use.get(v, -1) <= node.id:
                 current -= live.pop(v)
+        for v in [v for v in copy_bytes if copies[v][1] <= node.id]:
+            current -= copy_bytes.pop(v)
     return peak
+
+
+# Ops that read their operands in a layout of the backend's choosing (a convolution's
+# input and kernel: XLA's layout assignment picks the layouts its kernels take).
+LAYOUT_BOUND = frozenset(("conv_general_dilated",))
+# Ops through which a layout-bound operand is still the same data (XLA folds them into the
+# layout copy): the backward convolution reads the kernel reversed and transposed.
+LAYOUT_ONLY = frozenset(("rev", "transpose", "reshape", "convert_element_type", "copy"))
+
+
+def _layout_copies(graph: OpGraph, consumers) -> dict[int, tuple[int, int]]:
+    """Values XLA also holds in a layout-bound op's layout: var -> (first, last) node
+    that reads it in that layout.
+
+    A graph input read by convolutions (a kernel; its layout is the caller's) is copied
+    once into the convolution's layout, and the copy, which the backward's convolutions
+    read as well, lives from the first to the last of them. (XLA:CPU, wide_resnet: a
+    `transpose_copy_fusion` per kernel, live from the forward convolution to the
+    backward one.)"""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    inputs = {v for v in graph.invars if graph.vars[v].role is not Role.CONST}
+    spans: dict[int, tuple[int, int]] = {}
+    for node in graph.nodes:
+        if node.primitive not in LAYOUT_BOUND:
+            continue
+        for v in node.inputs:
+            while v in producer and producer[v].primitive in LAYOUT_ONLY:
+                v = producer[v].inputs[0]
+            if v not in inputs:
+                continue
+            first, last = spans.get(v, (node.id, node.id))
+            spans[v] = (min(first, node.id), max(last, node.id))
+    return {v: span for v, span in spans.items() if span[1] > span[0]}
+
+
+def _reshard_bytes(graph: OpGraph, v: int, have, want, mesh, nbytes) -> float:
+    """Bytes per device a reshard of `v` from `have` to `want` holds while it runs: the
+    largest value along XLA's route (`reshard_collectives`: the result of its biggest
+    all-gather; the whole tensor where XLA finds no route but to gather everything and
+    slice, its "involuntary full rematerialization"), or the result at `want`."""
+    result = nbytes(v, want)
+    var = graph.vars[v]
+    if have is None or want is None or not var.shape or have == want:
+        return result
+    route = reshard_collectives(var.shape, var.dtype, have, want, mesh)
+    return max([result, *(c.nbytes for c in route)])
 
 
 def _buffers(graph: OpGraph) -> dict[int, int]:

@@ -178,6 +178,16 @@ class Plan:
         )
 
     @property
+    def scan_remat(self) -> tuple[str, ...]:
+        """Per piece of a scanned stack cut over stages (`scan_ranges`): what its sub-scan
+        recomputes, the choice of the stage layer that runs it (layer k + 1 runs piece k;
+        lowered by a `jax.checkpoint` around the sub-scan's body)."""
+        remat = {}
+        for stage, remats in zip(self.stages, self.stage_remat):
+            remat.update(zip(range(*stage.layers), remats))
+        return tuple(remat.get(k + 1, "none") for k in range(len(self.scan_ranges)))
+
+    @property
     def bubble_fraction(self) -> float:
         """Idle share of the pipeline under its schedule (`autopar.cost.bubble_fraction`)."""
         return bubble_fraction(

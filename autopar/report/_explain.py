@@ -36,9 +36,11 @@ def _short(path: str) -> str:
     return _LAYER.sub("/", path).strip("/") or path
 
 
-def _remat_line(stage) -> str:
+def _remat_line(stage, scan_ranges=()) -> str:
     """What the stage's layers recompute, runs of equal choices grouped, and its cost,
-    e.g. ``layers 0-2 selective, 3 none (+1.2 ms per microbatch)``."""
+    e.g. ``layers 0-2 selective, 3 none (+1.2 ms per microbatch)``. A layer that runs a
+    piece of a scanned stack (`Plan.scan_ranges`) recomputes under a `jax.checkpoint`
+    around its sub-scan's body, whose rerun is part of the stage's compute."""
     runs: list[list] = []
     for k, r in enumerate(stage.remat, start=stage.layers[0]):
         if runs and runs[-1][2] == r:
@@ -46,7 +48,16 @@ def _remat_line(stage) -> str:
         else:
             runs.append([k, k, r])
     parts = [f"{a}-{b} {r}" if a != b else f"{a} {r}" for a, b, r in runs]
-    return "layers " + ", ".join(parts) + f" (+{_fmt_time(stage.recompute_time)} per microbatch)"
+    line = "layers " + ", ".join(parts) + f" (+{_fmt_time(stage.recompute_time)} per microbatch)"
+    stacked = [
+        f"layer {k}: iterations {scan_ranges[k - 1][0]}..{scan_ranges[k - 1][1] - 1}"
+        for k, r in enumerate(stage.remat, start=stage.layers[0])
+        if r != "none" and 1 <= k <= len(scan_ranges)
+    ]
+    if stacked:
+        line += (f"; scanned stack ({', '.join(stacked)}) under jax.checkpoint, its rerun "
+                 "in the compute above")
+    return line
 
 
 def explain(plan, detail: int = 1) -> str:
@@ -81,7 +92,7 @@ def explain(plan, detail: int = 1) -> str:
             parts = [f"{k} x{n:.4g} ({_fmt_bytes(b)})" for k, (n, b) in items]
             lines.append("  collectives: " + ", ".join(parts))
         if any(r != "none" for r in stage.remat):
-            lines.append(f"  remat: {_remat_line(stage)}")
+            lines.append(f"  remat: {_remat_line(stage, plan.scan_ranges)}")
     lines.append("parameters (PartitionSpec by path):")
     lines.extend(_param_table(plan, detail))
     largest = _largest_replicated(plan)

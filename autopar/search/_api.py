@@ -86,7 +86,7 @@ def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) 
     if plan.runtime == "pipeline":
         run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)
     if plan.scan_ranges:
-        with scan_layers(plan.scan_ranges):
+        with scan_layers(plan.scan_ranges, plan.scan_remat):
             graph = trace(fn, *run_args, batch_argnums=options.batch_argnums)
         graph = split_stacked(graph, plan.scan_ranges)
     else:

@@ -61,13 +61,6 @@ MESH_SHAPE_WARNING = (
 )
 
 
-STACK_REMAT_WARNING = (
-    "recompute is not searched for a scanned layer stack cut into pipeline stages: every "
-    "activation of the stack is kept (remat='auto' acts as 'none' there); a jax.checkpoint "
-    "around the scan body is respected as written"
-)
-
-
 class _NotALayerStack(Exception):
     """The step's scan over stacked inputs is not run by the differentiated loss function
     (`scan_layers` found nothing to cut there)."""
@@ -133,13 +126,13 @@ def _one_mesh(graph, cluster, options, timings) -> Plan:
 
 
 def _trace_microbatch(fn, args, options: PlanOptions, num_microbatches, num_auto_layers,
-                      scan_ranges=None):
+                      scan_ranges=None, scan_remat=()):
     """One microbatch of the step: layers marked automatically (`num_auto_layers`), or,
-    with `scan_ranges`, from the layer scan run as one sub-scan per range, its stacked
-    leaves cut into those ranges."""
+    with `scan_ranges`, from the layer scan run as one sub-scan per range (recomputing as
+    `scan_remat` says), its stacked leaves cut into those ranges."""
     mb_args = microbatch_args(args, options.batch_argnums, num_microbatches)
     if scan_ranges is not None:
-        with scan_layers(scan_ranges):
+        with scan_layers(scan_ranges, scan_remat):
             graph = trace(fn, *mb_args, batch_argnums=options.batch_argnums)
         return split_stacked(graph, scan_ranges)
     with auto_layers(num_auto_layers):
@@ -181,6 +174,7 @@ def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
             "to fix the stage mesh shape)"
         )
     ranges = tuple(ranges)
+    piece_remat = _piece_remat(choice, ranges, length)
 
     def new_layer(old: int) -> int:
         if old == 0:
@@ -192,13 +186,44 @@ def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
     stage_layers = [
         (new_layer(start), new_layer(end - 1) + 1) for start, end in choice.stage_layers
     ]
-    graph = _trace_microbatch(fn, args, options, best.num_microbatches, None, ranges)
+    # A stage's layer at new index k holds range k - 1 of the stack (its sub-scan,
+    # recomputing as `piece_remat` says), or the embeddings / the head, as chosen.
+    old_remat = _remat_by_layer(choice)
+    stage_remat = [
+        tuple(piece_remat[k - 1] if 1 <= k <= len(ranges)
+              else old_remat.get(0 if k == 0 else length + 1, "none") for k in range(a, b))
+        for a, b in stage_layers
+    ]
+    graph = _trace_microbatch(fn, args, options, best.num_microbatches, None, ranges,
+                              piece_remat)
     regrouped = plan_chosen_stages(
         graph, assign_layers(graph), cluster, best.num_microbatches, _dp_schedule(best.schedule),
         shard_options(options, cluster), tied_state(graph, options.donate_argnums),
-        stage_layers, choice,
+        stage_layers, choice, stage_remat=stage_remat,
     )
     return dataclasses.replace(best, choice=regrouped, graph=graph), ranges
+
+
+REMAT_ORDER = ("none", "selective", "full")
+
+
+def _piece_remat(choice, ranges, length: int) -> tuple[str, ...]:
+    """Per piece of the stack (one sub-scan, one body): the most its iterations recompute
+    in the stage DP's choice (it chose per iteration, and a sub-scan has one body; the
+    regrouped plan is timed with it). Iteration i of the stack is the DP's layer i + 1."""
+    per_layer = _remat_by_layer(choice)
+    return tuple(
+        max((per_layer.get(i + 1, "none") for i in range(a, b)), key=REMAT_ORDER.index)
+        for a, b in ranges
+    )
+
+
+def _remat_by_layer(choice) -> dict[int, str]:
+    """The stage DP's remat choice of every layer, by layer index."""
+    per_layer: dict[int, str] = {}
+    for (start, end), remats in zip(choice.stage_layers, choice.stage_remat):
+        per_layer.update(zip(range(start, end), remats))
+    return per_layer
 
 
 def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
@@ -222,7 +247,6 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     allowed, remat = None, options.remat
     if scan_length is not None:
         allowed = _even_shares(scan_length, options.num_stages or cluster.num_devices)
-        remat = _stack_remat(options.remat)
         if options.schedule == "interleaved_1f1b":
             raise ValueError(
                 "schedule='interleaved_1f1b' is not supported yet for a scanned layer stack "
@@ -280,20 +304,6 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     if not candidates:
         raise last_error
     return candidates
-
-
-def _stack_remat(remat: str) -> str:
-    """The remat option for a scanned stack cut into stages: recompute is chosen per layer
-    of the traced step, and a stage's sub-scan is one layer of another tracing, so the
-    search keeps every activation there ("auto" means "none"); a jax.checkpoint written
-    in the scan body is respected as written."""
-    if remat in ("selective", "full"):
-        raise ValueError(
-            f"remat={remat!r} is not supported yet for a scanned layer stack cut into pipeline "
-            "stages; put jax.checkpoint around the scan body (respected as written), or pass "
-            "remat='auto' or 'none'"
-        )
-    return "none"
 
 
 def _dp_schedule(schedule: str) -> str:
@@ -471,8 +481,6 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
         )
     )
     warnings = tuple(dict.fromkeys(w for sp in choice.stage_plans for w in sp.warnings))
-    if scan_ranges and options.remat == "auto":
-        warnings += (STACK_REMAT_WARNING,)
     return Plan(
         method="auto",
         cluster=cluster.to_json(),

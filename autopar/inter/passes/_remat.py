@@ -30,6 +30,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from jax.extend import core as jex_core
+
 from autopar.choices import REMATS, check_choice
 from autopar.graph import OpGraph, Role
 
@@ -44,16 +46,84 @@ class Recompute:
     nodes: tuple[int, ...]  # forward nodes the backward reruns, in program order
     reads: frozenset[int]  # what the rerun reads from outside itself, state included
     added: frozenset[int]  # activations kept for the rerun that were not kept before
+    # Selective recompute inside a layer scan's body: `nodes` are the scans, of whose
+    # body only the attention core (values shaped like its `score_shapes`) reruns.
+    core_only: bool = False
 
 
 NO_RECOMPUTE = Recompute(frozenset(), (), frozenset(), frozenset())
 
+CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+
+
+def _sub_jaxprs(eqn) -> list:
+    """The jaxprs an equation runs (calls, control flow, checkpoints), opened."""
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex_core.Jaxpr):
+                found.append(item)
+    return found
+
+
+def _leaf_eqns(jaxpr):
+    """The equations of `jaxpr` and of the jaxprs it calls, calls themselves left out."""
+    for eqn in jaxpr.eqns:
+        subs = _sub_jaxprs(eqn)
+        if subs and eqn.primitive.name != "scan":
+            for sub in subs:
+                yield from _leaf_eqns(sub)
+        else:
+            yield eqn
+
+
+def has_checkpoint(jaxpr) -> bool:
+    """Whether `jaxpr` (or one it calls) holds a `jax.checkpoint`."""
+    return any(
+        eqn.primitive.name in CHECKPOINT_PRIMITIVES or any(map(has_checkpoint, _sub_jaxprs(eqn)))
+        for eqn in jaxpr.eqns
+    )
+
+
+def scan_body(node):
+    body = node.params["jaxpr"]
+    return body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body
 
 
 def user_checkpointed(graph: OpGraph, nodes: Iterable[int]) -> bool:
     """Whether any of `nodes` comes from the user's own `jax.checkpoint` (in a
-    differentiated step: the backward's rerun of the checkpointed forward)."""
-    return any(graph.nodes[n].remat for n in nodes)
+    differentiated step: the backward's rerun of the checkpointed forward), or is a scan
+    whose body holds one (a checkpoint around a scanned layer's body, the user's or the
+    one `scan_layers` puts there for a stage's recompute)."""
+    return any(
+        graph.nodes[n].remat
+        or (graph.nodes[n].primitive == "scan" and has_checkpoint(scan_body(graph.nodes[n])))
+        for n in nodes
+    )
+
+
+def score_shapes(jaxpr) -> set[tuple[int, tuple[int, ...]]]:
+    """(rank, last two dims) of the attention scores a jaxpr computes: the results of a
+    `dot_general` with batch dimensions (heads, batch: no weight matmul has them) of rank
+    >= 3 whose last two dimensions are equal (queries x keys)."""
+    shapes = set()
+    for eqn in _leaf_eqns(jaxpr):
+        if eqn.primitive.name != "dot_general":
+            continue
+        (_, _), (batch, _) = eqn.params["dimension_numbers"]
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if batch and len(shape) >= 3 and shape[-1] == shape[-2] and shape[-1] > 1:
+            shapes.add((len(shape), shape[-2:]))
+    return shapes
+
+
+def in_core(shape, scores) -> bool:
+    """Whether a value of `shape` belongs to the attention core whose `score_shapes` are
+    `scores` (same rank, same last two dimensions)."""
+    shape = tuple(shape)
+    return len(shape) >= 3 and (len(shape), shape[-2:]) in scores
 
 
 def attention_core(graph: OpGraph, forward: Sequence[int], kept: Iterable[int]) -> set[int]:
@@ -62,11 +132,15 @@ def attention_core(graph: OpGraph, forward: Sequence[int], kept: Iterable[int]) 
 
     An attention score is the result of a `dot_general` of two activations (no parameter
     operand) of rank >= 3 whose last two dimensions are equal (queries x keys); every kept
-    value of the same rank and the same last two dimensions belongs to the core.
+    value of the same rank and the same last two dimensions belongs to the core. A layer
+    scan's scores are found in its body (`score_shapes`), its kept values stacked.
     """
     scores = set()
     for n in forward:
         node = graph.nodes[n]
+        if node.primitive == "scan":  # a layer scan: its residuals stack one per iteration
+            scores.update((rank + 1, last) for rank, last in score_shapes(scan_body(node)))
+            continue
         if node.primitive != "dot_general" or len(node.outputs) != 1:
             continue
         if any(graph.vars[v].role in STATE_ROLES for v in node.inputs):
@@ -97,6 +171,10 @@ def recompute(
         nodes = list(forward)
     else:
         dropped = attention_core(graph, forward, kept)
+        scans = [n for n in forward if graph.nodes[n].primitive == "scan"
+                 and set(graph.nodes[n].outputs) & dropped]
+        if scans:
+            return _selective_in_scans(graph, scans, dropped)
         needed, stack = set(), [producer[v] for v in dropped]
         while stack:
             n = stack.pop()
@@ -116,6 +194,18 @@ def recompute(
     }
     added = {v for v in reads - kept if graph.vars[v].role not in STATE_ROLES}
     return Recompute(frozenset(dropped), tuple(nodes), frozenset(reads), frozenset(added))
+
+
+def _selective_in_scans(graph: OpGraph, scans: list[int], dropped: set[int]) -> Recompute:
+    """Selective recompute of a layer scan (lowered by a `jax.checkpoint` around its body
+    that saves everything but the attention core, `scan_layers`): the scan's stacked core
+    residuals are dropped and each iteration's backward reruns its core from the query
+    and key it keeps, so nothing is added."""
+    dropped = {v for v in dropped if any(v in graph.nodes[n].outputs for n in scans)}
+    reads = {
+        v for n in scans for v in graph.nodes[n].inputs if graph.vars[v].role is not Role.CONST
+    }
+    return Recompute(frozenset(dropped), tuple(scans), frozenset(reads), frozenset(), True)
 
 
 def with_remat(graph: OpGraph, partition, layers, stage_remat: Sequence[Sequence[str]]):

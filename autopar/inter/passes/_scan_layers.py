@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from autopar.graph import Node, OpGraph, Role, trace
 from autopar.graph._markers import layer_boundary_p, marking_layers
+from autopar.inter.passes._remat import has_checkpoint, in_core, score_shapes
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -74,11 +75,14 @@ def per_iteration(length: int) -> Ranges:
 
 
 @contextlib.contextmanager
-def scan_layers(ranges: Ranges | Callable[[int], Ranges]):
+def scan_layers(ranges: Ranges | Callable[[int], Ranges], remat: Sequence[str] = ()):
     """Within this block `autopar.value_and_grad` runs the loss function's layer scan as
     sub-scans over `ranges` (or `ranges(L)` for a scan of length L), marking layers
-    between them (see the module docstring)."""
-    with marking_layers(functools.partial(_split_layer_scan, ranges=ranges)):
+    between them (see the module docstring). `remat`: per range, what its sub-scan
+    recomputes ("none", "selective", "full"; empty: nothing), lowered by a
+    `jax.checkpoint` around the sub-scan's body (`checkpointed_body`)."""
+    split = functools.partial(_split_layer_scan, ranges=ranges, remat=tuple(remat))
+    with marking_layers(split):
         yield
 
 
@@ -95,7 +99,7 @@ def check_ranges(ranges: Sequence[tuple[int, int]], length: int) -> Ranges:
     return ranges
 
 
-def _split_layer_scan(fun: Callable, ranges) -> Callable:
+def _split_layer_scan(fun: Callable, ranges, remat: tuple[str, ...] = ()) -> Callable:
     def split(*args: Any) -> Any:
         graph = trace(fun, *args, batch_argnums=())
         scan = layer_scan(graph)
@@ -103,11 +107,16 @@ def _split_layer_scan(fun: Callable, ranges) -> Callable:
             return fun(*args)
         length = scan.params["length"]
         pieces = check_ranges(ranges(length) if callable(ranges) else ranges, length)
+        if remat and len(remat) != len(pieces):
+            raise ValueError(
+                f"{len(remat)} remat choices for the {len(pieces)} ranges {list(pieces)} of "
+                "the layer scan; plan again for this model"
+            )
         env: dict[int, Any] = dict(zip(graph.invars, jax.tree.leaves(args)))
         for node in graph.nodes:
             if node is scan:
                 ins = [_read(graph, env, v) for v in node.inputs]
-                env.update(zip(node.outputs, _run_in_pieces(node, ins, pieces)))
+                env.update(zip(node.outputs, _run_in_pieces(node, ins, pieces, remat)))
             else:
                 graph.run_nodes(env, [node])
         outs = [_read(graph, env, v) for v in graph.outvars]
@@ -120,9 +129,11 @@ def _read(graph: OpGraph, env: dict, v: int) -> Any:
     return graph.vars[v].value if graph.vars[v].role is Role.CONST else env[v]
 
 
-def _run_in_pieces(node: Node, ins: list, ranges: Ranges) -> list:
-    """`node` (a scan) run as one sub-scan per range, marks around and between them."""
+def _run_in_pieces(node: Node, ins: list, ranges: Ranges, remat: tuple[str, ...] = ()) -> list:
+    """`node` (a scan) run as one sub-scan per range, marks around and between them;
+    range k's body recomputes as `remat[k]` says."""
     params = dict(node.params)
+    remat_of = dict(zip(ranges, remat))
     reverse = params["reverse"]
     num_consts, num_carry = params["num_consts"], params["num_carry"]
     consts = ins[:num_consts]
@@ -133,7 +144,10 @@ def _run_in_pieces(node: Node, ins: list, ranges: Ranges) -> list:
     carry = _mark(carry)
     for a, b in order:
         piece_xs = [jax.lax.slice_in_dim(x, a, b, axis=0) for x in xs]
-        outs = node.prim.bind(*consts, *carry, *piece_xs, **{**params, "length": b - a})
+        body = checkpointed_body(params["jaxpr"], remat_of.get((a, b), "none"))
+        outs = node.prim.bind(
+            *consts, *carry, *piece_xs, **{**params, "length": b - a, "jaxpr": body}
+        )
         carry = _mark(list(outs[:num_carry]))
         ys_pieces.append(list(outs[num_carry:]))
     if reverse:
@@ -144,6 +158,41 @@ def _run_in_pieces(node: Node, ins: list, ranges: Ranges) -> list:
         for i in range(len(ys_pieces[0]))
     ]
     return [*carry, *ys]
+
+
+def checkpointed_body(body, remat: str):
+    """A scan body (a closed jaxpr) wrapped in `jax.checkpoint` so that its backward
+    recomputes as `remat` says: "full" keeps only the body's inputs
+    (`nothing_saveable`, Megatron-LM's full recompute of a layer); "selective" keeps
+    everything but the attention core, the values shaped like the body's attention scores
+    (`score_shapes`: scores, softmax, dropout mask; Korthikanti et al. 2022), rerun from
+    the query and key it keeps. "none", or a body that already holds a `jax.checkpoint`
+    (the user's, respected as written): the body unchanged.
+
+    Plain JAX: ``jax.lax.scan(jax.checkpoint(layer, policy=...), x, stacked_weights)``.
+    """
+    if remat == "none" or has_checkpoint(body.jaxpr):
+        return body
+    if remat == "full":
+        policy = jax.checkpoint_policies.nothing_saveable
+    else:
+        scores = score_shapes(body.jaxpr)
+
+        def policy(prim, *avals, **params) -> bool:
+            try:
+                out, _ = prim.abstract_eval(*avals, **params)
+            except Exception:  # a primitive without a plain abstract rule: keep its result
+                return True
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            return not any(in_core(getattr(o, "shape", ()), scores) for o in outs)
+
+    def run(*args):
+        return jax.core.eval_jaxpr(body.jaxpr, body.consts, *args)
+
+    wrapped = jax.make_jaxpr(jax.checkpoint(run, policy=policy, prevent_cse=False))(
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in body.in_avals)
+    )
+    return wrapped
 
 
 def _mark(carry: list) -> list:
