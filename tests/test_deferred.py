@@ -86,6 +86,31 @@ def test_weight_and_bias_gradients_are_deferrable():
         assert layers.phase[producer[v].id] in ("forward", "backward")
 
 
+def test_bias_gradient_root_is_the_sum_over_the_batch():
+    """A bias broadcast (h,) -> (1, 1, h) -> (b, s, h) has a gradient of two sums: over
+    (b, s), then over the two unit dims. The deferred root is the first, which sums over
+    the batch rows (and so holds the data axes' partial sums); the second is a reshape
+    on the way, so no sum over the batch is left reduced once per microbatch."""
+    graph = _gpt_graph()
+    layers = assign_layers(graph)
+    deferred = deferrable_gradients(graph, layers)
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    unit_sums = 0
+    for v in deferred.roots:
+        node = producer[v]
+        if node.primitive == "reduce_sum":
+            shape = graph.vars[node.inputs[0]].shape
+            assert any(shape[d] > 1 for d in node.params["axes"]), (node, shape)
+    for v in deferred.chain:
+        node = producer[v]
+        if node.primitive == "reduce_sum":
+            unit_sums += 1
+            (x,) = node.inputs
+            assert producer[x].primitive == "reshape"
+            assert producer[producer[x].inputs[0]].outputs[0] in deferred.roots
+    assert unit_sums >= 2 * GPT.num_layers  # both layer norms' biases, at least
+
+
 def test_step_weights_charge_update_and_deferred_reductions_once():
     graph = _gpt_graph()
     layers = assign_layers(graph)
