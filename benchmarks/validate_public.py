@@ -30,11 +30,12 @@ Transformer layer fewer on the first and the last stage, so 126 layers over 16 r
 `MegatronConfig(schedule="interleaved_1f1b", virtual_stages=2, even_chunks=False)`. The
 paper does not give V; 2 is the least interleaving (a 16-rank pipeline of 126 layers
 allows V = 2, 4 or 8 with 8 layers per rank), so these rows' bubble is an upper bound
-among the interleaved schedules the paper describes. The last column splits the predicted step: the slowest stage's
-seconds per microbatch into compute, the collectives inside operators (tensor-parallel
-all-reduce/reduce-scatter, the once-per-step data-parallel reduction weighed per
-microbatch), resharding between operators (sequence parallelism's all-gathers), and
-recompute; the step into m x that stage plus the pipeline's fill and drain.
+among the interleaved schedules the paper describes. The last column splits the predicted
+step: the slowest stage's seconds per microbatch into compute, the collectives inside
+operators (tensor-parallel all-reduce/reduce-scatter, the once-per-step data-parallel
+reduction weighed per microbatch), resharding between operators (sequence parallelism's
+all-gathers), and recompute; the step into m x the slowest device group plus the
+pipeline's fill and drain (and the programs' launches).
 
 Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-write]``
 """
@@ -241,7 +242,8 @@ def table(rows: list[dict]) -> str:
         "",
         "`python benchmarks/validate_public.py` (dry runs, no devices). Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
-        "optimizer as published, 1F1B or interleaved as published) scored by the cost model; published: the run's TFLOP/s per GPU "
+        "optimizer as published, 1F1B or interleaved as published) scored by the cost "
+        "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
         "express in this branch: their predictions leave it out and are not yet a check.",

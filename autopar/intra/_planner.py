@@ -295,7 +295,7 @@ def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tie
         seconds for e, seconds in enumerate(edge_seconds)
         if e >= len(keys) or charged[e]  # tie edges (after the operands) always count
     )
-    for e, (index, ilp_node, p, var) in enumerate(operand_edges):
+    for e, (_, ilp_node, _, var) in enumerate(operand_edges):
         if not charged[e]:
             continue
         dst = keys[e][1]
