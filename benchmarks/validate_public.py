@@ -23,14 +23,19 @@ Each row runs the published plan as published where autopar can express it: reco
 (`MegatronConfig(recompute="full")` for BLOOM, MT-NLG and Megatron-LM, which all used full
 activation recomputation), the distributed optimizer (ZeRO-1) where the system had it
 (Megatron-DeepSpeed, Llama 3; not Megatron-LM 2021) and sequence parallelism only for
-Llama 3 (Korthikanti et al. 2022 came after the other runs), 1F1B. Llama 3's
-interleaved schedule cannot be written (126 layers do not split evenly over 16 stages x v
-chunks; Megatron's interleaving needs pp x v to divide the layers), so its rows run 1F1B
-and say so in *waits on*. The last column splits the predicted step: the slowest stage's
-seconds per microbatch into compute, the collectives inside operators (tensor-parallel
-all-reduce/reduce-scatter, the once-per-step data-parallel reduction weighed per
-microbatch), resharding between operators (sequence parallelism's all-gathers), and
-recompute; the step into m x that stage plus the pipeline's fill and drain.
+Llama 3 (Korthikanti et al. 2022 came after the other runs), 1F1B except Llama 3, which
+ran an interleaved schedule (Dubey et al. 2024, sec. 3.3.2: "we use an interleaved
+schedule (Narayanan et al., 2021) with V pipeline stages on one pipeline rank", and one
+Transformer layer fewer on the first and the last stage, so 126 layers over 16 ranks):
+`MegatronConfig(schedule="interleaved_1f1b", virtual_stages=2, even_chunks=False)`. The
+paper does not give V; 2 is the least interleaving (a 16-rank pipeline of 126 layers
+allows V = 2, 4 or 8 with 8 layers per rank), so these rows' bubble is an upper bound
+among the interleaved schedules the paper describes. The last column splits the predicted
+step: the slowest stage's seconds per microbatch into compute, the collectives inside
+operators (tensor-parallel all-reduce/reduce-scatter, the once-per-step data-parallel
+reduction weighed per microbatch), resharding between operators (sequence parallelism's
+all-gathers), and recompute; the step into m x the slowest device group plus the
+pipeline's fill and drain (and the programs' launches).
 
 Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-write]``
 """
@@ -83,6 +88,8 @@ class PublishedRun:
     recompute: str = "none"  # as published: Megatron-LM's --recompute-granularity
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def num_microbatches(self) -> int:
@@ -125,11 +132,10 @@ GPT310 = gpt.GPTConfig(gpt.PADDED_VOCAB, 2048, 16384, 96, 128, dtype="bfloat16",
 MEGATRON_SRC = ("Narayanan et al. 2021 (Megatron-LM, SC21), Table 1: {}: tensor 8, pipeline "
                 "{}, {} A100 GPUs, batch {}, {} TFLOP/s per GPU (eq. 3, recompute counted)")
 
-# Llama 3's interleaved schedule cannot be written: Megatron's interleaving needs pp x v to
-# divide the layers, and 126 layers over 16 stages is uneven (the paper drops one layer
-# from the first and the last stage), so these rows run 1F1B: their bubble is 15/32 of the
-# step (interleaving with v chunks would cut it v-fold).
-LLAMA_WAIT = "interleaved schedule (126 layers do not split evenly over pp16 x v chunks)"
+# Llama 3 ran Megatron's interleaved schedule with V chunks per rank over uneven stages
+# (Dubey et al. 2024, sec. 3.3.2; 126 layers on 16 ranks, the first and the last a layer
+# short). V is not published: the rows use the least, 2 (module docstring).
+LLAMA_VIRTUAL_STAGES = 2
 
 RUNS = (
     PublishedRun("bloom-176b", "Megatron-DeepSpeed (BigScience)", BLOOM, "gpt", "dgx-a100-80g",
@@ -157,9 +163,11 @@ RUNS = (
                  expressible="1024 sequences do not split over 124 data-parallel replicas "
                  "(OPT's FSDP ran 992 GPUs = 124 x TP8); no even MegatronConfig"),
     PublishedRun("llama3-405b-8k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
-                 "dgx-h100", 8192, 64, 8, 16, 2048, 1, 430.0, False, LLAMA_WAIT, LLAMA_SRC),
+                 "dgx-h100", 8192, 64, 8, 16, 2048, 1, 430.0, False, "", LLAMA_SRC,
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES),
     PublishedRun("llama3-405b-16k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
-                 "dgx-h100", 16384, 128, 8, 16, 2048, 1, 400.0, False, LLAMA_WAIT, LLAMA_SRC),
+                 "dgx-h100", 16384, 128, 8, 16, 2048, 1, 400.0, False, "", LLAMA_SRC,
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES),
 )
 
 
@@ -190,7 +198,9 @@ def evaluate(run: PublishedRun) -> dict:
                             num_microbatches=run.num_microbatches,
                             sequence_parallel=run.sequence_parallel,
                             distributed_optimizer=run.distributed_optimizer,
-                            recompute=run.recompute)
+                            recompute=run.recompute, schedule=run.schedule,
+                            virtual_stages=run.virtual_stages,
+                            even_chunks=run.virtual_stages == 1)
     try:
         plan = megatron_plan_for_graph(graph, cluster, config)
     except ValueError as err:  # the published layout may not fit autopar's memory model
@@ -209,15 +219,20 @@ def evaluate(run: PublishedRun) -> dict:
 def decomposition(plan) -> str:
     """Where the predicted step goes: the slowest stage's seconds per microbatch split into
     compute, collectives inside its operators, resharding between them, and recompute, then
-    the step as m x that stage plus the fill and drain (`pipeline_latency`)."""
+    the step as m x the slowest device group (its v chunks under interleaving) plus the
+    fill and drain and the programs' launches (`pipeline_latency`)."""
     slowest = max(plan.stages, key=lambda st: st.time_per_microbatch)
     c = slowest.sharding.cost
     m = plan.num_microbatches
-    busy = m * slowest.time_per_microbatch
+    groups = plan.num_device_groups
+    group_times = [sum(st.time_per_microbatch for st in plan.stages[g::groups])
+                   for g in range(groups)]
+    busy = m * max(group_times)
+    chunks = f" ({plan.virtual_stages} chunks)" if plan.virtual_stages > 1 else ""
     return (f"slowest stage {slowest.time_per_microbatch * 1e3:.0f} ms/microbatch = compute "
             f"{c.compute * 1e3:.0f} + collectives {c.communication * 1e3:.0f} + resharding "
             f"{c.resharding * 1e3:.0f} + recompute {slowest.recompute_time * 1e3:.0f}; "
-            f"step = {m} x stage {busy:.1f} s + fill/drain "
+            f"step = {m} x slowest device group{chunks} {busy:.1f} s + fill/drain "
             f"{plan.predicted_step_time - busy:.1f} s")
 
 
@@ -227,7 +242,8 @@ def table(rows: list[dict]) -> str:
         "",
         "`python benchmarks/validate_public.py` (dry runs, no devices). Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
-        "optimizer on, 1F1B) scored by the cost model; published: the run's TFLOP/s per GPU "
+        "optimizer as published, 1F1B or interleaved as published) scored by the cost "
+        "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
         "express in this branch: their predictions leave it out and are not yet a check.",
@@ -240,7 +256,8 @@ def table(rows: list[dict]) -> str:
         run = row["run"]
         plan = (f"dp{run.dp} tp{run.tp} pp{run.pp}, {run.num_microbatches} microbatches, "
                 f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
-                f"{', zero1' if run.distributed_optimizer else ''}")
+                f"{', zero1' if run.distributed_optimizer else ''}"
+                f"{f', interleaved v={run.virtual_stages}' if run.virtual_stages > 1 else ''}")
         if "predicted" in row:
             numbers = (f"{row['predicted']:.2f} | {row['published']:.2f} | "
                        f"{row['predicted'] / row['published']:.2f}")

@@ -84,6 +84,21 @@ def test_weight_and_bias_gradients_are_deferrable():
     # Nothing the forward pass or the update computes is deferred.
     for v in deferred.roots | deferred.chain:
         assert layers.phase[producer[v].id] in ("forward", "backward")
+    # A bias broadcast (h,) -> (1, 1, h) -> (b, s, h) has a gradient of two sums: over
+    # (b, s), then over the two unit dims. The root is the first, which sums over the
+    # batch rows (the data axes' partial sums); the second is a reshape on the way, so no
+    # sum over the batch is left reduced once per microbatch.
+    for v in deferred.roots:
+        node = producer[v]
+        if node.primitive == "reduce_sum":
+            shape = graph.vars[node.inputs[0]].shape
+            assert any(shape[d] > 1 for d in node.params["axes"]), (node, shape)
+    unit_sums = [producer[v] for v in deferred.chain if producer[v].primitive == "reduce_sum"]
+    for node in unit_sums:
+        (x,) = node.inputs
+        assert producer[x].primitive == "reshape"
+        assert producer[x].inputs[0] in deferred.roots
+    assert len(unit_sums) >= 2 * GPT.num_layers  # both layer norms' biases, at least
 
 
 def test_step_weights_charge_update_and_deferred_reductions_once():

@@ -169,3 +169,34 @@ def test_dry_run_on_a_virtual_cluster_needs_no_devices():
         gpt.abstract_batch(cfg, 64), cluster=cluster, method="data",
     )
     assert plan.stages[0].mesh.num_devices == 32 > len(jax.devices())
+
+
+def test_value_resharded_once_per_layout():
+    """x, pinned split by rows, is read by three cumsums over its rows, each taking it split
+    by columns: the plan pays that all-to-all once (XLA reshards a value once per layout),
+    not once per consumer edge as the ILP's objective counts it."""
+    import jax.numpy as jnp
+
+    from autopar.cluster import Cluster
+    from autopar.intra._planner import once_per_layout
+    from autopar.intra._reshard import reshard_time
+
+    def f(x):
+        return jnp.cumsum(x, axis=0) + 2.0 * jnp.cumsum(x, axis=0) + jnp.cumsum(x, axis=0)
+
+    graph = trace(f, jax.ShapeDtypeStruct((64, 32), "float32"), batch_argnums=())
+    cluster = Cluster.from_profile("dgx-a100-80g")
+    mesh = LogicalMesh.create((8,))
+    (x,) = graph.invars
+    rows = ((mesh.axis_names[0],), ())
+    plan = plan_on_mesh(graph, cluster, mesh, fixed={x: rows})
+    taken = {spec for _, _, spec in plan.operand_specs}
+    assert len(plan.operand_specs) == 3 and len(taken) == 1
+    (dst,) = taken
+    once = reshard_time((64, 32), "float32", rows, dst, mesh, cluster)
+    assert once > 0
+    assert plan.cost.resharding == pytest.approx(once, rel=1e-12)
+    assert sum(n for n, _ in plan.cost.collectives.values()) == 1
+    assert once_per_layout([(7, dst, 1.0), (7, dst, 1.0), (7, rows, 1.0), (7, dst, 0.5)]) == [
+        True, False, True, True,
+    ]

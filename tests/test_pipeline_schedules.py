@@ -242,3 +242,22 @@ def test_every_declared_schedule_is_tested():
     from autopar.choices import SCHEDULES as DECLARED
 
     assert sorted(s for s, _ in SCHEDULES) == sorted(DECLARED)
+
+
+def test_megatron_uneven_chunks():
+    """6 marked layers do not split over pp=2 x v=2 chunks: Megatron's rule refuses, and
+    `even_chunks=False` splits them as evenly as the marks allow (Llama 3's uneven
+    stages), the chunks a layer apart at most."""
+    cfg = mlp.MLPConfig(in_dim=16, hidden=32, out_dim=8, num_layers=6, layer_markers=True)
+    optimizer = optax.sgd(0.1)
+    step = mlp.make_train_step(cfg, optimizer)
+    state = jax.eval_shape(lambda: mlp.init_state(cfg, optimizer, jax.random.key(0)))
+    batch = jax.eval_shape(lambda: mlp.make_batch(cfg, 32, jax.random.key(1)))
+    options = dict(cluster=autopar.Cluster.from_profile("cpu-local"), dp=2, tp=2, pp=2,
+                   num_microbatches=4, schedule="interleaved_1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="pass even_chunks=False"):
+        autopar.megatron_plan(step, state, batch, **options)
+    plan = autopar.megatron_plan(step, state, batch, even_chunks=False, **options)
+    assert plan.num_stages == 4 and plan.virtual_stages == 2 and ",uneven" in plan.method
+    sizes = [b - a for a, b in (s.layers for s in plan.stages)]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == plan.stages[-1].layers[1]

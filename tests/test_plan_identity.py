@@ -14,7 +14,13 @@ import optax
 import pytest
 
 import autopar
-from autopar.cost import bubble_fraction, pipeline_latency
+from autopar.cluster import Cluster
+from autopar.cost import (
+    bubble_fraction,
+    pipeline_latency,
+    stage_dispatch_time,
+    tasks_per_step,
+)
 from examples import mlp
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +39,33 @@ def _plan(**options) -> autopar.Plan:
 
 
 def _stage_times(plan: autopar.Plan) -> list[float]:
-    return [stage.time_per_microbatch for stage in plan.stages]
+    """Each stage's seconds per microbatch, with launching its programs."""
+    dispatch = stage_dispatch_time(
+        plan.cluster, plan.num_stages, plan.num_microbatches, plan.schedule
+    )
+    return [stage.time_per_microbatch + dispatch for stage in plan.stages]
+
+
+# `dispatch_overhead` of the cpu-local profile: seconds per program launched.
+LAUNCH = Cluster.from_profile("cpu-local").dispatch_overhead
+
+
+def test_dispatch_time_by_hand():
+    """A stage of a pipeline launches a forward and a backward task per microbatch (zero
+    bubble: three) and its update once per step; a one-stage plan one program per step."""
+    assert LAUNCH > 0
+    assert tasks_per_step(1, 8) == 1
+    assert tasks_per_step(2, 4) == 2 * 4 + 1
+    assert tasks_per_step(4, 4, "zero_bubble") == 3 * 4 + 1
+    cluster = Cluster.from_profile("cpu-local")
+    assert stage_dispatch_time(cluster, 2, 4) == pytest.approx(9 * LAUNCH / 4, rel=1e-12)
+    assert stage_dispatch_time(cluster, 1, 8) == pytest.approx(LAUNCH / 8, rel=1e-12)
+    # a plan keeps the cluster as JSON: the same figure
+    assert stage_dispatch_time(cluster.to_json(), 2, 4) == stage_dispatch_time(cluster, 2, 4)
+    free = Cluster.from_profile("cpu-local").with_shape(1, 8)
+    assert stage_dispatch_time(dataclasses.replace(free, dispatch_overhead=0.0), 2, 4) == 0
+    with pytest.raises(ValueError, match="dispatch_overhead must be"):
+        dataclasses.replace(free, dispatch_overhead=-1.0)
 
 
 def test_pipeline_latency_by_hand():
@@ -51,12 +83,18 @@ def test_one_stage_plan_counts_every_microbatch(num_microbatches):
     assert plan.num_stages == 1 and plan.num_microbatches == num_microbatches
     (t,) = _stage_times(plan)
     assert plan.predicted_step_time == pytest.approx(num_microbatches * t, rel=1e-12)
+    # one program per step, whatever the microbatches (`tasks_per_step`)
+    cost = plan.stages[0].time_per_microbatch
+    assert plan.predicted_step_time == pytest.approx(num_microbatches * cost + LAUNCH,
+                                                     rel=1e-12)
 
 
 def test_one_mesh_plan_is_its_stage_cost():
     plan = _plan(method="shard")
     assert plan.runtime == "spmd" and plan.num_microbatches == 1
-    assert plan.predicted_step_time == plan.stages[0].sharding.cost.total
+    assert plan.predicted_step_time == pytest.approx(
+        plan.stages[0].sharding.cost.total + LAUNCH, rel=1e-12
+    )
 
 
 def test_pipelined_plan_is_alpas_latency():
@@ -64,6 +102,9 @@ def test_pipelined_plan_is_alpas_latency():
     times = _stage_times(plan)
     assert len(times) == 2
     assert plan.predicted_step_time == pytest.approx(sum(times) + 3 * max(times), rel=1e-12)
+    # each stage: 4 forward + 4 backward tasks and its update, over 4 microbatches
+    plain = [stage.time_per_microbatch for stage in plan.stages]
+    assert [t - p for t, p in zip(times, plain)] == pytest.approx([9 * LAUNCH / 4] * 2)
 
 
 def test_timings_are_not_part_of_the_saved_plan(tmp_path):

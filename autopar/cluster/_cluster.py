@@ -95,6 +95,10 @@ class Cluster:
       and their gradients stay on chip, so no bytes of them cross device memory
       (`autopar.graph.fusion_traffic`). False (the default): they are written and read
       like any fusion's results.
+    - `dispatch_overhead`: seconds the host spends launching one program (one pipeline
+      task: a stage's forward or backward of one microbatch, its update), whatever its
+      size; `autopar profile` times a trivial jitted call on the devices.
+      `autopar.cost.stage_dispatch_time` charges it per task. 0 (the default): free.
 
     **Example:**
     ```python
@@ -118,6 +122,7 @@ class Cluster:
     gemm_efficiency: tuple[tuple[float, float], ...] | None = None
     overlap: float = 0.0
     fused_attention: bool = False
+    dispatch_overhead: float = 0.0
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -191,6 +196,8 @@ class Cluster:
             optional["overlap"] = self.overlap
         if self.fused_attention:
             optional["fused_attention"] = True
+        if self.dispatch_overhead:
+            optional["dispatch_overhead"] = self.dispatch_overhead
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -384,6 +391,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             else None,
             overlap=read.number("overlap") if "overlap" in data else 0.0,
             fused_attention=_read_bool(data, "fused_attention"),
+            dispatch_overhead=read.number("dispatch_overhead")
+            if "dispatch_overhead" in data else 0.0,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -464,6 +473,7 @@ _FIELD_HELP = {
     "nics_per_host": "an integer: network ports (rails) per host",
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
+    "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }
@@ -491,6 +501,11 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
         if not all(0 < eff <= 1 for _, eff in table):
             problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
+    if not (np.isfinite(cluster.dispatch_overhead) and cluster.dispatch_overhead >= 0):
+        problems.append(
+            f"dispatch_overhead must be a finite number of seconds >= 0, got "
+            f"{cluster.dispatch_overhead!r}"
+        )
     if not 0 <= cluster.overlap <= 1:
         problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")
     nics = cluster.nics_per_host

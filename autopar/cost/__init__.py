@@ -32,7 +32,9 @@ from autopar.cost._pipeline import (
     in_flight_microbatches,
     memory_budget,
     pipeline_latency,
+    stage_dispatch_time,
     stage_memory,
+    tasks_per_step,
 )
 from autopar.cost._remat import (
     full_recompute_cost,
@@ -52,7 +54,9 @@ __all__ = [
     "memory_budget",
     "pipeline_latency",
     "rate_dtype",
+    "stage_dispatch_time",
     "stage_memory",
+    "tasks_per_step",
     "full_recompute_cost",
     "recompute_seconds",
     "recomputed_layer_cost",

@@ -41,6 +41,54 @@ def bubble_scale(schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
     return 1.0
 
 
+def tasks_per_step(num_stages: int, num_microbatches: int,
+                   schedule: Schedule = "1f1b") -> int:
+    """Programs one stage's devices launch per step.
+
+    One stage: one program for the whole step (the SPMD runtime's jit, or the pipeline
+    runtime's fused step with its microbatches in a `lax.scan`). Several: per microbatch a
+    forward and a backward task (zero bubble: the backward split in two, B and W), and
+    once per step the stage's update (`autopar.runtime.PipelineExecutable`).
+
+    **Example:** ``tasks_per_step(1, 8) == 1``; ``tasks_per_step(2, 4) == 9``;
+    ``tasks_per_step(2, 4, "zero_bubble") == 13``.
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"a plan needs at least one stage and one microbatch, got {num_stages} stage(s) "
+            f"and {num_microbatches} microbatch(es)"
+        )
+    if num_stages == 1:
+        return 1
+    per_microbatch = 3 if schedule == "zero_bubble" else 2
+    return num_microbatches * per_microbatch + 1
+
+
+def stage_dispatch_time(cluster, num_stages: int, num_microbatches: int,
+                        schedule: Schedule = "1f1b") -> float:
+    """Seconds per microbatch a stage pays for launching its programs: its
+    `tasks_per_step` times the profile's `dispatch_overhead`, spread over the step's
+    microbatches (as `pipeline_latency` takes stage times per microbatch). The stage DP,
+    `Plan.predicted_step_time` (so the Megatron scorer and `compare`) and the schedule
+    choice all charge it through this function.
+
+    **Example:** 2 stages, 4 microbatches, 1F1B, 1 ms per launch: 9 tasks per step,
+    ``9 * 1e-3 / 4`` s per microbatch.
+    """
+    overhead = _dispatch_overhead(cluster)
+    if not overhead:
+        return 0.0
+    return overhead * tasks_per_step(num_stages, num_microbatches, schedule) / num_microbatches
+
+
+def _dispatch_overhead(cluster) -> float:
+    """A `Cluster`'s `dispatch_overhead`, or the same key of its JSON (what a `Plan` keeps)."""
+    if isinstance(cluster, dict):
+        return float(cluster.get("dispatch_overhead", 0.0))
+    return float(getattr(cluster, "dispatch_overhead", 0.0))
+
+
 def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
                      schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
     """Seconds per step of a pipeline whose stages take `stage_times` per microbatch.

@@ -32,6 +32,7 @@ from autopar.cost import (
     rate_dtype,
     recompute_seconds,
     selective_recompute_cost,
+    stage_dispatch_time,
     stage_memory,
 )
 from autopar.graph import OpGraph, Role, fusion_traffic, stored_residuals, trace_jaxpr
@@ -78,6 +79,9 @@ class PipelineChoice:
     # Per stage: seconds per microbatch of the transfer into it (`boundary_transfer_time`,
     # part of `latency` as the stage DP charges it; 0 for the first stage).
     stage_transfer: tuple[float, ...] = ()
+    # Per stage: seconds per microbatch of launching its programs (`stage_dispatch_time`,
+    # part of `latency` as the stage DP charges it).
+    stage_dispatch: tuple[float, ...] = ()
     # Wall seconds of the search's parts (`PLANNING_PHASES`) and the layer cost look-ups
     # answered without a solve; not part of the choice's identity.
     timings: dict = field(default_factory=dict, compare=False)
@@ -773,6 +777,10 @@ def choose_stages(
                                    all_submeshes[i].num_devices) if start > 0 else 0.0
             for start, _, i in dp.stages
         ),
+        stage_dispatch=tuple(
+            stage_dispatch_time(table.cluster, len(dp.stages), num_microbatches, schedule)
+            for _ in dp.stages
+        ),
     )
 
 
@@ -891,6 +899,13 @@ class _StageCosts:
             transfer = boundary_transfer_time(
                 self.boundary[start], self.table.cluster, sub.num_devices
             )
+        # Launching the stage's programs: one per step for the whole model on one stage,
+        # else its tasks per microbatch and its update (`stage_dispatch_time`); charged
+        # with the transfer, as a fixed cost of the stage.
+        whole = start == 0 and end == len(self.table.per_layer.stage_graphs)
+        transfer += stage_dispatch_time(
+            self.table.cluster, 1 if whole else 2, self.num_microbatches, self.schedule
+        )
         # Shapes by their layers' fastest plans (a lower bound on any fit there), so that
         # a fitting shape is found early and the leaner levels of shapes that cannot beat
         # it are not solved; among equally fast fits the first shape of `shapes` wins, as

@@ -47,6 +47,11 @@ class MegatronConfig:
     - `virtual_stages`: layer chunks per pipeline device group under
       `schedule="interleaved_1f1b"` (Megatron-LM's interleaved schedule): pp·v stages,
       stage s on the devices of stage s mod pp.
+    - `even_chunks`: Megatron-LM's rule that pp·v divides the marked layers (every chunk
+      the same number of layers). False splits the layers over the pp·v chunks as evenly
+      as the marks allow, some chunks a layer short, as Llama 3 ran its interleaved
+      schedule (Dubey et al. 2024, sec. 3.3.2: one layer fewer on the first and the last
+      stage).
     - `recompute`: activation recomputation of every layer, Megatron-LM's
       ``--recompute-granularity``: "none", "selective" (the attention core; Korthikanti et
       al. 2022) or "full" (all but the layer input); costed by `autopar.cost`'s recompute
@@ -62,6 +67,7 @@ class MegatronConfig:
     schedule: Schedule = "1f1b"
     recompute: Remat = "none"
     virtual_stages: int = 1
+    even_chunks: bool = True
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
@@ -112,6 +118,7 @@ class MegatronConfig:
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
                 (f",recompute={self.recompute}", self.recompute != "none"),
                 (f",v={self.virtual_stages}", self.virtual_stages > 1),
+                (",uneven", self.virtual_stages > 1 and not self.even_chunks),
             )
             if on
         )

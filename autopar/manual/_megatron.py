@@ -63,6 +63,7 @@ def megatron_plan(
     schedule: Schedule = "1f1b",
     recompute: Remat = "none",
     virtual_stages: int = 1,
+    even_chunks: bool = True,
     donate_argnums: Sequence[int] = (0,),
     batch_argnums: Sequence[int] = (1,),
     overrides: Mapping[str, Any] | None = None,
@@ -76,7 +77,7 @@ def megatron_plan(
     - `cluster`: a `Cluster`, a profile name or path, or None for the local devices; its
       first dp·tp·pp devices are used and there must be exactly that many.
     - `dp`, `tp`, `pp`, `sequence_parallel`, `distributed_optimizer`, `num_microbatches`,
-      `schedule`, `recompute`, `virtual_stages`: see `MegatronConfig`.
+      `schedule`, `recompute`, `virtual_stages`, `even_chunks`: see `MegatronConfig`.
     - `donate_argnums`, `batch_argnums`: as in `autopar.autoparallel`.
     - `overrides`: ``{input path: spec}`` for inputs the dataflow cannot place or that
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
@@ -101,6 +102,7 @@ def megatron_plan(
         dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
         schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
+        even_chunks=even_chunks,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
@@ -278,11 +280,12 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     # Megatron counts the marked (transformer) layers: n marks cut the step into n + 1
     # pieces, the embedding and the head riding with the first and last layer.
     num_marked = max(layers.num_layers - 1, 1)
-    if config.virtual_stages > 1 and num_marked % chunks:
+    if config.virtual_stages > 1 and num_marked % chunks and config.even_chunks:
         raise ValueError(
             f"pp={config.pp} x virtual_stages={config.virtual_stages} = {chunks} model chunks "
             f"must divide the {num_marked} marked layers (Megatron's interleaved schedule); "
-            "choose pp and virtual_stages whose product divides the number of layers"
+            "choose pp and virtual_stages whose product divides the number of layers, or "
+            "pass even_chunks=False to split them as evenly as the marks allow"
         )
     edges = [round(i * layers.num_layers / chunks) for i in range(chunks + 1)]
     bounds = [(a, b) for a, b in zip(edges, edges[1:])]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from autopar.choices import Remat, Runtime, Schedule
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
-from autopar.cost import bubble_fraction, pipeline_latency
+from autopar.cost import bubble_fraction, pipeline_latency, stage_dispatch_time
 from autopar.graph import OpGraph, Role
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 
@@ -152,12 +152,16 @@ class Plan:
         Each stage is costed per microbatch (its sharding plan's cost plus its recompute;
         one microbatch is the whole batch when `num_microbatches` is 1), so this holds for
         every runtime: one stage accumulating B microbatches takes B times its cost, a
-        pipeline Alpa's latency.
+        pipeline Alpa's latency. Each stage also pays for launching its programs
+        (`autopar.cost.stage_dispatch_time`, the profile's `dispatch_overhead` per task).
         """
         groups = self.num_device_groups
         times = [0.0] * groups  # interleaved: a device group runs all its chunks
+        dispatch = stage_dispatch_time(
+            self.cluster, self.num_stages, self.num_microbatches, self.schedule
+        )
         for s, stage in enumerate(self.stages):
-            times[s % groups] += stage.time_per_microbatch
+            times[s % groups] += stage.time_per_microbatch + dispatch
         return pipeline_latency(times, self.num_microbatches, self.schedule, self.virtual_stages)
 
     @property

@@ -60,6 +60,8 @@ class ProfileOptions:
     - `matmul_sizes`: square matmul sizes per device on CPU (times
       `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak.
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
+    - `dispatch_repeats`: timed calls of the trivial program that measures
+      `Cluster.dispatch_overhead` (`measure_dispatch`).
     """
 
     message_sizes: tuple[int, ...]
@@ -68,6 +70,7 @@ class ProfileOptions:
     warmup: int = 2
     matmul_sizes: tuple[int, ...] = (256, 512, 1024)
     bandwidth_bytes: int = 16 * MiB
+    dispatch_repeats: int = 201
 
 
 FULL = ProfileOptions(message_sizes=tuple(4**k * 4 * KiB for k in range(7)))  # 4 KiB..16 MiB
@@ -78,6 +81,7 @@ QUICK = ProfileOptions(
     warmup=1,
     matmul_sizes=(256, 512),
     bandwidth_bytes=8 * MiB,
+    dispatch_repeats=51,
 )
 
 
@@ -136,6 +140,7 @@ def measure_profile(
         )
     flops = {dtype: measure_matmul(dtype, mine, options, log) for dtype in MATMUL_DTYPES}
     hbm = measure_bandwidth(mine, options, log)
+    dispatch = measure_dispatch(mine, options, log)
     intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
     inter = []
     if len(hosts) >= 2:  # one device per host: the inter-host level (best effort)
@@ -156,6 +161,7 @@ def measure_profile(
         hbm_bandwidth=hbm,
         intra_host=intra_link,
         inter_host=inter_link,
+        dispatch_overhead=dispatch,
     )
     for level, link in (("intra_host", intra_link), ("inter_host", inter_link)):
         log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
@@ -250,6 +256,22 @@ def measure_bandwidth(
     bandwidth = 2 * elements * itemsize / _median_seconds(fn, (x,), options)
     log(f"memory bandwidth on {len(devices)} devices: {bandwidth / 1e9:.2f} GB/s per device")
     return bandwidth
+
+
+def measure_dispatch(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> float:
+    """Seconds to launch one program on `devices` and see it finish: the median over
+    `options.dispatch_repeats` calls of a trivial jitted program (``x + 1`` on one element
+    per device), which costs nothing but its launch. What every pipeline task pays on top
+    of its work (`Cluster.dispatch_overhead`)."""
+    mesh = Mesh(np.array(devices), (AXIS,))
+    fn = jax.jit(lambda x: x + 1)
+    x = _filled((len(devices),), jnp.float32, mesh)
+    repeats = dataclasses.replace(options, repeats=options.dispatch_repeats)
+    seconds = _median_seconds(fn, (x,), repeats)
+    log(f"dispatch of a trivial program on {len(devices)} devices: {seconds * 1e6:.1f} us")
+    return seconds
 
 
 def _collective_body(kind: CollectiveKind, elements: int, n: int):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
+from autopar.cost import stage_dispatch_time
 from autopar.report._pictures import new_figure
 from autopar.runtime import dependencies, device_orders
 from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
@@ -157,9 +158,13 @@ def plan_schedule(plan) -> list[TaskRecord]:
 
     Each stage's predicted cost is its time per microbatch (as `Plan.predicted_step_time`
     reads it): a `FORWARD_SHARE` of it is the forward, the rest the backward; the update is
-    not modelled separately.
+    not modelled separately. Launching the stage's programs (`autopar.cost.
+    stage_dispatch_time`) counts with it, as `Plan.predicted_step_time` adds it.
     """
-    per_microbatch = [s.time_per_microbatch for s in plan.stages]
+    dispatch = stage_dispatch_time(
+        plan.cluster, plan.num_stages, plan.num_microbatches, plan.schedule
+    )
+    per_microbatch = [s.time_per_microbatch + dispatch for s in plan.stages]
     forward = [t * FORWARD_SHARE for t in per_microbatch]
     backward = [t - f for t, f in zip(per_microbatch, forward)]
     groups = len({tuple(s.sharding.mesh.device_ids) for s in plan.stages})

@@ -318,10 +318,13 @@ def _stage_times(choice: PipelineChoice) -> list[float]:
     (`Stage.time_per_microbatch`): the stitched sharding plan's cost, recompute and the
     transfer into the stage. The stage DP adds up its layers' costs instead; the stitched
     plan adds what joining them costs (a value resharded where one layer hands it to the
-    next in another layout)."""
+    next in another layout). Plus launching the stage's programs (`stage_dispatch_time`,
+    as `Plan.predicted_step_time` adds it; for zero bubble the plan counts its third task
+    per microbatch, which the schedule choice leaves out)."""
     transfer = choice.stage_transfer or (0.0,) * len(choice.stage_plans)
-    return [sp.cost.total + r + t for sp, r, t in
-            zip(choice.stage_plans, choice.stage_recompute, transfer)]
+    dispatch = choice.stage_dispatch or (0.0,) * len(choice.stage_plans)
+    return [sp.cost.total + r + t + d for sp, r, t, d in
+            zip(choice.stage_plans, choice.stage_recompute, transfer, dispatch)]
 
 
 def _stitch_note(choice: PipelineChoice, num_micro: int, options, latency: float) -> str:
