@@ -345,7 +345,7 @@ def _schedule_for(choice: PipelineChoice, num_micro: int, options, cluster,
     names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
     predicted = [(pipeline_latency(times, num_micro, n, phase_shares=shares), n)
                  for n in reversed(names)]
-    if len(predicted) > 1:
+    if len(predicted) > 1 and len(times) > 1:
         log.info("%d microbatch(es), %d stage(s): %s predicted (F/B/W shares %s)", num_micro,
                  len(times), ", ".join(f"{n} {t:.4g} s" for t, n in predicted), shares)
     latency, name = min(predicted)
