@@ -299,3 +299,49 @@ def test_every_declared_schedule_is_tested():
     from autopar.choices import SCHEDULES as DECLARED
 
     assert sorted(s for s, _ in SCHEDULES) == sorted(DECLARED)
+
+
+def test_phase_times_split_each_backward_as_the_runtime_does():
+    """`phase_times` (the F/B/W split zero bubble's prediction takes): on 2 stages of the
+    dense MLP, the last stage's backward splits into B (the gradient handed back) and W
+    (its weight gradients), each with as many matmul FLOPs as its forward (dX = dY W^T and
+    dW = X^T dY); the first stage hands nothing back, so its backward is all W; and the
+    three times are each pass's nodes timed by `compute_time`."""
+    from autopar.cost import MATMUL_PRIMITIVES, compute_time
+    from autopar.graph import trace
+    from autopar.inter.passes import assign_layers, partition, phase_times, split_backward
+
+    optimizer = optax.sgd(0.1)
+    step = mlp.make_train_step(MLP, optimizer)
+    graph = trace(step, mlp.abstract_state(MLP, optimizer), mlp.abstract_batch(MLP, 32))
+    layers = assign_layers(graph)
+    half = layers.num_layers // 2
+    part = partition(graph, layers, [(0, half), (half, layers.num_layers)])
+    grads = set(part.grad_vars)
+    cluster = autopar.Cluster.from_profile("cpu-local")
+    splits = [split_backward(seg, part.stage_graphs[seg.stage], grads) for seg in part.backward]
+    assert not splits[0][0].nodes and splits[0][1].nodes  # stage 0: all W
+
+    def dot_flops(stage, nodes):
+        g = part.stage_graphs[stage]
+        return sum(g.nodes[n].flops for n in nodes if g.nodes[n].primitive == "dot_general")
+
+    b, w = splits[1]
+    forward = dot_flops(1, part.forward[1].nodes)
+    assert dot_flops(1, b.nodes) == forward == dot_flops(1, w.nodes)
+
+    def seconds(stage, nodes):
+        g = part.stage_graphs[stage]
+        return sum(
+            compute_time(g.nodes[n].flops, g.nodes[n].bytes_read + g.nodes[n].bytes_written,
+                         cluster, g.vars[g.nodes[n].outputs[0]].dtype,
+                         matmul=g.nodes[n].primitive in MATMUL_PRIMITIVES)
+            for n in nodes
+        )
+
+    expected = (
+        sum(seconds(seg.stage, seg.nodes) for seg in part.forward),
+        sum(seconds(s, bw[0].nodes) for s, bw in enumerate(splits)),
+        sum(seconds(s, bw[1].nodes) for s, bw in enumerate(splits)),
+    )
+    assert phase_times(part, cluster) == pytest.approx(expected)
