@@ -17,9 +17,9 @@ starts the sums, each later one adds to them), so the two agree to rounding.
 Layouts: inside each segment the plan's constraints hold (`plan.constrained`, its operand
 specs: the layouts the ILP chose); the values between the forward and backward segments
 are not pinned, since in one program they cross no program edge (pinning them, as the
-task runtime's program edges do, cost 49 of the 193 all-gathers of the benchmark's GPT
-step and 6% of its time, `benchmarks/runtime_overhead.py`); the update segments pin their
-inputs and results, so the new state comes back in the plan's layout for the next step.
+task runtime's program edges do, added 8 all-gathers to the 185 of the benchmark's GPT
+step, `benchmarks/fused_layouts.py`); the update segments pin their inputs and results,
+so the new state comes back in the plan's layout for the next step.
 
 In: a `PipelineExecutable` of one stage. Out: `FusedStep`, called with the step's flat
 arguments, returning its flat results as the task runtime does.
