@@ -228,7 +228,8 @@ def run_megatron(step, args, cluster, microbatches: Sequence[int], num_layers: i
 
 
 def run_row(row: Row, microbatches: Sequence[int],
-            pp_values: Sequence[int] | None = None, schedule: str = "1f1b") -> RowResult:
+            pp_values: Sequence[int] | None = None, schedule: str = "1f1b",
+            megatron_grid: bool = True) -> RowResult:
     """Plan one row with both planners.
 
     **Arguments:**
@@ -237,6 +238,7 @@ def run_row(row: Row, microbatches: Sequence[int],
     - `pp_values`: limit the Megatron grid's pipeline degrees (None: all).
     - `schedule`: autopar's schedule option (the planner's default "1f1b" here;
       `run_benchmarks.py` passes "auto", chosen by predicted step time).
+    - `megatron_grid`: False skips the Megatron grid (`run_benchmarks.py --no-megatron`).
 
     **Returns:** the `RowResult` (a planner that finds no plan is None, with a note).
     """
@@ -252,6 +254,9 @@ def run_row(row: Row, microbatches: Sequence[int],
         notes.append(f"autopar found no plan: {str(err)[:200]}")
     module = {"gpt": gpt, "moe": moe, "llama": llama}.get(row.family)
     num_heads = getattr(module.CONFIGS[row.model], "num_heads", None) if module else None
+    if not megatron_grid:
+        notes.append("Megatron grid not run (--no-megatron)")
+        return RowResult(row, cluster.num_devices, flops, auto, None, tuple(notes))
     if row.family in SCANNED_FAMILIES:  # the same model, its layers a loop (`model_step`)
         step, args = model_step(row, loop=True)
         notes.append("Megatron planned on the Python-loop form of the layers")

@@ -115,8 +115,8 @@ def code_version() -> str:
     return commit + ("-dirty" if changes else "")
 
 
-def plan_row(row: Row, counts: tuple[int, ...],
-             schedule: str = "auto") -> tuple[tuple[int, ...], RowResult]:
+def plan_row(row: Row, counts: tuple[int, ...], schedule: str = "auto",
+             megatron_grid: bool = True) -> tuple[tuple[int, ...], RowResult]:
     """Both planners on `row`, with more microbatches where memory asks for them (see
     `MAX_MICROBATCHES`). **Returns:** the counts used and the result, whose notes say why
     the counts changed."""
@@ -129,10 +129,9 @@ def plan_row(row: Row, counts: tuple[int, ...],
         notes.append(f"{max(counts)} microbatches: even a plan splitting everything over "
                      f"every GPU needs {least / 2**30:.0f} GiB per GPU")
         counts = (max(counts) * 2,)
-    result = run_row(row, counts, schedule=schedule)
-    while (result.auto is None or result.megatron is None) and max(counts) * 2 <= min(
-        MAX_MICROBATCHES, row.global_batch
-    ):
+    result = run_row(row, counts, schedule=schedule, megatron_grid=megatron_grid)
+    missing_any = result.auto is None or (megatron_grid and result.megatron is None)
+    while missing_any and max(counts) * 2 <= min(MAX_MICROBATCHES, row.global_batch):
         missing = " and ".join(
             name for name, r in (("autopar", result.auto), ("Megatron", result.megatron))
             if r is None
@@ -140,7 +139,8 @@ def plan_row(row: Row, counts: tuple[int, ...],
         notes.append(f"{max(counts)} microbatches: no {missing} plan fits")
         counts = (max(counts) * 2,)
         log.info("%s: retrying with %d microbatches", row.key, counts[0])
-        result = run_row(row, counts, schedule=schedule)
+        result = run_row(row, counts, schedule=schedule, megatron_grid=megatron_grid)
+        missing_any = result.auto is None or (megatron_grid and result.megatron is None)
     if notes:
         result = dataclasses.replace(result, notes=(*notes, *result.notes))
     return counts, result
@@ -191,6 +191,8 @@ def parse_args(argv=None):
                         help="autopar's schedule option (default: auto, the planner chooses "
                              "by predicted step time; the tables show the chosen one)")
     parser.add_argument("--no-local", action="store_true", help="skip the local plans")
+    parser.add_argument("--no-megatron", action="store_true",
+                        help="skip the Megatron grid (autopar's plan and schedule only)")
     parser.add_argument("--local-only", action="store_true", help="only the local plans")
     parser.add_argument("--local-config", default="small-test")
     parser.add_argument("--local-batch", type=int, default=16)
@@ -221,7 +223,8 @@ def main(argv=None) -> None:
     for i, row in enumerate(rows):
         log.info("row %d/%d: %s ...", i + 1, len(rows), row.key)
         start = time.perf_counter()
-        counts, result = plan_row(row, tuple(args.microbatches), args.schedule)
+        counts, result = plan_row(row, tuple(args.microbatches), args.schedule,
+                                  not args.no_megatron)
         seconds = time.perf_counter() - start
         results["rows"][row.key] = row_record(result, counts, seconds)
         save(results, args.results, args.out)

@@ -72,6 +72,58 @@ def test_bubble_formulas_by_hand():
         bubble_fraction(4, 8, "1f1b", 2)
 
 
+def test_zero_bubble_by_hand_timeline():
+    """ZB-H1 on 2 stages, 2 microbatches, F = 2, B = 2, W = 1 per stage, timed by hand:
+    stage 0 runs F0 [0, 2], F1 [2, 4], B0 [6, 8] (after stage 1's B0), W0 [8, 9],
+    B1 [10, 12], W1 [12, 13]; stage 1 runs F0 [2, 4], B0 [4, 6], F1 [6, 8], B1 [8, 10],
+    W0 [10, 11], W1 [11, 12]. The step ends at 13: 10 of work plus a bubble of
+    (p - 1)(T_F + T_B - T_W) = 3 (Qi et al. 2024, section 3), where 1F1B's is
+    (p - 1)(T_F + T_B + T_W) = 5. The cost model's formulas read the same simulation."""
+    from autopar.cost import bubble_scale
+
+    tasks = simulate_schedule([2.0, 2.0], [3.0, 3.0], 2, "zero_bubble",
+                              weight_times=[1.0, 1.0])
+    timeline = {(t.stage, t.kind, t.microbatch): (t.start, t.end) for t in tasks}
+    assert timeline == {
+        (0, "forward", 0): (0, 2), (0, "forward", 1): (2, 4), (0, "backward", 0): (6, 8),
+        (0, "weight", 0): (8, 9), (0, "backward", 1): (10, 12), (0, "weight", 1): (12, 13),
+        (1, "forward", 0): (2, 4), (1, "backward", 0): (4, 6), (1, "forward", 1): (6, 8),
+        (1, "backward", 1): (8, 10), (1, "weight", 0): (10, 11), (1, "weight", 1): (11, 12),
+    }
+    shares = (2.0, 2.0, 1.0)
+    assert bubble_scale("zero_bubble", num_groups=2, num_microbatches=2,
+                        phase_shares=shares) == pytest.approx(3 / 5)
+    assert pipeline_latency([5.0, 5.0], 2, "zero_bubble", phase_shares=shares) == (
+        pytest.approx(13.0)
+    )
+    assert pipeline_latency([5.0, 5.0], 2, "1f1b") == 15.0
+    assert bubble_fraction(2, 2, "zero_bubble", phase_shares=shares) == pytest.approx(
+        1 - 20 / (2 * 13)
+    )
+
+
+@pytest.mark.parametrize("groups, m", [(2, 8), (4, 8), (4, 32)])
+@pytest.mark.parametrize("shares", [(1, 1, 1), (0.4, 0.4, 0.2), (0.3, 0.5, 0.2)])
+def test_zero_bubble_fills_what_its_weight_passes_can(groups, m, shares):
+    """With at least p microbatches, ZB-H1's bubble is (p - 1)(T_F + T_B - T_W) against
+    1F1B's (p - 1)(T_F + T_B + T_W) (Qi et al. 2024, section 3): the simulated share of
+    1F1B's bubble whatever the split, not a fixed third."""
+    from autopar.cost import bubble_scale
+
+    f, b, w = (x / sum(shares) for x in shares)
+    assert bubble_scale("zero_bubble", num_groups=groups, num_microbatches=m,
+                        phase_shares=shares) == pytest.approx((f + b - w) / (f + b + w))
+
+
+def test_zero_bubble_gains_less_with_few_microbatches():
+    """With fewer microbatches than stages there are fewer W passes to fill the drain:
+    the simulated share of 1F1B's bubble grows (4 stages, 2 microbatches: 5/9, not 1/3)."""
+    from autopar.cost import bubble_scale
+
+    assert bubble_scale("zero_bubble", num_groups=4, num_microbatches=2) == pytest.approx(5 / 9)
+    assert bubble_scale("zero_bubble", num_groups=4, num_microbatches=4) == pytest.approx(1 / 3)
+
+
 @pytest.mark.parametrize("schedule, v", SCHEDULES)
 def test_microbatches_in_flight_match_the_orders(schedule, v):
     """The most microbatches (in whole-stage units) a device group holds between their
@@ -174,7 +226,8 @@ def test_auto_schedule_picks_the_fastest_predicted():
         cache=False,
     )
     predicted = {
-        s: pipeline_latency([st.time_per_microbatch for st in plan.stages], 8, s)
+        s: pipeline_latency([st.time_per_microbatch for st in plan.stages], 8, s,
+                            phase_shares=plan.phase_shares)
         for s in ("1f1b", "zero_bubble")
     }
     assert plan.schedule == min(predicted, key=predicted.get) == "zero_bubble"
@@ -186,11 +239,12 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     under 1F1B): "auto" weighs 1F1B, zero bubble and interleaved 1F1B with v = 2 and 4
     (the last two planned by the stage DP as 4 and 8 stages, every boundary's transfer in
     their stage costs) and takes the least predicted step time, here interleaving with
-    v = 4. Each candidate's time is `pipeline_latency` of its stage costs."""
+    v = 4. Each candidate's time is `pipeline_latency` of its stage costs, with its stages'
+    split into forward, input-gradient and weight-gradient time (`phase_shares`)."""
     from autopar.graph import trace
     from autopar.search._microbatch import batch_size
     from autopar.search._options import PlanOptions
-    from autopar.search._pipeline import _pick, _stage_choices, _stage_times
+    from autopar.search._pipeline import _pick, _stage_choices, _stage_times, phase_shares
 
     big = mlp.MLPConfig(in_dim=16384, hidden=16384, out_dim=16384, num_layers=8,
                         layer_markers=True)
@@ -207,7 +261,10 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     # The plan's own stage times: the stitched stage plans, recompute and the transfer
     # into each stage (what Plan.predicted_step_time adds up).
     times = _stage_times(by_stages[2].choice)
-    assert by_stages[2].latency == pytest.approx(pipeline_latency(times, 2, "zero_bubble"))
+    shares = phase_shares(by_stages[2].choice, cluster)
+    assert by_stages[2].latency == pytest.approx(
+        pipeline_latency(times, 2, "zero_bubble", phase_shares=shares)
+    )
     assert by_stages[2].latency < pipeline_latency(times, 2, "1f1b")
     for stages, v in ((4, 2), (8, 4)):
         c = by_stages[stages]
@@ -215,7 +272,7 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
         chunks = _stage_times(c.choice)
         per_group = [sum(chunks[g::2]) for g in range(2)]
         assert c.latency == pytest.approx(
-            pipeline_latency(per_group, 2, "interleaved_1f1b", v)
+            pipeline_latency(per_group, 2, "interleaved_1f1b", v, phase_shares(c.choice, cluster))
         )
     best = _pick(candidates)
     assert best is min(candidates, key=lambda c: c.latency) is by_stages[8]
@@ -261,3 +318,49 @@ def test_megatron_uneven_chunks():
     assert plan.num_stages == 4 and plan.virtual_stages == 2 and ",uneven" in plan.method
     sizes = [b - a for a, b in (s.layers for s in plan.stages)]
     assert max(sizes) - min(sizes) <= 1 and sum(sizes) == plan.stages[-1].layers[1]
+
+
+def test_phase_times_split_each_backward_as_the_runtime_does():
+    """`phase_times` (the F/B/W split zero bubble's prediction takes): on 2 stages of the
+    dense MLP, the last stage's backward splits into B (the gradient handed back) and W
+    (its weight gradients), each with as many matmul FLOPs as its forward (dX = dY W^T and
+    dW = X^T dY); the first stage hands nothing back, so its backward is all W; and the
+    three times are each pass's nodes timed by `compute_time`."""
+    from autopar.cost import MATMUL_PRIMITIVES, compute_time
+    from autopar.graph import trace
+    from autopar.inter.passes import assign_layers, partition, phase_times, split_backward
+
+    optimizer = optax.sgd(0.1)
+    step = mlp.make_train_step(MLP, optimizer)
+    graph = trace(step, mlp.abstract_state(MLP, optimizer), mlp.abstract_batch(MLP, 32))
+    layers = assign_layers(graph)
+    half = layers.num_layers // 2
+    part = partition(graph, layers, [(0, half), (half, layers.num_layers)])
+    grads = set(part.grad_vars)
+    cluster = autopar.Cluster.from_profile("cpu-local")
+    splits = [split_backward(seg, part.stage_graphs[seg.stage], grads) for seg in part.backward]
+    assert not splits[0][0].nodes and splits[0][1].nodes  # stage 0: all W
+
+    def dot_flops(stage, nodes):
+        g = part.stage_graphs[stage]
+        return sum(g.nodes[n].flops for n in nodes if g.nodes[n].primitive == "dot_general")
+
+    b, w = splits[1]
+    forward = dot_flops(1, part.forward[1].nodes)
+    assert dot_flops(1, b.nodes) == forward == dot_flops(1, w.nodes)
+
+    def seconds(stage, nodes):
+        g = part.stage_graphs[stage]
+        return sum(
+            compute_time(g.nodes[n].flops, g.nodes[n].bytes_read + g.nodes[n].bytes_written,
+                         cluster, g.vars[g.nodes[n].outputs[0]].dtype,
+                         matmul=g.nodes[n].primitive in MATMUL_PRIMITIVES)
+            for n in nodes
+        )
+
+    expected = (
+        sum(seconds(seg.stage, seg.nodes) for seg in part.forward),
+        sum(seconds(s, bw[0].nodes) for s, bw in enumerate(splits)),
+        sum(seconds(s, bw[1].nodes) for s, bw in enumerate(splits)),
+    )
+    assert phase_times(part, cluster) == pytest.approx(expected)

@@ -3,9 +3,9 @@
 In: a `Cluster` (links, FLOP/s, memory bandwidth) and a `LogicalMesh`. Out: seconds and
 bytes. Collectives use the ring alpha-beta model (two-level, over every NIC rail, for
 groups spanning hosts), compute the roofline model with a GEMM efficiency by size and the
-bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, the 1F1B
-bubble and in-flight microbatches. The ILP, the stage DP, the manual-plan scorer and the
-reports all call these functions.
+bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, every
+schedule's bubble simulated from its task order (`_schedule`) and in-flight microbatches.
+The ILP, the stage DP, the manual-plan scorer and the reports all call these functions.
 """
 
 from autopar.cost._collective import collective_time, link_for, transfer_time
@@ -25,6 +25,7 @@ from autopar.cost._formulas import (
 )
 from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
+    DEFAULT_PHASE_SHARES,
     LayerCost,
     boundary_transfer_time,
     bubble_fraction,
@@ -45,6 +46,7 @@ from autopar.cost._remat import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "DEFAULT_PHASE_SHARES",
     "MATMUL_PRIMITIVES",
     "LayerCost",
     "boundary_transfer_time",

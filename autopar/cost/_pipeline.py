@@ -1,31 +1,47 @@
 """Pipeline formulas: step latency, bubble, microbatches in flight, stage memory.
 
 In: per-stage (or per-layer) predicted seconds and bytes, the schedule, the number of
-stages and microbatches. Out: seconds, fractions, counts and bytes. The stage DP, `Plan`,
-the Megatron scorer, `compare`, the reports and the benchmarks all call these, so every
-prediction of a pipeline uses the same formula.
+stages and microbatches, and how a stage's time splits into forward, input-gradient and
+weight-gradient passes. Every schedule's bubble is simulated from its task order
+(`autopar.cost._schedule`, the orders the runtime runs). Out: seconds, fractions, counts
+and bytes. The stage DP, `Plan`, the Megatron scorer, `compare`, the reports and the
+benchmarks all call these, so every prediction of a pipeline uses the same formula.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
+from autopar.cost._schedule import simulate
 
-# Zero bubble (ZB-H1): the bubble of 1F1B, (p - 1)(T_F + T_B + T_W), shrinks to
-# (p - 1)(T_F + T_B - T_W) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 3,
-# REFERENCES.md "Pipeline schedules"). With the paper's T_F = T_B = T_W (a backward twice a
-# forward, split evenly between input and weight gradients) that is a third of 1F1B's.
-ZERO_BUBBLE_BUBBLE_SCALE = 1.0 / 3.0
+# A stage's time per microbatch split into its forward F, input-gradient backward B and
+# weight-gradient backward W, when the plan gives no split of its own (`Plan.phase_shares`,
+# from `autopar.inter.passes.phase_times`): Qi et al. 2024 ("Zero Bubble Pipeline
+# Parallelism", section 3; REFERENCES.md "Pipeline schedules") take T_F = T_B = T_W (a
+# backward twice a forward, split evenly), a third each.
+DEFAULT_PHASE_SHARES = (1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0)
 
 
-def bubble_scale(schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
-    """The bubble of `schedule` as a share of GPipe/1F1B's: 1 for those; 1/v for
-    interleaved 1F1B with v virtual stages (Narayanan et al. 2021, section 2.2); 1/3 for
-    zero bubble (`ZERO_BUBBLE_BUBBLE_SCALE`). The one place the schedules' bubbles differ:
-    `pipeline_latency` and `bubble_fraction` both use it."""
+def bubble_scale(schedule: Schedule = "1f1b", virtual_stages: int = 1, num_groups: int = 2,
+                 num_microbatches: int = 1,
+                 phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:
+    """The fill and drain of `schedule` as a share of 1F1B's, on `num_groups` equal device
+    groups running `num_microbatches`: both simulated (`autopar.cost._schedule.simulate`,
+    the orders the runtime runs, with each stage's F, B and W in `phase_shares`), so every
+    schedule's bubble comes from the same code. 1 for GPipe and 1F1B; 1/v for interleaved
+    1F1B with v virtual stages whenever the microbatches fill the rounds (Narayanan et al.
+    2021, section 2.2); for zero bubble (ZB-H1) what W can fill: (T_F + T_B - T_W) /
+    (T_F + T_B + T_W) of it once there are enough microbatches (Qi et al. 2024, section
+    3), a third with the paper's equal times, more when W is small. One group has no
+    bubble: 1.
+
+    **Example:** ``bubble_scale("zero_bubble", num_groups=4, num_microbatches=8) == 1 / 3``;
+    with ``phase_shares=(0.4, 0.4, 0.2)`` it is 0.6.
+    """
     check_choice("schedule", schedule, SCHEDULES)
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages must be at least 1, got {virtual_stages}")
@@ -34,11 +50,37 @@ def bubble_scale(schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
             f"virtual_stages={virtual_stages} needs schedule='interleaved_1f1b', "
             f"not {schedule!r}"
         )
-    if schedule == "interleaved_1f1b":
-        return 1.0 / virtual_stages
-    if schedule == "zero_bubble":
-        return ZERO_BUBBLE_BUBBLE_SCALE
-    return 1.0
+    if schedule in ("1f1b", "gpipe") or num_groups < 2:
+        return 1.0
+    shares = _check_shares(phase_shares)
+    ones = _simulated_fill(num_groups, num_microbatches, "1f1b", 1, shares)
+    return _simulated_fill(num_groups, num_microbatches, schedule, virtual_stages, shares) / ones
+
+
+def _check_shares(phase_shares: Sequence[float]) -> tuple[float, float, float]:
+    shares = tuple(float(x) for x in phase_shares)
+    if len(shares) != 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError(
+            f"phase_shares are a stage's forward, input-gradient and weight-gradient shares "
+            f"of its time, three numbers >= 0 (not all 0); got {tuple(phase_shares)}"
+        )
+    total = sum(shares)
+    return shares[0] / total, shares[1] / total, shares[2] / total
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated_fill(num_groups: int, num_microbatches: int, schedule: str,
+                    virtual_stages: int, shares: tuple[float, float, float]) -> float:
+    """Fill and drain, in units of one group's time per microbatch: the simulated step of
+    equal groups (each chunk 1/v of its group's work) less the m microbatches of work."""
+    forward, input_grad, weight = shares
+    v = virtual_stages
+    stages = num_groups * v
+    _, ends = simulate(
+        [forward / v] * stages, [(input_grad + weight) / v] * stages, num_microbatches,
+        schedule, v, weight=[weight / v] * stages,
+    )
+    return max(ends) - num_microbatches
 
 
 def tasks_per_step(num_stages: int, num_microbatches: int,
@@ -90,15 +132,17 @@ def _dispatch_overhead(cluster) -> float:
 
 
 def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
-                     schedule: Schedule = "1f1b", virtual_stages: int = 1) -> float:
+                     schedule: Schedule = "1f1b", virtual_stages: int = 1,
+                     phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:
     """Seconds per step of a pipeline whose stages take `stage_times` per microbatch.
 
     Alpa's latency (Zheng et al. 2022, REFERENCES.md "Stage DP"): the first microbatch
     passes every stage, each later one adds the slowest stage,
     ``sum_i t_i + (B - 1) * max_j t_j``, i.e. ``B * max t`` of work on the slowest stage
-    plus the fill and drain ``sum_i t_i - max t``. Interleaved and zero-bubble schedules
-    scale that fill and drain by `bubble_scale` (for `interleaved_1f1b`, `stage_times` are
-    per device group, all v chunks of a group together). One stage accumulating B
+    plus the fill and drain ``sum_i t_i - max t`` (the stage DP's objective). Other
+    schedules scale that fill and drain by `bubble_scale`, their simulated bubble over
+    1F1B's with the stages' F/B/W `phase_shares` (for `interleaved_1f1b`, `stage_times`
+    are per device group, all v chunks of a group together). One stage accumulating B
     microbatches takes ``B * t``; one stage and one microbatch, ``t``.
 
     **Example:** ``pipeline_latency([1.0, 2.0], 4) == 9.0``;
@@ -109,17 +153,20 @@ def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be at least 1, got {num_microbatches}")
     slowest = max(stage_times)
-    fill = (sum(stage_times) - slowest) * bubble_scale(schedule, virtual_stages)
-    return num_microbatches * slowest + fill
+    scale = bubble_scale(schedule, virtual_stages, len(stage_times), num_microbatches,
+                         phase_shares)
+    return num_microbatches * slowest + (sum(stage_times) - slowest) * scale
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int, schedule: Schedule = "1f1b",
-                    virtual_stages: int = 1) -> float:
-    """Idle fraction of a pipeline of equal stages: (p - 1) s / (m + (p - 1) s), s the
-    schedule's `bubble_scale`: (p - 1) / (m + p - 1) for GPipe and 1F1B (Narayanan et al.
-    2021; REFERENCES.md "Megatron-LM plans"), (p - 1) / (v m + p - 1) interleaved, a third
-    of 1F1B's bubble time for zero bubble. `num_stages` p counts device groups (for
-    interleaved 1F1B, stages / v). One stage has no bubble.
+                    virtual_stages: int = 1,
+                    phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:
+    """Idle fraction of a pipeline of equal stages, simulated: f / (m + f), f the fill and
+    drain in stage times, ``(p - 1) * bubble_scale``: (p - 1) / (m + p - 1) for GPipe and
+    1F1B (Narayanan et al. 2021; REFERENCES.md "Megatron-LM plans"), (p - 1) / (v m + p - 1)
+    interleaved; zero bubble by how much of the fill its W passes take (`phase_shares`).
+    `num_stages` p counts device groups (for interleaved 1F1B, stages / v). One stage has
+    no bubble.
 
     **Example:** ``bubble_fraction(4, 8) == 3 / 11``;
     ``bubble_fraction(4, 8, "interleaved_1f1b", 2) == 3 / 19``.
@@ -129,7 +176,8 @@ def bubble_fraction(num_stages: int, num_microbatches: int, schedule: Schedule =
             f"a pipeline needs at least one stage and one microbatch, got "
             f"{num_stages} stage(s) and {num_microbatches} microbatch(es)"
         )
-    bubble = (num_stages - 1) * bubble_scale(schedule, virtual_stages)
+    bubble = (num_stages - 1) * bubble_scale(schedule, virtual_stages, num_stages,
+                                             num_microbatches, phase_shares)
     return bubble / (num_microbatches + bubble)
 
 

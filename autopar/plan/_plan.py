@@ -17,7 +17,12 @@ from pathlib import Path
 
 from autopar.choices import Remat, Runtime, Schedule
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
-from autopar.cost import bubble_fraction, pipeline_latency, stage_dispatch_time
+from autopar.cost import (
+    DEFAULT_PHASE_SHARES,
+    bubble_fraction,
+    pipeline_latency,
+    stage_dispatch_time,
+)
 from autopar.graph import OpGraph, Role
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
 
@@ -138,6 +143,11 @@ class Plan:
     # sub-scan each); its stacked leaves are inputs ``<path>[a:b]``, one per range
     # (`split_inputs`). Empty: no stack is cut.
     scan_ranges: tuple[tuple[int, int], ...] = ()
+    # How a stage's time per microbatch splits into its forward, input-gradient and
+    # weight-gradient passes (`autopar.inter.passes.phase_times`), which the cost model's
+    # schedule simulation takes (`autopar.cost.pipeline_latency`). Empty: a third each
+    # (`autopar.cost.DEFAULT_PHASE_SHARES`).
+    phase_shares: tuple[float, ...] = ()
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -162,7 +172,8 @@ class Plan:
         )
         for s, stage in enumerate(self.stages):
             times[s % groups] += stage.time_per_microbatch + dispatch
-        return pipeline_latency(times, self.num_microbatches, self.schedule, self.virtual_stages)
+        return pipeline_latency(times, self.num_microbatches, self.schedule,
+                                self.virtual_stages, self.phase_shares or DEFAULT_PHASE_SHARES)
 
     @property
     def num_device_groups(self) -> int:
@@ -193,9 +204,11 @@ class Plan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the pipeline under its schedule (`autopar.cost.bubble_fraction`)."""
+        """Idle share of the pipeline under its schedule (`autopar.cost.bubble_fraction`,
+        equal stages with the plan's `phase_shares`)."""
         return bubble_fraction(
-            self.num_device_groups, self.num_microbatches, self.schedule, self.virtual_stages
+            self.num_device_groups, self.num_microbatches, self.schedule, self.virtual_stages,
+            self.phase_shares or DEFAULT_PHASE_SHARES,
         )
 
     def split_inputs(self) -> dict[str, tuple[InputInfo, ...]]:
@@ -289,6 +302,8 @@ class Plan:
         }
         if self.scan_ranges:
             data["scan_ranges"] = [list(r) for r in self.scan_ranges]
+        if self.phase_shares:
+            data["phase_shares"] = list(self.phase_shares)
         if timings:
             data["timings"] = self.timings
         return data
@@ -315,6 +330,7 @@ class Plan:
             runtime=d.get("runtime", "spmd"),
             arg_names=tuple(d.get("arg_names", ())),
             scan_ranges=tuple(tuple(r) for r in d.get("scan_ranges", ())),
+            phase_shares=tuple(d.get("phase_shares", ())),
         )
 
     def save(self, path: str | Path, *, timings: bool = False) -> None:

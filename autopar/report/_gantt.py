@@ -24,18 +24,15 @@ from pathlib import Path
 from typing import Literal
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
-from autopar.cost import stage_dispatch_time
+from autopar.cost import DEFAULT_PHASE_SHARES, stage_dispatch_time
+from autopar.cost._schedule import simulate
 from autopar.report._pictures import new_figure
-from autopar.runtime import dependencies, device_orders
 from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
 
 Kind = Literal["forward", "backward", "weight", "apply"]
 
 # The microbatch number of an "apply" task, which updates the weights once per step.
 APPLY_MICROBATCH = -1
-# Share of a stage's training time spent in the forward pass: a training step costs about
-# 3x the forward, the backward 2x (REFERENCES.md, "Transformer arithmetic").
-FORWARD_SHARE = 1.0 / 3.0
 
 KIND_COLORS = {
     "forward": "#4C72B0", "backward": "#DD8452", "weight": "#C44E52", "apply": "#55A868",
@@ -50,12 +47,6 @@ TaskRecord = RuntimeTaskRecord
 # ---- simulation --------------------------------------------------------------------------
 
 
-# Zero bubble splits a stage's backward into the input-gradient pass B and the weight-gradient
-# pass W, taken as equal halves (Qi et al. 2024 model T_B = T_W = T_F; REFERENCES.md
-# "Pipeline schedules").
-WEIGHT_SHARE_OF_BACKWARD = 0.5
-
-
 def simulate_schedule(
     forward_times: Sequence[float],
     backward_times: Sequence[float],
@@ -63,55 +54,36 @@ def simulate_schedule(
     schedule: Schedule = "1f1b",
     apply_times: Sequence[float] | None = None,
     virtual_stages: int = 1,
+    weight_times: Sequence[float] | None = None,
 ) -> list[TaskRecord]:
     """Predicted start and end of every task of one pipelined train step.
 
-    Each device group runs its tasks in the order the pipeline runtime runs them
-    (`autopar.runtime.device_orders`), each as soon as the tasks it reads from
-    (`autopar.runtime.dependencies`) have ended and its devices are free: GPipe, all
-    forwards then all backwards; 1F1B, ``num_stages - i - 1`` warm-up forwards, then one
-    forward and one backward in turn; interleaved 1F1B, stage s on device group s mod p;
-    zero bubble, the backward split into B ("backward") and W ("weight",
-    `WEIGHT_SHARE_OF_BACKWARD` of it). "apply" (the optimizer update) follows the stage's
-    group's last task. Transfers take no time.
+    The cost model's simulation (`autopar.cost._schedule.simulate`, which also gives every
+    schedule's predicted bubble): each device group runs its tasks in the order the
+    pipeline runtime runs them (`autopar.runtime.device_orders`), each as soon as the tasks
+    it reads from (`autopar.runtime.dependencies`) have ended and its devices are free:
+    GPipe, all forwards then all backwards; 1F1B, ``num_stages - i - 1`` warm-up forwards,
+    then one forward and one backward in turn; interleaved 1F1B, stage s on device group
+    s mod p; zero bubble, the backward split into B ("backward") and W ("weight",
+    `weight_times` of it, by default half). "apply" (the optimizer update) follows the
+    stage's group's last task. Transfers take no time.
 
     **Arguments:**
-    - `forward_times`, `backward_times`: seconds per microbatch, one per stage.
+    - `forward_times`, `backward_times`: seconds per microbatch, one per stage (the
+      backward whole, B and W together).
     - `num_microbatches`: microbatches per step.
     - `schedule`: a `Schedule`; `virtual_stages`: stages per device group (interleaved).
     - `apply_times`: seconds of each stage's optimizer update; None for none.
+    - `weight_times`: zero bubble: seconds of each stage's W; None for half its backward.
 
     **Returns:** the tasks, sorted by start time, then stage.
     """
-    num_stages = len(forward_times)
     _check_inputs(forward_times, backward_times, num_microbatches, schedule, apply_times)
-    orders = device_orders(schedule, num_stages, num_microbatches, virtual_stages)
-    num_groups = len(orders)
-    split = WEIGHT_SHARE_OF_BACKWARD if schedule == "zero_bubble" else 0.0
-    seconds = {
-        "forward": list(forward_times),
-        "backward": [t * (1 - split) for t in backward_times],
-        "weight": [t * split for t in backward_times],
-    }
-    end: dict[tuple, float] = {}
-    records: list[TaskRecord] = []
-    group_free = [0.0] * num_groups
-    next_task = [0] * num_groups
-    while any(n < len(order) for n, order in zip(next_task, orders)):
-        progressed = False
-        for g in range(num_groups):
-            while next_task[g] < len(orders[g]):
-                task = orders[g][next_task[g]]
-                kind, i, mb = task
-                deps = dependencies(task, num_stages)
-                if any(d not in end for d in deps):
-                    break
-                start = max([group_free[g]] + [end[d] for d in deps])
-                group_free[g] = end[task] = start + seconds[kind][i]
-                records.append(TaskRecord(i, kind, mb, start, group_free[g]))
-                next_task[g] += 1
-                progressed = True
-        assert progressed, f"{schedule} schedule deadlocked at tasks {next_task}"
+    timed, group_free = simulate(forward_times, backward_times, num_microbatches, schedule,
+                                 virtual_stages, weight=weight_times)
+    records = [TaskRecord(stage, kind, mb, start, end)
+               for (kind, stage, mb), start, end in timed]
+    num_groups = len(group_free)
     for i, t in enumerate(apply_times or ()):
         free = group_free[i % num_groups]
         records.append(TaskRecord(i, "apply", APPLY_MICROBATCH, free, free + t))
@@ -157,20 +129,26 @@ def plan_schedule(plan) -> list[TaskRecord]:
     """The predicted tasks of a pipelined `Plan`, from its stages' predicted costs.
 
     Each stage's predicted cost is its time per microbatch (as `Plan.predicted_step_time`
-    reads it): a `FORWARD_SHARE` of it is the forward, the rest the backward; the update is
-    not modelled separately. Launching the stage's programs (`autopar.cost.
-    stage_dispatch_time`) counts with it, as `Plan.predicted_step_time` adds it.
+    reads it), split into forward, input-gradient and weight-gradient passes by the plan's
+    `phase_shares` (a third each when it has none; B and W run as one backward except
+    under zero bubble); the update is not modelled separately. Launching the stage's
+    programs (`autopar.cost.stage_dispatch_time`) counts with it, as
+    `Plan.predicted_step_time` adds it.
     """
+    shares = plan.phase_shares or DEFAULT_PHASE_SHARES
+    total = sum(shares)
+    forward_share, weight_share = shares[0] / total, shares[2] / total
     dispatch = stage_dispatch_time(
         plan.cluster, plan.num_stages, plan.num_microbatches, plan.schedule
     )
     per_microbatch = [s.time_per_microbatch + dispatch for s in plan.stages]
-    forward = [t * FORWARD_SHARE for t in per_microbatch]
+    forward = [t * forward_share for t in per_microbatch]
     backward = [t - f for t, f in zip(per_microbatch, forward)]
+    weight = [t * weight_share for t in per_microbatch]
     groups = len({tuple(s.sharding.mesh.device_ids) for s in plan.stages})
     return simulate_schedule(
         forward, backward, plan.num_microbatches, plan.schedule,
-        virtual_stages=len(plan.stages) // groups,
+        virtual_stages=len(plan.stages) // groups, weight_times=weight,
     )
 
 

@@ -14,6 +14,13 @@ pinned to the sharding its own program would give it) into one traced function:
 which is the task runtime's arithmetic in the task runtime's order (the first microbatch
 starts the sums, each later one adds to them), so the two agree to rounding.
 
+Layouts: inside each segment the plan's constraints hold (`plan.constrained`, its operand
+specs: the layouts the ILP chose); the values between the forward and backward segments
+are not pinned, since in one program they cross no program edge (pinning them, as the
+task runtime's program edges do, added 8 all-gathers to the 185 of the benchmark's GPT
+step, `benchmarks/fused_layouts.py`); the update segments pin their inputs and results,
+so the new state comes back in the plan's layout for the next step.
+
 In: a `PipelineExecutable` of one stage. Out: `FusedStep`, called with the step's flat
 arguments, returning its flat results as the task runtime does.
 """
@@ -46,20 +53,21 @@ class FusedStep:
         grad_set = set(part.grad_vars)
         overrides = dict(plan.output_overrides)
 
-        def body(seg, **kw):
+        def body(seg, constrain: bool, **kw):
             return segment_body(sub, plan, seg.nodes, seg.inputs, seg.outputs, mesh,
-                                output_specs=overrides, stacked=stacked, constrain=True, **kw)
+                                output_specs=overrides, stacked=stacked, constrain=constrain,
+                                **kw)
 
         self.micro = []  # (segment, first run, later runs adding to the sums, sums)
         for seg in (*part.forward, *part.backward):
             if not seg.nodes:
                 continue
             sums = tuple(v for v in seg.outputs if v in grad_set)
-            first = body(seg)[0]
-            later = body(seg, accumulate=sums)[0] if sums else first
+            first = body(seg, False)[0]
+            later = body(seg, False, accumulate=sums)[0] if sums else first
             self.micro.append((seg, first, later, sums))
         scale = {v: 1.0 / self.num_microbatches for v in part.grad_vars}
-        self.apply = [(seg, body(seg, scale=scale)[0]) for seg in part.apply]
+        self.apply = [(seg, body(seg, True, scale=scale)[0]) for seg in part.apply]
         self.batch_vars = [v for v in graph.invars if v in set(pipeline.batch_vars)]
         self.in_shardings = [
             NamedSharding(mesh, to_partition_spec(

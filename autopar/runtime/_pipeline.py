@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.distributed import copy_to_devices, place, settle_transfers, transfer
 from autopar.graph import OpGraph, Role
-from autopar.inter.passes import Partition, Segment, stacked_layout
+from autopar.inter.passes import Partition, Segment, split_backward, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._fused import FusedStep
 from autopar.runtime._memory import MemoryRecorder, MemorySample
@@ -408,40 +408,6 @@ def _virtual_stages(schedule: str, meshes: Sequence) -> int:
             "virtual_stages (autoparallel or megatron_plan) rather than by hand"
         )
     return len(devices) // groups
-
-
-def split_backward(seg: Segment, graph: OpGraph, grad_set: set) -> tuple[Segment, Segment]:
-    """A backward segment as its input-gradient part B and its weight-gradient part W
-    (zero-bubble schedules, Qi et al. 2024).
-
-    B: the nodes the segment's outputs other than accumulated gradients need (the
-    gradients handed to the previous stage); W: the rest, which only the accumulated
-    (weight) gradients need. Values B makes and W reads become B's outputs and W's inputs.
-    """
-    node_set = set(seg.nodes)
-    made_by = {v: n for n in seg.nodes for v in graph.nodes[n].outputs}
-    needed = {v for v in seg.outputs if v not in grad_set}
-    in_b = set()
-    for n in reversed(seg.nodes):
-        if any(v in needed for v in graph.nodes[n].outputs):
-            in_b.add(n)
-            needed.update(graph.nodes[n].inputs)
-    w_nodes = tuple(n for n in seg.nodes if n not in in_b)
-    w_reads = {v for n in w_nodes for v in graph.nodes[n].inputs}
-    handed = tuple(sorted(v for v in w_reads if made_by.get(v) in in_b))
-    b = Segment(
-        seg.stage, seg.phase, tuple(n for n in seg.nodes if n in in_b),
-        tuple(v for v in seg.inputs if v in needed),
-        tuple(dict.fromkeys(
-            (*(v for v in seg.outputs if made_by.get(v) not in node_set - in_b), *handed)
-        )),
-    )
-    w = Segment(
-        seg.stage, seg.phase, w_nodes,
-        tuple(v for v in seg.inputs if v in w_reads) + handed,
-        tuple(v for v in seg.outputs if made_by.get(v) in node_set - in_b),
-    )
-    return b, w
 
 
 def overlap_fraction(timeline: Sequence[TaskRecord]) -> float:

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 
 from autopar.choices import Schedule
-from autopar.cost import pipeline_latency
+from autopar.cost import DEFAULT_PHASE_SHARES, pipeline_latency
 from autopar.graph import OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
     PipelineChoice,
@@ -39,7 +39,7 @@ from autopar.inter import (
     plan_chosen_stages,
     scan_layers,
 )
-from autopar.inter.passes import per_iteration
+from autopar.inter.passes import per_iteration, phase_times
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size, microbatch_args
@@ -290,10 +290,10 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             )
         for name, value in choice.timings.items():  # the search's parts, summed over counts
             timings[name] = timings.get(name, 0) + value
-        schedule, latency = _schedule_for(choice, num_micro, options)
+        schedule, latency = _schedule_for(choice, num_micro, options, cluster)
         log.info("%d microbatch(es): %d stage(s), predicted %.4g s%s",
                  num_micro, len(choice.stage_layers), latency,
-                 _stitch_note(choice, num_micro, options, latency))
+                 _stitch_note(choice, num_micro, options, cluster, latency))
         candidates.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
         if options.schedule == "auto" and scan_length is None:
             start = time.perf_counter()
@@ -327,32 +327,53 @@ def _stage_times(choice: PipelineChoice) -> list[float]:
             zip(choice.stage_plans, choice.stage_recompute, transfer, dispatch)]
 
 
-def _stitch_note(choice: PipelineChoice, num_micro: int, options, latency: float) -> str:
+def _stitch_note(choice: PipelineChoice, num_micro: int, options, cluster,
+                 latency: float) -> str:
     """Where the plan's predicted time differs from the stage DP's: says by how much."""
-    _, dp_latency = _schedule_for(choice, num_micro, options, [c.latency for c in
-                                                               choice.dp.stage_costs])
+    _, dp_latency = _schedule_for(choice, num_micro, options, cluster,
+                                  [c.latency for c in choice.dp.stage_costs])
     if abs(latency - dp_latency) <= 1e-9 * max(latency, 1e-30):
         return ""
     return (f" (the stage DP's sum of layer costs {dp_latency:.4g} s; joining the layers' "
             f"plans and the stage boundaries {latency - dp_latency:+.4g} s)")
 
 
-def _schedule_for(choice: PipelineChoice, num_micro: int, options,
+def _schedule_for(choice: PipelineChoice, num_micro: int, options, cluster,
                   times: list[float] | None = None) -> tuple[Schedule, float]:
     """The schedule the plan runs and its predicted step time (`pipeline_latency` of the
-    stages' `times`, by default `_stage_times`: what `Plan.predicted_step_time` computes):
+    stages' `times`, by default `_stage_times`, with the stages' split into forward,
+    input-gradient and weight-gradient passes, `phase_shares`: what
+    `Plan.predicted_step_time` computes):
     the option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations
     in flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B);
     "auto" weighs interleaving too, as candidates of their own (`_interleaved_candidates`)."""
     times = _stage_times(choice) if times is None else times
+    shares = phase_shares(choice, cluster)
     if options.schedule == "interleaved_1f1b":
         v = options.virtual_stages
         groups = len(times) // v
         per_group = [sum(times[g::groups]) for g in range(groups)]
-        return "interleaved_1f1b", pipeline_latency(per_group, num_micro, "interleaved_1f1b", v)
+        return "interleaved_1f1b", pipeline_latency(per_group, num_micro, "interleaved_1f1b",
+                                                    v, shares)
     names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
-    latency, name = min((pipeline_latency(times, num_micro, n), n) for n in reversed(names))
+    predicted = [(pipeline_latency(times, num_micro, n, phase_shares=shares), n)
+                 for n in reversed(names)]
+    if len(predicted) > 1 and len(times) > 1:
+        log.info("%d microbatch(es), %d stage(s): %s predicted (F/B/W shares %s)", num_micro,
+                 len(times), ", ".join(f"{n} {t:.4g} s" for t, n in predicted), shares)
+    latency, name = min(predicted)
     return name, latency
+
+
+def phase_shares(choice: PipelineChoice, cluster) -> tuple[float, float, float]:
+    """The chosen stages' forward, input-gradient and weight-gradient shares of their
+    time (`phase_times`, the cost model's roofline per node), rounded to 6 digits so that
+    plans save the same on every machine; a third each when the graph times nothing."""
+    times = phase_times(choice.partition, cluster)
+    total = sum(times)
+    if total <= 0:
+        return DEFAULT_PHASE_SHARES
+    return tuple(round(t / total, 6) for t in times)
 
 
 AUTO_VIRTUAL_STAGES = (2, 4)
@@ -391,7 +412,7 @@ def _interleaved_candidates(mb_graph, layers, cluster, num_micro, options,
             log.info("%d microbatch(es), interleaved v=%d: no plan (%s)", num_micro, v,
                      str(err).split(";")[0])
             continue
-        schedule, latency = _schedule_for(choice, num_micro, chosen)
+        schedule, latency = _schedule_for(choice, num_micro, chosen, cluster)
         log.info("%d microbatch(es), interleaved v=%d: predicted %.4g s", num_micro, v, latency)
         found.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
     return found
@@ -448,7 +469,8 @@ def _pick_regrouped(candidates, fn, args, cluster, options, scan_length):
     regrouped = []
     for candidate in candidates:
         again, ranges = _regroup(candidate, fn, args, cluster, options, scan_length)
-        schedule, latency = _schedule_for(again.choice, again.num_microbatches, options)
+        schedule, latency = _schedule_for(again.choice, again.num_microbatches, options,
+                                          cluster)
         again = dataclasses.replace(again, schedule=schedule, latency=latency)
         log.info("%d microbatch(es), the stack cut back into scans: predicted %.4g s",
                  again.num_microbatches, latency)
@@ -498,4 +520,5 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
         runtime="pipeline",
         arg_names=best.graph.arg_names,
         scan_ranges=tuple(scan_ranges),
+        phase_shares=phase_shares(choice, cluster),
     )

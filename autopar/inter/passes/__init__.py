@@ -7,7 +7,8 @@
 - `scan_layers` (`_scan_layers`): layers from the iterations of a scan over stacked
   layers, the scan run as one sub-scan per range of iterations;
 - `partition` (`_partition`): the step cut into per-stage forward, backward and update
-  segments for given layer ranges;
+  segments for given layer ranges; `split_backward` a backward segment into its
+  input-gradient and weight-gradient parts (zero bubble), `phase_times` their FLOPs;
 - `deferrable_gradients` and friends (`_deferred`): weight gradients kept as unreduced
   per-device partial sums over the microbatches and reduced once per step;
 - `recompute` / `with_remat` (`_remat`): what a layer's remat choice drops and reruns, and
@@ -31,7 +32,13 @@ from autopar.inter.passes._layers import (
     ancestors,
     assign_layers,
 )
-from autopar.inter.passes._partition import Partition, Segment, partition
+from autopar.inter.passes._partition import (
+    Partition,
+    Segment,
+    partition,
+    phase_times,
+    split_backward,
+)
 from autopar.inter.passes._remat import (
     NO_RECOMPUTE,
     Recompute,
@@ -65,7 +72,9 @@ __all__ = [
     "operand_spec",
     "partition",
     "per_iteration",
+    "phase_times",
     "scan_layers",
+    "split_backward",
     "stacked_layout",
     "step_weights",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from autopar.cost import MATMUL_PRIMITIVES, compute_time
 from autopar.graph import Node, OpGraph, Role
 from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
 from autopar.inter.passes._layers import LayerAssignment, accumulated_values
@@ -309,3 +310,69 @@ def _homes(graph: OpGraph, node_stage, alias) -> dict[int, int]:
     for v in graph.invars:
         home.setdefault(v, 0)
     return home
+
+
+def split_backward(seg: Segment, graph: OpGraph, grad_set: set) -> tuple[Segment, Segment]:
+    """A backward segment as its input-gradient part B and its weight-gradient part W
+    (zero-bubble schedules, Qi et al. 2024).
+
+    B: the nodes the segment's outputs other than accumulated gradients need (the
+    gradients handed to the previous stage); W: the rest, which only the accumulated
+    (weight) gradients need. Values B makes and W reads become B's outputs and W's inputs.
+    """
+    node_set = set(seg.nodes)
+    made_by = {v: n for n in seg.nodes for v in graph.nodes[n].outputs}
+    needed = {v for v in seg.outputs if v not in grad_set}
+    in_b = set()
+    for n in reversed(seg.nodes):
+        if any(v in needed for v in graph.nodes[n].outputs):
+            in_b.add(n)
+            needed.update(graph.nodes[n].inputs)
+    w_nodes = tuple(n for n in seg.nodes if n not in in_b)
+    w_reads = {v for n in w_nodes for v in graph.nodes[n].inputs}
+    handed = tuple(sorted(v for v in w_reads if made_by.get(v) in in_b))
+    b = Segment(
+        seg.stage, seg.phase, tuple(n for n in seg.nodes if n in in_b),
+        tuple(v for v in seg.inputs if v in needed),
+        tuple(dict.fromkeys(
+            (*(v for v in seg.outputs if made_by.get(v) not in node_set - in_b), *handed)
+        )),
+    )
+    w = Segment(
+        seg.stage, seg.phase, w_nodes,
+        tuple(v for v in seg.inputs if v in w_reads) + handed,
+        tuple(v for v in seg.outputs if made_by.get(v) in node_set - in_b),
+    )
+    return b, w
+
+
+def phase_times(part: Partition, cluster) -> tuple[float, float, float]:
+    """Seconds of one microbatch's forward, input-gradient (B) and weight-gradient (W)
+    passes over every stage, each node timed alone on one device by the cost model's
+    roofline (`autopar.cost.compute_time`), each stage's backward split as the zero-bubble
+    runtime splits it (`split_backward`). Their ratios are what the cost model's schedule
+    simulation takes as the shares of a stage's time (`autopar.cost.pipeline_latency`);
+    Qi et al. 2024 likewise time F, B and W apart. For a matmul, B and W each cost a
+    forward; elementwise and normalisation backwards fall in B, so B outweighs W where
+    they matter (small layers, CPU).
+    """
+    grad_set = set(part.grad_vars)
+
+    def seconds(graph: OpGraph, nodes) -> float:
+        total = 0.0
+        for n in nodes:
+            node = graph.nodes[n]
+            dtype = graph.vars[node.outputs[0]].dtype if node.outputs else "float32"
+            total += compute_time(node.flops, node.bytes_read + node.bytes_written, cluster,
+                                  dtype, matmul=node.primitive in MATMUL_PRIMITIVES)
+        return total
+
+    forward = input_grad = weight_grad = 0.0
+    for seg in part.forward:
+        forward += seconds(part.stage_graphs[seg.stage], seg.nodes)
+    for seg in part.backward:
+        graph = part.stage_graphs[seg.stage]
+        b, w = split_backward(seg, graph, grad_set)
+        input_grad += seconds(graph, b.nodes)
+        weight_grad += seconds(graph, w.nodes)
+    return forward, input_grad, weight_grad

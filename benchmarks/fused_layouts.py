@@ -1,0 +1,153 @@
+"""Where a one-stage plan's step loses time to the hand-written `jax.jit`: its layouts.
+
+The one-stage plan of `runtime_overhead.py` (GPT tiny, mesh (2, 4), AdamW) run as one
+program (`autopar.runtime._fused.FusedStep`) built three ways, against a hand-written
+`jax.jit` with the plan's input shardings, in interleaved rounds (medians of wall and
+process seconds per step), with the collectives of each compiled program (and, with
+`--microbatches` > 1, how many run inside the accumulation loop):
+
+- "runtime": as the runtime builds it (the plan's constraints inside each segment, the
+  update's inputs and results pinned, nothing between the forward and backward segments);
+- "segment edges pinned": also every segment's inputs and results pinned (the runtime
+  before this change, as if each segment were its own program);
+- "input shardings only": no constraint inside at all (XLA propagates from the inputs, as
+  in the hand-written `jax.jit`): what is left once the plan's own layouts are dropped.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+        python benchmarks/fused_layouts.py [--rounds 5 --steps 10 --microbatches 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from runtime_overhead import BATCH, CONFIG  # noqa: E402
+
+import autopar  # noqa: E402
+import autopar.lower._spmd as spmd  # noqa: E402
+import autopar.runtime._fused as fused_module  # noqa: E402
+from autopar.lower._hlo import _LINE  # noqa: E402
+from examples import gpt  # noqa: E402
+
+
+def collectives(hlo: str) -> Counter:
+    """(where, op) -> count, where is "loop" for computations a while loop runs (its body
+    and what that calls), else "step"."""
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            bodies[name] = []
+        elif name:
+            bodies[name].append(line)
+    calls = {
+        n: set(re.findall(r"(?:body|condition|calls|to_apply)=\{?%?([\w.\-]+)", "\n".join(b)))
+        for n, b in bodies.items()
+    }
+    stack = [r for b in bodies.values() for line in b if " while(" in line
+             for r in re.findall(r"body=%?([\w.\-]+)", line)]
+    loop: set[str] = set()
+    while stack:
+        c = stack.pop()
+        if c not in loop and c in bodies:
+            loop.add(c)
+            stack += calls.get(c, ())
+    found: Counter = Counter()
+    for n, body in bodies.items():
+        for line in body:
+            m = _LINE.search(line)
+            if m:
+                found[("loop" if n in loop else "step", m.group("op"))] += 1
+    return found
+
+
+def build(pipeline, variant: str):
+    """A `FusedStep` of `pipeline` with the layouts of `variant`."""
+    segment_body, hooks = fused_module.segment_body, spmd.constraint_hooks
+    try:
+        if variant != "runtime":
+            pin = variant == "segment edges pinned"
+            fused_module.segment_body = (
+                lambda *a, **k: segment_body(*a, **{**k, "constrain": pin})
+            )
+        if variant == "input shardings only":
+            spmd.constraint_hooks = lambda plan, mesh: (lambda n, x: x, lambda n, x: x)
+        return fused_module.FusedStep(pipeline)
+    finally:
+        fused_module.segment_body, spmd.constraint_hooks = segment_body, hooks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--microbatches", type=int, default=1)
+    args = parser.parse_args()
+    optimizer = optax.adamw(1e-3)
+    step = gpt.make_train_step(CONFIG, optimizer)
+    state = gpt.init_state(CONFIG, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(CONFIG, BATCH, jax.random.key(1))
+    par = autopar.autoparallel(step, donate_argnums=(), num_stages=1,
+                               num_microbatches=args.microbatches)
+    par(state, batch)
+    in_sh = par.shardings()
+    placed = jax.device_put((state, batch), in_sh)
+    flat = jax.tree.leaves(placed)
+    runs = {v: build(par.pipeline, v) for v in
+            ("runtime", "segment edges pinned", "input shardings only")}
+    hand = jax.jit(step, in_shardings=in_sh)
+    counts = {v: collectives(f.fn.lower(*flat).compile().as_text()) for v, f in runs.items()}
+    counts["hand-written jax.jit"] = collectives(hand.lower(*placed).compile().as_text())
+    fns = {v: (lambda f=f: f(flat)) for v, f in runs.items()}
+    fns["hand-written jax.jit"] = lambda: hand(*placed)
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list] = {v: [] for v in fns}
+    for _ in range(args.rounds):
+        for v, fn in fns.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(args.steps):
+                jax.block_until_ready(fn())
+            times[v].append(((time.perf_counter() - wall) / args.steps,
+                             (time.process_time() - cpu) / args.steps))
+    jit_wall = statistics.median(w for w, _ in times["hand-written jax.jit"])
+    jit_cpu = statistics.median(c for _, c in times["hand-written jax.jit"])
+    print(f"mesh {par.plan.stages[0].sharding.mesh.shape}, {args.microbatches} microbatch(es), "
+          f"medians of {args.rounds} interleaved rounds of {args.steps} steps")
+    print("| program | wall ms | process ms | wall / jit | process / jit | all-gather | "
+          "all-reduce | all-to-all | permute | in the loop (all) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for v in fns:
+        wall = statistics.median(w for w, _ in times[v])
+        cpu = statistics.median(c for _, c in times[v])
+        c = counts[v]
+
+        def total(op, c=c):
+            return c[("step", op)] + c[("loop", op)]
+
+        in_loop = sum(n for (where, _), n in c.items() if where == "loop")
+        print(f"| {v} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {wall / jit_wall:.3f} | "
+              f"{cpu / jit_cpu:.3f} | {total('all-gather')} | {total('all-reduce')} | "
+              f"{total('all-to-all')} | {total('collective-permute')} | {in_loop} |")
+
+
+if __name__ == "__main__":
+    main()
