@@ -135,6 +135,23 @@ def test_selective_drops_exactly_the_attention_scores():
     )
 
 
+def test_selective_leaves_a_score_shaped_value_the_layer_does_not_make():
+    """A kept value shaped like the scores but made outside the layer's forward (a causal
+    mask made once and read by every layer) is not dropped; it used to raise KeyError
+    (llama-70B's Megatron grid)."""
+    _, _, _, graph = _gpt_graph()
+    layers = assign_layers(graph)
+    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
+    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
+    kept = set(fwd.outputs) & set(bwd.inputs)
+    core = attention_core(sub, fwd.nodes, kept)
+    made_elsewhere = min(core)
+    forward = [n for n in fwd.nodes if made_elsewhere not in sub.nodes[n].outputs]
+    rerun = recompute(sub, forward, kept, "selective")
+    assert made_elsewhere not in rerun.dropped
+    assert rerun.dropped == core - {made_elsewhere}
+
+
 # ---- lowering ----------------------------------------------------------------------------
 
 

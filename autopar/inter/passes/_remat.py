@@ -170,7 +170,9 @@ def recompute(
         dropped = {v for v in kept if v in producer}
         nodes = list(forward)
     else:
-        dropped = attention_core(graph, forward, kept)
+        # Only what this layer makes: a score-shaped value it reads from elsewhere (a
+        # mask made once for every layer) is not its to drop.
+        dropped = {v for v in attention_core(graph, forward, kept) if v in producer}
         scans = [n for n in forward if graph.nodes[n].primitive == "scan"
                  and set(graph.nodes[n].outputs) & dropped]
         if scans:
