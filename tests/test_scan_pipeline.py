@@ -225,6 +225,37 @@ def test_even_shares_and_ranges():
         check_ranges(((0, 4), (5, 8)), 8)
 
 
+def test_a_cut_mixing_piece_lengths_is_redone_with_one_length(monkeypatch):
+    """The DP allows each stage's share of the stack on its own, so it may mix lengths
+    (llama-70B on 32 H100s: 10/10/20/20/20 of 80 iterations); the search re-runs it with
+    each of those lengths as the only share and keeps the fastest that plans."""
+    from autopar.search import _pipeline
+
+    assert _even_shares(80, 8, share=20)(1, 21) and not _even_shares(80, 8, share=20)(1, 11)
+    mixed = SimpleNamespace(stage_layers=((0, 11), (11, 21), (21, 41), (41, 61), (61, 82)))
+    assert _pipeline._piece_lengths(mixed, 80) == {10, 20}
+    tens = SimpleNamespace(stage_layers=tuple((a, a + 10) for a in range(1, 81, 10)),
+                           name="tens")
+    twenties = SimpleNamespace(stage_layers=tuple((a, a + 20) for a in range(1, 81, 20)),
+                               name="twenties")
+    latency = {"tens": 2.0, "twenties": 3.0}
+    monkeypatch.setattr(_pipeline, "_schedule_for",
+                        lambda choice, *a, **k: ("1f1b", latency[choice.name]))
+    asked = []
+
+    def rerun(*, allowed):
+        share = 10 if allowed(1, 11) else 20
+        asked.append(share)
+        return tens if share == 10 else twenties
+
+    options = SimpleNamespace(num_stages=None)
+    cluster = SimpleNamespace(num_devices=32)
+    assert _pipeline._one_share(mixed, 80, options, cluster, 4, rerun) is tens
+    assert asked == [10, 20]
+    latency["tens"] = 4.0
+    assert _pipeline._one_share(mixed, 80, options, cluster, 4, rerun) is twenties
+
+
 def test_pieces_of_different_lengths_are_refused_with_the_fix():
     # Should the DP mix shares (2 + 4 of 6 layers), the search says what to pass instead.
     choice = SimpleNamespace(stage_layers=((0, 3), (3, 8)), logical_shapes=((2, 2), (2, 2)))

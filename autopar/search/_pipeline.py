@@ -21,6 +21,7 @@ updates its slice ``w[a:b]`` of every stacked leaf; the plan records the ranges
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -139,18 +140,58 @@ def _trace_microbatch(fn, args, options: PlanOptions, num_microbatches, num_auto
         return trace(fn, *mb_args, batch_argnums=options.batch_argnums)
 
 
-def _even_shares(length: int, max_stages: int):
+def _even_shares(length: int, max_stages: int, share: int | None = None):
     """`allowed(start, end)` for the DP over a stack of `length` iterations traced one
     layer per iteration (layer 0 before the stack, layer `length` + 1 after it): a stage
-    holds none of the stack, or `length` / d iterations for a d that divides `length`.
-    (A leaf held in pieces is handed back as one array sharded over the stages, which
-    needs pieces of one length; `_regroup` checks that the chosen ones are.)"""
+    holds none of the stack, or `length` / d iterations for a d that divides `length`
+    (only `share` iterations when given). (A leaf held in pieces is handed back as one
+    array sharded over the stages, which needs pieces of one length; `_regroup` checks
+    that the chosen ones are, and `_one_share` re-runs a DP that mixed shares.)"""
     shares = {0} | {length // d for d in range(1, max_stages + 1) if length % d == 0}
+    if share is not None:
+        shares = {0, share} & shares
 
     def allowed(start: int, end: int) -> bool:
         return max(0, min(end, length + 1) - max(start, 1)) in shares
 
     return allowed
+
+
+def _piece_lengths(choice, length: int) -> set[int]:
+    """The lengths of the pieces of the stack the chosen stages hold (see `_regroup`)."""
+    found = set()
+    for start, end in choice.stage_layers:
+        a, b = max(start, 1) - 1, min(end, length + 1) - 1
+        if b > a:
+            found.add(b - a)
+    return found
+
+
+def _one_share(choice, length: int, options, cluster, num_micro: int, rerun):
+    """A stage DP choice whose pieces of the stack have one length, for a `choice` that
+    mixed lengths (each stage's share is allowed on its own, and the DP cannot see that
+    they must agree): the DP again with each of the mixed lengths as the only share,
+    `rerun(allowed)`, the fastest of those that find a plan (the layer costs are in the
+    table already, so each rerun is the DP alone). Not the best of every one-length
+    cut, only of the lengths the unrestricted DP chose."""
+    mixed = sorted(_piece_lengths(choice, length))
+    max_stages = options.num_stages or cluster.num_devices
+    found, last_error = [], None
+    for share in mixed:
+        try:
+            again = rerun(allowed=_even_shares(length, max_stages, share))
+        except ValueError as err:
+            last_error = err
+            continue
+        latency = _schedule_for(again, num_micro, options, cluster)[1]
+        log.info("%d microbatch(es): the stack in pieces of %d iteration(s): %d stage(s), "
+                 "predicted %.4g s", num_micro, share, len(again.stage_layers), latency)
+        found.append((latency, share, again))
+    if not found:
+        raise last_error or ValueError("no stage DP choice holds the stack in equal pieces")
+    log.info("%d microbatch(es): the stage DP cut the stack into pieces of %s iterations; "
+             "kept the fastest cut into equal pieces", num_micro, "/".join(map(str, mixed)))
+    return min(found, key=lambda f: (f[0], f[1]))[2]
 
 
 def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
@@ -272,14 +313,18 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             layers = assign_layers(mb_graph)
             if scan_length is not None and layers.num_layers != scan_length + 2:
                 raise _NotALayerStack()
-            choice = choose_stages(
-                mb_graph, layers, dp_cluster, num_micro, dp_schedule,
+            stage_dp = functools.partial(
+                choose_stages, mb_graph, layers, dp_cluster, num_micro, dp_schedule,
                 single, tied_state(mb_graph, options.donate_argnums),
                 num_stages=num_stages, submeshes=submeshes,
-                logical_shapes=options.logical_shapes, allowed=allowed, remat=remat,
+                logical_shapes=options.logical_shapes, remat=remat,
             )
+            choice = stage_dp(allowed=allowed)
             if interleaved:
                 choice = _fold(choice, options.num_stages, cluster.num_devices)
+            if scan_length is not None and len(_piece_lengths(choice, scan_length)) > 1:
+                choice = _one_share(choice, scan_length, options, cluster, num_micro,
+                                    stage_dp)
         except ValueError as err:
             last_error = err
             log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
