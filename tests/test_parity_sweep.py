@@ -104,6 +104,6 @@ def _sample_params():
 def test_sample_matches_one_device(seed, references):
     config = _draw(seed)
     if config.model not in references:
-        references[config.model] = sweep.one_device(config.model)
+        references[config.model] = sweep.reference_for(config.model, None)
     result = sweep.run_config(config, reference=references[config.model])
     assert len(result["losses"]) == sweep.NUM_STEPS
