@@ -33,6 +33,7 @@ their model (computed once per sweep, in the folder passed to the workers).
     python benchmarks/parity_sweep.py --num 20 --first 100
     python benchmarks/parity_sweep.py --only 17,23     # rerun these, merged into the results
     python benchmarks/parity_sweep.py --only 17 --show # print it, run nothing
+    python benchmarks/parity_sweep.py --merge /elsewhere/benchmarks/results/parity_sweep.json
 
 Results merge by seed into `benchmarks/results/parity_sweep.json` (a seed run again replaces
 its earlier result; each result names the commit it ran on, "+dirty" when autopar/,
@@ -650,14 +651,35 @@ def load_results() -> dict:
     return {r["seed"]: r for r in json.loads(RESULTS.read_text())["results"]}
 
 
+def _write(merged: dict, remat_drawn: bool) -> None:
+    import platform
+
+    every = sorted(merged.values(), key=lambda r: r["seed"])
+    summary = {"remat_drawn": remat_drawn,
+               "host": f"{os.cpu_count()} CPU cores ({platform.machine()})",
+               "passed": sum(r["status"] == "pass" for r in every), "results": every}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    write_docs(markdown(summary))
+
+
+def merge(paths: list[str]) -> None:
+    """Merge the results files `paths` into `RESULTS` by seed (later files win)."""
+    merged = load_results()
+    remat_drawn = bool(remat_options())
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        merged.update({r["seed"]: r for r in data["results"]})
+        remat_drawn = remat_drawn and data.get("remat_drawn", False)
+    _write(merged, remat_drawn)
+
+
 def sweep(seeds: list[int], write: bool, timeout: float = TIMEOUT_SECONDS,
           per_worker: int = CONFIGS_PER_WORKER) -> list[dict]:
     """Run `seeds` (`run_seeds`); with `write`, merge each result into the JSON file (a
     seed run again replaces its earlier result; every result names the code state it ran
     on) and rewrite the docs section from all of it, after every configuration (an
     interrupted sweep keeps what it ran)."""
-    import platform
-
     start = time.time()
     results = []
     remat_drawn = bool(remat_options())
@@ -677,14 +699,7 @@ def sweep(seeds: list[int], write: bool, timeout: float = TIMEOUT_SECONDS,
                                             else f"\n    {result['error'][:500]}"), flush=True)
             if write:
                 merged[result["seed"]] = result
-                every = sorted(merged.values(), key=lambda r: r["seed"])
-                summary = {"remat_drawn": remat_drawn,
-                           "host": f"{os.cpu_count()} CPU cores ({platform.machine()})",
-                           "passed": sum(r["status"] == "pass" for r in every),
-                           "results": every}
-                RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                RESULTS.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
-                write_docs(markdown(summary))
+                _write(merged, remat_drawn)
     finally:
         shutil.rmtree(reference_cache, ignore_errors=True)
     passed = sum(r["status"] == "pass" for r in results)
@@ -708,6 +723,10 @@ def main() -> None:
                              "fresh process for each)")
     parser.add_argument("--summarize", action="store_true",
                         help="rewrite the docs section from the JSON results, run nothing")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="merge these results files (of sweeps run elsewhere, e.g. "
+                             "chunks in parallel checkouts) into the results by seed, later "
+                             "files winning, and rewrite the docs section; run nothing")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--reference-cache", default=None, help=argparse.SUPPRESS)
@@ -721,6 +740,8 @@ def main() -> None:
                      args.reference_cache)
     if args.summarize:
         return write_docs(markdown(json.loads(RESULTS.read_text())))
+    if args.merge:
+        return merge(args.merge)
     seeds = ([int(s) for s in args.only.split(",")] if args.only is not None
              else list(range(args.first, args.first + args.num)))
     if args.show:
