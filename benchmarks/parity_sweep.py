@@ -571,13 +571,14 @@ def markdown(summary: dict) -> str:
     ]
     by_code: dict[str, list[dict]] = collections.defaultdict(list)
     for r in results:
-        by_code[r.get("code", "unknown")].append(r)
+        by_code[r.get("code", UNRECORDED)].append(r)
     lines += ["| code state (commit) | seeds | pass | wall s | CPU s |", "|---|---|---|---|---|"]
     for code, rows in by_code.items():
-        cpu = sum(r.get("cpu_seconds", float("nan")) for r in rows)
+        cpu = (f"{sum(r['cpu_seconds'] for r in rows):.0f}"
+               if all("cpu_seconds" in r for r in rows) else "not recorded")
         lines.append(f"| {code} | {_ranges([r['seed'] for r in rows])} | "
                      f"{sum(r['status'] == 'pass' for r in rows)}/{len(rows)} | "
-                     f"{sum(r['seconds'] for r in rows):.0f} | {cpu:.0f} |")
+                     f"{sum(r['seconds'] for r in rows):.0f} | {cpu} |")
     lines += ["", f"Times on {summary['host']}, shared with other jobs (upper bounds).", "",
               "| dimension | value | pass | fail |", "|---|---|---|---|"]
     for dim, cells in counts(results).items():
@@ -591,7 +592,7 @@ def markdown(summary: dict) -> str:
         lines_of_error = [line.strip() for line in r["error"].splitlines() if line.strip()]
         error = " ".join(lines_of_error[:5])[:300].replace("`", "'")
         lines.append(f"- seed {r['seed']} ({config.describe()}), {failure_kind(r)} on "
-                     f"{r.get('code', 'unknown')}: `{error}` — rerun: "
+                     f"{r.get('code', UNRECORDED)}: `{error}` — rerun: "
                      f"`{rerun_command(r['seed'])}`"
                      + (" (add `--timeout 1200` on a busy machine)"
                         if failure_kind(r) == "timeout" else ""))
@@ -616,6 +617,9 @@ WHY_THE_ALLOWANCE = (
     "over the MoE model's leaves 2.8e-6). Twice that measured amount per leaf is what a "
     "parallel run may differ by (`reference_sensitivity` in the script); losses get no "
     "allowance.")
+
+
+UNRECORDED = "not recorded (a run before results named their code)"
 
 
 def _ranges(seeds: list[int]) -> str:
