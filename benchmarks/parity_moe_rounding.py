@@ -9,7 +9,7 @@ reference's gradients; then prints, for each parameter element past rtol/atol 1e
 gradient per step and the difference per step; recomputes the top-2 dispatch of both MoE
 layers from each run's parameters before every step (identical or not, the largest gate
 difference, the closest top-3 gate gap); and the one-device run's own change when every
-initial parameter moves by one float32 rounding step (`parity_sweep.one_device(perturb=True)`).
+initial parameter moves by one float32 rounding step (`parity_sweep.one_device_pair`).
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ def main(seed: int) -> None:
             print(f"step {t + 1}, MoE layer {layer}: dispatch identical "
                   f"{np.array_equal(da, db)}, largest gate difference "
                   f"{np.abs(ga - gb).max():.2e}, closest top-3 gates {gap:.2e} apart")
-    reference = ps.one_device("moe")
-    perturbed = ps.one_device("moe", perturb=True)
+    reference, perturbed = ps.one_device_pair("moe")
     sensitivity = ps.reference_sensitivity(reference, perturbed)
     print(f"one-device run, initial parameters moved by one rounding step: per-leaf largest "
           f"change max {max(sensitivity):.2g}, median {float(np.median(sensitivity)):.2g}")

@@ -219,25 +219,31 @@ def train(step, state, batch) -> tuple[list[float], list]:
 
 
 def one_device(model: str, perturb: bool = False) -> tuple[list[float], list]:
-    """The one-device losses and final parameters of `model`. With `perturb`, every
-    initial parameter is first moved by one float32 rounding step (x · (1 ± 2⁻²³), the sign
-    drawn per element): `reference_sensitivity` measures how far that moves the result."""
+    """The one-device losses and final parameters of `model`; with `perturb`, of the run
+    whose initial parameters moved by one rounding step (`one_device_pair`)."""
+    return one_device_pair(model)[1 if perturb else 0]
+
+
+def one_device_pair(model: str):
+    """The one-device (losses, final parameters) of `model`, and the same of a second run
+    whose every initial parameter first moved by one float32 rounding step (x · (1 ± 2⁻²³),
+    the sign drawn per element): `reference_sensitivity` measures how far that moves the
+    result. Both runs share one compiled step."""
     import jax
     import numpy as np
 
     step, state, batch = build(model)
-    if perturb:
-        rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0)
 
-        def nudge(x):
-            x = np.asarray(x)
-            sign = rng.choice(np.asarray([-1, 1], x.dtype), size=x.shape)
-            return (x * (1 + sign * np.asarray(2.0**-23, x.dtype))).astype(x.dtype)
+    def nudge(x):
+        x = np.asarray(x)
+        sign = rng.choice(np.asarray([-1, 1], x.dtype), size=x.shape)
+        return (x * (1 + sign * np.asarray(2.0**-23, x.dtype))).astype(x.dtype)
 
-        state = state._replace(params=jax.tree.map(nudge, state.params))
+    perturbed = state._replace(params=jax.tree.map(nudge, state.params))
     device = jax.local_devices()[0]
-    state, batch = jax.device_put((state, batch), device)
-    return train(jax.jit(step), state, batch)
+    jitted = jax.jit(step)
+    return tuple(train(jitted, *jax.device_put((s, batch), device)) for s in (state, perturbed))
 
 
 def reference_sensitivity(reference: tuple[list[float], list],
@@ -285,12 +291,13 @@ def reference_for(model: str, cache: str | None):
     import numpy as np
 
     if cache is None:
-        reference = one_device(model)
-        return reference, reference_sensitivity(reference, one_device(model, perturb=True))
+        reference, perturbed = one_device_pair(model)
+        return reference, reference_sensitivity(reference, perturbed)
     path = Path(cache) / f"{model}.npz"
     if not path.exists():
-        losses, params = reference = one_device(model)
-        sensitivity = reference_sensitivity(reference, one_device(model, perturb=True))
+        reference, perturbed = one_device_pair(model)
+        losses, params = reference
+        sensitivity = reference_sensitivity(reference, perturbed)
         partial = path.with_suffix(".part.npz")  # a worker killed while writing leaves no file
         np.savez(partial, losses=np.asarray(losses), sensitivity=np.asarray(sensitivity),
                  **{f"p{i}": p for i, p in enumerate(params)})
