@@ -467,9 +467,24 @@ def child_env() -> dict:
     return env
 
 
-def _failure(seed: int, error: str, tail: str, seconds: float) -> dict:
+def _failure(seed: int, error: str, tail: str, seconds: float, cpu: float) -> dict:
     return {"seed": seed, "config": dataclasses.asdict(config_for(seed)), "code": CODE_STATE,
-            "status": "fail", "error": error, "traceback": tail, "seconds": round(seconds, 1)}
+            "status": "fail", "error": error, "traceback": tail, "seconds": round(seconds, 1),
+            "cpu_seconds": round(cpu, 1)}
+
+
+def _group_cpu(group: int) -> float:
+    """CPU seconds of the live processes of process group `group` and of the children they
+    have reaped (Linux /proc; 0 elsewhere): what a worker and its `autopar launch` used."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # pgrp; then utime, stime, cutime, cstime
+            total += sum(int(x) for x in fields[11:15])
+    return total / tick
 
 
 def run_seeds(seeds: list[int], timeout: float = TIMEOUT_SECONDS,
@@ -495,7 +510,7 @@ def run_seeds(seeds: list[int], timeout: float = TIMEOUT_SECONDS,
                                           start_new_session=True)
             try:
                 for seed in batch:
-                    start = time.time()
+                    start, cpu = time.time(), _group_cpu(worker.pid)
                     path = Path(folder) / f"{seed}.json"
                     while not path.exists() and worker.poll() is None \
                             and time.time() - start < timeout:
@@ -503,12 +518,13 @@ def run_seeds(seeds: list[int], timeout: float = TIMEOUT_SECONDS,
                     if path.exists():
                         result = json.loads(path.read_text())
                     elif worker.poll() is None:
-                        result = _failure(seed, f"timeout after {timeout:.0f} s", "",
-                                          time.time() - start)
+                        used = _group_cpu(worker.pid) - cpu
+                        result = _failure(seed, f"timeout after {timeout:.0f} s (wall; "
+                                          f"{used:.0f} CPU s)", "", time.time() - start, used)
                     else:
                         result = _failure(
                             seed, f"the worker exited {worker.returncode} without a result",
-                            log.read_text()[-2000:], time.time() - start)
+                            log.read_text()[-2000:], time.time() - start, float("nan"))
                     pending.remove(seed)
                     yield result
                     if result["status"] != "pass":
