@@ -2,6 +2,7 @@
 "Parity sweep"): reproduces the figures quoted there.
 
     python benchmarks/parity_moe_rounding.py 13     # or 7
+    python benchmarks/parity_moe_rounding.py 23 selective   # with the remat drawn now
 
 Trains the sweep's MoE configuration `seed` (drawn without remat, as in the first sweep) and
 the one-device reference for `NUM_STEPS` steps, keeping every step's parameters and the
@@ -40,18 +41,22 @@ def main(seed: int) -> None:
     from examples import moe
 
     config = ps.config_for(seed, remats=())
-    if config.model != "moe" or config.num_processes != 1:
-        raise ValueError(f"seed {seed} draws {config.describe()}; pick an MoE seed run in one "
-                         "process (7 or 13)")
-    print(config.describe())
+    if len(sys.argv) > 2:  # the remat the sweep drew now, e.g. "selective"
+        config = dataclasses.replace(config, remat=sys.argv[2])
+    if config.model != "moe":
+        raise ValueError(f"seed {seed} draws {config.describe()}; pick an MoE seed (7, 13)")
+    print(config.describe(), "(run in this one process of 8 devices)"
+          if config.num_processes > 1 else "")
     step, state0, batch = ps.build("moe")
     cfg = dataclasses.replace(moe.CONFIGS["tiny"], layer_markers=True)
     grad = jax.jit(jax.grad(moe.loss_fn), static_argnums=2)
 
-    def run(fn, state):
+    def run(fn, state, with_grads=True):
         params, grads, losses = [], [], []
         for _ in range(ps.NUM_STEPS):
-            grads.append([np.asarray(g) for g in jax.tree.leaves(grad(state.params, batch, cfg))])
+            if with_grads:
+                gradients = grad(state.params, batch, cfg)
+                grads.append([np.asarray(g) for g in jax.tree.leaves(gradients)])
             state, metrics = fn(state, batch)
             losses.append(float(to_host(metrics)["loss"]))
             params.append([np.asarray(x) for x in jax.tree.leaves(to_host(state.params))])
@@ -59,7 +64,7 @@ def main(seed: int) -> None:
 
     device = jax.local_devices()[0]
     ref_p, ref_g, ref_l = run(jax.jit(step), jax.device_put(state0, device))
-    par_p, _, par_l = run(autopar.autoparallel(step, **config.options()), state0)
+    par_p, _, par_l = run(autopar.autoparallel(step, **config.options()), state0, False)
     print("losses, one device:", ref_l, "\nlosses, parallel:  ", par_l)
     names = [jax.tree_util.keystr(k) for k, _ in
              jax.tree_util.tree_flatten_with_path(state0.params)[0]]
