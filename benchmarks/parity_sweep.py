@@ -6,9 +6,7 @@ a mesh shape (one-mesh methods) or a stage count (method "auto"), the number of
 microbatches, the pipeline schedule, the remat option (drawn when `autoparallel` takes
 `remat=`, as it now does) and one process of 8 virtual CPU devices or 2 processes x 4
 (`autopar launch`). Combinations that cannot run (microbatches that do not divide the
-batch, or whose rows do not split over the data-parallel devices; remat "selective" or
-"full" for the scanned GPT under method "auto", which `autoparallel` rejects as not
-supported yet) are never drawn. Each
+batch, or whose rows do not split over the data-parallel devices) are never drawn. Each
 configuration trains `NUM_STEPS` AdamW steps and is compared with the same steps on one
 device.
 
@@ -143,8 +141,6 @@ def remat_options() -> tuple[str, ...]:
 # The schedules of the first sweeps; "interleaved_1f1b" is not drawn (it needs
 # num_stages, virtual_stages and microbatches in rounds of the stages).
 BASE_SCHEDULES = ("gpipe", "1f1b")
-# Remat options method "auto" rejects for a scanned layer stack (not drawn for it).
-UNSUPPORTED_SCAN_REMAT = ("selective", "full")
 
 
 def config_for(seed: int, remats: tuple[str, ...] | None = None) -> Config:
@@ -177,11 +173,6 @@ def config_for(seed: int, remats: tuple[str, ...] | None = None) -> Config:
         if later and extra.random() < 0.5:
             schedule = extra.choice(later)
     remats = remat_options() if remats is None else remats
-    if model == "gpt_scan" and method == "auto":
-        # The pipeline search plans a scanned stack per iteration and cannot place remat
-        # in it: autoparallel raises "remat='full' is not supported yet for a scanned layer
-        # stack" (search/_pipeline.py, `_stack_remat`), even for one stage.
-        remats = tuple(r for r in remats if r not in UNSUPPORTED_SCAN_REMAT)
     remat = rng.choice(remats) if remats else None
     return Config(seed, model, method, mesh_shape, num_stages, num_microbatches, schedule,
                   remat, num_processes)
@@ -595,9 +586,7 @@ def markdown(summary: dict) -> str:
         "devices (or 2 processes x 4 under `autopar launch`) in a worker process of the "
         f"sweep (at most {CONFIGS_PER_WORKER} configurations per worker, a fresh worker after "
         f"any failure, {TIMEOUT_SECONDS} s per configuration) and is compared with one "
-        f"device: {COMPARISON}. Invalid combinations are never drawn (nor remat 'selective' "
-        "or 'full' for the scanned GPT under method 'auto', which autoparallel rejects as "
-        "not supported yet). Remat drawn: "
+        f"device: {COMPARISON}. Invalid combinations are never drawn. Remat drawn: "
         f"{'yes' if summary['remat_drawn'] else 'no (autoparallel takes no remat= option)'}.",
         "",
         f"**{passed}/{len(results)} configurations match one device**; not passing: {kinds}.",
