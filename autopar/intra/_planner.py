@@ -60,11 +60,20 @@ def plan_on_mesh(
     `fixed` pins input variables to specs, `weights` weighs node costs, `footprint` limits
     memory held for the whole run (see `build_problem`); with a footprint the plan's stats
     give its "footprint" and the "least_footprint" any plan reaches (bytes per device).
+    Under a footprint limit, equal-cost plans are told apart by the solver's search, not
+    by the canonical tie-break (`solve(canonical_ties=False)`).
     """
     start = time.perf_counter()
     built = _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
     build_time = time.perf_counter() - start
-    solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
+    # A leaner memory level's ILP (a footprint limit) keeps the ties as the solver's
+    # deterministic search breaks them: its tie-break solve took more than half of its
+    # time (the footprint row leaves the LP relaxation loose, so reduced-cost fixing keeps
+    # nearly every strategy; issue 18), and the stage DP's levels only need each plan's
+    # cost and memory to be reproducible.
+    leaner = footprint is not None and footprint.budget is not None
+    solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver,
+                     canonical_ties=not leaner)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
     stats = dict(plan.stats)
     stats.update(
