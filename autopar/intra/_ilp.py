@@ -27,8 +27,8 @@ for any such plan are left out first (reduced-cost fixing, `plans_within`). Elim
 nodes are recovered by the lowest index of least cost given their neighbours, so the whole
 plan is a function of the problem alone, not of the solver or its version. The second
 solve is skipped when no ILP is left, when the first stopped at its time limit, and when
-the caller asks for none (`canonical_ties=False`: the stage DP's leaner memory levels,
-where it cost more than the first solve; see `autopar.intra._planner.plan_on_mesh`).
+the caller asks for none (`canonical_ties=False`; the planner does not, see
+`autopar.intra._planner.plan_on_mesh`).
 
 The code is split by stage; this module holds the entry points `solve` and `least_memory`
 and re-exports the names of the others, so `from autopar.intra._ilp import X` works for all:

@@ -49,8 +49,7 @@ class PlanOptions:
     - `ilp_time_limit`: seconds for one sharding ILP solve (with HiGHS, CPU seconds of
       the planning process, so a loaded machine gets the same plans); `solver`: its MILP
       solver, "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not
-      depend on it: ties between equal-cost plans are broken canonically (in the stage
-      DP's leaner memory levels, by the solver's deterministic search).
+      depend on it: ties between equal-cost plans are broken canonically.
     - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe",
       "1f1b", "interleaved_1f1b" (with `virtual_stages` v: `num_stages` device groups of
       v non-adjacent layer chunks each), "zero_bubble", or "auto" (the lowest predicted
