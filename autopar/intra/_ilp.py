@@ -26,9 +26,7 @@ solve's plan. To keep it small, strategies that the LP relaxation's duals prove 
 for any such plan are left out first (reduced-cost fixing, `plans_within`). Eliminated
 nodes are recovered by the lowest index of least cost given their neighbours, so the whole
 plan is a function of the problem alone, not of the solver or its version. The second
-solve is skipped when no ILP is left, when the first stopped at its time limit, and when
-the caller asks for none (`canonical_ties=False`; the planner does not, see
-`autopar.intra._planner.plan_on_mesh`).
+solve is skipped when no ILP is left, and when the first stopped at its time limit.
 
 The code is split by stage; this module holds the entry points `solve` and `least_memory`
 and re-exports the names of the others, so `from autopar.intra._ilp import X` works for all:
@@ -172,25 +170,18 @@ def solve(
     solver: SolverName = "auto",
     msg: bool = False,
     formulation: Formulation = "marginal",
-    canonical_ties: bool = True,
 ) -> Solution:
     """Choose one strategy per node minimising total cost under the memory budget.
 
     **Arguments:**
     - `problem`: the numbers (see `ShardingProblem`).
-    - `time_limit`: CPU seconds of this process the MILP solves may take (HiGHS; CBC:
-      wall-clock seconds), so that a loaded machine gets the same plan; past it the best
-      plan found so far is returned with status "time_limit".
+    - `time_limit`: seconds the MILP solver may run; past it the best plan found so far is
+      returned with status "time_limit".
     - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC)
       or "auto" (HiGHS when highspy is installed, else CBC).
     - `msg`: print the solver's log.
     - `formulation`: edge linearisation, "marginal" (Alpa's, the default: fastest in
       benchmarks/ilp_scaling.py) or "product".
-    - `canonical_ties`: run the tie-break solve (see the module docstring). False keeps
-      the optimum the solver returns (its search is deterministic: fixed seed, one
-      thread), moved to lower indices where that costs nothing (`_prefer_lower_indices`),
-      with `SolveStats.tie_break` "solver": the same plan in every run with this solver
-      and version, for a fraction of the time where the tie-break is the dearer solve.
 
     **Returns:** a `Solution` whose choices honour followers and the budget.
 
@@ -213,7 +204,7 @@ def solve(
     model = sharding_model(reduction.graph, reduction.groups, budget, formulation)
     built = build_solver_model(model, solver_name) if model.cost else None
     build_time = time.perf_counter() - start
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start = time.perf_counter()
     values, status = run_model(built, time_limit, msg)
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
@@ -227,11 +218,9 @@ def solve(
     tie_break, tie_break_time = "canonical", 0.0
     if built is not None and status == "time_limit":
         tie_break = "skipped"
-    elif built is not None and not canonical_ties:
-        tie_break = "solver"
     elif built is not None:
         tie_start = time.perf_counter()
-        remaining = time_limit - (time.process_time() - cpu_start)
+        remaining = time_limit - (tie_start - start)
         ilp_choice, tie_break = _break_ties(
             reduction, model, built, ilp_choice, solver_name, remaining, msg, budget, formulation
         )
@@ -314,7 +303,7 @@ def _break_ties(
     """
     if time_limit < _LEAST_TIE_BREAK_TIME:
         return choice, "incomplete"
-    deadline = time.process_time() + time_limit  # CPU seconds, as `run_model` counts them
+    deadline = time.perf_counter() + time_limit
     cost = model.objective_of(choice)
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
     duals = lp_row_duals(built, time_limit, msg=msg)
@@ -326,7 +315,7 @@ def _break_ties(
     tie_model = sharding_model(graph, groups, budget, formulation)
     if not tie_model.node_columns:  # one plan left: `choice`
         return choice, "canonical"
-    remaining = deadline - time.process_time()
+    remaining = deadline - time.perf_counter()
     if remaining < _LEAST_TIE_BREAK_TIME:
         return choice, "incomplete"
     position = {v: int(np.searchsorted(keep[v], choice[v])) for v in tie_model.node_columns}
