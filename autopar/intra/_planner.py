@@ -219,29 +219,6 @@ def plan_sharding(
     return best
 
 
-def once_per_layout(keys: Sequence[tuple]) -> list[bool]:
-    """Which operand edges pay their resharding: per (value, layout it is taken in,
-    weight), the first edge only.
-
-    The ILP charges every consumer edge its resharding (its objective is a sum over edges),
-    so a value that k nodes take in the same new layout pays the collective k times there;
-    the program XLA compiles does it once (the same resharding of the same value is one
-    collective after CSE). The plan's predicted cost charges it once: an accounting after
-    the ILP, which leaves the ILP's choice as it was (its objective over-counts such
-    values; its error is at most (k - 1) reshardings per value). Edges of different
-    weights (per microbatch, once per step) run in different programs and each pay.
-
-    **Example:** ``once_per_layout([(7, s, 1.0), (7, s, 1.0), (7, t, 1.0)])`` is
-    ``[True, False, True]``.
-    """
-    seen: set = set()
-    charged = []
-    for key in keys:
-        charged.append(key not in seen)
-        seen.add(key)
-    return charged
-
-
 def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
     if built.expansion is None:
         return _graph_plan(graph, mesh, cluster, built, choices, tied)
@@ -275,30 +252,17 @@ def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tie
     for s in chosen:
         for c in s.collectives:
             add(c)
+    resharding = 0.0
     problem = built.problem
+    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+        resharding += float(matrix[choices[u], choices[v]])
     # Spec changes along edges: the lowering pins each resharded operand, and their
-    # collectives are predicted for the check against compiled HLO. A value several nodes
-    # take in the same new layout is resharded once (`once_per_layout`).
+    # collectives are predicted for the check against compiled HLO.
     operand_specs = []
-    edge_seconds = [float(m[choices[u], choices[v]])
-                    for (u, v), m in zip(problem.edges, problem.edge_costs)]
-    operand_edges = list(operands(graph, built.ilp_nodes))
-    keys = []
-    for index, ilp_node, p, var in operand_edges:
+    for index, ilp_node, p, var in operands(graph, built.ilp_nodes):
         dst = chosen[index].in_specs[p] or replicated(len(var.shape))
         if dst != var_specs[var.id]:
             operand_specs.append((ilp_node.node, p, dst))
-        keys.append((var.id, dst, built.weight(ilp_node.node)))
-    assert len(keys) <= len(edge_seconds), "the ILP's edges start with the operand edges"
-    charged = once_per_layout(keys)
-    resharding = sum(
-        seconds for e, seconds in enumerate(edge_seconds)
-        if e >= len(keys) or charged[e]  # tie edges (after the operands) always count
-    )
-    for e, (_, ilp_node, _, var) in enumerate(operand_edges):
-        if not charged[e]:
-            continue
-        dst = keys[e][1]
         for c in reshard_collectives(var.shape, var.dtype, var_specs[var.id], dst, mesh):
             add(c, built.weight(ilp_node.node))
     # Returned state takes its input's layout, so that the next step needs no resharding;
