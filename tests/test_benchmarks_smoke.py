@@ -91,7 +91,7 @@ def test_memory_bound_rows_double_the_microbatches(monkeypatch):
                         lambda r, m: device * 7.9 / m)
     ran = []
 
-    def fake_run_row(r, counts, schedule="auto"):
+    def fake_run_row(r, counts, schedule="auto", megatron_grid=True):
         ran.append(counts)
         auto = object() if counts[0] >= 16 else None
         return bench_large.RowResult(r, 8, 1.0, auto, object(), ("grid note",))

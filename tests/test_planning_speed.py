@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import optax
 import pytest
@@ -96,6 +97,8 @@ class _FakeTable:
                      for k in range(num_layers) for s in shapes}
         self.slope = {key: rng.uniform(0.0, 0.3) for key in self.base}
         self.solved = set()
+        # The stage DP reads the number of layers off the per-layer partition.
+        self.per_layer = SimpleNamespace(stage_graphs=[None] * num_layers)
 
     def cost(self, k, shape, level=0):
         from autopar.cost import LayerCost
