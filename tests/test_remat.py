@@ -114,13 +114,19 @@ def test_layer_table_prices_full_as_one_forward_and_the_input():
     assert full.transient_memory == pytest.approx(base.transient_memory + base.activation_memory)
 
 
-def test_selective_drops_exactly_the_attention_scores():
+def _first_block():
+    """The GPT's first block cut out as its own layer: its graph, forward segment, the
+    values its backward reads from the forward, and their attention core."""
     _, _, _, graph = _gpt_graph()
     layers = assign_layers(graph)
     part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
     sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
     kept = set(fwd.outputs) & set(bwd.inputs)
-    core = attention_core(sub, fwd.nodes, kept)
+    return sub, fwd, kept, attention_core(sub, fwd.nodes, kept)
+
+
+def test_selective_drops_exactly_the_attention_scores():
+    sub, fwd, kept, core = _first_block()
     shape = (4, GPT.num_heads, GPT.seq_len, GPT.seq_len)
     assert core and all(sub.vars[v].shape == shape for v in core)
     assert not [v for v in kept - core if sub.vars[v].shape[-2:] == shape[-2:]]
@@ -139,12 +145,7 @@ def test_selective_leaves_a_score_shaped_value_the_layer_does_not_make():
     """A kept value shaped like the scores but made outside the layer's forward (a causal
     mask made once and read by every layer) is not dropped; it used to raise KeyError
     (llama-70B's Megatron grid)."""
-    _, _, _, graph = _gpt_graph()
-    layers = assign_layers(graph)
-    part = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
-    sub, fwd, bwd = part.stage_graphs[1], part.forward[1], part.backward[1]
-    kept = set(fwd.outputs) & set(bwd.inputs)
-    core = attention_core(sub, fwd.nodes, kept)
+    sub, fwd, kept, core = _first_block()
     made_elsewhere = min(core)
     forward = [n for n in fwd.nodes if made_elsewhere not in sub.nodes[n].outputs]
     rerun = recompute(sub, forward, kept, "selective")

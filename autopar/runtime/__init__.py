@@ -1,18 +1,18 @@
 """Runtime: execute a pipelined plan (schedules, microbatches, cross-stage transfers)."""
 
+from autopar.cost._schedule import (
+    dependencies,
+    device_orders,
+    dispatch_order,
+    interleaved_order,
+    stage_order,
+)
 from autopar.runtime._memory import MemorySample, live_bytes_per_device, peak_live_bytes
 from autopar.runtime._pipeline import (
     PipelineExecutable,
     TaskRecord,
     overlap_fraction,
     split_backward,
-)
-from autopar.runtime._schedule import (
-    dependencies,
-    device_orders,
-    dispatch_order,
-    interleaved_order,
-    stage_order,
 )
 
 __all__ = [

@@ -8,7 +8,7 @@ expected sharding; gradients are summed on the stage that computes them (data-pa
 weight gradients as unreduced per-device partial sums, reduced once per step); then the
 update fragments run once, each on its stage, with the summed gradients scaled by
 1/microbatches. Every task is dispatched asynchronously, in one order that keeps each
-device group's schedule (`autopar.runtime._schedule`), and nothing waits per task, so
+device group's schedule (`autopar.cost._schedule`), and nothing waits per task, so
 stages overlap and a stage's next work is queued while its devices compute.
 
 A one-stage plan in one process runs instead as one compiled program per step, with the
@@ -35,13 +35,13 @@ import jax
 from jax.sharding import NamedSharding
 
 from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.cost._schedule import dependencies, device_orders, dispatch_order
 from autopar.distributed import copy_to_devices, place, settle_transfers, transfer
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, split_backward, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._fused import FusedStep
 from autopar.runtime._memory import MemoryRecorder, MemorySample
-from autopar.runtime._schedule import dependencies, device_orders, dispatch_order
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
@@ -105,7 +105,7 @@ class PipelineExecutable:
             self.handoff.append({v: self._reducer(s, v) for v in elsewhere})
         grad_set = set(partition.grad_vars)
         scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
-        # The segments run once per microbatch, by phase (see `autopar.runtime._schedule`):
+        # The segments run once per microbatch, by phase (see `autopar.cost._schedule`):
         # with zero bubble each backward splits into its input-gradient part B (phase
         # "backward") and its weight-gradient part W (phase "weight").
         segments = [("forward", seg) for seg in partition.forward]
