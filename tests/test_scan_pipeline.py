@@ -225,6 +225,23 @@ def test_even_shares_and_ranges():
         check_ranges(((0, 4), (5, 8)), 8)
 
 
+@dataclasses.dataclass
+class _FakeChoice:
+    stage_layers: tuple
+    logical_shapes: tuple
+    timings: dict
+    name: str = ""
+
+
+def _cut(name, lengths, shapes, first=1):
+    """A fake stage DP choice: stages holding `lengths` iterations each on `shapes`."""
+    layers, start = [], first
+    for n in lengths:
+        layers.append((start, start + n))
+        start += n
+    return _FakeChoice(tuple(layers), tuple(shapes), {"layer ILPs solved": 1}, name)
+
+
 def test_a_cut_mixing_piece_lengths_is_redone_with_one_length(monkeypatch):
     """The DP allows each stage's share of the stack on its own, so it may mix lengths
     (llama-70B on 32 H100s: 10/10/20/20/20 of 80 iterations); the search re-runs it with
@@ -232,28 +249,65 @@ def test_a_cut_mixing_piece_lengths_is_redone_with_one_length(monkeypatch):
     from autopar.search import _pipeline
 
     assert _even_shares(80, 8, share=20)(1, 21) and not _even_shares(80, 8, share=20)(1, 11)
-    mixed = SimpleNamespace(stage_layers=((0, 11), (11, 21), (21, 41), (41, 61), (61, 82)))
+    mixed = _FakeChoice(((0, 11), (11, 21), (21, 41), (41, 61), (61, 82)), ((8,),) * 5,
+                        {"layer ILPs solved": 5})
     assert _pipeline._piece_lengths(mixed, 80) == {10, 20}
-    tens = SimpleNamespace(stage_layers=tuple((a, a + 10) for a in range(1, 81, 10)),
-                           name="tens")
-    twenties = SimpleNamespace(stage_layers=tuple((a, a + 20) for a in range(1, 81, 20)),
-                               name="twenties")
+    tens = _cut("tens", [10] * 8, [(4,)] * 8)
+    twenties = _cut("twenties", [20] * 4, [(8,)] * 4)
     latency = {"tens": 2.0, "twenties": 3.0}
     monkeypatch.setattr(_pipeline, "_schedule_for",
                         lambda choice, *a, **k: ("1f1b", latency[choice.name]))
     asked = []
 
-    def rerun(*, allowed):
+    def rerun(*, allowed, range_shapes):
+        assert range_shapes is None
         share = 10 if allowed(1, 11) else 20
         asked.append(share)
         return tens if share == 10 else twenties
 
     options = SimpleNamespace(num_stages=None)
     cluster = SimpleNamespace(num_devices=32)
-    assert _pipeline._one_share(mixed, 80, options, cluster, 4, rerun) is tens
-    assert asked == [10, 20]
+    kept = _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun)
+    assert kept.name == "tens" and asked == [10, 20]
+    assert kept.timings["layer ILPs solved"] == 5 + 1 + 1  # every run's search counted
     latency["tens"] = 4.0
-    assert _pipeline._one_share(mixed, 80, options, cluster, 4, rerun) is twenties
+    assert _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun).name == "twenties"
+    # A uniform cut is kept as it is.
+    assert _pipeline._one_layout(tens, 80, options, cluster, 4, rerun) is tens
+
+
+def test_a_cut_mixing_mesh_shapes_is_redone_with_one_shape(monkeypatch):
+    """llama-70B on 32 H100s: four stages of 20 iterations on logical meshes (2, 4) and
+    (4, 2); a stacked leaf held in pieces needs one shape, so the DP is re-run with each
+    as the only shape of the stages holding the stack (the others keep any shape)."""
+    from autopar.search import _pipeline
+
+    mixed = _cut("mixed", [20] * 4, [(2, 4), (4, 2), (2, 4), (4, 2)])
+    fixed = {(2, 4): _cut("24", [20] * 4, [(2, 4)] * 4),
+             (4, 2): _cut("42", [20] * 4, [(4, 2)] * 4)}
+    latency = {"24": 5.0, "42": 4.0}
+    monkeypatch.setattr(_pipeline, "_schedule_for",
+                        lambda choice, *a, **k: ("1f1b", latency[choice.name]))
+    asked = []
+
+    def rerun(*, allowed, range_shapes):
+        assert allowed(1, 21) and not allowed(1, 11)
+        (shape,) = range_shapes(15, 30)
+        assert range_shapes(0, 1) is None and range_shapes(81, 82) is None
+        assert range_shapes(0, 2) == [shape]
+        asked.append(shape)
+        return fixed[shape]
+
+    options = SimpleNamespace(num_stages=None)
+    cluster = SimpleNamespace(num_devices=32)
+    assert _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun).name == "42"
+    assert asked == [(2, 4), (4, 2)]
+
+    def nothing_fits(*, allowed, range_shapes):
+        raise ValueError("no stage fits")
+
+    with pytest.raises(ValueError, match="no stage fits"):
+        _pipeline._one_layout(mixed, 80, options, cluster, 4, nothing_fits)
 
 
 def test_pieces_of_different_lengths_are_refused_with_the_fix():

@@ -20,6 +20,7 @@ from autopar.inter._planner import (
     LayerCostTable,
     PipelineChoice,
     choose_stages,
+    layer_cost_table,
     plan_chosen_stages,
 )
 from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
@@ -62,6 +63,7 @@ __all__ = [
     "auto_layers",
     "brute_force_stages",
     "choose_stages",
+    "layer_cost_table",
     "layer_scan",
     "plan_chosen_stages",
     "scan_layers",

@@ -708,18 +708,29 @@ def choose_stages(
     submeshes: Sequence[SubmeshShape] | None = None,
     logical_shapes: Sequence[tuple[int, ...]] | None = None,
     allowed=None,
+    range_shapes=None,
     remat: str = "auto",
+    table: LayerCostTable | None = None,
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
 
     Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
     (`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
     layers' plans (`_stage_plans`). `allowed(start, end) -> bool`, when given, rules out
-    the stages whose layer range it rejects (e.g. uneven slices of a scanned stack).
+    the stages whose layer range it rejects (e.g. uneven slices of a scanned stack);
+    `range_shapes(start, end)`, when given, names the only logical mesh shapes a stage of
+    those layers may take (None: any). `table`: the layer costs of an earlier call with
+    the same arguments (`layer_cost_table`), so that a re-run with other restrictions
+    solves no layer ILP twice.
     """
     budget = memory_budget(cluster, options.memory_budget)
     start_time = time.perf_counter()
-    table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    if table is None:
+        table = layer_cost_table(
+            graph, layers, cluster, num_microbatches, schedule, options, tied
+        )
+    ilps_before, ilp_seconds_before = table.num_ilps, table.ilp_seconds
+    hits_before = table.num_hits
     clustering = time.perf_counter() - start_time
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
@@ -729,8 +740,8 @@ def choose_stages(
         table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
         crossing,
     )
-    if allowed is not None:
-        stage_cost = _Restricted(stage_cost, allowed)
+    if allowed is not None or range_shapes is not None:
+        stage_cost = _Restricted(stage_cost, allowed, range_shapes)
     start_time = time.perf_counter()
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
@@ -752,10 +763,13 @@ def choose_stages(
     stage_remat = tuple(c.detail[2] for c in dp.stage_costs)
     stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
     stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
+    # This call's share (a table handed in has the ILPs of earlier calls in its counts).
     timings = dict(zip(PLANNING_PHASES, (
-        clustering, table.ilp_seconds, dp_seconds - ilp_seconds, stitching,
+        clustering, table.ilp_seconds - ilp_seconds_before,
+        dp_seconds - (ilp_seconds - ilp_seconds_before), stitching,
     )))
-    timings.update({"layer ILPs solved": table.num_ilps, "layer costs reused": table.num_hits})
+    timings.update({"layer ILPs solved": table.num_ilps - ilps_before,
+                    "layer costs reused": table.num_hits - hits_before})
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
@@ -765,7 +779,7 @@ def choose_stages(
         stage_plans=stage_plans,
         partition=part,
         dp=dp,
-        num_layer_ilps=table.num_ilps,
+        num_layer_ilps=table.num_ilps - ilps_before,
         timings=timings,
         stage_remat=stage_remat,
         stage_recompute=tuple(
@@ -793,7 +807,9 @@ def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
     )
 
 
-def _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied):
+def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied):
+    """The `LayerCostTable` `choose_stages` plans with (hand it back to re-run the DP)."""
+
     def in_flight(shape) -> int:
         # The layer ILPs' estimate of the activations in flight (a weight in the footprint
         # their leaner levels limit; they do not know the stage's position): GPipe keeps all
@@ -828,7 +844,7 @@ def plan_chosen_stages(
     `autopar.inter.passes.scan_layers`). `stage_remat`: per stage, per layer of `graph`,
     its remat choice (default: `chosen`'s); the recompute it adds is priced on `graph` (a
     sub-scan whose body is checkpointed has it in its own cost already)."""
-    table = _layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    table = layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
     stage_layers = tuple(tuple(r) for r in stage_layers)
     part = partition(graph, layers, list(stage_layers))
     plans = _stage_plans(table, graph, part, chosen.dp, stage_layers, tied)
@@ -847,19 +863,22 @@ def plan_chosen_stages(
 
 @dataclass
 class _Restricted:
-    """A stage cost function that rules out the layer ranges `allowed` rejects."""
+    """A stage cost function that rules out the layer ranges `allowed` rejects and, where
+    `shapes(start, end)` names logical mesh shapes, every other shape (None: no rule)."""
 
     stage_cost: _StageCosts
-    allowed: object
+    allowed: object = None
+    shapes: object = None
 
     @property
     def num_positions(self) -> int | None:
         return self.stage_cost.num_positions
 
-    def __call__(self, start: int, end: int, *rest) -> StageCost:
-        if not self.allowed(start, end):
+    def __call__(self, start: int, end: int, index: int, *rest) -> StageCost:
+        if self.allowed is not None and not self.allowed(start, end):
             return StageCost(math.inf, False, math.inf, None)
-        return self.stage_cost(start, end, *rest)
+        only = None if self.shapes is None else self.shapes(start, end)
+        return self.stage_cost(start, end, index, *rest, shapes=only)
 
 
 @dataclass
@@ -887,9 +906,13 @@ class _StageCosts:
         microbatches, the same from S - i = B on; under GPipe every stage keeps B."""
         return self.num_microbatches if self.schedule == "1f1b" else None
 
-    def __call__(self, start: int, end: int, index: int, stages_from_here: int = 1) -> StageCost:
+    def __call__(self, start: int, end: int, index: int, stages_from_here: int = 1,
+                 shapes=None) -> StageCost:
+        """`shapes`: the logical mesh shapes to try (default: `logical_shapes`, else every
+        shape of the submesh); those of another device count are skipped."""
         sub = self.submeshes[index]
-        shapes = self.logical_shapes or logical_mesh_shapes(sub)
+        if shapes is None:
+            shapes = self.logical_shapes or logical_mesh_shapes(sub)
         shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         best = None

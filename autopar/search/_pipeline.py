@@ -36,6 +36,7 @@ from autopar.inter import (
     assign_layers,
     auto_layers,
     choose_stages,
+    layer_cost_table,
     layer_scan,
     plan_chosen_stages,
     scan_layers,
@@ -146,7 +147,7 @@ def _even_shares(length: int, max_stages: int, share: int | None = None):
     holds none of the stack, or `length` / d iterations for a d that divides `length`
     (only `share` iterations when given). (A leaf held in pieces is handed back as one
     array sharded over the stages, which needs pieces of one length; `_regroup` checks
-    that the chosen ones are, and `_one_share` re-runs a DP that mixed shares.)"""
+    that the chosen ones are, and `_one_layout` re-runs a DP that mixed shares.)"""
     shares = {0} | {length // d for d in range(1, max_stages + 1) if length % d == 0}
     if share is not None:
         shares = {0, share} & shares
@@ -157,41 +158,88 @@ def _even_shares(length: int, max_stages: int, share: int | None = None):
     return allowed
 
 
-def _piece_lengths(choice, length: int) -> set[int]:
-    """The lengths of the pieces of the stack the chosen stages hold (see `_regroup`)."""
-    found = set()
-    for start, end in choice.stage_layers:
+def _pieces(choice, length: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(iterations, logical mesh shape) of each piece of the stack a chosen stage holds
+    (see `_regroup`)."""
+    found = []
+    for (start, end), shape in zip(choice.stage_layers, choice.logical_shapes):
         a, b = max(start, 1) - 1, min(end, length + 1) - 1
         if b > a:
-            found.add(b - a)
+            found.append((b - a, tuple(shape)))
     return found
 
 
-def _one_share(choice, length: int, options, cluster, num_micro: int, rerun):
-    """A stage DP choice whose pieces of the stack have one length, for a `choice` that
-    mixed lengths (each stage's share is allowed on its own, and the DP cannot see that
-    they must agree): the DP again with each of the mixed lengths as the only share,
-    `rerun(allowed)`, the fastest of those that find a plan (the layer costs are in the
-    table already, so each rerun is the DP alone). Not the best of every one-length
-    cut, only of the lengths the unrestricted DP chose."""
-    mixed = sorted(_piece_lengths(choice, length))
+def _piece_lengths(choice, length: int) -> set[int]:
+    """The lengths of the pieces of the stack the chosen stages hold."""
+    return {n for n, _ in _pieces(choice, length)}
+
+
+def _holds_stack(length: int, shape: tuple[int, ...]):
+    """`range_shapes` for the stage DP: a stage holding any of the stack's iterations
+    (layers 1..`length`) takes the logical mesh `shape`; the others any shape."""
+
+    def only(start: int, end: int):
+        return [shape] if max(start, 1) < min(end, length + 1) else None
+
+    return only
+
+
+def _one_layout(choice, length: int, options, cluster, num_micro: int, rerun):
+    """A stage DP choice whose pieces of the stack have one length on one logical mesh
+    shape, for a `choice` that mixed lengths or shapes (the DP prices each stage on its
+    own and cannot see that they must agree: llama-70B on 32 H100s was cut 10/10/20/20/20,
+    then into 4 x 20 on meshes (2, 4) and (4, 2)). The DP again, `rerun(allowed=...,
+    range_shapes=...)` on the same layer cost table, with each mixed length as the only
+    share, and where that still mixes shapes, with each of them as the only shape for the
+    stages holding the stack; the fastest that finds a plan. Not the best of every uniform
+    cut, only of the lengths and shapes the unrestricted DP chose."""
+    pieces = _pieces(choice, length)
+    if len(set(pieces)) <= 1:
+        return choice
     max_stages = options.num_stages or cluster.num_devices
-    found, last_error = [], None
-    for share in mixed:
-        try:
-            again = rerun(allowed=_even_shares(length, max_stages, share))
-        except ValueError as err:
-            last_error = err
+    found, tried, last_error = [], {}, None
+    spent = dict(choice.timings)  # every run's search time, the first's included
+
+    def attempt(share: int, shape=None):
+        nonlocal last_error
+        if (share, shape) not in tried:
+            again = None
+            try:
+                again = rerun(allowed=_even_shares(length, max_stages, share),
+                              range_shapes=None if shape is None else _holds_stack(length, shape))
+            except ValueError as err:
+                last_error = err
+            tried[share, shape] = again
+            if again is not None:
+                for name, value in again.timings.items():
+                    spent[name] = spent.get(name, 0) + value
+                if len(set(_pieces(again, length))) <= 1:
+                    latency = _schedule_for(again, num_micro, options, cluster)[1]
+                    log.info("%d microbatch(es): the stack in pieces of %d iteration(s)%s: "
+                             "%d stage(s), predicted %.4g s", num_micro, share,
+                             "" if shape is None else f" on meshes {shape}",
+                             len(again.stage_layers), latency)
+                    found.append((latency, share, shape or (), again))
+        return tried[share, shape]
+
+    lengths = sorted({n for n, _ in pieces})
+    for share in lengths:
+        again = choice if len(lengths) == 1 else attempt(share)
+        if again is None or len(set(_pieces(again, length))) <= 1:
             continue
-        latency = _schedule_for(again, num_micro, options, cluster)[1]
-        log.info("%d microbatch(es): the stack in pieces of %d iteration(s): %d stage(s), "
-                 "predicted %.4g s", num_micro, share, len(again.stage_layers), latency)
-        found.append((latency, share, again))
+        for shape in sorted({s for _, s in _pieces(again, length) + pieces}):
+            attempt(share, shape)
     if not found:
-        raise last_error or ValueError("no stage DP choice holds the stack in equal pieces")
-    log.info("%d microbatch(es): the stage DP cut the stack into pieces of %s iterations; "
-             "kept the fastest cut into equal pieces", num_micro, "/".join(map(str, mixed)))
-    return min(found, key=lambda f: (f[0], f[1]))[2]
+        raise last_error or ValueError(
+            f"no stage DP choice holds the scanned stack of {length} layers in pieces of one "
+            "length on meshes of one shape: pass num_stages= a divisor of "
+            f"{length} and logical_shapes=[...]"
+        )
+    best = min(found, key=lambda f: f[:3])[3]
+    log.info("%d microbatch(es): the stage DP cut the stack into %s; kept the fastest "
+             "uniform cut", num_micro, ", ".join(f"{n} on {s}" for n, s in pieces))
+    # The re-runs' search time (ILPs, DP) is the kept choice's: the phases sum them all.
+    return dataclasses.replace(best, timings=spent)
 
 
 def _regroup(best: _Candidate, fn, args, cluster, options, length: int):
@@ -313,18 +361,20 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
             layers = assign_layers(mb_graph)
             if scan_length is not None and layers.num_layers != scan_length + 2:
                 raise _NotALayerStack()
+            tied = tied_state(mb_graph, options.donate_argnums)
+            table = layer_cost_table(mb_graph, layers, dp_cluster, num_micro, dp_schedule,
+                                     single, tied)
             stage_dp = functools.partial(
                 choose_stages, mb_graph, layers, dp_cluster, num_micro, dp_schedule,
-                single, tied_state(mb_graph, options.donate_argnums),
-                num_stages=num_stages, submeshes=submeshes,
+                single, tied, num_stages=num_stages, submeshes=submeshes,
                 logical_shapes=options.logical_shapes, remat=remat,
             )
-            choice = stage_dp(allowed=allowed)
+            choice = stage_dp(allowed=allowed, table=table)
             if interleaved:
                 choice = _fold(choice, options.num_stages, cluster.num_devices)
-            if scan_length is not None and len(_piece_lengths(choice, scan_length)) > 1:
-                choice = _one_share(choice, scan_length, options, cluster, num_micro,
-                                    stage_dp)
+            if scan_length is not None:
+                choice = _one_layout(choice, scan_length, options, cluster, num_micro,
+                                     functools.partial(stage_dp, table=table))
         except ValueError as err:
             last_error = err
             log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
