@@ -69,6 +69,11 @@ class LlamaConfig:
     # `examples.gpt.GPTConfig.master_dtype`). None: parameters stored in `dtype`.
     master_dtype: str | None = None
     layer_markers: bool = False
+    # With `layer_markers`, a boundary after the token embedding too, so that a pipeline
+    # can give the embedding a chunk of its own (Llama 3 405B: "the first model chunk on
+    # the first stage has only the embedding", Dubey et al. 2024, sec. 3.3.2). Off: the
+    # embedding rides with the first layer.
+    embedding_marker: bool = False
     scan_layers: bool = False
     remat_layers: bool = False  # jax.checkpoint around each scanned layer
     attention: Attention = "einsum"
@@ -90,6 +95,11 @@ class LlamaConfig:
             raise ValueError(
                 "scan_layers=True runs every layer inside one jax.lax.scan, where no layer "
                 "boundary can be marked; set layer_markers=False (or scan_layers=False)."
+            )
+        if self.embedding_marker and not self.layer_markers:
+            raise ValueError(
+                "embedding_marker=True marks the boundary after the embedding among the "
+                "layer boundaries; set layer_markers=True too."
             )
         if self.remat_layers and not self.scan_layers:
             raise ValueError(
@@ -269,6 +279,8 @@ def block(layer_params: dict, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
 def forward(params: dict, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Logits ``[B, S, V]`` for ``tokens: int32[B, S]``."""
     h = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embedding_marker:
+        h = layer_boundary(h)
     if cfg.scan_layers:
         def layer(h, p):
             return block(p, h, cfg), None
