@@ -5,7 +5,7 @@ embeddings (rotate-half form) instead of learned ones, grouped-query attention (
 value heads than query heads, each shared by a group of query heads), a SwiGLU MLP, no
 biases, and an output layer (``lm_head``) separate from the token embedding. No dropout.
 
-Two options change how the layers are written, not what they compute:
+These options change how the layers are written, not what they compute:
 
 - ``scan_layers=True`` stacks the layers' parameters (a leading layer dimension) and runs
   them with `jax.lax.scan`: one traced layer instead of ``num_layers``. It goes with
@@ -13,6 +13,9 @@ Two options change how the layers are written, not what they compute:
   iterations. ``remat_layers=True`` wraps the scanned layer in `jax.checkpoint`, so its
   backward recomputes the layer from its input (MaxText's default ``remat_policy:
   full``).
+- ``embedding_marker=True`` (with ``layer_markers=True``) also marks the boundary after
+  the token embedding, so a pipeline chunk can hold the embedding alone, as Llama 3 405B's
+  first chunk did.
 - ``attention="dot_product_attention"`` uses `jax.nn.dot_product_attention` (which does
   grouped-query attention itself) instead of the einsum written out here.
 
