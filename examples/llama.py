@@ -5,7 +5,7 @@ embeddings (rotate-half form) instead of learned ones, grouped-query attention (
 value heads than query heads, each shared by a group of query heads), a SwiGLU MLP, no
 biases, and an output layer (``lm_head``) separate from the token embedding. No dropout.
 
-Two options change how the layers are written, not what they compute:
+These options change how the layers are written, not what they compute:
 
 - ``scan_layers=True`` stacks the layers' parameters (a leading layer dimension) and runs
   them with `jax.lax.scan`: one traced layer instead of ``num_layers``. It goes with
@@ -13,6 +13,9 @@ Two options change how the layers are written, not what they compute:
   iterations. ``remat_layers=True`` wraps the scanned layer in `jax.checkpoint`, so its
   backward recomputes the layer from its input (MaxText's default ``remat_policy:
   full``).
+- ``embedding_marker=True`` (with ``layer_markers=True``) also marks the boundary after
+  the token embedding, so a pipeline chunk can hold the embedding alone, as Llama 3 405B's
+  first chunk did.
 - ``attention="dot_product_attention"`` uses `jax.nn.dot_product_attention` (which does
   grouped-query attention itself) instead of the einsum written out here.
 
@@ -69,6 +72,11 @@ class LlamaConfig:
     # `examples.gpt.GPTConfig.master_dtype`). None: parameters stored in `dtype`.
     master_dtype: str | None = None
     layer_markers: bool = False
+    # With `layer_markers`, a boundary after the token embedding too, so that a pipeline
+    # can give the embedding a chunk of its own (Llama 3 405B: "the first model chunk on
+    # the first stage has only the embedding", Dubey et al. 2024, sec. 3.3.2). Off: the
+    # embedding rides with the first layer.
+    embedding_marker: bool = False
     scan_layers: bool = False
     remat_layers: bool = False  # jax.checkpoint around each scanned layer
     attention: Attention = "einsum"
@@ -90,6 +98,11 @@ class LlamaConfig:
             raise ValueError(
                 "scan_layers=True runs every layer inside one jax.lax.scan, where no layer "
                 "boundary can be marked; set layer_markers=False (or scan_layers=False)."
+            )
+        if self.embedding_marker and not self.layer_markers:
+            raise ValueError(
+                "embedding_marker=True marks the boundary after the embedding among the "
+                "layer boundaries; set layer_markers=True too."
             )
         if self.remat_layers and not self.scan_layers:
             raise ValueError(
@@ -269,6 +282,8 @@ def block(layer_params: dict, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
 def forward(params: dict, tokens: jax.Array, cfg: LlamaConfig) -> jax.Array:
     """Logits ``[B, S, V]`` for ``tokens: int32[B, S]``."""
     h = jnp.take(params["embed"], tokens, axis=0)
+    if cfg.embedding_marker:
+        h = layer_boundary(h)
     if cfg.scan_layers:
         def layer(h, p):
             return block(p, h, cfg), None

@@ -86,11 +86,6 @@ def test_weight_and_bias_gradients_are_deferrable():
         assert layers.phase[producer[v].id] in ("forward", "backward")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reverted at the s8 merge: deferring the bias gradient's sum over the batch made the "
-    "sequence-parallel Megatron pipeline all-reduce 4 activations over 'model' instead of "
-    "reduce-scattering them (tests/test_megatron_pipeline.py::"
-    "test_megatron_sequence_parallel_pipeline_reduce_scatters_instead); issue 14"))
 def test_bias_gradient_root_is_the_sum_over_the_batch():
     graph = _gpt_graph()
     layers = assign_layers(graph)

@@ -147,3 +147,23 @@ def test_remat_layers_checkpoints_the_scanned_layer_and_computes_the_same():
     assert "checkpoint" in jaxpr or "remat" in jaxpr
     with pytest.raises(ValueError, match="scan_layers=True"):
         dataclasses.replace(TINY, remat_layers=True)
+
+
+def test_embedding_marker_gives_the_embedding_a_layer_of_its_own():
+    # Llama 3 405B's first pipeline chunk held only the embedding (Dubey et al. 2024,
+    # sec. 3.3.2): with the mark after the embedding, the token gather is alone in layer 0
+    # and the first transformer layer's matmuls start layer 1.
+    from autopar.inter import assign_layers
+
+    optimizer = optax.adamw(1e-2)
+    cfg = dataclasses.replace(TINY, layer_markers=True, embedding_marker=True)
+    graph = trace(llama.make_train_step(cfg, optimizer), llama.abstract_state(cfg, optimizer),
+                  llama.abstract_batch(cfg, 4))
+    layers = assign_layers(graph)
+    # the embedding, the layers, and the head after the last layer's mark
+    assert layers.num_layers == TINY.num_layers + 2
+    first = {n.primitive for n in graph.nodes
+             if layers.layer[n.id] == 0 and layers.phase[n.id] == "forward"}
+    assert "dot_general" not in first and first, first
+    with pytest.raises(ValueError, match="set layer_markers=True too"):
+        dataclasses.replace(TINY, embedding_marker=True)

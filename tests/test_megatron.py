@@ -129,6 +129,21 @@ _INSTRUCTION = re.compile(
 )
 
 
+def _computations(hlo: str) -> dict[str, list[re.Match]]:
+    """Computation name -> its instructions (to look inside fusions)."""
+    bodies: dict[str, list[re.Match]] = {}
+    current = None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?(%[\w.-]+)\s*\(.*\{\s*$", line)
+        if header:
+            current = bodies.setdefault(header.group(1), [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            current.append(m)
+    return bodies
+
+
 def _dims(shape: str) -> tuple[int, ...]:
     return tuple(_ints(re.search(r"\[([0-9,]*)\]", shape).group(1)))
 
@@ -139,6 +154,9 @@ def activation_collectives(hlo: str, groups: set[tuple[int, ...]], tp: int) -> C
     "all_gather": gathered along dim 1, the sequence. "reduce_scatter": all-reduced, then
     every user keeps a 1/`tp` slice of one dimension: XLA:CPU has no reduce-scatter and
     its SPMD partitioner writes one as an all-reduce and a dynamic-slice (fused or not).
+    A fused user whose result has another shape (it goes on to reduce the slice, e.g. a
+    gradient summed over the batch) keeps a slice when, inside the fusion, it reads the
+    tensor only through such dynamic-slices.
     "all_reduce": any other all-reduced rank-3 tensor (each element of a tuple counts).
     """
     found = [m for m in map(_INSTRUCTION.match, hlo.splitlines()) if m]
@@ -146,13 +164,37 @@ def activation_collectives(hlo: str, groups: set[tuple[int, ...]], tp: int) -> C
     for m in found:
         for ref in set(re.findall(r"%[\w.-]+", m.group("rest").split("metadata=")[0])):
             users.setdefault(ref, []).append(m)
+    computations = _computations(hlo)
+
+    def one_slice_of(dims: tuple[int, ...], out: tuple[int, ...]) -> bool:
+        one_slice = sorted([1.0] * (len(dims) - 1) + [float(tp)])
+        return len(out) == len(dims) and sorted(b / a for a, b in zip(out, dims)) == one_slice
+
+    def slices_inside(user: re.Match, name: str, dims: tuple[int, ...]) -> bool:
+        called = re.search(r"calls=(%[\w.-]+)", user.group("rest"))
+        if user.group("op") != "fusion" or not called or called.group(1) not in computations:
+            return False
+        operands = re.findall(r"%[\w.-]+", user.group("rest").split(")", 1)[0])
+        positions = {str(i) for i, o in enumerate(operands) if o == name}
+        body = computations[called.group(1)]
+        params = {
+            m.group("name") for m in body
+            if m.group("op") == "parameter" and m.group("rest").split(")", 1)[0] in positions
+        }
+        reads = [
+            m for m in body
+            if params & set(re.findall(r"%[\w.-]+", m.group("rest").split("metadata=")[0]))
+        ]
+        return bool(reads) and all(
+            m.group("op") == "dynamic-slice" and one_slice_of(dims, _dims(m.group("shape")))
+            for m in reads
+        )
 
     def sliced(name: str, dims: tuple[int, ...]) -> bool:
-        outs = [_dims(u.group("shape")) for u in users.get(name, [])]
-        one_slice = sorted([1.0] * (len(dims) - 1) + [float(tp)])
-        return bool(outs) and all(
-            len(o) == len(dims) and sorted(b / a for a, b in zip(o, dims)) == one_slice
-            for o in outs
+        found_users = users.get(name, [])
+        return bool(found_users) and all(
+            one_slice_of(dims, _dims(u.group("shape"))) or slices_inside(u, name, dims)
+            for u in found_users
         )
 
     counts = Counter()

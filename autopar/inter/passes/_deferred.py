@@ -76,10 +76,10 @@ def deferrable_gradients(graph: OpGraph, layers: LayerAssignment) -> Deferrable:
             return False
         if (layers.layer[node.id], layers.phase[node.id]) != place:
             return False
-        if node.primitive in PARTIAL_SUM_PRODUCERS:
+        if node.primitive in PARTIAL_SUM_PRODUCERS and not _sums_unit_dims(graph, node):
             roots.add(v)
             return True
-        if node.primitive not in LINEAR:
+        if node.primitive not in LINEAR and not _sums_unit_dims(graph, node):
             return False
         chain.add(v)
         arrays = [u for u in node.inputs if graph.vars[u].role is not Role.CONST]
@@ -100,6 +100,20 @@ def deferrable_gradients(graph: OpGraph, layers: LayerAssignment) -> Deferrable:
             chain |= c
             grads.add(g)
     return Deferrable(frozenset(roots), frozenset(chain), frozenset(grads))
+
+
+def _sums_unit_dims(graph: OpGraph, node) -> bool:
+    """A `reduce_sum` over dimensions of size 1 only: a reshape, linear, no partial sum.
+
+    JAX's gradient of a bias broadcast as ``(h,) -> (1, 1, h) -> (b, s, h)`` is two sums:
+    over (b, s) into (h,), reshaped to (1, 1, h), then over the two unit dimensions. The
+    walk passes through the second, so the first (the one that sums over the batch, whose
+    partial sums the data axes hold) is the deferred root, reduced once per step like
+    every other weight gradient (it was charged once per microbatch)."""
+    if node.primitive != "reduce_sum" or len(node.inputs) != 1:
+        return False
+    shape = graph.vars[node.inputs[0]].shape
+    return all(shape[d] == 1 for d in node.params.get("axes", ()))
 
 
 def step_weights(
