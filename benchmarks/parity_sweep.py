@@ -21,7 +21,11 @@ same one-device program takes the same step with the batch's rows in another ord
 (`reorderings`: routing groups kept whole, so the loss is the same function and only the
 order of every sum over the batch changes), over `NUM_REORDERINGS` orders. No factor: a
 parallel step whose rounding is like one more reordering exceeds the largest of them on a
-leaf with probability at most 1/(`NUM_REORDERINGS` + 1).
+leaf with probability at most 1/(`NUM_REORDERINGS` + 1). The parallel programs' rounding is
+somewhat larger than that: the one leaf where the MoE's runs use the allowance (layer 0
+`wv` at step 1; element (26, 7) for seeds 7 and 13) moves by at most 9.2e-6 over the 63
+reorderings and by 1.0e-5 to 1.7e-5 in the parallel runs, which pass because the allowance
+adds the spread to atol 1e-5 (using 6.9e-6 of it at most), not by the spread alone.
 
 Why trajectories may diverge (docs/benchmarks.md, "Parity sweep"): AdamW's first update
 lr · g / (|g| + eps) turns a gradient difference δ on a near-zero gradient element into a
@@ -740,7 +744,7 @@ def markdown(summary: dict) -> str:
         f"{'yes' if summary['remat_drawn'] else 'no (autoparallel takes no remat= option)'}.",
         "",
         f"**{passed}/{len(results)} configurations match one device**; not passing: {kinds}.",
-        "", WHY_THE_ALLOWANCE, "", PIPELINED_MOE, "",
+        "", _trajectories(results), "", WHY_THE_ALLOWANCE, "", PIPELINED_MOE, "",
     ]
     by_code: dict[str, list[dict]] = collections.defaultdict(list)
     for r in results:
@@ -772,6 +776,31 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trajectories(results: list[dict]) -> str:
+    """How the passing runs matched: chained, or step by step (`compare`)."""
+    passed = [r for r in results if r["status"] == "pass"]
+    diverged = [r for r in passed if r.get("trajectory") == "diverged"]
+    text = (f"Of the {len(passed)} passing, {len(passed) - len(diverged)} match with their "
+            f"chained parameters at rtol / atol {RTOL:g}; {len(diverged)} diverged further "
+            "and match step by step")
+    if diverged:
+        worst = max(diverged, key=lambda r: r.get("max_allowance_used", 0.0))
+        chained = max(r.get("max_param_difference", 0.0) for r in diverged)
+        text += (f" (seeds {_ranges([r['seed'] for r in diverged])}; chained parameters "
+                 f"up to {chained:.2g} apart). The largest single-step excess over atol "
+                 f"{PARAM_ATOL:g} is {worst.get('max_allowance_used', 0.0):.2g} (seed "
+                 f"{worst['seed']}, {worst.get('allowance_used_on')})")
+    earlier = [r for r in passed if "trajectory" not in r]
+    if earlier:
+        largest = max(r.get("max_param_difference", float("inf")) for r in earlier)
+        text += (f". {len(earlier)} passing results ran before the step-by-step check "
+                 "(under a rule allowing more)")
+        text += (f"; their recorded largest parameter difference, {largest:.2g}, is within "
+                 f"atol {PARAM_ATOL:g}, so the present rule passes them as they are"
+                 if largest <= PARAM_ATOL else ", some past atol: rerun them")
+    return text + "."
+
+
 WHY_THE_ALLOWANCE = (
     "Why some runs are checked step by step: the MoE's 3-step trajectory amplifies float32 "
     "rounding. Seeds 7 (shard, (8,)) and 13 (data, (2, 4)) differ from one device on one "
@@ -789,13 +818,20 @@ WHY_THE_ALLOWANCE = (
     "routing groups kept whole: the same function, each sum over the batch in another "
     "order). No factor: a parallel step whose rounding is like one more reordering exceeds "
     f"the largest of {NUM_REORDERINGS} on a leaf with probability at most 1/"
-    f"{NUM_REORDERINGS + 1}. This replaces the earlier allowance (2 x the change from "
-    "moving every initial parameter by one rounding step, on the chained parameters), whose "
+    f"{NUM_REORDERINGS + 1}. The parallel programs' rounding is somewhat larger than a "
+    "reordering's: the one leaf where the MoE's runs use the allowance (layer 0 `wv` at "
+    "step 1) "
+    "moves by at most 9.2e-6 over the 63 reorderings and by 1.0e-5 to 1.7e-5 in the "
+    "parallel runs, which pass with atol 1e-5 plus that spread, not on the spread alone "
+    "(the largest excess over atol is given above). This replaces the earlier allowance "
+    "(2 x the change from moving every initial parameter by one rounding step, on the "
+    "chained parameters), whose "
     "factor was chosen and whose single perturbation measured less than the amplified "
     "difference on some leaves; a spread of the chained one-device trajectory would not "
     "bound it either: after 3 steps seed 23's layer-0 `wk` differs by 1.1e-4, while 63 "
-    "reorderings of the one-device run move it by at most 6.2e-6 (how far step 1's rounding "
-    "is amplified depends on which elements it hits; one step's rounding does not).")
+    "reorderings of the one-device run move it by at most 6.2e-6: how far 3 steps amplify "
+    "step 1's rounding depends on which elements it hits, so one trajectory need not lie "
+    "within another's spread, while a single step's difference stays at rounding scale.")
 
 
 PIPELINED_MOE = (
@@ -812,16 +848,18 @@ PIPELINED_MOE = (
     "contiguous rows, so groups stay whole; capacity and the load-balancing loss are per "
     "group and the loss is a mean over groups, so the mean of 2 or 4 microbatch losses is "
     "the batch's (float64: within 1.8e-15, gradients within 6.9e-17; same script). (3) "
-    "Routing does not flip: the top-2 dispatch recomputed from either run's parameters "
-    "before each step is identical in both MoE layers (gates within 9.8e-7, the closest "
-    "top-3 gates 5.8e-6 apart; `python benchmarks/parity_moe_rounding.py 73 selective`). "
+    "Routing does not flip: the top-2 dispatch recomputed from seed 73's parallel and "
+    "one-device parameters before each step is identical in both MoE layers (gates within "
+    "9.8e-7, the closest top-3 gates 5.8e-6 apart; "
+    "`python benchmarks/parity_moe_rounding.py 73 selective`). "
     "(4) Only step 1 differs: one parallel step from the one-device run's state differs by "
-    "1.5e-5 / 1.7e-5 (seed 73's plan / seed 23's) at step 1 (the `wv` element above), "
+    "1.5e-5 / 1.7e-5 (seed 73's plan / seed 23's) at step 1 (layer 0 `wv`), "
     "1.3e-7 / 2.1e-7 at step 2 and 6e-8 / 6.2e-8 at step 3 (optimizer state at most "
     "3.7e-9), and the one-device program continued from the parallel run's own state after "
     "step 1 lands within 1.2e-7 / 1.6e-7 of the parallel run after step 3, which is 2.2e-4 "
     "from the reference: all of that is the one-device dynamics "
-    "amplifying step 1's difference (layer 0 `wk` element (0, 12): 6.5e-9 apart after step "
+    "amplifying step 1's difference (seed 73's layer 0 `wk` element (0, 12): 6.5e-9 apart "
+    "after step "
     "2, 1.1e-4 after step 3) (`python benchmarks/parity_pipeline_steps.py "
     "1f1b:selective:2:1 zero_bubble:selective:2:2`).")
 
