@@ -7,7 +7,11 @@ parallel step twice per step t: once from the one-device reference's own state b
 t ("one step"), once chained on its own trajectory, and prints the largest parameter (and
 optimizer state) difference from the reference after each. A wrong step shows in the one-step
 column; rounding differences amplified over the trajectory (AdamW near zero gradients, MoE
-expert weights) show only in the chained one. Figures: docs/benchmarks.md, "Parity sweep".
+expert weights) show only in the chained one. Last, it continues the one-device program from
+the parallel run's own state after step 1 and prints how far that lands from the parallel
+run after each later step: near zero when everything the chained run adds after step 1 is
+the one-device dynamics amplifying step 1's difference. Figures: docs/benchmarks.md,
+"Parity sweep".
 """
 import importlib.util
 import os
@@ -52,13 +56,22 @@ for arg in sys.argv[1:]:
     par = autopar.autoparallel(step, method="auto", num_stages=int(stages),
                                num_microbatches=int(mb), schedule=sched, remat=remat,
                                donate_argnums=())
-    chain = state0
+    chain, chained = state0, []
     for t in range(ps.NUM_STEPS):
         one, _ = par(refs[t], batch)
         chain, _ = par(chain, batch)
+        chained.append(jax.tree.map(np.asarray, to_host(chain)))
         d1, i1 = largest(one.params, refs[t + 1].params)
         dopt, _ = largest(one.opt_state, refs[t + 1].opt_state)
         dc, ic = largest(chain.params, refs[t + 1].params)
         print(f"{arg} step {t + 1}: one step from the reference's state: max |param diff| "
               f"{d1:.2g} ({names[i1]}), opt_state {dopt:.2g}; chained: {dc:.2g} "
               f"({names[ic]})", flush=True)
+    s = jax.device_put(chained[0], dev)
+    for t in range(1, ps.NUM_STEPS):
+        s, _ = js(s, batch)
+        d, i = largest(s.params, chained[t].params)
+        dr, _ = largest(chained[t].params, refs[t + 1].params)
+        print(f"{arg} step {t + 1}: one device from the parallel run's state after step 1: "
+              f"max |param diff| from the parallel run {d:.2g} ({names[i]}); parallel vs the "
+              f"reference {dr:.2g}", flush=True)

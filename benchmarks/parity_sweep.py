@@ -10,17 +10,34 @@ batch, or whose rows do not split over the data-parallel devices) are never draw
 configuration trains `NUM_STEPS` AdamW steps and is compared with the same steps on one
 device.
 
-Comparison. Losses at rtol `RTOL`. Final parameters at rtol `RTOL` / atol `PARAM_ATOL`
-plus, per parameter leaf, `SENSITIVITY_FACTOR` x the one-device run's own sensitivity to
-rounding on that leaf (`reference_sensitivity`: the largest change of the leaf when every
-initial parameter is moved by one float32 rounding step). Why: AdamW's first update is
-lr · g / (|g| + eps); for a gradient element near zero (|g| ~ eps) a gradient difference δ
-becomes a parameter difference of up to lr · δ / eps = 1e4 · δ, so a rounding-level δ of
-~1e-9 from a different reduction order (which every data- or tensor-parallel program has)
-shows as ~1e-5 in one parameter element. That is what seeds 7 and 13 (MoE) showed: one
-element of 1024 off by 1.05e-5, whose step-0 gradient was 3.6e-7 while the leaf's largest
-was 1.5e-2 (docs/benchmarks.md, "Parity sweep"). The allowance is measured on the model, not
-chosen: where no gradient is near zero it is ~1e-7 and the check stays as strict as before.
+Comparison (`compare`). Losses of the chained run at rtol `RTOL`, always. Parameters after
+the chained steps at rtol `RTOL` / atol `PARAM_ATOL`. Where they differ by more, the sweep
+asks whether the parallel program computes a different step or the trajectory amplified a
+rounding-level difference: it runs each step of the parallel program once more from the
+one-device run's own state before that step (`single_steps`) and requires its loss at rtol
+`RTOL` and every parameter and optimizer-state leaf at rtol `RTOL` / atol `PARAM_ATOL` plus
+that one-device step's own spread on the leaf: the largest change of the leaf when the
+same one-device program takes the same step with the batch's rows in another order
+(`reorderings`: routing groups kept whole, so the loss is the same function and only the
+order of every sum over the batch changes), over `NUM_REORDERINGS` orders. No factor: a
+parallel step whose rounding is like one more reordering exceeds the largest of them on a
+leaf with probability at most 1/(`NUM_REORDERINGS` + 1). The parallel programs' rounding is
+somewhat larger than that: the one leaf where the MoE's runs use the allowance (layer 0
+`wv` at step 1; element (26, 7) for seeds 7 and 13) moves by at most 9.2e-6 over the 63
+reorderings and by 1.0e-5 to 1.7e-5 in the parallel runs, which pass because the allowance
+adds the spread to atol 1e-5 (using 6.9e-6 of it at most), not by the spread alone.
+
+Why trajectories may diverge (docs/benchmarks.md, "Parity sweep"): AdamW's first update
+lr · g / (|g| + eps) turns a gradient difference δ on a near-zero gradient element into a
+parameter difference of up to lr · δ / eps = 1e4 · δ, so a rounding-level δ of ~1e-9 shows
+as ~1e-5; the next steps, on gradients changed that much and with second moments still
+small, amplify it again (the MoE: 1.5e-5 after step 1, 2.2e-4 after step 3, its top-2
+routing unchanged). That is the one-device dynamics, not an error of the parallel program:
+one device continued from the parallel run's state after step 1 reproduces its step 3 to
+1.6e-7 (`benchmarks/parity_pipeline_steps.py`), and the step-1 gradients agree to rounding
+(`benchmarks/parity_moe_gradients.py`). A chained comparison with a tolerance wide enough
+for it would hide real errors in every other leaf; a single step from the same state does
+not amplify.
 
 Running. Configurations run in worker processes (`serve`) of `CONFIGS_PER_WORKER` each,
 with a fresh worker after any failure and a `TIMEOUT_SECONDS` limit per configuration (past
@@ -77,14 +94,20 @@ LEARNING_RATE = 1e-2
 ADAM_EPS = 1e-6  # well above float32 rounding of the second moment (as tests/test_multihost)
 RTOL = 1e-5
 PARAM_ATOL = 1e-5  # parameters near zero (biases after 3 steps) compare absolutely
-# Parameters may also differ, per leaf, by this many times the one-device run's own
-# sensitivity to rounding (`reference_sensitivity`): 2, one for each side's rounding.
-SENSITIVITY_FACTOR = 2.0
-COMPARISON = (f"losses at rtol {RTOL:g}; parameters at rtol {RTOL:g} / atol {PARAM_ATOL:g} plus, "
-              f"per leaf, {SENSITIVITY_FACTOR:g} x the one-device run's own largest change on "
-              "that leaf when every initial parameter is moved by one float32 rounding step "
-              "(AdamW's first update lr·g/(|g|+eps) amplifies rounding in a near-zero gradient "
-              "by up to lr/eps = 1e4)")
+# Equivalent one-device steps (the batch's rows reordered, `reorderings`) whose largest
+# difference from the one-device step bounds, per state leaf, what rounding alone moves a
+# single step by (`Reference.spread`). A parallel step whose rounding is like one more
+# reordering lands past the largest of these on a given leaf with probability at most
+# 1/(NUM_REORDERINGS + 1) (of NUM_REORDERINGS + 1 exchangeable draws, each is the largest
+# with equal chance); the allowance matters only on the few leaves that exceed atol.
+NUM_REORDERINGS = 63
+COMPARISON = (f"losses at rtol {RTOL:g}; parameters after the chained steps at rtol {RTOL:g} / "
+              f"atol {PARAM_ATOL:g}, or, where the trajectory diverged further, every single "
+              "step of the parallel program from the one-device run's own state (loss at rtol "
+              f"{RTOL:g}; every parameter and optimizer-state leaf at rtol {RTOL:g} / atol "
+              f"{PARAM_ATOL:g} plus the one-device step's own largest change on that leaf over "
+              f"{NUM_REORDERINGS} reorderings of the batch's rows, the same function summed in "
+              "other orders; no factor)")
 # Share of configurations run as 2 processes x 4 devices (each costs two JAX start-ups).
 MULTIPROCESS_SHARE = 0.06
 NUM_PROCESSES = 2
@@ -218,17 +241,11 @@ def train(step, state, batch) -> tuple[list[float], list]:
     return losses, params
 
 
-def one_device(model: str, perturb: bool = False) -> tuple[list[float], list]:
-    """The one-device losses and final parameters of `model`; with `perturb`, of the run
-    whose initial parameters moved by one rounding step (`one_device_pair`)."""
-    return one_device_pair(model)[1 if perturb else 0]
-
-
 def one_device_pair(model: str):
     """The one-device (losses, final parameters) of `model`, and the same of a second run
     whose every initial parameter first moved by one float32 rounding step (x · (1 ± 2⁻²³),
-    the sign drawn per element): `reference_sensitivity` measures how far that moves the
-    result. Both runs share one compiled step."""
+    the sign drawn per element). A diagnostic of how sensitive the model's 3-step trajectory
+    is (`benchmarks/parity_moe_rounding.py`); the sweep's comparison does not use it."""
     import jax
     import numpy as np
 
@@ -248,94 +265,226 @@ def one_device_pair(model: str):
 
 def reference_sensitivity(reference: tuple[list[float], list],
                           perturbed: tuple[list[float], list]) -> list[float]:
-    """Per parameter leaf, the largest |perturbed - reference| after `NUM_STEPS` steps: how
-    far float32 rounding alone moves the one-device run's own result on that leaf.
-
-    Where a gradient element is near zero at a step, AdamW's first-step update
-    lr · g / (|g| + eps) turns a gradient difference δ into a parameter difference of up to
-    lr · δ / eps (1e4 · δ here), so a rounding-level difference in a near-zero gradient (from
-    another reduction order, as in any parallel program) shows in the parameters at ~1e-5.
-    The perturbed reference measures that amplification on the model itself."""
+    """Per parameter leaf, the largest |perturbed - reference| of `one_device_pair`."""
     import numpy as np
 
     return [float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(perturbed[1],
                                                                       reference[1])]
 
 
-def compare(reference: tuple[list[float], list], got: tuple[list[float], list],
-            sensitivity: list[float] | None = None) -> None:
-    """Raise an AssertionError naming the first loss or parameter that differs.
+def row_block(model: str) -> int:
+    """Rows of the batch that must stay together, in order, for the loss to stay the same
+    function: the MoE routes groups of `expert_group_size` tokens (2 rows of 16 at the tiny
+    size; capacity and the load-balancing loss are per group, the loss a mean over groups);
+    every other model's loss is a mean over independent rows."""
+    if model != "moe":
+        return 1
+    from examples import moe
 
-    Losses: rtol `RTOL`. Parameters: rtol `RTOL`, atol `PARAM_ATOL`, plus, per leaf,
-    `SENSITIVITY_FACTOR` x that leaf's `reference_sensitivity` when given (the parallel run
-    may differ from the reference by as much as the reference differs from itself under
-    rounding-level changes, on either side: hence twice)."""
+    cfg = moe.CONFIGS["tiny"]
+    return max(1, cfg.expert_group_size // cfg.seq_len)
+
+
+def reorderings(model: str, num: int = NUM_REORDERINGS) -> list:
+    """`num` row orders of the batch, each a permutation of its `row_block`s (drawn from a
+    fixed seed): the same loss function, every sum over the batch taken in another order."""
     import numpy as np
 
-    np.testing.assert_allclose(got[0], reference[0], rtol=RTOL, err_msg="losses differ")
-    assert len(got[1]) == len(reference[1]), "parameter trees differ"
-    for i, (x, y) in enumerate(zip(got[1], reference[1])):
-        slack = 0.0 if sensitivity is None else SENSITIVITY_FACTOR * sensitivity[i]
-        np.testing.assert_allclose(x, y, rtol=RTOL, atol=PARAM_ATOL + slack,
-                                   err_msg=f"parameter leaf {i} differs (atol {PARAM_ATOL:g} "
-                                           f"+ reference sensitivity allowance {slack:.3g})")
+    rng = np.random.default_rng(0)
+    block = row_block(model)
+    return [np.concatenate([np.arange(b * block, (b + 1) * block)
+                            for b in rng.permutation(BATCH_SIZE // block)])
+            for _ in range(num)]
+
+
+@dataclasses.dataclass
+class Reference:
+    """The one-device run of a model and its own rounding spread (`one_device_reference`).
+
+    - `losses`: the losses of the `NUM_STEPS` chained steps.
+    - `states`: the flat train state (parameters, then optimizer state) before step 1 and
+      after each step, numpy leaves.
+    - `num_param_leaves`: how many of a state's leaves are parameters (they come first).
+    - `spread`: per step t and state leaf, the largest |one-device step t from `states[t]`
+      with the batch's rows reordered - `states[t + 1]|` over `NUM_REORDERINGS` orders.
+    """
+
+    losses: list
+    states: list
+    num_param_leaves: int
+    spread: list
+
+    @property
+    def params(self) -> list:
+        return self.states[-1][:self.num_param_leaves]
+
+
+def one_device_reference(model: str) -> Reference:
+    """Run `model` `NUM_STEPS` steps on one device and measure each step's spread over
+    `NUM_REORDERINGS` equivalent reduction orders (`reorderings`; one compiled step serves
+    every order, so the spread is the rounding of the one-device program itself)."""
+    import jax
+    import numpy as np
+
+    step, state, batch = build(model)
+    treedef = jax.tree.structure(state)
+    device = jax.local_devices()[0]
+    jitted = jax.jit(step)
+
+    def flat(tree):
+        return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+    current, losses = jax.device_put(state, device), []
+    states = [flat(current)]
+    for _ in range(NUM_STEPS):
+        current, metrics = jitted(current, jax.device_put(batch, device))
+        losses.append(float(metrics["loss"]))
+        states.append(flat(current))
+    host = jax.tree.map(np.asarray, batch)
+    orders = [jax.device_put(jax.tree.map(lambda x, rows=rows: x[rows], host), device)
+              for rows in reorderings(model)]
+    spread = []
+    for t in range(NUM_STEPS):
+        start = jax.device_put(jax.tree.unflatten(treedef, states[t]), device)
+        worst = np.zeros(len(states[t]))
+        for reordered in orders:
+            out, _ = jitted(start, reordered)
+            worst = np.maximum(worst, [np.max(np.abs(x - y), initial=0.0)
+                                       for x, y in zip(flat(out), states[t + 1])])
+        spread.append([float(x) for x in worst])
+    return Reference(losses, states, len(jax.tree.leaves(state.params)), spread)
+
+
+def single_steps(step, template, batch, reference: Reference) -> list:
+    """(loss, flat state leaves) of `step` run once from each of the reference's states
+    before steps 1..`NUM_STEPS` (`template`: a train state giving the tree structure)."""
+    import jax
+    import numpy as np
+
+    from autopar.distributed import to_host
+
+    treedef = jax.tree.structure(template)
+    out = []
+    for t in range(NUM_STEPS):
+        state, metrics = step(jax.tree.unflatten(treedef, reference.states[t]), batch)
+        out.append((float(to_host(metrics)["loss"]),
+                    [np.asarray(x) for x in jax.tree.leaves(to_host(state))]))
+    return out
+
+
+def compare(reference: Reference, got: tuple[list[float], list],
+            one_step: list | None = None) -> dict:
+    """Raise an AssertionError naming the first loss or parameter that differs; else return
+    how it matched (`COMPARISON`).
+
+    Losses of the chained run: rtol `RTOL`. Parameters after the chained steps: rtol `RTOL` /
+    atol `PARAM_ATOL`. Where they differ by more (the trajectory amplified a rounding-level
+    difference, see "Comparison" in the module docstring), each single step of the parallel
+    program from the one-device run's own state (`one_step`, `single_steps`) must match the
+    one-device step: its loss at rtol `RTOL`, every state leaf at rtol `RTOL` / atol
+    `PARAM_ATOL` plus that step's own spread on that leaf over `NUM_REORDERINGS` reduction
+    orders (`Reference.spread`)."""
+    import numpy as np
+
+    np.testing.assert_allclose(got[0], reference.losses, rtol=RTOL, err_msg="losses differ")
+    assert len(got[1]) == reference.num_param_leaves, "parameter trees differ"
+    chained = max((float(np.max(np.abs(x - y), initial=0.0))
+                   for x, y in zip(got[1], reference.params)), default=0.0)
+    try:
+        for i, (x, y) in enumerate(zip(got[1], reference.params)):
+            np.testing.assert_allclose(x, y, rtol=RTOL, atol=PARAM_ATOL,
+                                       err_msg=f"parameter leaf {i} differs")
+        return {"trajectory": "matches", "max_param_difference": chained}
+    except AssertionError as error:
+        if one_step is None:
+            raise
+        first = " ".join(line.strip() for line in str(error).splitlines()[1:3])
+    used, worst = 0.0, None
+    for t, (loss, leaves) in enumerate(one_step):
+        where = (f"step {t + 1} from the one-device run's state (chained, after "
+                 f"{NUM_STEPS} steps: {first})")
+        np.testing.assert_allclose(loss, reference.losses[t], rtol=RTOL,
+                                   err_msg=f"{where}: loss differs")
+        assert len(leaves) == len(reference.states[t + 1]), f"{where}: state trees differ"
+        for i, (x, y) in enumerate(zip(leaves, reference.states[t + 1])):
+            spread = reference.spread[t][i]
+            np.testing.assert_allclose(
+                x, y, rtol=RTOL, atol=PARAM_ATOL + spread,
+                err_msg=f"{where}: state leaf {i} differs (atol {PARAM_ATOL:g} + the one-device "
+                        f"step's own spread {spread:.3g})")
+            excess = float(np.max(np.abs(x - y) - RTOL * np.abs(y), initial=0.0)) - PARAM_ATOL
+            if excess > used:
+                used, worst = excess, f"step {t + 1}, state leaf {i}, spread {spread:.3g}"
+    return {"trajectory": "diverged", "max_param_difference": chained,
+            "max_allowance_used": used, "allowance_used_on": worst}
 
 
 # ----------------------------------------------------------------------------- one config
 
 
-def reference_for(model: str, cache: str | None):
-    """The one-device (losses, parameters) of `model` and its per-leaf
-    `reference_sensitivity`, kept in the folder `cache` (the sweep's): they depend only on
-    the model, so each model's references run once per sweep."""
+def reference_for(model: str, cache: str | None) -> Reference:
+    """`one_device_reference(model)`, kept in the folder `cache` (the sweep's): it depends
+    only on the model, so each model's reference runs once per sweep."""
     import numpy as np
 
     if cache is None:
-        reference, perturbed = one_device_pair(model)
-        return reference, reference_sensitivity(reference, perturbed)
+        return one_device_reference(model)
     path = Path(cache) / f"{model}.npz"
     if not path.exists():
-        reference, perturbed = one_device_pair(model)
-        losses, params = reference
-        sensitivity = reference_sensitivity(reference, perturbed)
+        ref = one_device_reference(model)
         partial = path.with_suffix(".part.npz")  # a worker killed while writing leaves no file
-        np.savez(partial, losses=np.asarray(losses), sensitivity=np.asarray(sensitivity),
-                 **{f"p{i}": p for i, p in enumerate(params)})
+        np.savez(partial, losses=np.asarray(ref.losses), spread=np.asarray(ref.spread),
+                 num_param_leaves=ref.num_param_leaves,
+                 **{f"s{t}_{i}": x for t, leaves in enumerate(ref.states)
+                    for i, x in enumerate(leaves)})
         partial.rename(path)
+    return load_reference(path)
+
+
+def load_reference(path) -> Reference:
+    import numpy as np
+
     with np.load(path) as data:
-        params = [data[f"p{i}"] for i in range(len(data.files) - 2)]
-        return ([float(x) for x in data["losses"]], params), list(data["sensitivity"])
+        spread = data["spread"]
+        states = [[data[f"s{t}_{i}"] for i in range(spread.shape[1])]
+                  for t in range(NUM_STEPS + 1)]
+        return Reference([float(x) for x in data["losses"]], states,
+                         int(data["num_param_leaves"]), spread.tolist())
 
 
-def run_config(config: Config, reference_cache: str | None = None, reference=None) -> dict:
+def run_config(config: Config, reference_cache: str | None = None,
+               reference: Reference | None = None) -> dict:
     """Run `config` in this process (8 devices) or under `autopar launch`; raise on a
-    mismatch. Returns the losses. `reference`: `reference_for(model)` if already known."""
+    mismatch (`compare`). Returns the losses and how they matched. `reference`:
+    `reference_for(model)` if already known."""
     import autopar
 
     if reference is None:
         reference = reference_for(config.model, reference_cache)
-    reference, sensitivity = reference
     if config.num_processes == 1:
         step, state, batch = build(config.model)
         par = autopar.autoparallel(step, **config.options())
         got = train(par, state, batch)
+        one_step = single_steps(par, state, batch, reference)
         plan = par.plan
         summary = {"num_stages": plan.num_stages, "num_microbatches": plan.num_microbatches}
     else:
-        got, summary = _run_multiprocess(config)
-    compare(reference, got, sensitivity)
-    allowance = [SENSITIVITY_FACTOR * x for x in sensitivity]
-    excess = [float(abs(x - y).max(initial=0.0)) for x, y in zip(got[1], reference[1])]
-    return {"losses": got[0], "reference_losses": reference[0], "plan": summary,
-            "max_param_difference": max(excess, default=0.0),
-            "max_allowance_used": max((e - PARAM_ATOL for e, a in zip(excess, allowance)
-                                       if e > PARAM_ATOL), default=0.0)}
+        got, one_step, summary = _run_multiprocess(config, reference)
+    matched = compare(reference, got, one_step)
+    return {"losses": got[0], "reference_losses": reference.losses, "plan": summary,
+            **matched}
 
 
-def _run_multiprocess(config: Config):
+def _run_multiprocess(config: Config, reference: Reference):
     import numpy as np
 
     with tempfile.TemporaryDirectory() as out:
+        # The workers run single steps from the reference's states too (`single_steps`).
+        np.savez(Path(out) / "reference.npz", losses=np.asarray(reference.losses),
+                 spread=np.asarray(reference.spread),
+                 num_param_leaves=reference.num_param_leaves,
+                 **{f"s{t}_{i}": x for t, leaves in enumerate(reference.states)
+                    for i, x in enumerate(leaves)})
         command = [
             sys.executable, "-m", "autopar.app.cli", "launch", "-n", str(config.num_processes),
             "--devices-per-process", str(NUM_DEVICES // config.num_processes),
@@ -349,12 +498,15 @@ def _run_multiprocess(config: Config):
             raise RuntimeError(f"autopar launch exited {done.returncode}:\n{logs}")
         with np.load(Path(out) / "process0.npz") as data:
             losses = [float(x) for x in data["losses"]]
-            params = [data[f"p{i}"] for i in range(len(data.files) - 1)]
+            params = [data[f"p{i}"] for i in range(reference.num_param_leaves)]
+            one_step = [(float(data["one_losses"][t]),
+                         [data[f"o{t}_{i}"] for i in range(len(reference.states[t + 1]))])
+                        for t in range(NUM_STEPS)]
         summary = json.loads((Path(out) / "plan0.json").read_text())
         for i in range(1, config.num_processes):
             other = np.load(Path(out) / f"process{i}.npz")["losses"]
             np.testing.assert_allclose(other, losses, rtol=0, err_msg=f"process {i} losses")
-    return (losses, params), summary
+    return (losses, params), one_step, summary
 
 
 def worker(seed: int, out: str) -> None:
@@ -375,7 +527,11 @@ def worker(seed: int, out: str) -> None:
     batch = global_batch(jax.tree.map(lambda x: x[mine], full))
     par = autopar.autoparallel(step, **config.options())
     losses, params = train(par, state, batch)
-    arrays = {"losses": np.asarray(losses), **{f"p{i}": p for i, p in enumerate(params)}}
+    one_step = single_steps(par, state, batch, load_reference(Path(out) / "reference.npz"))
+    arrays = {"losses": np.asarray(losses), **{f"p{i}": p for i, p in enumerate(params)},
+              "one_losses": np.asarray([loss for loss, _ in one_step]),
+              **{f"o{t}_{i}": x for t, (_, leaves) in enumerate(one_step)
+                 for i, x in enumerate(leaves)}}
     np.savez(Path(out) / f"process{info.process_id}.npz", **arrays)
     plan = {"num_stages": par.plan.num_stages, "num_microbatches": par.plan.num_microbatches}
     (Path(out) / f"plan{info.process_id}.json").write_text(json.dumps(plan))
@@ -590,7 +746,7 @@ def markdown(summary: dict) -> str:
         f"{'yes' if summary['remat_drawn'] else 'no (autoparallel takes no remat= option)'}.",
         "",
         f"**{passed}/{len(results)} configurations match one device**; not passing: {kinds}.",
-        "", WHY_THE_ALLOWANCE, "", PIPELINED_MOE, "",
+        "", _trajectories(results), "", WHY_THE_ALLOWANCE, "", PIPELINED_MOE, "",
     ]
     by_code: dict[str, list[dict]] = collections.defaultdict(list)
     for r in results:
@@ -622,40 +778,92 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trajectories(results: list[dict]) -> str:
+    """How the passing runs matched: chained, or step by step (`compare`)."""
+    passed = [r for r in results if r["status"] == "pass"]
+    diverged = [r for r in passed if r.get("trajectory") == "diverged"]
+    text = (f"Of the {len(passed)} passing, {len(passed) - len(diverged)} match with their "
+            f"chained parameters at rtol / atol {RTOL:g}; {len(diverged)} diverged further "
+            "and match step by step")
+    if diverged:
+        worst = max(diverged, key=lambda r: r.get("max_allowance_used", 0.0))
+        chained = max(r.get("max_param_difference", 0.0) for r in diverged)
+        text += (f" (seeds {_ranges([r['seed'] for r in diverged])}; chained parameters "
+                 f"up to {chained:.2g} apart). The largest single-step excess over atol "
+                 f"{PARAM_ATOL:g} is {worst.get('max_allowance_used', 0.0):.2g} (seed "
+                 f"{worst['seed']}, {worst.get('allowance_used_on')})")
+    earlier = [r for r in passed if "trajectory" not in r]
+    if earlier:
+        largest = max(r.get("max_param_difference", float("inf")) for r in earlier)
+        text += (f". {len(earlier)} passing results ran before the step-by-step check "
+                 "(under a rule allowing more)")
+        text += (f"; their recorded largest parameter difference, {largest:.2g}, is within "
+                 f"atol {PARAM_ATOL:g}, so the present rule passes them as they are"
+                 if largest <= PARAM_ATOL else ", some past atol: rerun them")
+    return text + "."
+
+
 WHY_THE_ALLOWANCE = (
-    "Why parameters get the one-device run's own rounding sensitivity: the MoE seeds 7 "
-    "(shard, (8,)) and 13 (data, (2, 4)), drawn without remat, failed on exactly one "
-    "element of 1024 (layer 0 attention `wv`, element (26, 7)), off by 1.04e-5 and 1.07e-5 "
-    "after step 1 and by the same amount after step 3, with the losses equal at rtol 1e-5 "
-    "(step 1's bit for bit). That element's step-1 gradient is 3.6e-7 while the leaf's "
-    "largest is 1.5e-2. AdamW's first update lr·g/(|g|+eps) has slope lr·eps/(|g|+eps)² = "
-    "5.4e3 there (lr 1e-2, eps 1e-6), so 1.05e-5 comes from a gradient difference of about "
-    "2e-9, 1.3e-7 of the leaf's largest gradient: float32 rounding of a sum taken in another "
-    "order. Not a routing difference: recomputing the top-2 dispatch from either run's "
-    "parameters before each of the 3 steps gives identical dispatch tensors in both MoE "
-    "layers, the gates differing by at most 7e-7 while the closest top-3 gates are 2.9e-6 "
-    "apart. The one-device run is as sensitive itself: moving each initial parameter by "
-    "one float32 rounding step (same routing at every step) moves that very element by "
-    "1.3e-5, leaf `wv` by up to 2.5e-5 and the MoE expert weights by up to 1.5e-4 (median "
-    "over the MoE model's leaves 2.8e-6). Twice that measured amount per leaf is what a "
-    "parallel run may differ by (`reference_sensitivity` in the script); losses get no "
-    "allowance.")
+    "Why some runs are checked step by step: the MoE's 3-step trajectory amplifies float32 "
+    "rounding. Seeds 7 (shard, (8,)) and 13 (data, (2, 4)) differ from one device on one "
+    "element of 1024 (layer 0 attention `wv`, element (26, 7)) by 1.04e-5 and 1.07e-5 after "
+    "step 1, the losses equal at rtol 1e-5. That element's step-1 gradient is 3.6e-7 while "
+    "the leaf's largest is 1.5e-2; AdamW's first update lr·g/(|g|+eps) has slope "
+    "lr·eps/(|g|+eps)² = 5.4e3 there (lr 1e-2, eps 1e-6), so 1.05e-5 comes from a gradient "
+    "difference of about 2e-9: a sum taken in another order. Later steps amplify it again "
+    "(below: 2.2e-4 after step 3). A check of the chained parameters with a tolerance wide "
+    "enough for that would hide real errors, so the chained parameters stay at rtol / atol "
+    "1e-5, and a run past it must match one device step by step: each step of the parallel "
+    "program from the one-device run's own state, its loss at rtol 1e-5 and every parameter "
+    "and optimizer-state leaf at rtol / atol 1e-5 plus the one-device step's own largest "
+    f"change on that leaf over {NUM_REORDERINGS} reorderings of the batch's rows (the MoE's "
+    "routing groups kept whole: the same function, each sum over the batch in another "
+    "order). No factor: a parallel step whose rounding is like one more reordering exceeds "
+    f"the largest of {NUM_REORDERINGS} on a leaf with probability at most 1/"
+    f"{NUM_REORDERINGS + 1}. The parallel programs' rounding is somewhat larger than a "
+    "reordering's: the one leaf where the MoE's runs use the allowance (layer 0 `wv` at "
+    "step 1) "
+    "moves by at most 9.2e-6 over the 63 reorderings and by 1.0e-5 to 1.7e-5 in the "
+    "parallel runs, which pass with atol 1e-5 plus that spread, not on the spread alone "
+    "(the largest excess over atol is given above). This replaces the earlier allowance "
+    "(2 x the change from moving every initial parameter by one rounding step, on the "
+    "chained parameters), whose "
+    "factor was chosen and whose single perturbation measured less than the amplified "
+    "difference on some leaves; a spread of the chained one-device trajectory would not "
+    "bound it either: after 3 steps seed 23's layer-0 `wk` differs by 1.1e-4, while 63 "
+    "reorderings of the one-device run move it by at most 6.2e-6: how far 3 steps amplify "
+    "step 1's rounding depends on which elements it hits, so one trajectory need not lie "
+    "within another's spread, while a single step's difference stays at rounding scale.")
 
 
 PIPELINED_MOE = (
-    "The MoE through a 2-stage pipeline (seed 23 fails, seed 36 passes only by its "
-    "allowance, 1.4e-4) differs by up to 2.2e-4 after 3 steps (expert `w1`), alike for "
-    "gpipe, 1f1b and zero_bubble, 1 or 2 microbatches, with or without remat. No step is "
-    "wrong: one parallel step taken from the one-device run's own state differs from the "
-    "one-device step by at most 1.6e-5 at step 1 (the `wv` element above), 2.1e-7 at step "
-    "2 and 6.8e-8 at step 3, the optimizer state by at most 5.6e-9 "
-    "(`python benchmarks/parity_pipeline_steps.py zero_bubble:none:2:2`); chained, step "
-    "1's rounding-level difference grows to 2.2e-4 by step 3. The MoE's expert weights are "
-    "that sensitive (a one-rounding-step change of the initial parameters moves them by "
-    "1.5e-4), but one perturbation measures less than the parallel run's step-1 difference "
-    "on some leaves (seed 23: `bq` off by 3.7e-5 against an allowance of 1.7e-5). A check "
-    "that does not accumulate (each parallel step from the reference's state) would tell "
-    "the two apart; the sweep does not run it yet.")
+    "Seeds 23 and 73, the MoE through 2 pipeline stages (zero_bubble with 2 microbatches "
+    "over 2 processes, 1f1b with 1), failed the earlier rule on layer 0's `bq` (3.7e-5 and "
+    "3.8e-5 after 3 steps). Cause: the same rounding amplification, no error of the pipeline. "
+    "(1) The gradients agree to rounding: at step 1 the parallel gradient's error against "
+    "the float64 gradient of the same function is, on every leaf, at most 1.38x (seed 23; "
+    "1.25x seed 73) the largest error of 10 equivalent one-device float32 gradients (8 "
+    "reorderings of the routing groups, 2 and 4 microbatches averaged); the largest "
+    "parallel-vs-one-device difference is 3.7e-8 where the one-device variants spread by "
+    "5.2e-8 (`python benchmarks/parity_moe_gradients.py 23 73`). (2) Microbatching does not "
+    "change the function: routing groups are 32 tokens = 2 rows and microbatches are "
+    "contiguous rows, so groups stay whole; capacity and the load-balancing loss are per "
+    "group and the loss is a mean over groups, so the mean of 2 or 4 microbatch losses is "
+    "the batch's (float64: within 1.8e-15, gradients within 6.9e-17; same script). (3) "
+    "Routing does not flip: the top-2 dispatch recomputed from seed 73's parallel and "
+    "one-device parameters before each step is identical in both MoE layers (gates within "
+    "9.8e-7, the closest top-3 gates 5.8e-6 apart; "
+    "`python benchmarks/parity_moe_rounding.py 73 selective`). "
+    "(4) Only step 1 differs: one parallel step from the one-device run's state differs by "
+    "1.5e-5 / 1.7e-5 (seed 73's plan / seed 23's) at step 1 (layer 0 `wv`), "
+    "1.3e-7 / 2.1e-7 at step 2 and 6e-8 / 6.2e-8 at step 3 (optimizer state at most "
+    "3.7e-9), and the one-device program continued from the parallel run's own state after "
+    "step 1 lands within 1.2e-7 / 1.6e-7 of the parallel run after step 3, which is 2.2e-4 "
+    "from the reference: all of that is the one-device dynamics "
+    "amplifying step 1's difference (seed 73's layer 0 `wk` element (0, 12): 6.5e-9 apart "
+    "after step "
+    "2, 1.1e-4 after step 3) (`python benchmarks/parity_pipeline_steps.py "
+    "1f1b:selective:2:1 zero_bubble:selective:2:2`).")
 
 
 UNRECORDED = "not recorded (a run before results named their code)"
@@ -735,9 +943,12 @@ def sweep(seeds: list[int], write: bool, timeout: float = TIMEOUT_SECONDS,
             print(f"seed {result['seed']:4d} {result['status']:4s} {result['seconds']:6.1f} s "
                   f"(CPU {result.get('cpu_seconds', float('nan')):6.1f} s)  "
                   f"{config.describe()}"
-                  + (f"; max |param diff| {result['max_param_difference']:.2g}, allowance "
-                     f"used {result['max_allowance_used']:.2g}" if result["status"] == "pass"
-                     else "")
+                  + (f"; max |param diff| {result.get('max_param_difference', 0):.2g} "
+                     f"(trajectory {result.get('trajectory', '?')}"
+                     + (f", single steps used {result['max_allowance_used']:.2g} of their "
+                        f"spread allowance, at {result['allowance_used_on']}"
+                        if "max_allowance_used" in result else "") + ")"
+                     if result["status"] == "pass" else "")
                   + ("" if result["status"] == "pass"
                                             else f"\n    {result['error'][:500]}"), flush=True)
             if write:

@@ -38,8 +38,9 @@ SAMPLE = {
 DEFAULT_TIER = (28,)
 # Known misses of the sample; strict, so a fix shows. Seed 13 (MoE, data, (2, 4)) was one:
 # one parameter element off by 1.06e-5, a rounding-level gradient difference on a near-zero
-# gradient amplified by AdamW; the sweep now allows each leaf the one-device run's own
-# rounding sensitivity (benchmarks/parity_sweep.py, "Comparison").
+# gradient amplified by AdamW; the sweep now checks such runs step by step from the
+# one-device run's state, within that step's own rounding spread (benchmarks/parity_sweep.py,
+# "Comparison").
 KNOWN_MISSES: dict[int, str] = {}
 
 
@@ -85,7 +86,7 @@ def test_sweep_draws_only_valid_combinations():
 
 @pytest.fixture(scope="module")
 def references():
-    """One-device losses, parameters and rounding sensitivity per model, computed once."""
+    """One-device runs and their own rounding spread per model, computed once."""
     return {}
 
 
@@ -108,20 +109,54 @@ def test_sample_matches_one_device(seed, references):
     assert len(result["losses"]) == sweep.NUM_STEPS
 
 
-def test_compare_allows_each_leaf_its_measured_rounding_sensitivity_and_no_more():
+def _reference(spread):
+    """A 2-parameter-leaf, 1-optimizer-leaf reference whose state never changes."""
     import numpy as np
 
-    reference = ([1.0, 0.9], [np.zeros(4, np.float32), np.ones(3, np.float32)])
-    off = [np.asarray([0, 0, 3e-5, 0], np.float32), np.ones(3, np.float32)]
+    state = [np.zeros(4, np.float32), np.ones(3, np.float32), np.full(2, 0.5, np.float32)]
+    return sweep.Reference(losses=[1.0, 0.9, 0.8], states=[state] * (sweep.NUM_STEPS + 1),
+                           num_param_leaves=2, spread=[[spread, 0.0, 0.0]] * sweep.NUM_STEPS)
+
+
+def test_compare_chained_at_rtol_atol_else_each_single_step_within_its_own_spread():
+    import numpy as np
+
+    reference = _reference(spread=1e-5)
+    state = reference.states[0]
+    off = [np.asarray([0, 0, 3e-5, 0], np.float32), state[1]]
+    assert sweep.compare(reference, (reference.losses, state[:2]))["trajectory"] == "matches"
     with pytest.raises(AssertionError, match="parameter leaf 0 differs"):
-        sweep.compare(reference, ([1.0, 0.9], off))  # past atol 1e-5, no allowance
-    # Leaf 0's one-device run moved by 1.5e-5 under a rounding-level perturbation: allowed
-    # 1e-5 + 2 x 1.5e-5; leaf 1 moved by nothing, so it stays at rtol / atol.
-    sweep.compare(reference, ([1.0, 0.9], off), sensitivity=[1.5e-5, 0.0])
-    with pytest.raises(AssertionError, match="parameter leaf 0 differs"):
-        sweep.compare(reference, ([1.0, 0.9], off), sensitivity=[5e-6, 0.0])
-    with pytest.raises(AssertionError, match="losses differ"):  # losses get no allowance
-        sweep.compare(reference, ([1.0, 0.9001], reference[1]), sensitivity=[1.0, 1.0])
+        sweep.compare(reference, (reference.losses, off))  # past atol 1e-5, no single steps
+    # The chained run diverged, but every single step from the reference's state matches:
+    # step 1 is off by 1.5e-5 on leaf 0, within atol 1e-5 + that step's spread 1e-5.
+    steps = [(loss, list(state)) for loss in reference.losses]
+    steps[0] = (1.0, [np.asarray([0, 1.5e-5, 0, 0], np.float32), *state[1:]])
+    matched = sweep.compare(reference, (reference.losses, off), steps)
+    assert matched["trajectory"] == "diverged" and matched["max_allowance_used"] > 0
+    with pytest.raises(AssertionError, match="step 1 from the one-device run's state.*"
+                                             "state leaf 0 differs"):
+        sweep.compare(_reference(spread=0.0), (reference.losses, off), steps)
+    # No allowance on leaves whose one-device step does not move under reordering (the
+    # optimizer state here), nor on losses, chained or single-step.
+    steps[2] = (0.8, [*state[:2], np.full(2, 0.50002, np.float32)])
+    with pytest.raises(AssertionError, match="step 3 .*state leaf 2 differs"):
+        sweep.compare(reference, (reference.losses, off), steps)
+    with pytest.raises(AssertionError, match="losses differ"):
+        sweep.compare(reference, ([1.0, 0.9001, 0.8], state[:2]), steps)
+    steps[2] = (0.8001, list(state))
+    with pytest.raises(AssertionError, match="step 3 .*loss differs"):
+        sweep.compare(reference, (reference.losses, off), steps)
+
+
+def test_reorderings_keep_each_moe_routing_group_whole():
+    import numpy as np
+
+    assert sweep.row_block("gpt") == 1 and sweep.row_block("moe") == 2
+    orders = sweep.reorderings("moe", num=5)
+    for rows in orders:
+        assert sorted(rows) == list(range(sweep.BATCH_SIZE))
+        assert np.all(rows[0::2] % 2 == 0) and np.all(rows[1::2] == rows[0::2] + 1)
+    assert any(not np.array_equal(rows, np.arange(sweep.BATCH_SIZE)) for rows in orders)
 
 
 def test_summary_merges_runs_by_seed_and_names_each_code_state():
