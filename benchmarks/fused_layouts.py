@@ -39,28 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from runtime_overhead import BATCH, CONFIG, collectives  # noqa: E402
+from runtime_overhead import BATCH, CONFIG, build, collectives  # noqa: E402
 
 import autopar  # noqa: E402
-import autopar.lower._spmd as spmd  # noqa: E402
-import autopar.runtime._fused as fused_module  # noqa: E402
 from examples import gpt  # noqa: E402
-
-
-def build(pipeline, variant: str):
-    """A `FusedStep` of `pipeline` with the layouts of `variant`."""
-    segment_body, hooks = fused_module.segment_body, spmd.constraint_hooks
-    try:
-        if variant != "runtime":
-            pin = variant == "segment edges pinned"
-            fused_module.segment_body = (
-                lambda *a, **k: segment_body(*a, **{**k, "constrain": pin})
-            )
-        if variant == "input shardings only":
-            spmd.constraint_hooks = lambda plan, mesh: (lambda n, x: x, lambda n, x: x)
-        return fused_module.FusedStep(pipeline)
-    finally:
-        fused_module.segment_body, spmd.constraint_hooks = segment_body, hooks
 
 
 def main() -> None:

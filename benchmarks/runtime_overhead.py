@@ -4,13 +4,16 @@
    ``state, metrics = train_step(state, batch)`` with the state donated (autopar's default
    `donate_argnums=(0,)`) and fed back, against the same loop over a hand-written
    `jax.jit` of the step given the plan's shardings (`train_step.shardings()` in, the
-   shardings autopar's step returns out, `donate_argnums=0`), and over the runtime's
+   shardings autopar's step returns out, `donate_argnums=0`), over the runtime's
    compiled program called directly (`FusedStep.fn`: the program without autopar's call
-   path). Each round runs `--steps` steps of each loop in turn (the order rotating from
-   round to round), dispatched asynchronously and waited for once at the end, as a
-   training loop runs; the figures are medians over the rounds of wall and process (CPU,
-   every thread of this process, XLA's included) seconds per step, with the collectives
-   of each compiled program and the load average before and after.
+   path), and over that program built with no constraint inside (XLA propagating from the
+   input shardings, as in the hand-written `jax.jit`; results pinned as the runtime's):
+   what separates the plan's own layouts from the runtime. Each round runs `--steps`
+   steps of each loop in turn (the order rotating from round to round), dispatched
+   asynchronously and waited for once at the end, as a training loop runs; the figures
+   are medians over the rounds of wall and process (CPU, every thread of this process,
+   XLA's included) seconds per step, with the collectives of each compiled program and
+   the load average before and after.
 2. A 4-stage pipeline (8 microbatches) under 1F1B, interleaved 1F1B (v = 2) and zero bubble:
    the measured idle share of the device groups (bubble) against the predicted one
    (`Plan.bubble_fraction`, and the simulated chart `plan_schedule`), and the fraction of
@@ -45,6 +48,8 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import autopar  # noqa: E402
+import autopar.lower._spmd as spmd  # noqa: E402
+import autopar.runtime._fused as fused_module  # noqa: E402
 from autopar.lower._hlo import _LINE  # noqa: E402
 from autopar.report import plan_schedule  # noqa: E402
 from autopar.report._gantt import idle_fraction  # noqa: E402
@@ -56,6 +61,7 @@ BATCH = 16
 LOOPS = {
     "autopar": "autopar `train_step(state, batch)`",
     "program": "its compiled program called directly (`FusedStep.fn`)",
+    "unpinned": "that program with no constraint inside (XLA propagates, as in the jit)",
     "jit": "hand-written `jax.jit`, the plan's shardings in and out, state donated",
 }
 
@@ -93,6 +99,24 @@ def collectives(hlo: str) -> Counter:
     return found
 
 
+def build(pipeline, variant: str, donate_flat=()):
+    """A `FusedStep` of `pipeline` with the layouts of `variant`: "runtime" (as the
+    runtime builds it), "segment edges pinned" (every segment's inputs and results pinned,
+    as if each were its own program), "input shardings only" (no constraint inside)."""
+    segment_body, hooks = fused_module.segment_body, spmd.constraint_hooks
+    try:
+        if variant != "runtime":
+            pin = variant == "segment edges pinned"
+            fused_module.segment_body = (
+                lambda *a, **k: segment_body(*a, **{**k, "constrain": pin})
+            )
+        if variant == "input shardings only":
+            spmd.constraint_hooks = lambda plan, mesh: (lambda n, x: x, lambda n, x: x)
+        return fused_module.FusedStep(pipeline, donate_flat)
+    finally:
+        fused_module.segment_body, spmd.constraint_hooks = segment_body, hooks
+
+
 def _fresh_state(optimizer):
     return gpt.init_state(CONFIG, optimizer, jax.random.key(0))
 
@@ -115,17 +139,27 @@ def one_stage_overhead(rounds: int, steps: int) -> dict:
     fused = par.pipeline.fused
     out_tree = par.graph.out_tree
     batch = jax.device_put(batch, in_sh[1])
+    # The same program with no constraint inside, its results pinned as the runtime's are.
+    unpinned_step = build(par.pipeline, "input shardings only")
+    unpinned = jax.jit(
+        unpinned_step._step, in_shardings=unpinned_step.in_shardings,
+        out_shardings=jax.tree.leaves(out_sh),
+        donate_argnums=tuple(range(len(jax.tree.leaves(in_sh[0])))),
+    )
 
-    def program(state, batch):
-        outs = fused.fn(*jax.tree.leaves(state), *jax.tree.leaves(batch))
-        return jax.tree.unflatten(out_tree, outs)
+    def flat_call(fn):
+        def call(state, batch):
+            outs = fn(*jax.tree.leaves(state), *jax.tree.leaves(batch))
+            return jax.tree.unflatten(out_tree, outs)
+        return call
 
-    fns = {"autopar": par, "program": program, "jit": hand}
+    fns = {"autopar": par, "program": flat_call(fused.fn), "unpinned": flat_call(unpinned),
+           "jit": hand}
     states = {name: jax.device_put(_fresh_state(optimizer), in_sh[0]) for name in fns}
+    flat = [*jax.tree.leaves(states["program"]), *jax.tree.leaves(batch)]
     counts = {
-        "program": collectives(fused.fn.lower(
-            *jax.tree.leaves(states["program"]), *jax.tree.leaves(batch)
-        ).compile().as_text()),
+        "program": collectives(fused.fn.lower(*flat).compile().as_text()),
+        "unpinned": collectives(unpinned.lower(*flat).compile().as_text()),
         "jit": collectives(hand.lower(states["jit"], batch).compile().as_text()),
     }
     for name, fn in fns.items():  # compile and warm up
@@ -241,14 +275,15 @@ def _print_overhead(args) -> None:
           f"interleaved rounds of {args.steps} steps, load average {load[0]:.1f} before, "
           f"{load[1]:.1f} after): wall, process time, ratio to jax.jit")
     print("| training loop | wall ms | process ms | wall / jit | process / jit | "
-          "process / jit per round (min-max) |")
+          "process / jit per round: median (min-max) |")
     print("|---|---|---|---|---|---|")
     for name, label in LOOPS.items():
         wall, cpu = overhead[f"{name}_wall_s"] * 1e3, overhead[f"{name}_cpu_s"] * 1e3
         per_round = overhead[f"{name}_cpu_round_ratios"]
         ratios = ("1 | 1 | -" if name == "jit" else
                   f"{overhead[f'{name}_wall_ratio']:.3f} | {overhead[f'{name}_cpu_ratio']:.3f}"
-                  f" | {min(per_round):.3f}-{max(per_round):.3f}")
+                  f" | {statistics.median(per_round):.3f} ({min(per_round):.3f}-"
+                  f"{max(per_round):.3f})")
         print(f"| {label} | {wall:.2f} | {cpu:.2f} | {ratios} |")
     print("| program | all-gather | all-reduce | reduce-scatter | all-to-all | permute |")
     print("|---|---|---|---|---|---|")
