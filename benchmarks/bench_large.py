@@ -57,11 +57,12 @@ class Row:
     num_hosts: int
     global_batch: int = GLOBAL_BATCH
     profile: str = PROFILE
+    tag: str = ""  # appended to the key: a second row of the same model and GPUs
 
     @property
     def key(self) -> str:
         """The row's name on the command line, e.g. ``gpt-1.3B@8``."""
-        return f"{self.family}-{self.model}@{self.num_gpus}"
+        return f"{self.family}-{self.model}@{self.num_gpus}{self.tag}"
 
     @property
     def num_gpus(self) -> int:
@@ -246,7 +247,7 @@ def run_row(row: Row, microbatches: Sequence[int],
     cluster = row.cluster()
     flops = trace(step, *args).total_flops
     num_layers = row.num_layers
-    notes = []
+    notes = [f"global batch {row.global_batch}"] if row.tag else []
     auto = megatron = None
     try:
         auto = run_auto(step, args, cluster, microbatches, flops, schedule)

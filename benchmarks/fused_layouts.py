@@ -15,17 +15,19 @@ process seconds per step), with the collectives of each compiled program (and, w
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
         python benchmarks/fused_layouts.py [--rounds 5 --steps 10 --microbatches 1]
+
+It times the programs alone (called with the flat arguments, no donation, the same state
+every step): the one-stage overhead as a user meets it, autopar's call path and donation
+included, is `runtime_overhead.py`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -37,62 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from runtime_overhead import BATCH, CONFIG  # noqa: E402
+from runtime_overhead import BATCH, CONFIG, build, collectives  # noqa: E402
 
 import autopar  # noqa: E402
-import autopar.lower._spmd as spmd  # noqa: E402
-import autopar.runtime._fused as fused_module  # noqa: E402
-from autopar.lower._hlo import _LINE  # noqa: E402
 from examples import gpt  # noqa: E402
-
-
-def collectives(hlo: str) -> Counter:
-    """(where, op) -> count, where is "loop" for computations a while loop runs (its body
-    and what that calls), else "step"."""
-    bodies: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name = head.group(1)
-            bodies[name] = []
-        elif name:
-            bodies[name].append(line)
-    calls = {
-        n: set(re.findall(r"(?:body|condition|calls|to_apply)=\{?%?([\w.\-]+)", "\n".join(b)))
-        for n, b in bodies.items()
-    }
-    stack = [r for b in bodies.values() for line in b if " while(" in line
-             for r in re.findall(r"body=%?([\w.\-]+)", line)]
-    loop: set[str] = set()
-    while stack:
-        c = stack.pop()
-        if c not in loop and c in bodies:
-            loop.add(c)
-            stack += calls.get(c, ())
-    found: Counter = Counter()
-    for n, body in bodies.items():
-        for line in body:
-            m = _LINE.search(line)
-            if m:
-                found[("loop" if n in loop else "step", m.group("op"))] += 1
-    return found
-
-
-def build(pipeline, variant: str):
-    """A `FusedStep` of `pipeline` with the layouts of `variant`."""
-    segment_body, hooks = fused_module.segment_body, spmd.constraint_hooks
-    try:
-        if variant != "runtime":
-            pin = variant == "segment edges pinned"
-            fused_module.segment_body = (
-                lambda *a, **k: segment_body(*a, **{**k, "constrain": pin})
-            )
-        if variant == "input shardings only":
-            spmd.constraint_hooks = lambda plan, mesh: (lambda n, x: x, lambda n, x: x)
-        return fused_module.FusedStep(pipeline)
-    finally:
-        fused_module.segment_body, spmd.constraint_hooks = segment_body, hooks
 
 
 def main() -> None:

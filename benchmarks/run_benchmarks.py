@@ -51,7 +51,14 @@ LLAMA_ROWS = (
     Row("llama", "8B", 1, global_batch=256, profile="dgx-h100"),
     Row("llama", "70B", 4, global_batch=256, profile="dgx-h100"),
 )
-ALL_ROWS = tuple(Row("gpt", m, h) for m in GPT_MODELS for h in HOSTS) + MOE_ROWS + LLAMA_ROWS
+# A small global batch, where a pipeline's bubble is large: GPT 2.6B on 32 GPUs with 32
+# sequences a step (64K tokens), run with `--microbatches 8` (4 sequences each). The
+# cross-host gradient all-reduce of data parallelism weighs more against the smaller
+# step's compute, so the planner pipelines (4 stages), and with 8 microbatches 1F1B idles
+# 3/11 of the step: what `schedule="auto"` weighs zero bubble and interleaving against.
+SMALL_BATCH_ROWS = (Row("gpt", "2.6B", 4, global_batch=32, tag="-b32"),)
+ALL_ROWS = (tuple(Row("gpt", m, h) for m in GPT_MODELS for h in HOSTS) + SMALL_BATCH_ROWS
+            + MOE_ROWS + LLAMA_ROWS)
 QUICK_ROWS = ("gpt-1.3B@8", "gpt-2.6B@16")
 # Microbatch counts both planners try for a global batch of 1024 (16 sequences per
 # microbatch). 16 microbatches do not fit 80 GB for 1.3B on 8 GPUs without remat; each

@@ -1,14 +1,19 @@
 """The pipeline runtime's overhead and overlap, on 8 virtual CPU devices.
 
-1. A one-stage plan run by the pipeline runtime (one compiled program per step,
-   `autopar.runtime._fused`) and task by task, against a hand-written `jax.jit` of the
-   same step with the plan's shardings (`train_step.shardings()`): median wall and process
-   (CPU) seconds per step over interleaved rounds (each round times `--steps` steps of
-   each, in turn); and the plan's sharding plan lowered as one SPMD `jax.jit`
-   (`lower_sharding_plan`), which separates the runtime's cost from the plan's layouts
-   (every intermediate pinned, where the hand-written `jax.jit` lets XLA choose). Process
-   time counts every thread of this process (XLA's included),
-   so it is less disturbed than wall time by other work on a shared machine.
+1. A one-stage plan's training loop as a user writes it,
+   ``state, metrics = train_step(state, batch)`` with the state donated (autopar's default
+   `donate_argnums=(0,)`) and fed back, against the same loop over a hand-written
+   `jax.jit` of the step given the plan's shardings (`train_step.shardings()` in, the
+   shardings autopar's step returns out, `donate_argnums=0`), over the runtime's
+   compiled program called directly (`FusedStep.fn`: the program without autopar's call
+   path), and over that program built with no constraint inside (XLA propagating from the
+   input shardings, as in the hand-written `jax.jit`; results pinned as the runtime's):
+   what separates the plan's own layouts from the runtime. Each round runs `--steps`
+   steps of each loop in turn (the order rotating from round to round), dispatched
+   asynchronously and waited for once at the end, as a training loop runs; the figures
+   are medians over the rounds of wall and process (CPU, every thread of this process,
+   XLA's included) seconds per step, with the collectives of each compiled program and
+   the load average before and after.
 2. A 4-stage pipeline (8 microbatches) under 1F1B, interleaved 1F1B (v = 2) and zero bubble:
    the measured idle share of the device groups (bubble) against the predicted one
    (`Plan.bubble_fraction`, and the simulated chart `plan_schedule`), and the fraction of
@@ -18,7 +23,7 @@ Part 2 times tasks with `record_timeline`, which waits for every task (one threa
 group), so they measure the schedule, not the asynchronous dispatch of a plain step.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python benchmarks/runtime_overhead.py [--rounds 5 --steps 10]
+        python benchmarks/runtime_overhead.py [--rounds 7 --steps 10]
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -41,7 +48,9 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.lower import lower_sharding_plan  # noqa: E402
+import autopar.lower._spmd as spmd  # noqa: E402
+import autopar.runtime._fused as fused_module  # noqa: E402
+from autopar.lower._hlo import _LINE  # noqa: E402
 from autopar.report import plan_schedule  # noqa: E402
 from autopar.report._gantt import idle_fraction  # noqa: E402
 from examples import gpt  # noqa: E402
@@ -49,77 +58,146 @@ from examples import gpt  # noqa: E402
 CONFIG = dataclasses.replace(gpt.CONFIGS["tiny"], hidden=64, seq_len=32, num_layers=8,
                              layer_markers=True)
 BATCH = 16
+LOOPS = {
+    "autopar": "autopar `train_step(state, batch)`",
+    "program": "its compiled program called directly (`FusedStep.fn`)",
+    "unpinned": "that program with no constraint inside (XLA propagates, as in the jit)",
+    "jit": "hand-written `jax.jit`, the plan's shardings in and out, state donated",
+}
 
 
-def _timed(fn, state, batch, steps: int) -> tuple[float, float]:
-    """Median wall and process (CPU) seconds of `steps` steps, each waited for."""
-    wall, cpu = [], []
-    for _ in range(steps):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        out = fn(state, batch)
-        jax.block_until_ready(out)
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    return statistics.median(wall), statistics.median(cpu)
+def collectives(hlo: str) -> Counter:
+    """(where, op) -> count, where is "loop" for computations a while loop runs (its body
+    and what that calls), else "step"."""
+    bodies: dict[str, list[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            bodies[name] = []
+        elif name:
+            bodies[name].append(line)
+    calls = {
+        n: set(re.findall(r"(?:body|condition|calls|to_apply)=\{?%?([\w.\-]+)", "\n".join(b)))
+        for n, b in bodies.items()
+    }
+    stack = [r for b in bodies.values() for line in b if " while(" in line
+             for r in re.findall(r"body=%?([\w.\-]+)", line)]
+    loop: set[str] = set()
+    while stack:
+        c = stack.pop()
+        if c not in loop and c in bodies:
+            loop.add(c)
+            stack += calls.get(c, ())
+    found: Counter = Counter()
+    for n, body in bodies.items():
+        for line in body:
+            m = _LINE.search(line)
+            if m:
+                found[("loop" if n in loop else "step", m.group("op"))] += 1
+    return found
+
+
+def build(pipeline, variant: str, donate_flat=()):
+    """A `FusedStep` of `pipeline` with the layouts of `variant`: "runtime" (as the
+    runtime builds it), "segment edges pinned" (every segment's inputs and results pinned,
+    as if each were its own program), "input shardings only" (no constraint inside)."""
+    segment_body, hooks = fused_module.segment_body, spmd.constraint_hooks
+    try:
+        if variant != "runtime":
+            pin = variant == "segment edges pinned"
+            fused_module.segment_body = (
+                lambda *a, **k: segment_body(*a, **{**k, "constrain": pin})
+            )
+        if variant == "input shardings only":
+            spmd.constraint_hooks = lambda plan, mesh: (lambda n, x: x, lambda n, x: x)
+        return fused_module.FusedStep(pipeline, donate_flat)
+    finally:
+        fused_module.segment_body, spmd.constraint_hooks = segment_body, hooks
+
+
+def _fresh_state(optimizer):
+    return gpt.init_state(CONFIG, optimizer, jax.random.key(0))
 
 
 def one_stage_overhead(rounds: int, steps: int) -> dict:
-    """Seconds per step (wall and process time, medians over interleaved rounds) of a
-    one-stage plan as the runtime runs it (one program per step, `FusedStep`), of the
-    same plan run task by task (forward, backward, update programs: the runtime before
-    `FusedStep`, kept for reference), and of a hand-written `jax.jit` of the step with
-    the plan's shardings."""
+    """Seconds per step (wall and process time, medians over interleaved rounds) of the
+    three training loops of `LOOPS` (see the module docstring), and the collectives of
+    the runtime's program and of the hand-written `jax.jit`'s."""
+    load = [os.getloadavg()[0]]
     optimizer = optax.adamw(1e-3)
     step = gpt.make_train_step(CONFIG, optimizer)
-    state = gpt.init_state(CONFIG, optimizer, jax.random.key(0))
     batch = gpt.make_batch(CONFIG, BATCH, jax.random.key(1))
-    par = autopar.autoparallel(step, donate_argnums=(), num_stages=1, num_microbatches=1)
-    par(state, batch)
+    par = autopar.autoparallel(step, num_stages=1, num_microbatches=1)
+    _, metrics = par(_fresh_state(optimizer), batch)  # plans; the state is donated
     assert par.plan.runtime == "pipeline" and par.plan.num_stages == 1
     in_sh = par.shardings()
-    hand = jax.jit(step, in_shardings=in_sh)
-    placed = jax.device_put((state, batch), in_sh)
-    jax.block_until_ready(hand(*placed))
-    executable = par.pipeline
-    fused = executable.fused
+    probe_state, _ = par(jax.device_put(_fresh_state(optimizer), in_sh[0]), batch)
+    out_sh = jax.tree.map(lambda x: x.sharding, (probe_state, metrics))
+    hand = jax.jit(step, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=0)
+    fused = par.pipeline.fused
+    out_tree = par.graph.out_tree
+    batch = jax.device_put(batch, in_sh[1])
+    # The same program with no constraint inside, its results pinned as the runtime's are.
+    unpinned_step = build(par.pipeline, "input shardings only")
+    unpinned = jax.jit(
+        unpinned_step._step, in_shardings=unpinned_step.in_shardings,
+        out_shardings=jax.tree.leaves(out_sh),
+        donate_argnums=tuple(range(len(jax.tree.leaves(in_sh[0])))),
+    )
 
-    def tasks(state, batch):
-        executable.fused = None  # the task runtime for this step
-        try:
-            return par(state, batch)
-        finally:
-            executable.fused = fused
+    def flat_call(fn):
+        def call(state, batch):
+            outs = fn(*jax.tree.leaves(state), *jax.tree.leaves(batch))
+            return jax.tree.unflatten(out_tree, outs)
+        return call
 
-    jax.block_until_ready(tasks(*placed))
-    spmd = _plan_as_one_jit(par, state, batch)
-    jax.block_until_ready(spmd())
-    times = {"runtime": [], "tasks": [], "spmd": [], "jit": []}
-    for _ in range(rounds):
-        times["runtime"].append(_timed(par, *placed, steps))
-        times["tasks"].append(_timed(tasks, *placed, steps))
-        times["spmd"].append(_timed(lambda *_: spmd(), None, None, steps))
-        times["jit"].append(_timed(hand, *placed, steps))
-    result = {"mesh": tuple(par.plan.stages[0].sharding.mesh.shape)}
+    fns = {"autopar": par, "program": flat_call(fused.fn), "unpinned": flat_call(unpinned),
+           "jit": hand}
+    states = {name: jax.device_put(_fresh_state(optimizer), in_sh[0]) for name in fns}
+    flat = [*jax.tree.leaves(states["program"]), *jax.tree.leaves(batch)]
+    counts = {
+        "program": collectives(fused.fn.lower(*flat).compile().as_text()),
+        "unpinned": collectives(unpinned.lower(*flat).compile().as_text()),
+        "jit": collectives(hand.lower(states["jit"], batch).compile().as_text()),
+    }
+    for name, fn in fns.items():  # compile and warm up
+        states[name], _ = _loop(fn, states[name], batch, 2)
+    times: dict[str, list] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            wall, cpu = time.perf_counter(), time.process_time()
+            states[name], _ = _loop(fns[name], states[name], batch, steps)
+            times[name].append(((time.perf_counter() - wall) / steps,
+                                (time.process_time() - cpu) / steps))
+    load.append(os.getloadavg()[0])
+    result = {"mesh": tuple(par.plan.stages[0].sharding.mesh.shape), "counts": counts,
+              "load": load}
     for name, rows in times.items():
         result[f"{name}_wall_s"] = statistics.median(w for w, _ in rows)
         result[f"{name}_cpu_s"] = statistics.median(c for _, c in rows)
-    for name in ("runtime", "tasks", "spmd"):
+        result[f"{name}_cpu_rounds"] = [c for _, c in rows]
+    for name in fns:
         for clock in ("wall", "cpu"):
             result[f"{name}_{clock}_ratio"] = (
                 result[f"{name}_{clock}_s"] / result[f"jit_{clock}_s"]
             )
+        # The ratio per round (each round runs every loop once, close together in time).
+        result[f"{name}_cpu_round_ratios"] = [
+            c / j for c, j in zip(result[f"{name}_cpu_rounds"], result["jit_cpu_rounds"])
+        ]
     return result
 
 
-def _plan_as_one_jit(par, state, batch):
-    """The one-stage plan's sharding plan lowered as one SPMD `jax.jit` of its stage graph
-    (`lower_sharding_plan`, as a one-mesh plan runs): the plan's own layouts, every
-    intermediate pinned, without the runtime. Returns a thunk running it."""
-    graph = par.pipeline.partition.stage_graphs[0]
-    fn, in_shardings, _ = lower_sharding_plan(graph, par.plan.stages[0].sharding)
-    by_var = dict(zip(par.pipeline.graph.invars, jax.tree.leaves((state, batch))))
-    args = [jax.device_put(by_var[v], s) for v, s in zip(graph.invars, in_shardings)]
-    return lambda: fn(*args)
+def _loop(fn, state, batch, steps: int):
+    """`steps` training steps, the state fed back, waited for once at the end."""
+    metrics = None
+    for _ in range(steps):
+        state, metrics = fn(state, batch)
+    jax.block_until_ready((state, metrics))
+    return state, metrics
 
 
 def _busy_groups_fraction(timeline, groups: int) -> float:
@@ -177,7 +255,7 @@ def pipeline_bubbles(rounds: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-bubbles", action="store_true",
                         help="only the one-stage overhead")
@@ -192,18 +270,30 @@ def main() -> None:
 
 def _print_overhead(args) -> None:
     overhead = one_stage_overhead(args.rounds, args.steps)
+    load = overhead["load"]
     print(f"one-stage plan on mesh {overhead['mesh']}, ms/step (median over {args.rounds} "
-          f"interleaved rounds of {args.steps} steps): wall, process time, ratio to jax.jit")
-    print("| run | wall ms | process ms | wall / jit | process / jit |")
-    print("|---|---|---|---|---|")
-    for name, label in (("runtime", "autopar runtime (one program per step)"),
-                        ("tasks", "task by task (forward, backward, update)"),
-                        ("spmd", "the plan's layouts as one SPMD jit (no runtime)"),
-                        ("jit", "hand-written jax.jit, plan shardings")):
+          f"interleaved rounds of {args.steps} steps, load average {load[0]:.1f} before, "
+          f"{load[1]:.1f} after): wall, process time, ratio to jax.jit")
+    print("| training loop | wall ms | process ms | wall / jit | process / jit | "
+          "process / jit per round: median (min-max) |")
+    print("|---|---|---|---|---|---|")
+    for name, label in LOOPS.items():
         wall, cpu = overhead[f"{name}_wall_s"] * 1e3, overhead[f"{name}_cpu_s"] * 1e3
-        ratios = ("1 | 1" if name == "jit" else
-                  f"{overhead[f'{name}_wall_ratio']:.3f} | {overhead[f'{name}_cpu_ratio']:.3f}")
+        per_round = overhead[f"{name}_cpu_round_ratios"]
+        ratios = ("1 | 1 | -" if name == "jit" else
+                  f"{overhead[f'{name}_wall_ratio']:.3f} | {overhead[f'{name}_cpu_ratio']:.3f}"
+                  f" | {statistics.median(per_round):.3f} ({min(per_round):.3f}-"
+                  f"{max(per_round):.3f})")
         print(f"| {label} | {wall:.2f} | {cpu:.2f} | {ratios} |")
+    print("| program | all-gather | all-reduce | reduce-scatter | all-to-all | permute |")
+    print("|---|---|---|---|---|---|")
+    for name, counts in overhead["counts"].items():
+        total = Counter()
+        for (_, op), n in counts.items():
+            total[op] += n
+        print(f"| {LOOPS[name]} | {total['all-gather']} | {total['all-reduce']} | "
+              f"{total['reduce-scatter']} | {total['all-to-all']} | "
+              f"{total['collective-permute']} |")
 
 
 def _print_bubbles(args) -> None:

@@ -33,7 +33,7 @@ def test_select_rows_rejects_unknown_names():
     assert [r.key for r in run_benchmarks.select_rows(None, quick=True)] == list(
         run_benchmarks.QUICK_ROWS
     )
-    assert len(run_benchmarks.select_rows(None, quick=False)) == 24
+    assert len(run_benchmarks.select_rows(None, quick=False)) == 25
     with pytest.raises(ValueError, match="unknown row"):
         run_benchmarks.select_rows(["gpt-7B@8"], quick=False)
 

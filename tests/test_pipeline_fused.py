@@ -48,3 +48,22 @@ def test_one_stage_is_one_program_with_the_accumulation_inside():
     assert {t.kind for t in timeline} == {"forward", "backward", "apply"}
     assert len([t for t in timeline if t.kind == "forward"]) == 4
     np.testing.assert_allclose(fused_metrics["loss"], tasks_metrics["loss"], rtol=1e-6)
+
+
+def test_one_stage_step_donates_the_state_as_asked():
+    """With the default `donate_argnums=(0,)` the one program reuses the state's buffers
+    (as the SPMD runtime's jit does); the batch is kept."""
+    optimizer = optax.adamw(1e-2, eps=1e-6)
+    step = mlp.make_train_step(MLP, optimizer)
+    state = mlp.init_state(MLP, optimizer, jax.random.key(0))
+    batch = mlp.make_batch(MLP, 32, jax.random.key(1))
+    par = autopar.autoparallel(
+        step, cluster=autopar.Cluster.from_profile("cpu-local"), num_stages=1,
+        num_microbatches=2, submeshes=[(1, 8)], logical_shapes=[(4, 2)],
+    )
+    new_state, _ = par(state, batch)  # plans; `state` is donated from here on
+    assert par.plan.runtime == "pipeline" and par.plan.num_stages == 1
+    leaves = jax.tree.leaves(new_state)  # already in the plan's layout: passed as they are
+    par(new_state, batch)
+    assert all(x.is_deleted() for x in leaves)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(batch))

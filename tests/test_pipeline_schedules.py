@@ -7,6 +7,8 @@ device (3 AdamW steps, loss rtol 1e-5) on a cheap 8-layer MLP with 8 microbatche
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -14,7 +16,12 @@ import pytest
 from helpers import run_steps
 
 import autopar
-from autopar.cost import bubble_fraction, in_flight_microbatches, pipeline_latency
+from autopar.cost import (
+    bubble_fraction,
+    in_flight_microbatches,
+    pipeline_latency,
+    pipelined_step_time,
+)
 from autopar.report import simulate_schedule
 from autopar.report._gantt import makespan
 from autopar.runtime import dependencies, device_orders, dispatch_order
@@ -215,22 +222,30 @@ def test_four_stage_parity(schedule, v):
 
 def test_auto_schedule_picks_the_fastest_predicted():
     """A dry run (zero bubble's parity is test_two_stage_parity's): on the cheap MLP the
-    stage-boundary transfers of interleaving outweigh its smaller bubble, and zero bubble
-    beats 1F1B."""
+    stage-boundary transfers of interleaving outweigh its smaller bubble. Each schedule is
+    priced as its plan then prices it (`pipelined_step_time`: launching the programs
+    included, 3 tasks per microbatch under zero bubble, 2 under 1F1B): with cpu-local's
+    launch cost zero bubble's 8 extra launches per stage outweigh its smaller bubble on
+    this tiny model, and 1F1B wins; with launches free zero bubble wins."""
     optimizer = optax.adamw(1e-2, eps=1e-6)
     step = mlp.make_train_step(MLP, optimizer)
     args = (mlp.abstract_state(MLP, optimizer), mlp.abstract_batch(MLP, 32))
-    plan = autopar.plan(
-        step, *args, cluster=autopar.Cluster.from_profile("cpu-local"), num_stages=2,
-        num_microbatches=8, schedule="auto", submeshes=[(1, 4)], logical_shapes=[(4,)],
-        cache=False,
-    )
-    predicted = {
-        s: pipeline_latency([st.time_per_microbatch for st in plan.stages], 8, s,
-                            phase_shares=plan.phase_shares)
-        for s in ("1f1b", "zero_bubble")
-    }
-    assert plan.schedule == min(predicted, key=predicted.get) == "zero_bubble"
+    local = autopar.Cluster.from_profile("cpu-local")
+    assert local.dispatch_overhead > 0
+    free = dataclasses.replace(local, dispatch_overhead=0.0)
+    for cluster, expected in ((local, "1f1b"), (free, "zero_bubble")):
+        plan = autopar.plan(
+            step, *args, cluster=cluster, num_stages=2, num_microbatches=8, schedule="auto",
+            submeshes=[(1, 4)], logical_shapes=[(4,)], cache=False,
+        )
+        predicted = {
+            s: pipelined_step_time([st.time_per_microbatch for st in plan.stages],
+                                   plan.cluster, 8, s, phase_shares=plan.phase_shares)
+            for s in ("1f1b", "zero_bubble")
+        }
+        assert plan.schedule == min(predicted, key=predicted.get) == expected
+        # the schedule choice and the plan price it with the same function
+        assert plan.predicted_step_time == pytest.approx(predicted[expected], rel=1e-12)
 
 
 def test_auto_schedule_weighs_interleaving_by_predicted_time():
@@ -263,17 +278,20 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     times = _stage_times(by_stages[2].choice)
     shares = phase_shares(by_stages[2].choice, cluster)
     assert by_stages[2].latency == pytest.approx(
-        pipeline_latency(times, 2, "zero_bubble", phase_shares=shares)
+        pipelined_step_time(times, cluster, 2, "zero_bubble", phase_shares=shares)
     )
-    assert by_stages[2].latency < pipeline_latency(times, 2, "1f1b")
+    assert by_stages[2].latency < pipelined_step_time(times, cluster, 2, "1f1b",
+                                                      phase_shares=shares)
     for stages, v in ((4, 2), (8, 4)):
         c = by_stages[stages]
         assert c.schedule == "interleaved_1f1b"
         chunks = _stage_times(c.choice)
+        assert c.latency == pytest.approx(pipelined_step_time(
+            chunks, cluster, 2, "interleaved_1f1b", 2, phase_shares(c.choice, cluster)
+        ))
         per_group = [sum(chunks[g::2]) for g in range(2)]
-        assert c.latency == pytest.approx(
-            pipeline_latency(per_group, 2, "interleaved_1f1b", v, phase_shares(c.choice, cluster))
-        )
+        assert c.latency > pipeline_latency(per_group, 2, "interleaved_1f1b", v,
+                                            phase_shares(c.choice, cluster))
     best = _pick(candidates)
     assert best is min(candidates, key=lambda c: c.latency) is by_stages[8]
 

@@ -74,7 +74,14 @@ class AutoParallel:
         return graph if graph.stacked is None else graph.stacked.original
 
     def _key(self, leaves, treedef) -> Any:
-        return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        """The compiled plan's key: the argument tree and each leaf's shape and dtype; None
+        when a leaf has neither (a Python scalar, or no array: `abstract_args` says which).
+        Read on every call, so it reads nothing else (`abstract_args`, which names every
+        leaf's path, runs only when the key is new)."""
+        try:
+            return treedef, tuple([(x.shape, x.dtype) for x in leaves])
+        except AttributeError:
+            return None
 
     def _agree(self, compiled: _Compiled, args) -> _Compiled:
         """With several processes: every process runs process 0's plan."""
@@ -98,9 +105,10 @@ class AutoParallel:
         if plan.runtime == "spmd":
             fn, in_sh, out_sh = lower_sharding_plan(graph, plan.stages[0].sharding, None, donate)
             return _Compiled(graph, plan, fn, in_sh, out_sh)
-        return self._compile_pipeline(graph, plan)
+        return self._compile_pipeline(graph, plan, donate)
 
-    def _compile_pipeline(self, graph: OpGraph, plan: Plan) -> _Compiled:
+    def _compile_pipeline(self, graph: OpGraph, plan: Plan,
+                          donate: Sequence[int] = ()) -> _Compiled:
         layers = assign_layers(graph)
         stage_layers = [stage.layers for stage in plan.stages]
         if stage_layers[-1][1] != layers.num_layers:
@@ -114,7 +122,7 @@ class AutoParallel:
         for sp, sub in zip(stage_plans, part.stage_graphs):
             sp.check_graph(sub)
         executable = PipelineExecutable(
-            graph, part, stage_plans, plan.num_microbatches, plan.schedule
+            graph, part, stage_plans, plan.num_microbatches, plan.schedule, donate_flat=donate
         )
         self.pipeline = executable
         # Inputs go to the stage that holds them, in that stage's sharding.
@@ -146,10 +154,15 @@ class AutoParallel:
         return out, getattr(self, "pipeline", None) and self.pipeline.timeline
 
     def __call__(self, *args: Any, _record: bool = False) -> Any:
-        abstract_args(self._fn, args)  # every leaf an array: a TypeError naming it, else
         leaves, treedef = jax.tree.flatten(args)
         key = self._key(leaves, treedef)
-        compiled = self._compiled.get(key)
+        compiled = None if key is None else self._compiled.get(key)
+        if compiled is None:
+            # Every leaf an array or a Python scalar: a TypeError naming it, else the key
+            # of its abstract value.
+            abstract, _ = abstract_args(self._fn, args)
+            key = self._key(abstract, treedef)
+            compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compile(args)
             if jax.process_count() > 1:
@@ -260,7 +273,10 @@ def _put(x: Any, sharding):
 
 def _has_sharding(x: Any, sharding) -> bool:
     current = getattr(x, "sharding", None)
-    return current is not None and current.is_equivalent_to(sharding, x.ndim)
+    if current is None:
+        return False
+    # Equality first: it is cheap, and every leaf is checked on every call.
+    return current == sharding or current.is_equivalent_to(sharding, x.ndim)
 
 
 def _flat_indices(in_tree, argnums: Sequence[int]) -> list[int]:

@@ -158,6 +158,33 @@ def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
     return num_microbatches * slowest + (sum(stage_times) - slowest) * scale
 
 
+def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches: int,
+                        schedule: Schedule = "1f1b", num_device_groups: int | None = None,
+                        phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:
+    """Seconds per step of a plan whose stages, in order, take `stage_times` per microbatch
+    before launching their programs: each stage also pays `stage_dispatch_time` for
+    `schedule` (zero bubble launches 3 tasks per microbatch, the others 2), stage s runs
+    on device group s mod `num_device_groups` (default: one group per stage; interleaved
+    1F1B has p groups of v stages each), and `pipeline_latency` takes the groups' times.
+    `Plan.predicted_step_time` and the planner's schedule choice both call this, so a
+    schedule is chosen by the time its plan then predicts.
+
+    **Example:** two stages of 1 s, 4 microbatches, 1F1B, no dispatch cost: ``5.0``.
+    """
+    groups = num_device_groups or len(stage_times)
+    if not stage_times or len(stage_times) % groups:
+        raise ValueError(
+            f"{len(stage_times)} stage(s) do not fill {groups} device group(s) evenly; "
+            "give a stage time per stage, the stages a multiple of the groups"
+        )
+    dispatch = stage_dispatch_time(cluster, len(stage_times), num_microbatches, schedule)
+    per_group = [0.0] * groups  # interleaved: a device group runs all its chunks
+    for s, t in enumerate(stage_times):
+        per_group[s % groups] += t + dispatch
+    return pipeline_latency(per_group, num_microbatches, schedule,
+                            len(stage_times) // groups, phase_shares)
+
+
 def bubble_fraction(num_stages: int, num_microbatches: int, schedule: Schedule = "1f1b",
                     virtual_stages: int = 1,
                     phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:

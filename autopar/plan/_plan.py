@@ -20,8 +20,7 @@ from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
 from autopar.cost import (
     DEFAULT_PHASE_SHARES,
     bubble_fraction,
-    pipeline_latency,
-    stage_dispatch_time,
+    pipelined_step_time,
 )
 from autopar.graph import OpGraph, Role
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
@@ -157,7 +156,8 @@ class Plan:
 
     @property
     def predicted_step_time(self) -> float:
-        """Predicted seconds per step: `autopar.cost.pipeline_latency` of the stages' costs.
+        """Predicted seconds per step: `autopar.cost.pipelined_step_time` of the stages'
+        costs (`pipeline_latency` of the device groups' times).
 
         Each stage is costed per microbatch (its sharding plan's cost plus its recompute;
         one microbatch is the whole batch when `num_microbatches` is 1), so this holds for
@@ -165,15 +165,11 @@ class Plan:
         pipeline Alpa's latency. Each stage also pays for launching its programs
         (`autopar.cost.stage_dispatch_time`, the profile's `dispatch_overhead` per task).
         """
-        groups = self.num_device_groups
-        times = [0.0] * groups  # interleaved: a device group runs all its chunks
-        dispatch = stage_dispatch_time(
-            self.cluster, self.num_stages, self.num_microbatches, self.schedule
+        return pipelined_step_time(
+            [stage.time_per_microbatch for stage in self.stages], self.cluster,
+            self.num_microbatches, self.schedule, self.num_device_groups,
+            self.phase_shares or DEFAULT_PHASE_SHARES,
         )
-        for s, stage in enumerate(self.stages):
-            times[s % groups] += stage.time_per_microbatch + dispatch
-        return pipeline_latency(times, self.num_microbatches, self.schedule,
-                                self.virtual_stages, self.phase_shares or DEFAULT_PHASE_SHARES)
 
     @property
     def num_device_groups(self) -> int:

@@ -21,8 +21,10 @@ task runtime's program edges do, added 8 all-gathers to the 185 of the benchmark
 step, `benchmarks/fused_layouts.py`); the update segments pin their inputs and results,
 so the new state comes back in the plan's layout for the next step.
 
-In: a `PipelineExecutable` of one stage. Out: `FusedStep`, called with the step's flat
-arguments, returning its flat results as the task runtime does.
+In: a `PipelineExecutable` of one stage and the flat arguments whose buffers the step may
+reuse (the caller's `donate_argnums`, as the SPMD runtime's `jax.jit` takes them). Out:
+`FusedStep`, called with the step's flat arguments, returning its flat results as the task
+runtime does.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from autopar.lower import segment_body
 class FusedStep:
     """The whole step of a one-stage plan as one `jax.jit` (see the module docstring)."""
 
-    def __init__(self, pipeline) -> None:
+    def __init__(self, pipeline, donate_flat: Sequence[int] = ()) -> None:
         part = pipeline.partition
         assert part.num_stages == 1, f"a fused step needs one stage, got {part.num_stages}"
         graph = pipeline.graph
@@ -79,7 +81,8 @@ class FusedStep:
         self.stacked = stacked
         self.grad_set = frozenset(grad_set)
         self.resolve = part.resolve
-        self.fn = jax.jit(self._step, in_shardings=self.in_shardings)
+        self.fn = jax.jit(self._step, in_shardings=self.in_shardings,
+                          donate_argnums=tuple(donate_flat))
 
     def __call__(self, flat_args: Sequence) -> list:
         m = self.num_microbatches
@@ -146,4 +149,7 @@ class FusedStep:
 
 def _has_sharding(x: Any, sharding) -> bool:
     current = getattr(x, "sharding", None)
-    return current is not None and current.is_equivalent_to(sharding, x.ndim)
+    if current is None:
+        return False
+    # Equality first: it is cheap, and every argument is checked on every step.
+    return current == sharding or current.is_equivalent_to(sharding, x.ndim)

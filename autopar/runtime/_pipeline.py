@@ -81,6 +81,7 @@ class PipelineExecutable:
         schedule: str,
         devices: Sequence | None = None,
         output_specs: dict | None = None,
+        donate_flat: Sequence[int] = (),
     ):
         self.graph = graph
         self.partition = partition
@@ -139,10 +140,12 @@ class PipelineExecutable:
         self.order = dispatch_order(
             schedule, partition.num_stages, num_microbatches, self.virtual_stages
         )
-        # One stage in one process: the whole step as one program (`FusedStep`); the tasks
-        # above still run it when a step is recorded.
+        # One stage in one process: the whole step as one program (`FusedStep`, reusing
+        # the buffers of the flat arguments `donate_flat`, as the SPMD runtime does); the
+        # tasks above still run it when a step is recorded.
         self.fused = (
-            FusedStep(self) if partition.num_stages == 1 and jax.process_count() == 1 else None
+            FusedStep(self, donate_flat)
+            if partition.num_stages == 1 and jax.process_count() == 1 else None
         )
 
     def _reducer(self, stage: int, v: int):
@@ -374,7 +377,8 @@ class _StepValues:
 def _placed(x, sharding):
     """`x` laid out as `sharding`: `x` itself when it already is, else a moved copy."""
     current = getattr(x, "sharding", None)
-    if current is not None and current.is_equivalent_to(sharding, x.ndim):
+    if current is not None and (current == sharding or current.is_equivalent_to(sharding,
+                                                                                x.ndim)):
         return x
     return _move(x, sharding)
 

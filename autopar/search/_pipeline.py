@@ -28,7 +28,7 @@ import warnings
 from dataclasses import dataclass
 
 from autopar.choices import Schedule
-from autopar.cost import DEFAULT_PHASE_SHARES, pipeline_latency
+from autopar.cost import DEFAULT_PHASE_SHARES, pipelined_step_time
 from autopar.graph import OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
     PipelineChoice,
@@ -413,20 +413,26 @@ def _stage_times(choice: PipelineChoice) -> list[float]:
     (`Stage.time_per_microbatch`): the stitched sharding plan's cost, recompute and the
     transfer into the stage. The stage DP adds up its layers' costs instead; the stitched
     plan adds what joining them costs (a value resharded where one layer hands it to the
-    next in another layout). Plus launching the stage's programs (`stage_dispatch_time`,
-    as `Plan.predicted_step_time` adds it; for zero bubble the plan counts its third task
-    per microbatch, which the schedule choice leaves out)."""
+    next in another layout). Launching the stage's programs is left out: it depends on the
+    schedule, and `_schedule_for` adds it per schedule (`pipelined_step_time`, as
+    `Plan.predicted_step_time` does)."""
     transfer = choice.stage_transfer or (0.0,) * len(choice.stage_plans)
+    return [sp.cost.total + r + t for sp, r, t in
+            zip(choice.stage_plans, choice.stage_recompute, transfer)]
+
+
+def _stage_dp_times(choice: PipelineChoice) -> list[float]:
+    """Seconds per microbatch of each stage as the stage DP added them up (its layers'
+    costs), launching its programs left out as in `_stage_times`."""
     dispatch = choice.stage_dispatch or (0.0,) * len(choice.stage_plans)
-    return [sp.cost.total + r + t + d for sp, r, t, d in
-            zip(choice.stage_plans, choice.stage_recompute, transfer, dispatch)]
+    return [c.latency - d for c, d in zip(choice.dp.stage_costs, dispatch)]
 
 
 def _stitch_note(choice: PipelineChoice, num_micro: int, options, cluster,
                  latency: float) -> str:
     """Where the plan's predicted time differs from the stage DP's: says by how much."""
     _, dp_latency = _schedule_for(choice, num_micro, options, cluster,
-                                  [c.latency for c in choice.dp.stage_costs])
+                                  _stage_dp_times(choice))
     if abs(latency - dp_latency) <= 1e-9 * max(latency, 1e-30):
         return ""
     return (f" (the stage DP's sum of layer costs {dp_latency:.4g} s; joining the layers' "
@@ -435,23 +441,22 @@ def _stitch_note(choice: PipelineChoice, num_micro: int, options, cluster,
 
 def _schedule_for(choice: PipelineChoice, num_micro: int, options, cluster,
                   times: list[float] | None = None) -> tuple[Schedule, float]:
-    """The schedule the plan runs and its predicted step time (`pipeline_latency` of the
-    stages' `times`, by default `_stage_times`, with the stages' split into forward,
-    input-gradient and weight-gradient passes, `phase_shares`: what
-    `Plan.predicted_step_time` computes):
+    """The schedule the plan runs and its predicted step time (`pipelined_step_time` of
+    the stages' `times`, by default `_stage_times`, with each schedule's cost of launching
+    the stages' programs and the stages' split into forward, input-gradient and
+    weight-gradient passes, `phase_shares`: what `Plan.predicted_step_time` computes):
     the option's, or with "auto" the fastest of 1F1B and zero bubble (the same activations
     in flight, so both fit wherever the stage DP's 1F1B plan fits; ties go to 1F1B);
     "auto" weighs interleaving too, as candidates of their own (`_interleaved_candidates`)."""
     times = _stage_times(choice) if times is None else times
     shares = phase_shares(choice, cluster)
     if options.schedule == "interleaved_1f1b":
-        v = options.virtual_stages
-        groups = len(times) // v
-        per_group = [sum(times[g::groups]) for g in range(groups)]
-        return "interleaved_1f1b", pipeline_latency(per_group, num_micro, "interleaved_1f1b",
-                                                    v, shares)
+        groups = len(times) // options.virtual_stages
+        return "interleaved_1f1b", pipelined_step_time(
+            times, cluster, num_micro, "interleaved_1f1b", groups, shares
+        )
     names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
-    predicted = [(pipeline_latency(times, num_micro, n, phase_shares=shares), n)
+    predicted = [(pipelined_step_time(times, cluster, num_micro, n, phase_shares=shares), n)
                  for n in reversed(names)]
     if len(predicted) > 1 and len(times) > 1:
         log.info("%d microbatch(es), %d stage(s): %s predicted (F/B/W shares %s)", num_micro,
