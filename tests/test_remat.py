@@ -295,7 +295,11 @@ def test_selective_reruns_the_attention_core_in_the_compiled_backward():
                  for v in seg.inputs]
         return jax.jit(run).lower(*avals).compile().as_text()
 
-    plain = compiled_backward(partition(graph, layers, stages))
+    # "none" reruns the values made inside forward fusions (`fused_recompute`), no matmul
+    none = [("none",) * 2, ("none",) * (layers.num_layers - 2)]
+    plain = compiled_backward(with_remat(graph, partition(graph, layers, stages), layers, none))
+    assert plain.count(" dot(") == compiled_backward(partition(graph, layers, stages)).count(
+        " dot(")
     remats = [("selective",) * 2, ("none",) * (layers.num_layers - 2)]
     selective = compiled_backward(with_remat(graph, partition(graph, layers, stages), layers,
                                              remats))

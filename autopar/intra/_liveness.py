@@ -19,12 +19,17 @@ from that model in four ways, each modelled here:
   not guess), as is one read by a non-fusible op (a matmul, a convolution, a gather, a
   collective) or returned by the step.
 - **Resharding.** An operand whose layout changes on the way to its consumer is copied to
-  the consumer's layout: a temporary, live while the consumer runs, as large as the
-  largest value on XLA's route there (an all-gather's result; the whole tensor where XLA
-  gathers everything and slices).
-- **Layout copies.** A convolution reads its kernel in a layout of the backend's choosing:
-  a kernel that is a graph input is copied once into it, and the copy lives from its first
-  convolution (the forward) to its last (the backward's).
+  the consumer's layout: a temporary as large as the largest value on XLA's route there (an
+  all-gather's result; the whole tensor where XLA gathers everything and slices). XLA
+  computes equal reshards of one value once (common-subexpression elimination), so the
+  copies of a value to one layout are one temporary, live from its first consumer to its
+  last.
+- **Layout copies.** A convolution reads its operands in the backend's layout (XLA's
+  `dim_labels` b01f for the input, 01io for the kernel). An operand whose dimensions the
+  convolution reads in another order (the kernel gradient's input with batch and feature
+  swapped, the input gradient's kernel with its two features swapped) is copied into that
+  layout: the copy lives from the value's production (for a graph input, its first reader)
+  to the last convolution reading it so.
 
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
@@ -85,15 +90,14 @@ def peak_live_bytes(
             b = buffer.get(v, v)
             last_use[b] = max(last_use.get(b, -1), end if v in returned else node_ids[-1])
     fused = _fused_values(graph, consumers, returned)
-    reshards: dict[int, float] = {}
-    for node_id, position, spec in operand_specs:
-        v = graph.nodes[node_id].inputs[position]
-        reshards[node_id] = reshards.get(node_id, 0.0) + _reshard_bytes(graph, v, var_specs[v],
-                                                                        spec, mesh, nbytes)
-    copies = _layout_copies(graph, consumers)
+    # Temporaries: (first node, last node, bytes), live from before the first to after the
+    # last (resharded operands, layout copies).
+    temporaries = [*_reshard_temporaries(graph, operand_specs, var_specs, mesh, nbytes),
+                   *((first, last, nbytes(v)) for (v, _), (first, last) in
+                     _layout_copies(graph, consumers).items())]
     starting: dict[int, list[int]] = {}
-    for v, (first, _) in copies.items():
-        starting.setdefault(first, []).append(v)
+    for t, (first, _, _) in enumerate(temporaries):
+        starting.setdefault(first, []).append(t)
     donated = set(donated)
     always = 0.0  # non-donated inputs
     live: dict[int, float] = {}
@@ -107,21 +111,22 @@ def peak_live_bytes(
             always += nbytes(v)
     current = sum(live.values())
     peak = always + current
-    copy_bytes: dict[int, float] = {}
+    active: set[int] = set()
     for node in graph.nodes:
         for v in node.outputs:
             if v in last_use and v not in fused and v not in live:
                 live[v] = nbytes(v)
                 current += live[v]
-        for v in starting.get(node.id, ()):
-            copy_bytes[v] = nbytes(v)
-            current += copy_bytes[v]
-        peak = max(peak, always + current + reshards.get(node.id, 0.0))
+        for t in starting.get(node.id, ()):
+            active.add(t)
+            current += temporaries[t][2]
+        peak = max(peak, always + current)
         for v in dict.fromkeys(buffer.get(u, u) for u in (*node.inputs, *node.outputs)):
             if v in live and last_use.get(v, -1) <= node.id:
                 current -= live.pop(v)
-        for v in [v for v in copy_bytes if copies[v][1] <= node.id]:
-            current -= copy_bytes.pop(v)
+        for t in [t for t in active if temporaries[t][1] <= node.id]:
+            active.remove(t)
+            current -= temporaries[t][2]
     return peak
 
 
@@ -133,29 +138,61 @@ LAYOUT_BOUND = frozenset(("conv_general_dilated",))
 LAYOUT_ONLY = frozenset(("rev", "transpose", "reshape", "convert_element_type", "copy"))
 
 
-def _layout_copies(graph: OpGraph, consumers) -> dict[int, tuple[int, int]]:
-    """Values XLA also holds in a layout-bound op's layout: var -> (first, last) node
-    that reads it in that layout.
+def _layout_copies(graph: OpGraph, consumers) -> dict[tuple[int, tuple], tuple[int, int]]:
+    """Values XLA also holds in a layout-bound op's layout:
+    (var, dimension order) -> (first, last) node of the copy's life.
 
-    A graph input read by convolutions (a kernel; its layout is the caller's) is copied
-    once into the convolution's layout, and the copy, which the backward's convolutions
-    read as well, lives from the first to the last of them. (XLA:CPU, wide_resnet: a
-    `transpose_copy_fusion` per kernel, live from the forward convolution to the
-    backward one.)"""
+    A convolution reads its input in the order (batch, spatial..., feature) and its kernel
+    in (spatial..., in feature, out feature) (XLA's b01f_01io->b01f); an operand whose
+    dimension numbers name another order of its dimensions is copied into that one. The
+    copy folds in the layout-only ops between the value and the convolution (the input
+    gradient's kernel is read reversed) and is made as soon as the value is (a graph
+    input's when its first reader runs), so it lives from there to the last convolution
+    that reads the value in that order: in the backward, the kernel gradient reads the
+    forward's input with batch and feature swapped, and the input gradient reads the kernel
+    with its features swapped. (XLA:CPU, wide_resnet: a `transpose_copy_fusion` per
+    kernel and per convolution input, live from the forward to the backward.)"""
     producer = {v: n for n in graph.nodes for v in n.outputs}
-    inputs = {v for v in graph.invars if graph.vars[v].role is not Role.CONST}
-    spans: dict[int, tuple[int, int]] = {}
+    spans: dict[tuple[int, tuple], tuple[int, int]] = {}
     for node in graph.nodes:
         if node.primitive not in LAYOUT_BOUND:
             continue
-        for v in node.inputs:
+        for v, order in zip(node.inputs, _conv_operand_orders(node)):
+            if order == tuple(range(len(order))):
+                continue
             while v in producer and producer[v].primitive in LAYOUT_ONLY:
                 v = producer[v].inputs[0]
-            if v not in inputs:
+            if graph.vars[v].role is Role.CONST:
                 continue
-            first, last = spans.get(v, (node.id, node.id))
-            spans[v] = (min(first, node.id), max(last, node.id))
-    return {v: span for v, span in spans.items() if span[1] > span[0]}
+            made = producer[v].id if v in producer else consumers[v][0]
+            first, last = spans.get((v, order), (made, node.id))
+            spans[(v, order)] = (min(first, made), max(last, node.id))
+    return spans
+
+
+def _conv_operand_orders(node) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The order in which a convolution reads the dimensions of its input and kernel: the
+    input as (batch, spatial..., feature), the kernel as (spatial..., in, out)."""
+    dn = node.params["dimension_numbers"]
+    lhs, rhs = tuple(dn.lhs_spec), tuple(dn.rhs_spec)
+    return (lhs[0], *lhs[2:], lhs[1]), (*rhs[2:], rhs[1], rhs[0])
+
+
+def _reshard_temporaries(graph: OpGraph, operand_specs, var_specs, mesh, nbytes):
+    """(first, last node, bytes per device) of each resharded copy: one per value and
+    target layout (XLA computes equal reshards once), live from its first consumer to its
+    last."""
+    spans: dict[tuple[int, tuple], tuple[int, int, float]] = {}
+    for node_id, position, spec in operand_specs:
+        v = graph.nodes[node_id].inputs[position]
+        key = (v, spec)
+        if key in spans:
+            first, last, size = spans[key]
+            spans[key] = (min(first, node_id), max(last, node_id), size)
+        else:
+            size = _reshard_bytes(graph, v, var_specs[v], spec, mesh, nbytes)
+            spans[key] = (node_id, node_id, size)
+    return spans.values()
 
 
 def _reshard_bytes(graph: OpGraph, v: int, have, want, mesh, nbytes) -> float:

@@ -15,6 +15,13 @@ node that needs them, and the forward program no longer returns the dropped valu
   sequence x sequence tensors (scores, softmax, dropout mask; `attention_core`) and reruns
   the forward nodes that make them from the kept query and key.
 
+Whatever the choice, the pipeline runtime's forward program keeps only what the planner
+counts (`with_remat`): a kept value the forward makes inside a fusion (GELU's tanh and
+powers, a layer norm's centred input; `autopar.graph.stored_residuals`) is not returned
+by the forward but rerun in the backward from the values it is made of, as XLA's own
+fusion would (`fused_recompute`). Without it the runtime held every value JAX's backward
+reads, more than the plan predicts.
+
 Why not `jax.checkpoint` itself: the traced step is already differentiated (its jaxpr
 holds the backward), so a checkpoint can no longer be inserted where JAX's autodiff would
 see it. The rewrite does what `jax.checkpoint` lowers to: the backward program recomputes
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 from jax.extend import core as jex_core
 
 from autopar.choices import REMATS, check_choice
-from autopar.graph import OpGraph, Role
+from autopar.graph import OpGraph, Role, stored_residuals
 
 STATE_ROLES = (Role.PARAM, Role.OPT_STATE, Role.CONST)
 
@@ -210,30 +217,101 @@ def _selective_in_scans(graph: OpGraph, scans: list[int], dropped: set[int]) -> 
     return Recompute(frozenset(dropped), tuple(scans), frozenset(reads), frozenset(), True)
 
 
+def fused_recompute(
+    graph: OpGraph, forward: Sequence[int], kept: Iterable[int], leaving: Iterable[int] = (),
+    backward: Sequence[int] = (),
+) -> Recompute:
+    """The kept values the layer's `forward` makes inside a fusion, rerun in the backward
+    from what the forward writes to memory (`stored_residuals`, as the planner counts a
+    layer's kept bytes): what XLA's fusion does when one program runs both passes.
+    `leaving`: forward values read outside the layer's two passes. Nothing when the
+    layer's `backward` already reruns a user's `jax.checkpoint`."""
+    kept = set(kept)
+    if user_checkpointed(graph, (*forward, *backward)):
+        return NO_RECOMPUTE
+    producer = {v: n for n in forward for v in graph.nodes[n].outputs}
+    stored = stored_residuals(graph, forward, kept, leaving,
+                              free=lambda v: graph.vars[v].role in STATE_ROLES)
+    dropped = {v for v in kept - stored if v in producer}
+    return _rerun(graph, forward, producer, stored | (kept - dropped), dropped)
+
+
+def _rerun(graph: OpGraph, forward, producer, kept: set[int], dropped: set[int]) -> Recompute:
+    """The forward nodes that make `dropped` again from `kept` values (and what is made
+    outside `forward`), in program order, with what they read."""
+    if not dropped:
+        return NO_RECOMPUTE
+    needed, stack = set(), [producer[v] for v in dropped]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        for v in graph.nodes[n].inputs:
+            if v in producer and (v not in kept or v in dropped):
+                stack.append(producer[v])
+    nodes = [n for n in forward if n in needed]
+    made = {v for n in nodes for v in graph.nodes[n].outputs}
+    reads = {
+        v for n in nodes for v in graph.nodes[n].inputs
+        if v not in made and graph.vars[v].role is not Role.CONST
+    }
+    added = {v for v in reads - kept if graph.vars[v].role not in STATE_ROLES}
+    return Recompute(frozenset(dropped), tuple(nodes), frozenset(reads), frozenset(added))
+
+
+def _merged(graph: OpGraph, forward, kept: set[int], plans: Sequence[Recompute]) -> Recompute:
+    """One layer's recomputes together (a selective one and `fused_recompute`): what any
+    drops, rerun from what any keeps in its place and none drops (a layer scan's selective
+    core stays as it is)."""
+    plans = [p for p in plans if p.nodes]
+    if len(plans) <= 1 or any(p.core_only for p in plans):
+        return plans[0] if plans else NO_RECOMPUTE
+    dropped = set().union(*(p.dropped for p in plans))
+    reads = set().union(*(p.reads for p in plans))
+    producer = {v: n for n in forward for v in graph.nodes[n].outputs}
+    return _rerun(graph, forward, producer, (kept | reads) - dropped, dropped)
+
+
 def with_remat(graph: OpGraph, partition, layers, stage_remat: Sequence[Sequence[str]]):
     """`partition` whose segments recompute as `stage_remat` says (per stage, per layer of
-    the stage: a `Remat`): each layer's rerun nodes go into its stage's backward segment
+    the stage: a `Remat`; empty: "none" for every layer) and as XLA's fusion would
+    (`fused_recompute`): each layer's rerun nodes go into its stage's backward segment
     before the first node reading a dropped value, the dropped values leave the forward
     segment's outputs, and what the rerun reads becomes a forward output and a backward
-    input. A partition with no recompute is returned unchanged."""
-    if not any(r != "none" for stage in stage_remat for r in stage):
-        return partition
+    input. A partition with nothing to recompute is returned unchanged."""
     forward, backward = list(partition.forward), list(partition.backward)
-    for s, remats in enumerate(stage_remat):
+    for s in range(len(forward)):
         fwd, bwd = forward[s], backward[s]
         sub = partition.stage_graphs[s]
         index = partition.node_index[s]
         layer_of = {i: layers.layer[full] for full, i in index.items()}
-        first_layer = min(
-            (layer_of[n] for n in fwd.nodes if layer_of[n] is not None), default=0
-        )
+        stage_layers = sorted({layer_of[n] for n in fwd.nodes if layer_of[n] is not None})
+        remats = stage_remat[s] if s < len(stage_remat) and stage_remat[s] else ()
         bwd_inputs = set(bwd.inputs)
+        bwd_nodes = set(bwd.nodes)
+        readers: dict[int, set[int]] = {}
+        for n in (*fwd.nodes, *bwd.nodes):
+            for v in sub.nodes[n].inputs:
+                readers.setdefault(v, set()).add(n)
+        fwd_outputs = set(fwd.outputs) | set(sub.outvars)
         reruns: list[Recompute] = []
-        for offset, remat in enumerate(remats):
-            nodes = [n for n in fwd.nodes if layer_of[n] == first_layer + offset]
-            backs = [n for n in bwd.nodes if layer_of[n] == first_layer + offset]
+        for offset, layer in enumerate(stage_layers):
+            remat = remats[offset] if offset < len(remats) else "none"
+            nodes = [n for n in fwd.nodes if layer_of[n] == layer]
+            backs = [n for n in bwd.nodes if layer_of[n] == layer]
             made = {v for n in nodes for v in sub.nodes[n].outputs}
-            plan = recompute(sub, nodes, made & bwd_inputs, remat, backs)
+            kept = made & bwd_inputs
+            own = set(nodes)
+            leaving = {
+                v for v in made
+                if (v in fwd_outputs and v not in bwd_inputs)
+                or readers.get(v, set()) - own - bwd_nodes
+            }
+            plans = [recompute(sub, nodes, kept, remat, backs)]
+            if remat != "full":  # "full" keeps only the layer's input anyway
+                plans.append(fused_recompute(sub, nodes, kept, leaving, backs))
+            plan = _merged(sub, nodes, kept, plans)
             if plan.nodes:
                 reruns.append(plan)
         if not reruns:
