@@ -55,12 +55,13 @@ TIE_ABSOLUTE_TOLERANCE = 1e-12
 # HiGHS's `time_limit` is wall-clock seconds, which grow with whatever else runs on the
 # cores. On main a loaded machine (load 8-12 on 2 cores) made a tiny GPT's leaner-memory
 # MIP take 30 wall s of its 60 (11 CPU s): its tie-break stopped "incomplete", another plan
-# of the same cost was kept, and the stage DP's answer depended on the load (issue 18).
-# The limit `run_model` gets is therefore counted in CPU seconds of this process (checked
-# in HiGHS's MIP and interior-point interrupt callbacks; HiGHS runs on one thread,
-# `SOLVER_THREADS`), and HiGHS's own wall-clock limit is this many times longer, a
-# backstop only. A solve that ends within its CPU limit is deterministic; on a quiet
-# machine CPU and wall seconds agree, so the limit means what it did.
+# of the same cost was kept, and plans could depend on the load (issue 18). So the limit
+# `solve` is given counts CPU seconds of this process between its solves (the tie-break
+# gets what the first solve left), and HiGHS itself is given this many times the limit in
+# wall-clock seconds: a solve is cut short only when the machine is loaded more than this
+# many times over. (A HiGHS interrupt callback that checked CPU seconds was tried: highspy
+# fires it so often that a MIP of 24,000 nodes that took 11 CPU s without it had not
+# ended after 290 s with it, on the loaded machine.)
 WALL_CLOCK_BACKSTOP = 10.0
 # Reduced-cost fixing (`plans_within`) keeps a strategy unless it provably costs more than
 # the tie window plus this (the solvers' primal feasibility tolerance, in scaled units).
@@ -515,7 +516,6 @@ class _HighsBuilt:
         import highspy
 
         highs = self._highs(True, self._options(time_limit, msg, gap_rel))
-        highs.cbMipInterrupt += _cpu_limit(time_limit)
         if start is not None:
             solution = highspy.HighsSolution()
             solution.col_value = np.asarray(start, float)
@@ -538,25 +538,10 @@ class _HighsBuilt:
 
         options = self._options(time_limit, msg, MIP_RELATIVE_GAP) | _HIGHS_LP_OPTIONS
         highs = self._highs(False, options)
-        highs.cbIpmInterrupt += _cpu_limit(time_limit)
         highs.run()
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         return np.array(highs.getSolution().row_dual, float)
-
-
-def _cpu_limit(seconds: float):
-    """A HiGHS interrupt callback that stops the solve once this process has used
-    `seconds` of CPU time from now (see `WALL_CLOCK_BACKSTOP`)."""
-    import time
-
-    deadline = time.process_time() + float(seconds)
-
-    def interrupt(event) -> None:
-        if time.process_time() > deadline:
-            event.interrupt()
-
-    return interrupt
 
 
 def build_solver_model(model: _Model, solver: Literal["highs", "cbc"]):
