@@ -175,9 +175,11 @@ def solve(
 
     **Arguments:**
     - `problem`: the numbers (see `ShardingProblem`).
-    - `time_limit`: CPU seconds of this process the MILP solves may take (HiGHS; CBC:
-      wall-clock seconds), so that a loaded machine gets the same plan; past it the best
-      plan found so far is returned with status "time_limit".
+    - `time_limit`: seconds for the solve and its tie-break: the tie-break gets what the
+      first solve left in CPU seconds of this process, and HiGHS's own wall-clock limit is
+      `WALL_CLOCK_BACKSTOP` times it (CBC: wall-clock seconds), so that a loaded machine
+      gets the same plan; past it the best plan found so far is returned with status
+      "time_limit".
     - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC)
       or "auto" (HiGHS when highspy is installed, else CBC).
     - `msg`: print the solver's log.

@@ -46,8 +46,9 @@ class PlanOptions:
     - `mesh_shape`: fix the logical mesh shape of a one-mesh plan, e.g. (2, 4).
     - `donate_argnums`: arguments whose buffers the step may reuse (the state);
       `batch_argnums`: arguments holding the batch.
-    - `ilp_time_limit`: seconds for one sharding ILP solve (with HiGHS, CPU seconds of
-      the planning process, so a loaded machine gets the same plans); `solver`: its MILP
+    - `ilp_time_limit`: seconds for one sharding ILP solve (with HiGHS, counted so that
+      a loaded machine gets the same plans: CPU seconds between its two solves, ten times
+      the limit in wall-clock seconds for HiGHS itself); `solver`: its MILP
       solver, "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not
       depend on it while no solve reaches it: ties between equal-cost plans are broken
       canonically.
