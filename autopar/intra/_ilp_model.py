@@ -60,8 +60,8 @@ TIE_ABSOLUTE_TOLERANCE = 1e-12
 # gets what the first solve left), and HiGHS itself is given this many times the limit in
 # wall-clock seconds: a solve is cut short only when the machine is loaded more than this
 # many times over. (A HiGHS interrupt callback that checks CPU seconds, as session 8 tried,
-# is a Python call per event, some 3 per branch-and-bound node: 5% of a 509-node MIP's
-# time here; this costs nothing.)
+# is a Python call per event, some 2 per branch-and-bound node: a 24,415-node MIP took
+# 13.5 CPU s with it against 11.2 without; this costs nothing.)
 WALL_CLOCK_BACKSTOP = 10.0
 # Reduced-cost fixing (`plans_within`) keeps a strategy unless it provably costs more than
 # the tie window plus this (the solvers' primal feasibility tolerance, in scaled units).
