@@ -1,6 +1,7 @@
 """Planning time of `method="auto"` by phase (issue 18).
 
-Rows: the demo (``autopar demo``'s GPT on 8 virtual CPU devices, 2 microbatches), GPT-39B
+Rows: the demo (``autopar demo``'s GPT on 8 virtual CPU devices, 2 microbatches), gpt-1.3B
+on 16 dgx-a100-80g GPUs (2 hosts, 64 microbatches, no target of its own), GPT-39B
 on 64 dgx-a100-80g GPUs (8 hosts, 64 microbatches) and GPT-3 175B on 1,024 (128 hosts,
 64 microbatches), each planned with no plan cache in a child process of its own under a
 per-row time limit (a row that runs out is reported as far as it got).
@@ -39,14 +40,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("demo", "gpt-39B@64", "gpt-175B@1024")
+ROWS = ("demo", "gpt-1.3B@16", "gpt-39B@64", "gpt-175B@1024")
 # Issue 18's acceptance: planning wall seconds on a quiet 2-core machine.
 TARGETS = {"demo": 3.0, "gpt-39B@64": 120.0, "gpt-175B@1024": 600.0}
 DEFAULT_LIMIT = 900.0
 PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering")
 # The GPT rows: (model config, hosts of 8 GPUs, microbatches). 64 microbatches as issue 18
 # states the 39B row (global batch 1024, Alpa's benchmark batch).
-GPT_ROWS = {"gpt-39B@64": ("39B", 8, 64), "gpt-175B@1024": ("175B", 128, 64)}
+GPT_ROWS = {"gpt-1.3B@16": ("1.3B", 2, 64), "gpt-39B@64": ("39B", 8, 64),
+            "gpt-175B@1024": ("175B", 128, 64)}
 
 
 def _cpu() -> float:

@@ -417,3 +417,25 @@ def test_time_limit_is_reported(monkeypatch):
     monkeypatch.setattr(ilp, "run_model", tie_break_stopped)
     solution = solve(problem)
     assert solution.status == "optimal" and solution.stats.tie_break == "incomplete"
+
+
+def test_wall_clock_seconds_do_not_stop_the_tie_break(monkeypatch):
+    """A loaded machine (wall seconds far beyond CPU seconds) gets the same canonical plan:
+    the time limit counts CPU seconds of this process (issue 18: on main a tiny GPT's
+    leaner-memory MIP took 30 wall s of its 60 on a loaded machine, its tie-break stopped
+    "incomplete" and the stage DP's answer changed with the load)."""
+    import time as real_time
+
+    import autopar.intra._ilp as ilp
+
+    problem, canonical, _ = coupled_tie_problem()
+    wall = [real_time.perf_counter()]
+
+    def loaded_perf_counter():  # every wall-clock reading 100 s after the last
+        wall[0] += 100.0
+        return wall[0]
+
+    monkeypatch.setattr(ilp.time, "perf_counter", loaded_perf_counter)
+    solution = solve(problem, time_limit=50.0)
+    assert solution.status == "optimal" and solution.stats.tie_break == "canonical"
+    assert solution.choices == canonical

@@ -175,8 +175,11 @@ def solve(
 
     **Arguments:**
     - `problem`: the numbers (see `ShardingProblem`).
-    - `time_limit`: seconds the MILP solver may run; past it the best plan found so far is
-      returned with status "time_limit".
+    - `time_limit`: seconds for the solve and its tie-break: the tie-break gets what the
+      first solve left in CPU seconds of this process, and HiGHS's own wall-clock limit is
+      `WALL_CLOCK_BACKSTOP` times it (CBC: wall-clock seconds), so that a loaded machine
+      gets the same plan; past it the best plan found so far is returned with status
+      "time_limit".
     - `solver`: "highs" (highspy, its arrays passed whole), "cbc" (pulp's bundled CBC)
       or "auto" (HiGHS when highspy is installed, else CBC).
     - `msg`: print the solver's log.
@@ -204,7 +207,7 @@ def solve(
     model = sharding_model(reduction.graph, reduction.groups, budget, formulation)
     built = build_solver_model(model, solver_name) if model.cost else None
     build_time = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     values, status = run_model(built, time_limit, msg)
     if status == "infeasible":
         assert groups, "a sharding ILP without memory constraints is always feasible"
@@ -220,7 +223,7 @@ def solve(
         tie_break = "skipped"
     elif built is not None:
         tie_start = time.perf_counter()
-        remaining = time_limit - (tie_start - start)
+        remaining = time_limit - (time.process_time() - cpu_start)  # CPU s, as HiGHS's
         ilp_choice, tie_break = _break_ties(
             reduction, model, built, ilp_choice, solver_name, remaining, msg, budget, formulation
         )
@@ -303,7 +306,7 @@ def _break_ties(
     """
     if time_limit < _LEAST_TIE_BREAK_TIME:
         return choice, "incomplete"
-    deadline = time.perf_counter() + time_limit
+    deadline = time.process_time() + time_limit  # CPU seconds, as `run_model` counts them
     cost = model.objective_of(choice)
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
     duals = lp_row_duals(built, time_limit, msg=msg)
@@ -315,7 +318,7 @@ def _break_ties(
     tie_model = sharding_model(graph, groups, budget, formulation)
     if not tie_model.node_columns:  # one plan left: `choice`
         return choice, "canonical"
-    remaining = deadline - time.perf_counter()
+    remaining = deadline - time.process_time()
     if remaining < _LEAST_TIE_BREAK_TIME:
         return choice, "incomplete"
     position = {v: int(np.searchsorted(keep[v], choice[v])) for v in tie_model.node_columns}

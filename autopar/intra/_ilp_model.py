@@ -52,6 +52,17 @@ SOLVER_THREADS = 1
 # of 0. The solvers' feasibility tolerance (1e-7 absolute) widens the window a little more.
 TIE_RELATIVE_TOLERANCE = 1e-9
 TIE_ABSOLUTE_TOLERANCE = 1e-12
+# HiGHS's `time_limit` is wall-clock seconds, which grow with whatever else runs on the
+# cores. On main a loaded machine (load 8-12 on 2 cores) made a tiny GPT's leaner-memory
+# MIP take 30 wall s of its 60 (11 CPU s): its tie-break stopped "incomplete", another plan
+# of the same cost was kept, and plans could depend on the load (issue 18). So the limit
+# `solve` is given counts CPU seconds of this process between its solves (the tie-break
+# gets what the first solve left), and HiGHS itself is given this many times the limit in
+# wall-clock seconds: a solve is cut short only when the machine is loaded more than this
+# many times over. (A HiGHS interrupt callback that checks CPU seconds, as session 8 tried,
+# is a Python call per event, some 2 per branch-and-bound node: a 24,415-node MIP took
+# 13.5 CPU s with it against 11.2 without; this costs nothing.)
+WALL_CLOCK_BACKSTOP = 10.0
 # Reduced-cost fixing (`plans_within`) keeps a strategy unless it provably costs more than
 # the tie window plus this (the solvers' primal feasibility tolerance, in scaled units).
 _FIXING_MARGIN = 1e-7
@@ -498,7 +509,7 @@ class _HighsBuilt:
     @staticmethod
     def _options(time_limit, msg, gap_rel) -> dict:
         return dict(output_flag=bool(msg), mip_rel_gap=gap_rel, mip_abs_gap=MIP_ABSOLUTE_GAP,
-                    threads=SOLVER_THREADS, time_limit=float(time_limit),
+                    threads=SOLVER_THREADS, time_limit=float(time_limit) * WALL_CLOCK_BACKSTOP,
                     random_seed=SOLVER_RANDOM_SEED)
 
     def run(self, time_limit, msg, start, gap_rel):

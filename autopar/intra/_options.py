@@ -16,7 +16,8 @@ class ShardOptions:
       replicated and splits the batch; "zero2" also shards optimizer state (and so
       gradients); "zero3" shards parameters too.
     - `memory_budget`: bytes per device; None uses the cluster's device memory.
-    - `time_limit`: seconds for one ILP solve.
+    - `time_limit`: seconds for one ILP solve and its tie-break, counted so that a loaded
+      machine gets the same plans (see `autopar.intra._ilp.solve`).
     - `solver`: "auto" uses HiGHS when installed, else CBC.
     - `num_memory_points`: program points whose live bytes are constrained.
     - `merge_followers`: let elementwise-like ops share their producer's choice.

@@ -100,35 +100,54 @@ def reshard_collectives(
     """
     if src == dst:
         return ()
-    route = _Route(shape, dtype_itemsize(dtype), _layout(src, mesh), _layout(dst, mesh), mesh)
-    return route.run()
+    itemsize = dtype_itemsize(dtype)
+
+    def per_device(tiles: tuple[int, ...]) -> float:
+        return float(itemsize * math.prod(math.ceil(n / t) for n, t in zip(shape, tiles)))
+
+    return tuple(
+        Collective(kind, axes, per_device(tiles) if tiles is not None
+                   else min(per_device(t) for t in states))
+        for kind, axes, tiles, states in _route(len(shape), src, dst, mesh)
+    )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _route(ndim: int, src: Spec, dst: Spec, mesh: LogicalMesh):
+    """The collectives from `src` to `dst` for any tensor of `ndim` dimensions: the route
+    depends on the layouts alone, the bytes on the shape (issue 18: the same spec pairs
+    recur for tensors of many shapes). **Returns:** (kind, axes, tiles per dimension when
+    it runs, None) per collective, or (kind, axes, None, tiles of every state visited) for
+    the collective-permute, which runs where the tensor is smallest."""
+    return _Route(ndim, _layout(src, mesh), _layout(dst, mesh), mesh).run()
 
 
 class _Route:
-    """One resharding, simulated digit by digit (see the module docstring)."""
+    """One resharding, simulated digit by digit (see the module docstring); it tracks tile
+    counts per dimension, not bytes."""
 
-    def __init__(self, shape, itemsize: int, current: Layout, target: Layout, mesh):
-        self.shape, self.itemsize, self.mesh = shape, itemsize, mesh
+    def __init__(self, ndim: int, current: Layout, target: Layout, mesh):
+        self.shape, self.mesh = range(ndim), mesh  # only its length is read
         self.source = [list(dim) for dim in current]
         self.current, self.target = current, target
-        self.out: list[Collective] = []
+        self.out: list[tuple] = []
         self.reordered: list[Digit] = []  # digits of dimensions cut in the middle
-        self.smallest = self.per_device()
+        self.states = [self.per_device()]  # the smallest of these is the permute's size
         self.grow, self.shrink = [], []
         for have, want in zip(current, target):
             common = math.gcd(_tiles(have), _tiles(want))
             self.grow.append(_tiles(want) // common)
             self.shrink.append(_tiles(have) // common)
 
-    def per_device(self) -> float:
-        sizes = [math.ceil(n / _tiles(d)) for n, d in zip(self.shape, self.current)]
-        return float(self.itemsize * math.prod(sizes))
+    def per_device(self) -> tuple[int, ...]:
+        """The tile count of each dimension now (a device holds ceil(n / tiles) of each)."""
+        return tuple(_tiles(d) for d in self.current)
 
     def add(self, kind: str, digits) -> None:
-        self.out.append(Collective(kind, _axes(digits, self.mesh), self.per_device()))
-        self.smallest = min(self.smallest, self.per_device())
+        self.out.append((kind, _axes(digits, self.mesh), self.per_device(), None))
+        self.states.append(self.per_device())
 
-    def run(self) -> tuple[Collective, ...]:
+    def run(self) -> tuple[tuple, ...]:
         if self.current == self.target:
             return ()
         uneven = any(g > 1 and s > 1 for g, s in zip(self.grow, self.shrink))
@@ -153,7 +172,7 @@ class _Route:
             if d not in have or d not in want or have.index(d) != want.index(d)
         ]
         if misplaced:
-            self.out.append(Collective("send_recv", _axes(misplaced, self.mesh), self.smallest))
+            self.out.append(("send_recv", _axes(misplaced, self.mesh), None, tuple(self.states)))
         return tuple(self.out)
 
     def no_direct_route(self, moves: list[Move]) -> bool:
@@ -231,7 +250,7 @@ class _Route:
                 return False
             self.current[g] += sliced
             self.grow[g] = 1
-            self.smallest = min(self.smallest, self.per_device())
+            self.states.append(self.per_device())
         return True
 
     def pop_minor(self, dim: int, factor: int) -> list[Digit] | None:
@@ -319,10 +338,17 @@ def reshard_time(
     key = (tuple(shape), dtype, src, dst)
     if cache is not None and key in cache:
         return cache[key]
-    seconds = sum(
-        collective_time(c.kind, c.nbytes, cluster, mesh, c.axes)
-        for c in reshard_collectives(shape, dtype, src, dst, mesh)
-    )
-    if cache is not None:
-        cache[key] = seconds
+    collectives = reshard_collectives(shape, dtype, src, dst, mesh)
+    if cache is None:
+        return sum(collective_time(c.kind, c.nbytes, cluster, mesh, c.axes) for c in collectives)
+    seconds = 0.0
+    for c in collectives:
+        # One collective's time depends on (kind, bytes, axes) alone on this mesh and
+        # cluster; tensors of many shapes share them (issue 18: collective_time was a fifth
+        # of gpt-39B's search).
+        ckey = ("collective", c.kind, c.nbytes, c.axes)
+        if ckey not in cache:
+            cache[ckey] = collective_time(c.kind, c.nbytes, cluster, mesh, c.axes)
+        seconds += cache[ckey]
+    cache[key] = seconds
     return seconds

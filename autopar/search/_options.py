@@ -46,9 +46,12 @@ class PlanOptions:
     - `mesh_shape`: fix the logical mesh shape of a one-mesh plan, e.g. (2, 4).
     - `donate_argnums`: arguments whose buffers the step may reuse (the state);
       `batch_argnums`: arguments holding the batch.
-    - `ilp_time_limit`: seconds for one sharding ILP solve; `solver`: its MILP solver,
-      "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not depend
-      on it: ties between equal-cost plans are broken canonically.
+    - `ilp_time_limit`: seconds for one sharding ILP solve (with HiGHS, counted so that
+      a loaded machine gets the same plans: CPU seconds between its two solves, ten times
+      the limit in wall-clock seconds for HiGHS itself); `solver`: its MILP
+      solver, "highs", "cbc" or "auto" (HiGHS when highspy is installed). Plans do not
+      depend on it while no solve reaches it: ties between equal-cost plans are broken
+      canonically.
     - `num_microbatches`: "auto" or an int dividing the batch; `schedule`: "gpipe",
       "1f1b", "interleaved_1f1b" (with `virtual_stages` v: `num_stages` device groups of
       v non-adjacent layer chunks each), "zero_bubble", or "auto" (the lowest predicted
