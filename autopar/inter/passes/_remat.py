@@ -184,25 +184,10 @@ def recompute(
                  and set(graph.nodes[n].outputs) & dropped]
         if scans:
             return _selective_in_scans(graph, scans, dropped)
-        needed, stack = set(), [producer[v] for v in dropped]
-        while stack:
-            n = stack.pop()
-            if n in needed:
-                continue
-            needed.add(n)
-            for v in graph.nodes[n].inputs:
-                if v in producer and (v not in kept or v in dropped):
-                    stack.append(producer[v])
-        nodes = [n for n in forward if n in needed]
+        nodes = _rerun_nodes(graph, forward, producer, kept, dropped)
     if not dropped:
         return NO_RECOMPUTE
-    made = {v for n in nodes for v in graph.nodes[n].outputs}
-    reads = {
-        v for n in nodes for v in graph.nodes[n].inputs
-        if v not in made and graph.vars[v].role is not Role.CONST
-    }
-    added = {v for v in reads - kept if graph.vars[v].role not in STATE_ROLES}
-    return Recompute(frozenset(dropped), tuple(nodes), frozenset(reads), frozenset(added))
+    return _recompute_of(graph, nodes, kept, dropped)
 
 
 def _selective_in_scans(graph: OpGraph, scans: list[int], dropped: set[int]) -> Recompute:
@@ -237,10 +222,16 @@ def fused_recompute(
 
 
 def _rerun(graph: OpGraph, forward, producer, kept: set[int], dropped: set[int]) -> Recompute:
-    """The forward nodes that make `dropped` again from `kept` values (and what is made
-    outside `forward`), in program order, with what they read."""
+    """`dropped` made again from `kept` values by the forward nodes that make it."""
     if not dropped:
         return NO_RECOMPUTE
+    return _recompute_of(graph, _rerun_nodes(graph, forward, producer, kept, dropped),
+                         kept, dropped)
+
+
+def _rerun_nodes(graph: OpGraph, forward, producer, kept: set[int], dropped: set[int]):
+    """The forward nodes that make `dropped` again from `kept` values (and what is made
+    outside `forward`), in program order."""
     needed, stack = set(), [producer[v] for v in dropped]
     while stack:
         n = stack.pop()
@@ -250,7 +241,12 @@ def _rerun(graph: OpGraph, forward, producer, kept: set[int], dropped: set[int])
         for v in graph.nodes[n].inputs:
             if v in producer and (v not in kept or v in dropped):
                 stack.append(producer[v])
-    nodes = [n for n in forward if n in needed]
+    return [n for n in forward if n in needed]
+
+
+def _recompute_of(graph: OpGraph, nodes, kept: set[int], dropped: set[int]) -> Recompute:
+    """`dropped` made again by rerunning `nodes`, with what they read and what of that
+    the layer did not keep already (state aside)."""
     made = {v for n in nodes for v in graph.nodes[n].outputs}
     reads = {
         v for n in nodes for v in graph.nodes[n].inputs
