@@ -221,8 +221,9 @@ def _local_section(local: dict | None) -> str:
         f"the `{local['profile']}` profile; measured = median of "
         f"{local['steps'] * local.get('rounds', 1)} steps after one warm-up step "
         f"(`block_until_ready`"
-        + ("; by this process's CPU time, `time.process_time`" if local.get("clock") == "process"
-           else "")
+        + {"process": "; by this process's CPU time, `time.process_time`",
+           "cpu-per-core": "; by this process's CPU time over the cores it may use "
+           "(`time.process_time() / len(os.sched_getaffinity(0))`)"}.get(local.get("clock"), "")
         + f"), timed in {local.get('rounds', 1)} round(s) of "
         f"{local['steps']} steps of every plan in turn"
         + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
