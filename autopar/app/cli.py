@@ -4,7 +4,7 @@ Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its
 and ``_run_<name>(args) -> int`` runs it; `build_parser` lists the ``_add_*`` functions.
 Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up they need.
 
-    autopar profile [--out FILE.json] [--quick] [--devices N]
+    autopar profile [--out FILE.json] [--quick] [--devices N] [--clock wall|cpu-per-core]
                     [--coordinator HOST:PORT --num-processes P --process-id I]
     autopar demo [--out-dir DIR] [--steps N] [--method M] [--mesh-shape 2,4] [--no-pictures]
     autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
