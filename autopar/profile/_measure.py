@@ -67,7 +67,9 @@ class ProfileOptions:
     - `device_counts`: group sizes for collectives, or a `DeviceCountPolicy`.
     - `repeats`, `warmup`: timed and untimed calls per compiled function.
     - `matmul_sizes`: square matmul sizes per device on CPU (times
-      `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak.
+      `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak, and the
+      others give `gemm_efficiency` (small sizes are timed chained in one program,
+      `measure_matmul`).
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
     - `dispatch_repeats`: timed calls of the trivial program that measures
       `Cluster.dispatch_overhead` (`measure_dispatch`).
@@ -87,7 +89,7 @@ class ProfileOptions:
     device_counts: tuple[int, ...] | DeviceCountPolicy = "powers_of_two"
     repeats: int = 7
     warmup: int = 2
-    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
     bandwidth_bytes: int = 16 * MiB
     dispatch_repeats: int = 201
     concurrent_groups: bool = True
@@ -279,19 +281,36 @@ def time_collective(
 def measure_matmul(
     dtype: str, devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
 ) -> dict[int, float]:
-    """FLOP/s per device of square matmuls run on all `devices` at once, by size."""
+    """FLOP/s per device of square matmuls run on all `devices` at once, by size.
+
+    Each program chains ``r`` matmuls of its size (``y = y @ a`` in a loop), r chosen so
+    that every program does about the work of one matmul of the largest size: a small
+    matmul then costs what it does inside a step, not the launch of a program of its own
+    (on 8 CPU devices a launch is ~0.15 ms, a whole 128 x 128 matmul ~0.2 ms).
+    """
     mesh = Mesh(np.array(devices), (AXIS,))
     spec = PartitionSpec(AXIS)
-    fn = jax.shard_map(jnp.matmul, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
     scale = 1 if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SCALE
+    sizes = [scale * size for size in options.matmul_sizes]
     by_size = {}
-    for size in (scale * size for size in options.matmul_sizes):
+    for size in sizes:
+        repeats = max(1, round((max(sizes) / size) ** 3))
+        fn = jax.shard_map(partial(_chained_matmuls, repeats=repeats), mesh=mesh,
+                           in_specs=(spec, spec), out_specs=spec)
         a = _filled((len(devices) * size, size), dtype, mesh)
-        by_size[size] = 2 * size**3 / _median_seconds(fn, (a, a), options)
+        by_size[size] = 2 * size**3 * repeats / _median_seconds(fn, (a, a), options)
     best = max(by_size, key=by_size.get)
     log(f"matmul {dtype:<9} on {len(devices)} devices: {by_size[best] / 1e9:.2f} GFLOP/s "
         f"per device (best at {best}x{best}, sizes {list(by_size)})")
     return by_size
+
+
+def _chained_matmuls(y: jax.Array, a: jax.Array, repeats: int) -> jax.Array:
+    """``y @ a`` applied `repeats` times (``a`` all ones over its size keeps y at ones)."""
+    a = a / a.shape[0]
+    if repeats == 1:
+        return y @ a
+    return lax.fori_loop(0, repeats, lambda _, y: y @ a, y)
 
 
 def measure_bandwidth(
