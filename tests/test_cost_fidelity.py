@@ -612,21 +612,21 @@ def test_data_parallel_gradient_reductions_are_one_all_reduce_per_bucket():
     from autopar.intra._strategies import step_effects
     from autopar.lower import count_collectives
     from examples import gpt
-    from tests.helpers import compiled_hlo
 
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
-    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], num_layers=2)
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], num_layers=1)
     opt = optax.adamw(1e-3)
-    state = gpt.init_state(cfg, opt, jax.random.key(0))
-    batch = gpt.make_batch(cfg, 16, jax.random.key(1))
+    abstract = (gpt.abstract_state(cfg, opt), gpt.abstract_batch(cfg, 8))
     # On one mesh axis: on (4, 2) XLA splits a weight gradient's reduction over both axes
     # into one all-reduce per axis, which the model charges as one (not modelled).
     step = autopar.autoparallel(gpt.make_train_step(cfg, opt), method="data", cache=False,
                                 cluster=Cluster.from_profile("cpu-local"), mesh_shape=(8,))
-    state, _ = step(state, batch)  # the old state was donated
-    plan = step._last.plan
-    graph = step._last.graph
+    last = step._compile(abstract)  # plans and lowers; nothing runs
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            for x, sharding in zip(jax.tree.leaves(abstract), last.in_shardings)]
+    hlo = count_collectives(last.fn.lower(*args).compile().as_text())
+    plan, graph = last.plan, last.graph
     sharding = plan.stages[0].sharding
     effects = step_effects(graph, tied_state(graph, (0,)))
     ctx = CostContext(Cluster.from_profile("cpu-local"), sharding.mesh, effects.combinable,
@@ -645,6 +645,5 @@ def test_data_parallel_gradient_reductions_are_one_all_reduce_per_bucket():
             else:
                 alone += 1
     buckets = sum(combined_bucket_count(sizes) for sizes in combined.values())
-    assert sum(len(s) for s in combined.values()) >= 10  # one per parameter, and the loss
-    hlo = count_collectives(compiled_hlo(step, state, batch))
+    assert sum(len(s) for s in combined.values()) >= 6  # one per weight, and the loss
     assert buckets + alone == hlo["all_reduce"][0]
