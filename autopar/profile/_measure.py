@@ -336,7 +336,7 @@ def measure_bandwidth(
     seconds = _median_seconds(fn, (x,), options, donate=in_place)
     bandwidth = 2 * elements * itemsize / seconds
     how = "in place (donated)" if in_place else "fresh output"
-    log(f"memory bandwidth on {len(devices)} devices, {how}: {bandwidth / 1e9:.2f} GB/s "
+    log(f"memory bandwidth on {len(devices)} devices ({how}): {bandwidth / 1e9:.2f} GB/s "
         "per device")
     return bandwidth
 
