@@ -69,6 +69,9 @@ _FIXING_MARGIN = 1e-7
 # Solution values above this count as "strategy chosen" (HiGHS's integrality tolerance is
 # 1e-6, so a chosen binary reads at least 1 - 1e-6).
 CHOSEN_THRESHOLD = 0.5
+# An LP relaxation whose binaries are all within this of 0 or 1 is taken as the MIP's
+# solution (HiGHS's own MIP integrality tolerance, `mip_feasibility_tolerance`).
+INTEGRALITY_TOLERANCE = 1e-6
 
 
 # --------------------------------------------------------------------------------------
@@ -515,6 +518,10 @@ class _HighsBuilt:
     def run(self, time_limit, msg, start, gap_rel):
         import highspy
 
+        if start is None:
+            values = self._integral_relaxation(time_limit, msg)
+            if values is not None:
+                return values, "optimal"
         highs = self._highs(True, self._options(time_limit, msg, gap_rel))
         if start is not None:
             solution = highspy.HighsSolution()
@@ -532,6 +539,26 @@ class _HighsBuilt:
         if status in stopped and highs.getInfo().primal_solution_status == 2:
             return np.array(highs.getSolution().col_value), "time_limit"
         return None, "no_solution"
+
+    def _integral_relaxation(self, time_limit, msg) -> np.ndarray | None:
+        """The LP relaxation's optimum (dual simplex) when it sets every binary to 0 or 1
+        (within `INTEGRALITY_TOLERANCE`, then rounded): an optimum of the MIP too, found
+        without HiGHS's MIP set-up; None otherwise. Issue 18: 5 of the demo's 6 largest
+        layer ILPs (17-19k columns) have such relaxations, solved in 0.05 CPU s against
+        0.23 s for the MIP. Any optimum will do: the canonical tie-break that follows
+        picks the same plan from every optimum."""
+        import highspy
+
+        highs = self._highs(False, self._options(time_limit, msg, MIP_RELATIVE_GAP))
+        highs.run()
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = np.array(highs.getSolution().col_value)
+        binary = values[self.integer]
+        if np.any(np.minimum(binary, 1.0 - binary) > INTEGRALITY_TOLERANCE):
+            return None
+        values[self.integer] = np.round(binary)
+        return values
 
     def row_duals(self, time_limit, msg):
         import highspy
