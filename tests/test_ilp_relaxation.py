@@ -1,6 +1,6 @@
 """The first HiGHS solve takes the LP relaxation's optimum when it is integral (issue 18).
 
-`_HighsBuilt.run` solves the relaxation first and returns it when every binary is 0 or 1;
+`run_model` has HiGHS solve the relaxation first and returns it when every binary is 0 or 1;
 otherwise it runs the MIP. Both paths must give the brute-force optimum, and the test
 checks which path each problem took.
 """
@@ -34,14 +34,14 @@ def _complete(num_nodes: int, node_cost, edge_cost) -> ShardingProblem:
 @pytest.mark.parametrize("name", ["agreeing", "frustrated"])
 def test_integral_relaxation_or_mip_gives_the_optimum(name, monkeypatch):
     integral = []
-    relaxation = _HighsBuilt._integral_relaxation
+    relaxation = _HighsBuilt.integral_relaxation
 
     def spy(self, *args):
         values = relaxation(self, *args)
         integral.append(values is not None)
         return values
 
-    monkeypatch.setattr(_HighsBuilt, "_integral_relaxation", spy)
+    monkeypatch.setattr(_HighsBuilt, "integral_relaxation", spy)
     if name == "agreeing":
         # Neighbours want the same strategy and every node prefers strategy 0: the
         # relaxation's optimum is the integral all-zero choice, of cost 0.

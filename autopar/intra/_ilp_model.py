@@ -518,10 +518,6 @@ class _HighsBuilt:
     def run(self, time_limit, msg, start, gap_rel):
         import highspy
 
-        if start is None:
-            values = self._integral_relaxation(time_limit, msg)
-            if values is not None:
-                return values, "optimal"
         highs = self._highs(True, self._options(time_limit, msg, gap_rel))
         if start is not None:
             solution = highspy.HighsSolution()
@@ -540,7 +536,7 @@ class _HighsBuilt:
             return np.array(highs.getSolution().col_value), "time_limit"
         return None, "no_solution"
 
-    def _integral_relaxation(self, time_limit, msg) -> np.ndarray | None:
+    def integral_relaxation(self, time_limit, msg) -> np.ndarray | None:
         """The LP relaxation's optimum (dual simplex) when it sets every binary to 0 or 1
         (within `INTEGRALITY_TOLERANCE`, then rounded): an optimum of the MIP too, found
         without HiGHS's MIP set-up; None otherwise. Issue 18: 5 of the demo's 6 largest
@@ -587,13 +583,19 @@ def run_model(built, time_limit: float, msg: bool, start: np.ndarray | None = No
     """Solve a model built by `build_solver_model` (None: a model without columns).
 
     `start`: a feasible solution to start from (one value per column); `gap_rel`: the
-    relative MIP gap (the absolute one is `MIP_ABSOLUTE_GAP`).
+    relative MIP gap (the absolute one is `MIP_ABSOLUTE_GAP`). Without `start`, HiGHS
+    first solves the LP relaxation and returns it when it is integral
+    (`_HighsBuilt.integral_relaxation`).
 
     **Returns:** (column values or None, status), status one of "optimal", "time_limit",
     "infeasible", "no_solution".
     """
     if built is None:
         return np.zeros(0), "optimal"
+    if start is None and isinstance(built, _HighsBuilt):
+        values = built.integral_relaxation(time_limit, msg)
+        if values is not None:
+            return values, "optimal"
     return built.run(time_limit, msg, start, gap_rel)
 
 
