@@ -41,6 +41,7 @@ from autopar.cost._pipeline import (
 )
 from autopar.cost._remat import (
     full_recompute_cost,
+    fused_rerun_seconds,
     recompute_seconds,
     recomputed_layer_cost,
     selective_recompute_cost,
@@ -66,6 +67,7 @@ __all__ = [
     "MEMORY_PARTS",
     "tasks_per_step",
     "full_recompute_cost",
+    "fused_rerun_seconds",
     "recompute_seconds",
     "recomputed_layer_cost",
     "selective_recompute_cost",

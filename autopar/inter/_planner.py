@@ -28,6 +28,7 @@ from autopar.cost import (
     boundary_transfer_time,
     bytes_per_device,
     full_recompute_cost,
+    fused_rerun_seconds,
     in_flight_microbatches,
     memory_budget,
     rate_dtype,
@@ -46,6 +47,7 @@ from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.inter.passes._remat import (
     STATE_ROLES,
+    fused_recompute,
     in_core,
     recompute,
     scan_body,
@@ -173,6 +175,8 @@ class LayerCostTable:
         self._recomputes: dict[tuple, object] = {}
         self._kept: dict[int, frozenset[int]] = {}
         self._shared: dict[int, list[int]] | None = None  # state var -> layers reading it
+        self._fused_reruns: dict[int, object] = {}  # layer -> its `fused_recompute`
+        self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
         self.ilp_seconds = 0.0  # wall seconds in `_solve`
         self.num_hits = 0  # `cost` look-ups answered from the table
@@ -241,14 +245,63 @@ class LayerCostTable:
             return None, None
         finally:
             self.ilp_seconds += time.perf_counter() - start
+        # The backward reruns the kept values its forward made inside a fusion
+        # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
+        fused = self._fused_seconds(layer, sub, plan)
         cost = LayerCost(
-            plan.cost.total,
+            plan.cost.total + fused,
             plan.cost.memory_per_device,
             _activation_bytes(sub, plan, self.kept_for_backward(layer)),
             _state_bytes(sub, plan),
             _gradient_bytes(sub, plan, self.per_layer),
         )
         return cost, (plan, sub)
+
+    def fused_rerun(self, layer: int):
+        """The layer's `fused_recompute` (ids of its per-layer graph): the kept values its
+        forward makes inside a fusion, rerun in its backward whatever the remat choice
+        but "full" (which reruns the whole forward)."""
+        if layer not in self._fused_reruns:
+            part = self.per_layer
+            sub = part.stage_graphs[layer]
+            fwd, bwd = part.forward[layer], part.backward[layer]
+            bwd_inputs = set(bwd.inputs)
+            leaving = set(sub.outvars)
+            leaving.update(v for v in fwd.outputs if v not in bwd_inputs)
+            self._fused_reruns[layer] = fused_recompute(
+                sub, fwd.nodes, set(fwd.outputs) & bwd_inputs, leaving, bwd.nodes
+            )
+        return self._fused_reruns[layer]
+
+    def _fused_seconds(self, layer: int, solved_on: OpGraph, plan: ShardingPlan) -> float:
+        """`fused_rerun_seconds` of the layer's fused rerun under `plan` (solved on
+        `solved_on`, a layer of the same structure): each rerun node's FLOPs at the share
+        of its result a device holds."""
+        sub = self.per_layer.stage_graphs[layer]
+        to_solved = _var_map(sub, solved_on)
+        work = []
+        for n in self.fused_rerun(layer).nodes:
+            node = sub.nodes[n]
+            if not node.outputs or node.flops <= 0:
+                continue
+            out = sub.vars[node.outputs[0]]
+            spec = plan.var_specs[to_solved.get(out.id, out.id)]
+            share = 1.0
+            if spec is not None and out.shape and out.nbytes > 0:
+                share = bytes_per_device(out.shape, out.dtype, spec, plan.mesh) / out.nbytes
+            work.append((node.flops * share, out.dtype))
+        return fused_rerun_seconds(work, self.cluster)
+
+    def fused_seconds(self, layer: int, shape: tuple[int, ...], level: int = 0) -> float:
+        """Seconds per microbatch the layer's fused rerun adds at (`shape`, `level`),
+        included in `cost(...).latency` (0 when the layer has no plan there)."""
+        if self.cost(layer, shape, level) is None:
+            return 0.0
+        plan, solved_on = self._plans[(self.fingerprints[layer], shape, level)]
+        key = (self.fingerprints[layer], shape, level)
+        if key not in self._fused_by_level:
+            self._fused_by_level[key] = self._fused_seconds(layer, solved_on, plan)
+        return self._fused_by_level[key]
 
     def remat_cost(
         self, layer: int, shape: tuple[int, ...], level: int, remat: str
@@ -298,19 +351,23 @@ class LayerCostTable:
                 return float(var.nbytes)
             return bytes_per_device(var.shape, var.dtype, spec, plan.mesh)
 
-        seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes],
-                                self.cluster)
+        # Nodes the fused rerun already runs (priced in `base`) are not priced again.
+        fused_nodes = set() if remat == "full" else set(self.fused_rerun(layer).nodes)
+        seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes
+                                                  if n not in fused_nodes], self.cluster)
         for n in rerun.nodes:  # a scan's body plan is no node strategy: priced by its work
             node = sub.nodes[n]
             if node.primitive == "scan":
                 seconds += _scan_rerun_seconds(node, nbytes, sub, rerun.core_only, self.cluster)
         dropped = math.fsum(nbytes(v) for v in rerun.dropped)
         added = math.fsum(nbytes(v) for v in rerun.added)
+        fused = self.fused_seconds(layer, shape, level)
         if remat == "full":  # it drops all it kept, and keeps what its forward reads
             inputs = math.fsum(
                 nbytes(v) for v in rerun.reads if sub.vars[v].role not in STATE_ROLES
             )
-            return full_recompute_cost(base, seconds, inputs)
+            # The whole forward rerun replaces the fused rerun `base` has in its latency.
+            return full_recompute_cost(base, max(0.0, seconds - fused), inputs)
         return selective_recompute_cost(base, seconds, dropped, added)
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -847,10 +904,13 @@ def choose_stages(
 
 
 def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
-    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat)."""
+    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat),
+    the fused rerun every layer's backward does included (`LayerCostTable.fused_seconds`:
+    in the layer costs, not in the stitched stage plan's cost)."""
     shape, level, remats = detail
     return math.fsum(
         table.remat_cost(k, shape, level, r).latency - table.cost(k, shape, level).latency
+        + table.fused_seconds(k, shape, level)
         for k, r in zip(layer_range, remats)
     )
 

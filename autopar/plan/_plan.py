@@ -66,7 +66,9 @@ class Stage:
     sharding: ShardingPlan
     # What each layer of the stage recomputes in its backward (a `Remat` per layer, in
     # layer order; empty: nothing), and the seconds per microbatch that adds on top of
-    # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost).
+    # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost), with
+    # the elementwise values every backward reruns inside its fusions whatever the choice
+    # (autopar.cost.fused_rerun_seconds).
     remat: tuple[Remat, ...] = ()
     recompute_time: float = 0.0
     # Bytes per device the planner predicted for the stage with the microbatches its
@@ -107,6 +109,7 @@ class Stage:
         data = {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
         if any(r != "none" for r in self.remat):  # additive: plans without remat unchanged
             data["remat"] = list(self.remat)
+        if self.recompute_time:  # with or without remat: the fused rerun's seconds
             data["recompute_time"] = self.recompute_time
         if self.transfer_time:  # additive: first stages and one-stage plans unchanged
             data["transfer_time"] = self.transfer_time
