@@ -345,7 +345,8 @@ class PipelineExecutable:
         return {
             "state": state + list(step_values.copies.values()),
             "batch": [step_env[v] for v in self.batch_vars],
-            "gradients": [x for sums in stage_sums for x in sums.values()],
+            "gradients": [x for sums in stage_sums for x in sums.values()]
+            + [step_env[v] for v in self.partition.grad_vars if v in step_env],
             "activations": [x for m in micro for copies in list(m.copies.values())
                             for x in copies.values()],
         }
