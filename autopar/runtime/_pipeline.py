@@ -133,7 +133,7 @@ class PipelineExecutable:
         self.per_microbatch = frozenset(per_microbatch)
         self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
-        self._working: dict[tuple, int] = {}  # (phase, stage, sums) -> bytes per device
+        self._working: dict[tuple, int] = {}  # (phase, stage, id(program)) -> bytes per device
         self.virtual_stages = _virtual_stages(schedule, self.meshes)
         self.group_orders = device_orders(
             schedule, partition.num_stages, num_microbatches, self.virtual_stages
