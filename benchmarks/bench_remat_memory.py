@@ -37,7 +37,10 @@ recomputing a mix of none, selective and full, 79.996 GiB of 80 per device, step
 recompute match a hand count: optimizer state 54.64 GiB (fp32 master + Adam moments, 12 B
 x 39.09e9 / 8 = 54.60), accumulated fp32 gradients 18.20 (18.20), kept layer inputs 1.47
 (48 x 16 x 1024 x 8192 x 2 B / 8 = 1.50), working memory 3.77 (the embedding layer's).
-Not finished within the time limits: `--auto` (175B, over 35 minutes;
+Not finished within the time limits: `--auto` (175B, over 35 minutes; again on branch
+s10-memory at nice 10 under load 7-10, `--auto --models "" --log-level INFO`: tracing
+47.7 s, then after 70 min wall, 16.3 CPU min, still in the first stage DP's cost
+evaluation (`_evaluate` -> `_fitting_level` -> `choose_remat`), interrupted;
 a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
 the problems, half in HiGHS including tie-breaking).
 """
