@@ -24,6 +24,7 @@ from bench_large import plan_line, schedule_label
 from autopar.app._autoparallel import autoparallel
 from autopar.cluster import Cluster
 from autopar.manual import megatron_plan
+from autopar.profile._measure import usable_cores
 from autopar.search import plan
 from examples import gpt
 
@@ -145,17 +146,20 @@ def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int =
     - `profile`: the cost profile the predictions use (a name or a path).
     - `only`: run just the first `only` plans (for a smoke test).
     - `rounds`: timing rounds.
-    - `clock`: "wall" (`time.perf_counter`) or "process" (`time.process_time`: the CPU
+    - `clock`: "wall" (`time.perf_counter`), "process" (`time.process_time`: the CPU
       seconds of this process's threads, which other processes on a shared machine do
       not inflate; on a machine with c cores a step that keeps them all busy measures up
-      to c times its wall time).
+      to c times its wall time) or "cpu-per-core" (those CPU seconds over the c cores the
+      process may use: the wall time with the machine to itself of a step that keeps
+      every core busy, the clock `autopar profile --clock cpu-per-core` measures with).
 
     **Returns:** a `LocalResult` per plan that planned and ran (measured = median of all
     its timed steps), and per round the median step time of each of those plans.
     """
     if rounds < 1 or num_steps < 1:
         raise ValueError(f"rounds and num_steps must be at least 1, got {rounds}, {num_steps}")
-    clocks = {"wall": time.perf_counter, "process": time.process_time}
+    clocks = {"wall": time.perf_counter, "process": time.process_time,
+              "cpu-per-core": _cpu_per_core}
     if clock not in clocks:
         raise ValueError(f"clock must be one of {sorted(clocks)}, got {clock!r}")
     step, state, batch = _gpt_arrays(config, batch_size)
@@ -178,6 +182,11 @@ def run_local(config: str = "small-test", batch_size: int = 16, num_steps: int =
         results.append(LocalResult(name, plan_line(p), p.predicted_step_time, seconds, p.runtime,
                                    schedule_label(p)))
     return results, per_round
+
+
+def _cpu_per_core() -> float:
+    """This process's CPU seconds over the cores it may use (the "cpu-per-core" clock)."""
+    return time.process_time() / usable_cores()
 
 
 def _gpt_arrays(config: str, batch_size: int):

@@ -231,8 +231,9 @@ def _local_section(local: dict | None) -> str:
         f"the `{local['profile']}` profile; measured = median of "
         f"{local['steps'] * local.get('rounds', 1)} steps after one warm-up step "
         f"(`block_until_ready`"
-        + ("; by this process's CPU time, `time.process_time`" if local.get("clock") == "process"
-           else "")
+        + {"process": "; by this process's CPU time, `time.process_time`",
+           "cpu-per-core": "; by this process's CPU time over the cores it may use "
+           "(`time.process_time() / len(os.sched_getaffinity(0))`)"}.get(local.get("clock"), "")
         + f"), timed in {local.get('rounds', 1)} round(s) of "
         f"{local['steps']} steps of every plan in turn"
         + (f"; planned and run at commit {local['commit']}" if local.get("commit") else "")
@@ -263,8 +264,9 @@ def _local_section(local: dict | None) -> str:
         r = sorted(p["measured"] / p["predicted"] for p in local["plans"])
         lines.append(
             f"Measured / predicted: median {r[len(r) // 2]:.2f}, range {r[0]:.2f}-{r[-1]:.2f}: "
-            "the absolute level follows the profile's figures (measured on another VM); the "
-            "planner only needs the ranking.\n"
+            "the absolute level follows the profile's figures"
+            + (" (measured on another VM)" if local.get("profile") == "cpu-local" else "")
+            + "; the planner only needs the ranking.\n"
         )
     if rho is not None and rho < SPEARMAN_BAR:
         lines.append(_misses(local["plans"]))
@@ -284,13 +286,11 @@ def _misses(plans: list[dict]) -> str:
     return (
         f"The correlation is below {SPEARMAN_BAR}. Measured / predicted by runtime: "
         f"{ratios}. The measured times of all plans lie within {spread:.1f}x of each other, "
-        "so small errors reorder them. What the cost model misses here: (1) the 8 virtual "
-        "devices share 2 physical cores, so XLA:CPU runs the devices' work partly in "
-        "series and a collective is a memory copy between threads, not a link with its own "
-        "bandwidth; the alpha-beta fit of the profile averages this out, but plans that "
-        "move more bytes are not slowed in proportion; (2) a pipelined plan's prediction is "
-        "its latency with the stages running side by side, but on 2 shared cores the "
-        "stages' work adds up (CPU time counts all of it), and its tasks are small "
-        "programs that XLA:CPU runs less efficiently per FLOP than one large one (see the "
-        "text below the table).\n"
+        "so small errors reorder them. What the cost model misses here (see the text below "
+        "the table): (1) XLA:CPU's code for some fusions, e.g. the transposed copy of a "
+        "weight gradient's operand fused with a long elementwise chain, whose strided reads "
+        "slow down many times once they outgrow the cache (Megatron dp2 tp4); (2) a "
+        "pipelined plan's runtime work beside its tasks (cross-stage moves, update programs, "
+        "the Python of the schedule), and on 8 devices sharing 2 cores the stages' work adds "
+        "up rather than running side by side.\n"
     )

@@ -207,9 +207,12 @@ def parse_args(argv=None):
                         help="steps timed per plan in each round (default: 10)")
     parser.add_argument("--local-rounds", type=int, default=3,
                         help="rounds of timing every plan in turn (default: 3)")
-    parser.add_argument("--local-clock", choices=("wall", "process"), default="wall",
-                        help="time local steps by wall clock or by this process's CPU time "
-                        "(less distorted by other processes on a shared machine)")
+    parser.add_argument("--local-clock", choices=("wall", "process", "cpu-per-core"),
+                        default="wall",
+                        help="time local steps by wall clock, by this process's CPU time "
+                        "(less distorted by other processes on a shared machine), or by "
+                        "that CPU time over the cores the process may use (the clock of "
+                        "`autopar profile --clock cpu-per-core`)")
     parser.add_argument("--profile", default="cpu-local",
                         help="cost profile of the local predictions (name or JSON path)")
     parser.add_argument("--results", type=Path, default=RESULTS)

@@ -1,5 +1,6 @@
 """Clusters: built-in profiles, shapes, JSON round trips, errors and the local cluster."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -76,6 +77,29 @@ def test_json_round_trip_and_hash(tmp_path):
     assert Cluster.from_profile(path) == cluster
     assert Cluster.from_profile(str(path)) == cluster
     assert {cluster: 1}[again] == 1
+
+
+def test_intra_link_by_group_size(tmp_path):
+    """`intra_host_by_group`: the nearest measured group size in log2, ties to the larger;
+    without the table (or for one device) `intra_host`; saved and loaded with the profile."""
+    pair, quad, eight = Link(1e9, 1e-4), Link(2e9, 3e-5), Link(3e9, 1e-5)
+    base = Cluster.from_profile("cpu-local")
+    assert base.intra_host_by_group is None and base.intra_link(4) == base.intra_host
+    cluster = dataclasses.replace(base, intra_host_by_group=((8, eight), (2, pair), (4, quad)))
+    assert cluster.intra_host_by_group == ((2, pair), (4, quad), (8, eight))  # sorted
+    assert [cluster.intra_link(n) for n in (1, 2, 3, 4, 6, 8, 16)] == [
+        cluster.intra_host, pair, quad, quad, eight, eight, eight]  # 3: log2 1.58 nearer 2
+    again = Cluster.from_json(json.loads(json.dumps(cluster.to_json())))
+    assert again == cluster and hash(again) == hash(cluster)
+    assert cluster.to_json()["intra_host_by_group"]["2"] == {"bandwidth": 1e9, "latency": 1e-4}
+    with pytest.raises(ValueError, match="distinct group sizes >= 2"):
+        dataclasses.replace(base, intra_host_by_group=((1, pair),))
+    bad = {**cluster.to_json(), "intra_host_by_group": {"two": pair.to_json()}}
+    with pytest.raises(ValueError, match="group sizes >= 2 as keys"):
+        Cluster.from_json(bad)
+    bad["intra_host_by_group"] = {"2": {"bandwidth": 1e9}}
+    with pytest.raises(ValueError, match=r"intra_host_by_group.2.latency' is missing"):
+        Cluster.from_json(bad)
 
 
 def test_cluster_is_frozen_and_owns_its_data():

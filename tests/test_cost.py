@@ -1,5 +1,7 @@
 """The cost model against hand computation on the DGX A100 profile."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -44,6 +46,23 @@ def test_all_reduce_one_host(a100):
     expected = 2 * 7 / 8 * GiB / NVLINK_BW + 2 * 7 * NVLINK_LAT
     assert collective_time("all_reduce", GiB, a100, mesh, ("x",)) == pytest.approx(expected)
     assert expected == pytest.approx(6.33e-3, rel=1e-3)  # the docstring's example
+
+
+def test_all_reduce_uses_the_link_of_its_group_size():
+    """With `intra_host_by_group` a group of n devices pays the link measured for groups of
+    n: on a (4, 2) mesh of 8 CPU devices, an all-reduce over y (4 pairs) rides the pair
+    link, one over x (2 quads) the quad link, one over both the 8-device link."""
+    pair, quad, eight = Link(1e9, 1e-4), Link(2e9, 3e-5), Link(3e9, 1e-5)
+    cluster = dataclasses.replace(Cluster.from_profile("cpu-local"),
+                                  intra_host_by_group=((2, pair), (4, quad), (8, eight)))
+    mesh = LogicalMesh.create((4, 2), axis_names=("x", "y"))
+    nbytes = 2**20
+    assert collective_time("all_reduce", nbytes, cluster, mesh, "y") == pytest.approx(
+        2 * 1 / 2 * nbytes / 1e9 + 2 * 1 * 1e-4)
+    assert collective_time("all_reduce", nbytes, cluster, mesh, "x") == pytest.approx(
+        2 * 3 / 4 * nbytes / 2e9 + 2 * 3 * 3e-5)
+    assert collective_time("all_reduce", nbytes, cluster, mesh, ("x", "y")) == pytest.approx(
+        2 * 7 / 8 * nbytes / 3e9 + 2 * 7 * 1e-5)
 
 
 def test_all_reduce_one_gpu_per_host_uses_network(a100):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autopar.app.cli import main, use_virtual_cpu_devices
-from autopar.cluster import Cluster, LogicalMesh
+from autopar.cluster import Cluster, Link, LogicalMesh
 from autopar.cost import COLLECTIVE_KINDS, collective_time
 from autopar.profile import QUICK
 from autopar.profile._measure import time_collective
@@ -59,12 +59,30 @@ def test_quick_profile_contents(quick_profile, devices):
     assert {kind for kind, *_ in samples} == set(COLLECTIVE_KINDS)
     assert {n for _, n, _, _ in samples} == {2, len(devices)}
     assert all(seconds > 0 for *_, seconds in samples)
+    # one fit per group size, from groups timed all at once (4 pairs, then 1 group of 8)
+    assert set(data["intra_host_by_group"]) == {"2", str(len(devices))}
+    cluster = Cluster.from_profile(path)
+    assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
+
+
+def test_collectives_in_concurrent_groups_and_cpu_clock(devices):
+    """`group_size` splits the devices into groups that run the collective at once; the
+    cpu-per-core clock gives positive seconds; bad options say what is wrong."""
+    options = replace(QUICK, repeats=3, warmup=1, clock="cpu-per-core")
+    sample = time_collective("all_reduce", 64 * 1024, devices, options, group_size=2)
+    assert sample.num_devices == 2 and sample.nbytes == 64 * 1024 and sample.seconds > 0
+    with pytest.raises(ValueError, match="group_size 3 must divide the 8 devices"):
+        time_collective("all_reduce", 64 * 1024, devices, options, group_size=3)
+    with pytest.raises(ValueError, match="clock must be one of"):
+        replace(QUICK, clock="cpu")
 
 
 def test_progress_is_one_line_per_group(quick_profile):
     _, lines = quick_profile
     collective_lines = [line for line in lines if " devices, " in line]
     assert len(collective_lines) == len(COLLECTIVE_KINDS) * 2  # 2 device counts in QUICK
+    assert sum(" on 4 groups of 2 devices, " in line for line in collective_lines) == len(
+        COLLECTIVE_KINDS)
     assert sum("matmul" in line for line in lines) == 2
     assert sum("memory bandwidth" in line for line in lines) == 1
     assert all(line.startswith("[autopar profile] ") for line in lines)

@@ -4,7 +4,7 @@ Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its
 and ``_run_<name>(args) -> int`` runs it; `build_parser` lists the ``_add_*`` functions.
 Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up they need.
 
-    autopar profile [--out FILE.json] [--quick] [--devices N]
+    autopar profile [--out FILE.json] [--quick] [--devices N] [--clock wall|cpu-per-core]
                     [--coordinator HOST:PORT --num-processes P --process-id I]
     autopar demo [--out-dir DIR] [--steps N] [--method M] [--mesh-shape 2,4] [--no-pictures]
     autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
@@ -19,6 +19,7 @@ Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -86,6 +87,14 @@ def _add_profile(subparsers) -> None:
         help=f"measure the first N devices of each process; on CPU, make N virtual devices "
         f"(default: all devices; {DEFAULT_CPU_DEVICES} on CPU)",
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu-per-core"),
+        default="wall",
+        help="time by the wall clock (default), or by this process's CPU seconds over the "
+        "cores a program keeps busy: on a machine shared with other jobs, the time with the "
+        "machine to yourself",
+    )
     group = parser.add_argument_group(
         "several hosts",
         "run the same command on every host (or process) to also measure the inter-host "
@@ -109,7 +118,8 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     out = args.out or local_profile_path()
     start = time.perf_counter()
-    result = measure_profile(QUICK if args.quick else FULL, devices=_devices(args.devices))
+    options = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock)
+    result = measure_profile(options, devices=_devices(args.devices))
     result.save(out)
     cluster = result.cluster
     print(

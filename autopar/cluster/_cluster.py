@@ -99,6 +99,11 @@ class Cluster:
       task: a stage's forward or backward of one microbatch, its update), whatever its
       size; `autopar profile` times a trivial jitted call on the devices.
       `autopar.cost.stage_dispatch_time` charges it per task. 0 (the default): free.
+    - `intra_host_by_group`: optional ``((group size, Link), ...)``: the intra-host link
+      fitted per group size from collectives timed with every device of the host busy,
+      in devices_per_host / size groups running at once (as a sharded step runs them;
+      `autopar profile` measures it). `intra_link` picks the entry for a group; None:
+      `intra_host` for every group size.
 
     **Example:**
     ```python
@@ -123,10 +128,15 @@ class Cluster:
     overlap: float = 0.0
     fused_attention: bool = False
     dispatch_overhead: float = 0.0
+    intra_host_by_group: tuple[tuple[int, Link], ...] | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
         object.__setattr__(self, "peak_flops", dict(sorted(self.peak_flops.items())))
+        if self.intra_host_by_group is not None:
+            by_group = tuple(sorted(((int(n), link) for n, link in self.intra_host_by_group),
+                                     key=lambda entry: entry[0]))
+            object.__setattr__(self, "intra_host_by_group", by_group)
         if self.gemm_efficiency is not None:
             table = tuple((float(size), float(eff)) for size, eff in self.gemm_efficiency)
             object.__setattr__(self, "gemm_efficiency", table)
@@ -171,6 +181,23 @@ class Cluster:
         peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
         return peak * self.matmul_efficiency
 
+    def intra_link(self, group_size: int) -> Link:
+        """The link a collective over `group_size` devices of one host runs over.
+
+        With `intra_host_by_group`: the entry of the measured group size nearest to
+        `group_size` in log2 (a tie goes to the larger), so that a pair of devices pays what
+        pairs paid when the profile timed every pair of the host at once. Without it:
+        `intra_host`.
+
+        **Example:** measured for groups of 2, 4 and 8: a group of 3 gets the entry of 4.
+        """
+        table = self.intra_host_by_group
+        if not table or group_size < 2:
+            return self.intra_host
+        target = np.log2(group_size)
+        _, link = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
+        return link
+
     def network_link(self) -> Link:
         """Each device's link to other hosts when every device of its host talks at once.
 
@@ -198,6 +225,10 @@ class Cluster:
             optional["fused_attention"] = True
         if self.dispatch_overhead:
             optional["dispatch_overhead"] = self.dispatch_overhead
+        if self.intra_host_by_group is not None:
+            optional["intra_host_by_group"] = {
+                str(n): link.to_json() for n, link in self.intra_host_by_group
+            }
         return {
             "name": self.name,
             "num_hosts": self.num_hosts,
@@ -393,6 +424,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             fused_attention=_read_bool(data, "fused_attention"),
             dispatch_overhead=read.number("dispatch_overhead")
             if "dispatch_overhead" in data else 0.0,
+            intra_host_by_group=_read_links_by_group(read, "intra_host_by_group")
+            if "intra_host_by_group" in data else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -413,6 +446,17 @@ def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
         read.fail(name, f"must be a list of [size, fraction] pairs ({_FIELD_HELP[name]})")
     return tuple((read.number(f"{name}.{i}", r[0]), read.number(f"{name}.{i}", r[1]))
                  for i, r in enumerate(rows))
+
+
+def _read_links_by_group(read, name: str) -> tuple[tuple[int, Link], ...]:
+    table = read.field(name, dict)
+    entries = []
+    for key, value in table.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+            read.fail(name, f"must have group sizes >= 2 as keys ({_FIELD_HELP[name]}), got "
+                            f"{key!r}")
+        entries.append((int(key), read.link(f"{name}.{key}", value)))
+    return tuple(entries)
 
 
 _MISSING = object()
@@ -442,11 +486,12 @@ class _FieldReader:
             self.fail(name, f"must be a finite number >= 0, got {number!r}")
         return float(number)
 
-    def link(self, name: str) -> Link:
-        link = self.field(name, dict)
+    def link(self, name: str, value: Any = _MISSING) -> Link:
+        link = self.field(name, dict, value)
         for key in ("bandwidth", "latency"):
             if key not in link:
-                self.fail(f"{name}.{key}", f"is missing; add it ({_FIELD_HELP[name]})")
+                help_text = _FIELD_HELP[name.split(".")[0]]
+                self.fail(f"{name}.{key}", f"is missing; add it ({help_text})")
         bandwidth = self.number(f"{name}.bandwidth", link["bandwidth"])
         if bandwidth == 0:
             self.fail(f"{name}.bandwidth", "must be > 0 bytes/s")
@@ -474,6 +519,8 @@ _FIELD_HELP = {
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
+    "intra_host_by_group": 'an object of links by group size, e.g. {"2": {"bandwidth": '
+    'bytes/s per device, "latency": seconds}, "4": {...}}',
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
 }
@@ -514,6 +561,13 @@ def _check_cluster(cluster: Cluster) -> None:
     for name in ("intra_host", "inter_host"):
         if not isinstance(getattr(cluster, name), Link):
             problems.append(f"{name} must be a Link, got {getattr(cluster, name)!r}")
+    by_group = cluster.intra_host_by_group
+    if by_group is not None:
+        sizes = [n for n, _ in by_group]
+        if not by_group or sizes[0] < 2 or len(set(sizes)) != len(sizes):
+            problems.append(f"intra_host_by_group needs distinct group sizes >= 2, got {sizes}")
+        if not all(isinstance(link, Link) for _, link in by_group):
+            problems.append(f"intra_host_by_group values must be Links, got {by_group!r}")
     if problems:
         raise ValueError(f"invalid cluster {cluster.name!r}: " + "; ".join(problems))
 

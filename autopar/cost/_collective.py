@@ -43,10 +43,12 @@ def collective_time(
     - `axes`: the mesh axes the collective runs over; n is the product of their sizes.
 
     **Returns:** the slowest group's time (all groups run at once, every device of a host
-    on its own rail); 0 when n == 1. A group on one host is a ring over `intra_host`:
+    on its own rail); 0 when n == 1. A group on one host is a ring over
+    ``cluster.intra_link(n)`` (`intra_host`, or the link measured for groups of that size
+    when the profile has `intra_host_by_group`):
     ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`). A group with
     g > 1 devices on each of k > 1 hosts runs the two-level algorithm
-    (`hierarchical_terms`): rings inside the hosts over `intra_host`, rings across hosts
+    (`hierarchical_terms`): rings inside the hosts over ``intra_link(g)``, rings across hosts
     over each device's rail (`Cluster.network_link`). One device per host, or uneven
     counts per host: one ring over the network.
 
@@ -67,10 +69,10 @@ def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group) ->
     per_host = Counter(cluster.host_of(d) for d in group)
     counts = set(per_host.values())
     if len(per_host) == 1:
-        return alpha_beta_terms(kind, nbytes, len(group)).seconds(cluster.intra_host)
+        return alpha_beta_terms(kind, nbytes, len(group)).seconds(cluster.intra_link(len(group)))
     if len(counts) == 1 and (g := counts.pop()) > 1:
         terms = hierarchical_terms(kind, nbytes, g, len(per_host))
-        return terms.seconds(cluster.intra_host, cluster.network_link())
+        return terms.seconds(cluster.intra_link(g), cluster.network_link())
     return alpha_beta_terms(kind, nbytes, len(group)).seconds(cluster.network_link())
 
 

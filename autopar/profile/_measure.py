@@ -8,9 +8,15 @@ Measured: large-matmul FLOP/s per dtype and memory bandwidth (an elementwise op)
 all devices at once, as they run in a sharded step; all-reduce, all-gather,
 reduce-scatter, all-to-all (``jax.shard_map`` with ``lax.psum``, ``all_gather``,
 ``psum_scatter``, ``all_to_all``) and send/recv (``lax.ppermute`` around a ring) over a
-range of message sizes on 2..N devices. Every function is compiled once, warmed up, and
-timed as the median of repeats with ``block_until_ready``. Latency and bandwidth per link
-level are a least-squares fit of the alpha-beta formulas (`autopar.cost.fit_link`).
+range of message sizes in groups of 2..N devices, every device busy: N / n groups of n
+run at once, as a sharded step runs a collective over one mesh axis. Every function is
+compiled once, warmed up, and timed as the median of repeats with ``block_until_ready``.
+Latency and bandwidth per link level are a least-squares fit of the alpha-beta formulas
+(`autopar.cost.fit_link`); inside a host also one fit per group size
+(`Cluster.intra_host_by_group`), since groups that share the host's cores, memory or
+switch do not see one bandwidth per device whatever their size (8 virtual CPU devices on
+2 cores: 4 pairs at once move 4 MiB each in 5.3 ms, one pair alone in 1.2 ms, all 8 in
+one group in 2.2 ms).
 """
 
 from __future__ import annotations
@@ -38,12 +44,15 @@ from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import COLLECTIVE_KINDS, CollectiveKind
 
 AXIS = "d"
+GROUPS = "g"  # the mesh axis over concurrent groups of a collective
 KiB, MiB = 2**10, 2**20
 COLLECTIVE_DTYPE = jnp.float32
 MATMUL_DTYPES = ("float32", "bfloat16")
 # GPUs and TPUs reach their peak only on far larger matrices than CPUs (4096 and up), so on
 # an accelerator the `ProfileOptions.matmul_sizes` are scaled by this factor.
 ACCELERATOR_MATMUL_SCALE = 8
+
+CLOCKS = ("wall", "cpu-per-core")
 
 # Group sizes for collectives on N devices: 2, 4, 8, ... and N; or just 2 and N.
 DeviceCountPolicy = Literal["powers_of_two", "two_and_all"]
@@ -58,19 +67,37 @@ class ProfileOptions:
     - `device_counts`: group sizes for collectives, or a `DeviceCountPolicy`.
     - `repeats`, `warmup`: timed and untimed calls per compiled function.
     - `matmul_sizes`: square matmul sizes per device on CPU (times
-      `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak.
+      `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak, and the
+      others give `gemm_efficiency` (small sizes are timed chained in one program,
+      `measure_matmul`).
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
     - `dispatch_repeats`: timed calls of the trivial program that measures
       `Cluster.dispatch_overhead` (`measure_dispatch`).
+    - `concurrent_groups`: time a collective over n devices on all N devices at once, in
+      N / n groups of n (True, the default: what a sharded step does), or on the first n
+      devices alone (False; also where n does not divide N).
+    - `clock`: ``"wall"`` (default: `time.perf_counter`) or ``"cpu-per-core"``: this process's
+      CPU seconds (`time.process_time`, all its threads) divided by the cores the program
+      can keep busy, ``min(cores this process may run on, devices it runs on)``; the
+      trivial program of `measure_dispatch`, one host thread's work, by 1. On a machine
+      shared with other jobs this estimates the time with the machine to itself, which
+      their load does not inflate (exact for programs that keep those cores busy; XLA:CPU
+      runs each virtual device on its own thread).
     """
 
     message_sizes: tuple[int, ...]
     device_counts: tuple[int, ...] | DeviceCountPolicy = "powers_of_two"
     repeats: int = 7
     warmup: int = 2
-    matmul_sizes: tuple[int, ...] = (256, 512, 1024)
+    matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
     bandwidth_bytes: int = 16 * MiB
     dispatch_repeats: int = 201
+    concurrent_groups: bool = True
+    clock: Literal["wall", "cpu-per-core"] = "wall"
+
+    def __post_init__(self):
+        if self.clock not in CLOCKS:
+            raise ValueError(f"ProfileOptions.clock must be one of {CLOCKS}, got {self.clock!r}")
 
 
 FULL = ProfileOptions(message_sizes=tuple(4**k * 4 * KiB for k in range(7)))  # 4 KiB..16 MiB
@@ -149,6 +176,7 @@ def measure_profile(
         inter = measure_collectives(leaders, across, log, "inter-host")
     intra_link = fit_link(intra or inter)
     inter_link = fit_link(inter) if inter else intra_link
+    by_group = _fit_by_group(intra)
     cluster = Cluster(
         name="local-measured",
         num_hosts=len(hosts),
@@ -162,8 +190,10 @@ def measure_profile(
         intra_host=intra_link,
         inter_host=inter_link,
         dispatch_overhead=dispatch,
+        intra_host_by_group=by_group,
     )
-    for level, link in (("intra_host", intra_link), ("inter_host", inter_link)):
+    for level, link in (("intra_host", intra_link), ("inter_host", inter_link),
+                        *((f"intra_host, groups of {n}", link) for n, link in by_group or ())):
         log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
             f"bandwidth {link.bandwidth / 1e9:.3f} GB/s per device")
     measured = {"seconds": round(time.perf_counter() - start, 2),
@@ -174,6 +204,18 @@ def measure_profile(
             measured[level] = _samples_json(samples, link)
     result = ProfileResult(cluster, _note(len(hosts), bool(inter)), measured)
     return ProfileResult.from_json(_from_process_zero(result.to_json()))
+
+
+def _fit_by_group(samples: Sequence[CollectiveSample]) -> tuple[tuple[int, Link], ...] | None:
+    """One `Link` per measured group size (`Cluster.intra_host_by_group`); a size whose
+    samples do not fit (too noisy) is left out; None without at least one fit."""
+    fits = []
+    for n in sorted({s.num_devices for s in samples}):
+        try:
+            fits.append((n, fit_link([s for s in samples if s.num_devices == n])))
+        except ValueError:
+            continue
+    return tuple(fits) or None
 
 
 def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float], ...] | None:
@@ -192,35 +234,46 @@ def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float]
 def measure_collectives(
     devices: Sequence, options: ProfileOptions, log: Callable[[str], None], level: str
 ) -> list[CollectiveSample]:
-    """Time every collective kind at every message size on groups of the first n devices."""
+    """Time every collective kind at every message size in groups of n devices: all
+    `devices` at once in groups of n (`ProfileOptions.concurrent_groups`, where n divides
+    their number), else the first n devices alone."""
     samples = []
     for n in _device_counts(options.device_counts, len(devices)):
         if not 2 <= n <= len(devices):
             raise ValueError(f"device count {n} is not in 2..{len(devices)} (devices measured)")
+        concurrent = options.concurrent_groups and len(devices) % n == 0
+        group_devices = devices if concurrent else devices[:n]
+        groups = len(group_devices) // n
+        where = f"{groups} groups of {n} devices" if groups > 1 else f"{n} devices"
         for kind in COLLECTIVE_KINDS:
             group_start = time.perf_counter()
-            group = [time_collective(kind, size, devices[:n], options)
+            group = [time_collective(kind, size, group_devices, options, group_size=n)
                      for size in options.message_sizes]
             samples += group
             times = [s.seconds for s in group]
-            log(f"{level} {kind:<14} on {n} devices, {_size_str(group[0].nbytes)}.."
+            log(f"{level} {kind:<14} on {where}, {_size_str(group[0].nbytes)}.."
                 f"{_size_str(group[-1].nbytes)}: {min(times) * 1e3:.3f}..{max(times) * 1e3:.3f}"
                 f" ms ({time.perf_counter() - group_start:.1f} s)")
     return samples
 
 
 def time_collective(
-    kind: CollectiveKind, nbytes: int, devices: Sequence, options: ProfileOptions
+    kind: CollectiveKind, nbytes: int, devices: Sequence, options: ProfileOptions,
+    group_size: int | None = None,
 ) -> CollectiveSample:
-    """Median time of one collective of `nbytes` (as `collective_time` counts) on `devices`."""
-    n = len(devices)
+    """Median time of one collective of `nbytes` (as `collective_time` counts) on `devices`,
+    in groups of `group_size` consecutive devices running at once (default: one group of
+    all of them)."""
+    n = group_size or len(devices)
+    if n < 1 or len(devices) % n:
+        raise ValueError(f"group_size {group_size} must divide the {len(devices)} devices")
     itemsize = jnp.dtype(COLLECTIVE_DTYPE).itemsize
     elements = max(n, round(nbytes / itemsize / n) * n)  # so that every split is even
     local_shape, body = _collective_body(kind, elements, n)
-    mesh = Mesh(np.array(devices), (AXIS,))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(AXIS),
-                       out_specs=PartitionSpec(AXIS), check_vma=False)
-    x = _filled((n * local_shape[0], *local_shape[1:]), COLLECTIVE_DTYPE, mesh)
+    mesh = Mesh(np.array(devices).reshape(len(devices) // n, n), (GROUPS, AXIS))
+    spec = PartitionSpec((GROUPS, AXIS))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    x = _filled((len(devices) * local_shape[0], *local_shape[1:]), COLLECTIVE_DTYPE, mesh)
     seconds = _median_seconds(fn, (x,), options)
     return CollectiveSample(kind, n, float(elements * itemsize), seconds)
 
@@ -228,19 +281,36 @@ def time_collective(
 def measure_matmul(
     dtype: str, devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
 ) -> dict[int, float]:
-    """FLOP/s per device of square matmuls run on all `devices` at once, by size."""
+    """FLOP/s per device of square matmuls run on all `devices` at once, by size.
+
+    Each program chains ``r`` matmuls of its size (``y = y @ a`` in a loop), r chosen so
+    that every program does about the work of one matmul of the largest size: a small
+    matmul then costs what it does inside a step, not the launch of a program of its own
+    (on 8 CPU devices a launch is ~0.15 ms, a whole 128 x 128 matmul ~0.2 ms).
+    """
     mesh = Mesh(np.array(devices), (AXIS,))
     spec = PartitionSpec(AXIS)
-    fn = jax.shard_map(jnp.matmul, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
     scale = 1 if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SCALE
+    sizes = [scale * size for size in options.matmul_sizes]
     by_size = {}
-    for size in (scale * size for size in options.matmul_sizes):
+    for size in sizes:
+        repeats = max(1, round((max(sizes) / size) ** 3))
+        fn = jax.shard_map(partial(_chained_matmuls, repeats=repeats), mesh=mesh,
+                           in_specs=(spec, spec), out_specs=spec)
         a = _filled((len(devices) * size, size), dtype, mesh)
-        by_size[size] = 2 * size**3 / _median_seconds(fn, (a, a), options)
+        by_size[size] = 2 * size**3 * repeats / _median_seconds(fn, (a, a), options)
     best = max(by_size, key=by_size.get)
     log(f"matmul {dtype:<9} on {len(devices)} devices: {by_size[best] / 1e9:.2f} GFLOP/s "
         f"per device (best at {best}x{best}, sizes {list(by_size)})")
     return by_size
+
+
+def _chained_matmuls(y: jax.Array, a: jax.Array, repeats: int) -> jax.Array:
+    """``y @ a`` applied `repeats` times (``a`` all ones over its size keeps y at ones)."""
+    a = a / a.shape[0]
+    if repeats == 1:
+        return y @ a
+    return lax.fori_loop(0, repeats, lambda _, y: y @ a, y)
 
 
 def measure_bandwidth(
@@ -269,7 +339,7 @@ def measure_dispatch(
     fn = jax.jit(lambda x: x + 1)
     x = _filled((len(devices),), jnp.float32, mesh)
     repeats = dataclasses.replace(options, repeats=options.dispatch_repeats)
-    seconds = _median_seconds(fn, (x,), repeats)
+    seconds = _median_seconds(fn, (x,), repeats, num_devices=1)  # one host thread's work
     log(f"dispatch of a trivial program on {len(devices)} devices: {seconds * 1e6:.1f} us")
     return seconds
 
@@ -291,22 +361,41 @@ def _collective_body(kind: CollectiveKind, elements: int, n: int):
 
 
 def _filled(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.Array:
-    """Ones of `shape`, split on the first dimension; made on the devices themselves."""
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    """Ones of `shape`, split on the first dimension over all of `mesh`'s axes; made on
+    the devices themselves."""
+    sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
     return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
 
 
-def _median_seconds(fn: Callable, args: tuple, options: ProfileOptions) -> float:
-    """Compile `fn` once for `args`, warm up, and return the median time of the repeats."""
+def _median_seconds(
+    fn: Callable, args: tuple, options: ProfileOptions, num_devices: int | None = None
+) -> float:
+    """Compile `fn` once for `args`, warm up, and return the median time of the repeats,
+    by `options.clock`; with ``"cpu-per-core"``, CPU seconds over ``min(cores, num_devices)``
+    (`num_devices` None: the devices of the first argument's sharding)."""
     compiled = jax.jit(fn).lower(*args).compile()
     for _ in range(options.warmup):
         jax.block_until_ready(compiled(*args))
+    if options.clock == "wall":
+        clock, parallelism = time.perf_counter, 1
+    else:
+        if num_devices is None:
+            num_devices = len(args[0].sharding.device_set)
+        clock, parallelism = time.process_time, max(1, min(usable_cores(), num_devices))
     times = []
     for _ in range(options.repeats):
-        start = time.perf_counter()
+        start = clock()
         jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
+        times.append((clock() - start) / parallelism)
     return statistics.median(times)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _device_counts(
