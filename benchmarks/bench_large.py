@@ -91,6 +91,8 @@ class PlannerResult:
     # Matmul weights split across hosts where the matmul reads them (tensor parallelism
     # over the slow links; `autopar.report.weights_split_across_hosts`).
     cross_host_splits: tuple[str, ...] = ()
+    # What the plan recomputes, by layer (`remat_label`; issue 15 asks the table for it).
+    remat: str = "-"
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,24 @@ def schedule_label(plan) -> str:
         return "-"
     v = plan.virtual_stages
     return plan.schedule + (f" (v={v})" if v > 1 else "")
+
+
+def remat_label(plan) -> str:
+    """What a plan recomputes in the backward, by layer: ``none``, or runs of layers such as
+    ``layers 0-19 selective, 20-23 full`` (layer numbers as the stage DP counts them; a
+    Megatron plan's recompute is in its plan line)."""
+    kinds = [kind for stage in plan.stage_remat for kind in stage]
+    if all(kind == "none" for kind in kinds):
+        return "none"
+    runs: list[list] = []  # [first, last, kind]
+    for k, kind in enumerate(kinds):
+        if runs and runs[-1][2] == kind:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k, kind])
+    return "layers " + ", ".join(
+        f"{a}{'' if a == b else f'-{b}'} {kind}" for a, b, kind in runs
+    )
 
 
 def run_auto(step, args, cluster, microbatches: Sequence[int], flops: float,
@@ -306,6 +326,7 @@ def _result(p, cluster, flops, seconds, phases, graph) -> PlannerResult:
         planning_seconds=seconds,
         schedule=schedule_label(p),
         phases=dict(phases),
+        remat=remat_label(p),
         cross_host_splits=tuple(
             weights_split_across_hosts(p, graph, cluster.devices_per_host)
         ),

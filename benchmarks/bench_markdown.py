@@ -79,11 +79,12 @@ def _large_section(rows: dict, all_rows: list[str]) -> str:
         "trace and stage DP + layer ILPs, "
         "summed over the microbatch counts tried.\n",
         "| row | GPUs | autopar TFLOP/s/GPU | Megatron TFLOP/s/GPU | ratio | bar | "
-        "autopar plan | autopar schedule | autopar weights split across hosts | "
+        "autopar plan | autopar schedule | autopar recompute | "
+        "autopar weights split across hosts | "
         "Megatron plan | Megatron schedule | "
         "autopar planning (trace / DP+ILPs / total) | Megatron grid time | "
         "microbatches tried |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in all_rows:
         if key in rows:
@@ -166,6 +167,7 @@ def _row_line(key: str, r: dict) -> str:
     return (
         f"| {key} | {r['num_gpus']} | {_tflops(auto)} | {_tflops(meg)} | {ratio} | {bar} | "
         f"{_cell(auto['plan_line']) if auto else '-'} | {_schedule(auto)} | "
+        f"{_remat(auto) + ' | ' if not _llama(key) else ''}"
         f"{_tp_across(auto)} | "
         f"{_cell(meg['plan_line']) if meg else '-'} | {_schedule(meg)} | "
         f"{phases} | {_seconds(meg)} | "
@@ -179,6 +181,14 @@ def _schedule(result: dict | None) -> str:
     if not result:
         return "-"
     return result.get("schedule", "?")
+
+
+def _remat(result: dict | None) -> str:
+    """What autopar's plan recomputes (`bench_large.remat_label`); "?" for results stored
+    before the column existed."""
+    if not result:
+        return "-"
+    return result.get("remat", "?")
 
 
 def _cell(text: str) -> str:

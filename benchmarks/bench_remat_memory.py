@@ -12,8 +12,8 @@ gradients, and fp32 optimizer state -- a master copy of the weights and Adam's t
 (`mixed_precision_adamw`): 2 + 2 + 12 = 16 bytes per parameter (Megatron-LM keeps fp32
 gradients too, 18 bytes; Rajbhandari et al. 2020 count 16 with bf16 gradients).
 
-Usage: ``python benchmarks/bench_remat_memory.py [--auto] [--models 175B,530B]
-[--rows gpt-13B@8,gpt-39B@8]``.
+Usage: ``python benchmarks/bench_remat_memory.py [--auto [--layers N]] [--models 175B,530B]
+[--rows gpt-13B@8,gpt-39B@8] [--log-level INFO]``.
 
 Measured (2 CPU cores shared by six agents at load ~15, so times are upper bounds), with
 kept activations counted as XLA keeps them (`autopar.graph.stored_residuals`: a GPT layer
@@ -37,7 +37,10 @@ recomputing a mix of none, selective and full, 79.996 GiB of 80 per device, step
 recompute match a hand count: optimizer state 54.64 GiB (fp32 master + Adam moments, 12 B
 x 39.09e9 / 8 = 54.60), accumulated fp32 gradients 18.20 (18.20), kept layer inputs 1.47
 (48 x 16 x 1024 x 8192 x 2 B / 8 = 1.50), working memory 3.77 (the embedding layer's).
-Not finished within the time limits: `--auto` (175B, over 35 minutes;
+Not finished within the time limits: `--auto` (175B, over 35 minutes; again on branch
+s10-memory at nice 10 under load 7-10, `--auto --models "" --log-level INFO`: tracing
+47.7 s, then after 70 min wall, 16.3 CPU min, still in the first stage DP's cost
+evaluation (`_evaluate` -> `_fitting_level` -> `choose_remat`), interrupted;
 a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
 the problems, half in HiGHS including tie-breaking).
 """
@@ -139,10 +142,15 @@ def main() -> None:
     parser.add_argument("--models", default="175B,530B")
     parser.add_argument("--recompute", default="none,selective,full")
     parser.add_argument("--auto", action="store_true", help="also autopar.plan GPT-3 175B")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="--auto: GPT-3 175B's widths with this many layers (default 96)")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="e.g. INFO: the planner's progress (stage DPs, layer ILPs)")
     parser.add_argument("--rows", default="", help="benchmark rows to plan with autopar at "
                         "64 microbatches, e.g. gpt-13B@8,gpt-39B@8 (bench_large's models)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(message)s")
     for key in filter(None, args.rows.split(",")):
         plan_row(key)
     for name in filter(None, args.models.split(",")):
@@ -163,14 +171,17 @@ def main() -> None:
         from autopar.search import plan as auto_plan
 
         cfg, hosts, _, _ = MODELS["175B"]
+        if args.layers is not None:
+            cfg = dataclasses.replace(cfg, num_layers=args.layers)
         step, abstract = model_step(cfg, 64)
         cluster = Cluster.from_profile(PROFILE, num_hosts=hosts)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         p = auto_plan(step, *abstract, cluster=cluster, num_microbatches=64, cache=False)
-        print(f"autopar.plan 175B on 64 GPUs: {p.num_stages} stages, meshes "
-              f"{sorted({tuple(s.mesh.shape) for s in p.stages})}, {p.num_microbatches} mb, "
-              f"remat {sorted({r for s in p.stage_remat for r in s})}, step "
-              f"{p.predicted_step_time:.3f} s; planned in {time.perf_counter() - start:.0f} s")
+        print(f"autopar.plan 175B ({cfg.num_layers} layers) on 64 GPUs: {p.num_stages} "
+              f"stages, meshes {sorted({tuple(s.mesh.shape) for s in p.stages})}, "
+              f"{p.num_microbatches} mb, remat {sorted({r for s in p.stage_remat for r in s})}"
+              f", step {p.predicted_step_time:.3f} s; planned in "
+              f"{time.perf_counter() - start:.0f} s ({time.process_time() - cpu:.0f} CPU s)")
 
 
 def plan_row(key: str, num_microbatches: int = 64) -> None:

@@ -29,6 +29,19 @@ def test_spearman_matches_hand_computed_values():
         bench_local.spearman([1, 2], [1, 2, 3])
 
 
+def test_remat_label_names_runs_of_layers():
+    from types import SimpleNamespace
+
+    def plan(*stages):
+        return SimpleNamespace(stage_remat=stages)
+
+    assert bench_large.remat_label(plan(("none", "none"), ("none",))) == "none"
+    label = bench_large.remat_label(
+        plan(("none", "selective", "selective"), ("selective", "full"), ("none",))
+    )
+    assert label == "layers 0 none, 1-3 selective, 4 full, 5 none"
+
+
 def test_select_rows_rejects_unknown_names():
     assert [r.key for r in run_benchmarks.select_rows(None, quick=True)] == list(
         run_benchmarks.QUICK_ROWS
@@ -66,6 +79,9 @@ def test_row_on_tiny_gpt_and_markdown(tmp_path):
     assert result.megatron.schedule == "1f1b" and stored["megatron"]["schedule"] == "1f1b"
     line = next(x for x in text.splitlines() if x.startswith(f"| {row.key} |"))
     assert f"| {result.auto.schedule} |" in line and "| 1f1b |" in line
+    # What autopar recomputes is a column of its own (issue 15).
+    assert stored["auto"]["remat"] == result.auto.remat != "-"
+    assert f"| {result.auto.remat} |" in line
     assert "Rows not run yet: gpt-39B@64" in text
     assert "--rows gpt-39B@64" in text
 

@@ -24,10 +24,13 @@ import pytest
 import autopar
 from autopar.cost import (
     LayerCost,
+    StageMemory,
     compute_time,
     full_recompute_cost,
+    fused_rerun_seconds,
     selective_recompute_cost,
     stage_memory,
+    stage_memory_parts,
 )
 from autopar.graph import Role, trace
 from autopar.inter import LayerCostTable, assign_layers, partition, with_remat
@@ -67,6 +70,24 @@ def test_full_recompute_adds_one_forward_and_keeps_the_input():
     assert stage_memory([base], 4) == pytest.approx(600.0)
 
 
+def test_stage_memory_by_part_by_hand():
+    """Two layers (10 + 10 MB state, 10 + 10 MB gradients, 4 + 4 MB kept, 1 and 3 MB
+    working), 2 microbatches in flight, 2 MB of the state a weight both read (a tied
+    embedding): 18 + 20 + 16 + 3 = 57 MB."""
+    mb = 1e6
+    costs = [LayerCost(latency=1.0, memory=(10 + 10 + 4 + w) * mb, activation_memory=4 * mb,
+                       state_memory=10 * mb, gradient_memory=10 * mb) for w in (1, 3)]
+    parts = stage_memory_parts(costs, 2, shared_state=2 * mb)
+    assert (parts.state, parts.gradients, parts.activations, parts.working) == pytest.approx(
+        (18 * mb, 20 * mb, 16 * mb, 3 * mb))
+    assert parts.total == pytest.approx(57 * mb)
+    assert stage_memory(costs, 2) == pytest.approx(59 * mb)  # nothing shared
+    assert StageMemory.from_json(parts.to_json()) == parts
+    assert parts.scaled(2).total == pytest.approx(114 * mb)
+    with pytest.raises(ValueError, match="shared_state"):
+        stage_memory_parts(costs, 2, shared_state=-1.0)
+
+
 def test_selective_recompute_drops_the_core_only():
     base = LayerCost(latency=10e-3, memory=300.0, activation_memory=100.0, state_memory=150.0,
                      gradient_memory=30.0)
@@ -76,6 +97,17 @@ def test_selective_recompute_drops_the_core_only():
     assert sel.transient_memory == pytest.approx(60.0)
     with pytest.raises(ValueError, match="non-negative"):
         selective_recompute_cost(base, -1.0, 1.0)
+
+
+def test_fused_rerun_costs_its_flops_by_hand():
+    """`fused_rerun_seconds`: each rerun node's FLOPs per device at its dtype's rate, no
+    bytes (it reads the stored value in place of the kept one). dgx-a100-80g: float32
+    156 TFLOP/s and bfloat16 312 TFLOP/s peak, matmul_efficiency 0.7."""
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    work = [(4e6, "float32"), (2e6, "bfloat16"), (0.0, "float32")]
+    by_hand = 4e6 / (156e12 * 0.7) + 2e6 / (312e12 * 0.7)  # 3.663e-8 + 9.16e-9 s
+    assert fused_rerun_seconds(work, cluster) == pytest.approx(by_hand, rel=1e-12)
+    assert fused_rerun_seconds([], cluster) == 0.0
 
 
 def test_layer_table_prices_full_as_one_forward_and_the_input():
@@ -107,8 +139,19 @@ def test_layer_table_prices_full_as_one_forward_and_the_input():
                            sub.vars[node.outputs[0]].dtype)
         by_hand += compute_time(node.flops, accessed, cluster, dtype,
                                 matmul=node.primitive in MATMUL_PRIMITIVES)
+    # The whole forward's rerun replaces the fused rerun `base` already has (below).
+    fused = table.fused_seconds(1, (1,))
     # agrees to 0.007% (3.7e-8 s of 5.0e-4 s); the node behind the gap is not pinned down
-    assert full.latency - base.latency == pytest.approx(by_hand, rel=1e-3)
+    assert full.latency - base.latency + fused == pytest.approx(by_hand, rel=1e-3)
+    # Without recompute the backward still reruns the kept values the forward made inside
+    # its fusions (`with_remat`: GELU's tanh and powers, the layer norms' centred inputs),
+    # at their FLOPs only (one device: all of them), on top of the layer's ILP cost.
+    rerun = [sub.nodes[n] for n in table.fused_rerun(1).nodes]
+    assert {"tanh", "integer_pow", "sub"} <= {node.primitive for node in rerun}
+    fused_by_hand = sum(node.flops / cluster.flops(sub.vars[node.outputs[0]].dtype)
+                        for node in rerun)
+    assert fused == pytest.approx(fused_by_hand, rel=1e-12) and fused > 0
+    assert base.latency == pytest.approx(table.plan(1, (1,)).cost.total + fused, rel=1e-12)
     rows, seq, hidden = 4, GPT.seq_len, GPT.hidden
     assert full.activation_memory == rows * seq * hidden * 4  # the block's float32 input
     assert full.transient_memory == pytest.approx(base.transient_memory + base.activation_memory)
@@ -268,6 +311,12 @@ def test_plan_json_keeps_the_remat_choice_and_runs_it(tmp_path):
     assert again == plan and again.stage_remat == plan.stage_remat
     assert again.predicted_step_time == pytest.approx(plan.predicted_step_time)
     assert "remat: layers" in again.explain()
+    # The predicted memory by part comes back with the plan, and adds up to its total.
+    parts = again.stages[0].memory_parts
+    assert parts == plan.stages[0].memory_parts and parts.in_flight == 1
+    assert again.stages[0].memory_per_device == pytest.approx(parts.total)
+    assert parts.total == pytest.approx(plan.stages[0].predicted_memory)
+    assert "kept activations" in again.explain()
     want = jax.jit(step)(state, batch)[1]["loss"]
     train = autopar.autoparallel(step, plan=again, donate_argnums=())
     _, metrics = train(state, batch)

@@ -30,6 +30,7 @@ from autopar.cost._formulas import (
     CollectiveKind,
     alpha_beta_terms,
 )
+from autopar.cost._memory import MEMORY_PARTS, StageMemory, stage_memory_parts
 from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
     DEFAULT_PHASE_SHARES,
@@ -47,6 +48,7 @@ from autopar.cost._pipeline import (
 )
 from autopar.cost._remat import (
     full_recompute_cost,
+    fused_rerun_seconds,
     recompute_seconds,
     recomputed_layer_cost,
     selective_recompute_cost,
@@ -70,8 +72,12 @@ __all__ = [
     "rate_dtype",
     "stage_dispatch_time",
     "stage_memory",
+    "stage_memory_parts",
+    "StageMemory",
+    "MEMORY_PARTS",
     "tasks_per_step",
     "full_recompute_cost",
+    "fused_rerun_seconds",
     "recompute_seconds",
     "recomputed_layer_cost",
     "selective_recompute_cost",

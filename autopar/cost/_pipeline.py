@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
+from autopar.cost._memory import stage_memory_parts
 from autopar.cost._schedule import simulate
 
 # A stage's time per microbatch split into its forward F, input-gradient backward B and
@@ -281,11 +282,8 @@ class LayerCost:
 def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
     """Bytes per device of a stage of these layers: the state and accumulated gradients of
     every layer, the kept activations of every microbatch in flight, and the working memory
-    of the one layer running at a time."""
-    memory = sum(
-        c.state_memory + c.gradient_memory + in_flight * c.activation_memory for c in costs
-    )
-    return memory + max(c.transient_memory for c in costs)
+    of the one layer running at a time (the total of `autopar.cost.stage_memory_parts`)."""
+    return stage_memory_parts(costs, in_flight).total
 
 
 def memory_budget(cluster, requested: float | None = None) -> float:

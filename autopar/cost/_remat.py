@@ -27,6 +27,22 @@ def recompute_seconds(work: Iterable[tuple[float, float, str]], cluster) -> floa
     return sum(compute_time(flops, nbytes, cluster, dtype) for flops, nbytes, dtype in work)
 
 
+def fused_rerun_seconds(work: Iterable[tuple[float, str]], cluster) -> float:
+    """Predicted seconds of the forward values a backward makes again inside its own
+    fusions (`with_remat`'s fused recompute: GELU's tanh and powers, a layer norm's
+    centred input), each node given as (FLOPs per device, dtype).
+
+    Such a value was made inside a forward fusion and is no longer kept: the backward's
+    fusion that reads it reruns the elementwise nodes from the stored value they are made
+    of, reading that value in place of the kept one, so the rerun moves no bytes of its
+    own; it costs its FLOPs, at the rate of its dtype (`compute_time` with no bytes).
+
+    **Example:** a tanh over 4M float32 elements per device (4e6 FLOPs) on a device of
+    19.5 TFLOP/s float32 and `matmul_efficiency` e adds 4e6 / (19.5e12 * e) seconds.
+    """
+    return sum(compute_time(flops, 0.0, cluster, dtype) for flops, dtype in work)
+
+
 def recomputed_layer_cost(
     base: LayerCost, extra_seconds: float, dropped_bytes: float, added_bytes: float = 0.0
 ) -> LayerCost:

@@ -24,16 +24,18 @@ from dataclasses import dataclass, field
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import (
     LayerCost,
+    StageMemory,
     boundary_transfer_time,
     bytes_per_device,
     full_recompute_cost,
+    fused_rerun_seconds,
     in_flight_microbatches,
     memory_budget,
     rate_dtype,
     recompute_seconds,
     selective_recompute_cost,
     stage_dispatch_time,
-    stage_memory,
+    stage_memory_parts,
 )
 from autopar.graph import OpGraph, Role, fusion_traffic, stored_residuals, trace_jaxpr
 from autopar.graph._opgraph import dtype_itemsize
@@ -45,6 +47,7 @@ from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.inter.passes._remat import (
     STATE_ROLES,
+    fused_recompute,
     in_core,
     recompute,
     scan_body,
@@ -171,6 +174,9 @@ class LayerCostTable:
         self._remat_cache: dict[tuple, LayerCost] = {}
         self._recomputes: dict[tuple, object] = {}
         self._kept: dict[int, frozenset[int]] = {}
+        self._shared: dict[int, list[int]] | None = None  # state var -> layers reading it
+        self._fused_reruns: dict[int, object] = {}  # layer -> its `fused_recompute`
+        self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
         self.ilp_seconds = 0.0  # wall seconds in `_solve`
         self.num_hits = 0  # `cost` look-ups answered from the table
@@ -239,14 +245,63 @@ class LayerCostTable:
             return None, None
         finally:
             self.ilp_seconds += time.perf_counter() - start
+        # The backward reruns the kept values its forward made inside a fusion
+        # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
+        fused = self._fused_seconds(layer, sub, plan)
         cost = LayerCost(
-            plan.cost.total,
+            plan.cost.total + fused,
             plan.cost.memory_per_device,
             _activation_bytes(sub, plan, self.kept_for_backward(layer)),
             _state_bytes(sub, plan),
             _gradient_bytes(sub, plan, self.per_layer),
         )
         return cost, (plan, sub)
+
+    def fused_rerun(self, layer: int):
+        """The layer's `fused_recompute` (ids of its per-layer graph): the kept values its
+        forward makes inside a fusion, rerun in its backward whatever the remat choice
+        but "full" (which reruns the whole forward)."""
+        if layer not in self._fused_reruns:
+            part = self.per_layer
+            sub = part.stage_graphs[layer]
+            fwd, bwd = part.forward[layer], part.backward[layer]
+            bwd_inputs = set(bwd.inputs)
+            leaving = set(sub.outvars)
+            leaving.update(v for v in fwd.outputs if v not in bwd_inputs)
+            self._fused_reruns[layer] = fused_recompute(
+                sub, fwd.nodes, set(fwd.outputs) & bwd_inputs, leaving, bwd.nodes
+            )
+        return self._fused_reruns[layer]
+
+    def _fused_seconds(self, layer: int, solved_on: OpGraph, plan: ShardingPlan) -> float:
+        """`fused_rerun_seconds` of the layer's fused rerun under `plan` (solved on
+        `solved_on`, a layer of the same structure): each rerun node's FLOPs at the share
+        of its result a device holds."""
+        sub = self.per_layer.stage_graphs[layer]
+        to_solved = _var_map(sub, solved_on)
+        work = []
+        for n in self.fused_rerun(layer).nodes:
+            node = sub.nodes[n]
+            if not node.outputs or node.flops <= 0:
+                continue
+            out = sub.vars[node.outputs[0]]
+            spec = plan.var_specs[to_solved.get(out.id, out.id)]
+            share = 1.0
+            if spec is not None and out.shape and out.nbytes > 0:
+                share = bytes_per_device(out.shape, out.dtype, spec, plan.mesh) / out.nbytes
+            work.append((node.flops * share, out.dtype))
+        return fused_rerun_seconds(work, self.cluster)
+
+    def fused_seconds(self, layer: int, shape: tuple[int, ...], level: int = 0) -> float:
+        """Seconds per microbatch the layer's fused rerun adds at (`shape`, `level`),
+        included in `cost(...).latency` (0 when the layer has no plan there)."""
+        if self.cost(layer, shape, level) is None:
+            return 0.0
+        plan, solved_on = self._plans[(self.fingerprints[layer], shape, level)]
+        key = (self.fingerprints[layer], shape, level)
+        if key not in self._fused_by_level:
+            self._fused_by_level[key] = self._fused_seconds(layer, solved_on, plan)
+        return self._fused_by_level[key]
 
     def remat_cost(
         self, layer: int, shape: tuple[int, ...], level: int, remat: str
@@ -296,19 +351,23 @@ class LayerCostTable:
                 return float(var.nbytes)
             return bytes_per_device(var.shape, var.dtype, spec, plan.mesh)
 
-        seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes],
-                                self.cluster)
+        # Nodes the fused rerun already runs (priced in `base`) are not priced again.
+        fused_nodes = set() if remat == "full" else set(self.fused_rerun(layer).nodes)
+        seconds = rerun_seconds(solved_on, plan, [to_node.get(n, n) for n in rerun.nodes
+                                                  if n not in fused_nodes], self.cluster)
         for n in rerun.nodes:  # a scan's body plan is no node strategy: priced by its work
             node = sub.nodes[n]
             if node.primitive == "scan":
                 seconds += _scan_rerun_seconds(node, nbytes, sub, rerun.core_only, self.cluster)
         dropped = math.fsum(nbytes(v) for v in rerun.dropped)
         added = math.fsum(nbytes(v) for v in rerun.added)
+        fused = self.fused_seconds(layer, shape, level)
         if remat == "full":  # it drops all it kept, and keeps what its forward reads
             inputs = math.fsum(
                 nbytes(v) for v in rerun.reads if sub.vars[v].role not in STATE_ROLES
             )
-            return full_recompute_cost(base, seconds, inputs)
+            # The whole forward rerun replaces the fused rerun `base` has in its latency.
+            return full_recompute_cost(base, max(0.0, seconds - fused), inputs)
         return selective_recompute_cost(base, seconds, dropped, added)
 
     def footprint_span(self, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -365,6 +424,39 @@ class LayerCostTable:
                 free=lambda v: sub.vars[v].role in STATE_ROLES,
             ))
         return set(self._kept[layer])
+
+    def shared_state_bytes(self, layer_range, shape: tuple[int, ...], level: int = 0) -> float:
+        """Bytes per device of parameters and optimizer state that several of the layers
+        read (a tied embedding, read by the first and the last layer), beyond one copy:
+        each reader's `LayerCost.state_memory` counts them, the stage holds them once
+        (the runtime keeps one array per input and stage). A shared value counts at its
+        smallest size among its readers' layouts."""
+        if self._shared is None:
+            readers: dict[int, list[int]] = {}
+            for k, sub in enumerate(self.per_layer.stage_graphs):
+                for v in sub.invars:  # ids of the whole graph: sub-graphs share its vars
+                    if sub.vars[v].role in (Role.PARAM, Role.OPT_STATE):
+                        readers.setdefault(v, []).append(k)
+            self._shared = {v: ks for v, ks in readers.items() if len(ks) > 1}
+        layer_range = range(layer_range[0], layer_range[-1] + 1) if len(layer_range) else ()
+        excess = []
+        for v, ks in self._shared.items():
+            inside = [k for k in ks if k in layer_range]
+            if len(inside) < 2:
+                continue
+            sizes = []
+            for k in inside:
+                if self.cost(k, shape, level) is None:
+                    return 0.0
+                plan, solved_on = self._plans[(self.fingerprints[k], shape, level)]
+                spec = plan.var_specs[_var_map(self.per_layer.stage_graphs[k], solved_on)
+                                      .get(v, v)]
+                var = self.per_layer.stage_graphs[k].vars[v]
+                if spec is not None:  # as `_state_bytes` counts it
+                    sizes.append(bytes_per_device(var.shape, var.dtype, spec, plan.mesh))
+            if len(sizes) > 1:
+                excess.append(math.fsum(sizes) - min(sizes))
+        return math.fsum(excess)
 
     def chain_ties(self, layer: int) -> list[tuple[int, int]]:
         """(output, input) activation pairs that chain identical layers.
@@ -566,11 +658,22 @@ class _Fit:
     level: int
     remat: tuple[str, ...]
     costs: tuple[LayerCost, ...]
-    memory: float
+    parts: StageMemory  # the stage's memory by part (`stage_memory_parts`)
+
+    @property
+    def memory(self) -> float:
+        return self.parts.total
 
     @property
     def latency(self) -> float:
         return math.fsum(c.latency for c in self.costs)
+
+
+def _stage_parts(table: LayerCostTable, layer_range, shape, level: int, costs,
+                 in_flight) -> StageMemory:
+    """`stage_memory_parts` of these layer costs, state the layers share counted once."""
+    return stage_memory_parts(costs, in_flight,
+                              table.shared_state_bytes(layer_range, shape, level))
 
 
 def choose_remat(
@@ -595,14 +698,15 @@ def choose_remat(
             return None
         chosen = tuple(remat if c is not table.cost(k, shape, level) else "none"
                        for k, c in zip(layer_range, costs))
-        return _Fit(level, chosen, tuple(costs), stage_memory(costs, in_flight))
+        return _Fit(level, chosen, tuple(costs),
+                    _stage_parts(table, layer_range, shape, level, costs, in_flight))
     costs = [table.cost(k, shape, level) for k in layer_range]
     if any(c is None for c in costs):
         return None
     chosen = ["none"] * len(costs)
-    memory = stage_memory(costs, in_flight)
-    if memory <= budget:
-        return _Fit(level, tuple(chosen), tuple(costs), memory)
+    parts = _stage_parts(table, layer_range, shape, level, costs, in_flight)
+    if parts.total <= budget:
+        return _Fit(level, tuple(chosen), tuple(costs), parts)
     upgrades = []
     for i, k in enumerate(layer_range):
         for rank, option in enumerate(("selective", "full")):
@@ -613,7 +717,7 @@ def choose_remat(
             extra = c.latency - costs[i].latency
             upgrades.append((extra / saved, rank, i, option, c))
     upgrades.sort(key=lambda u: u[:3])
-    state = math.fsum(c.state_memory + c.gradient_memory for c in costs)  # recompute keeps it
+    state = parts.state + parts.gradients  # recompute keeps them
     kept = math.fsum(c.activation_memory for c in costs)
     transient = max(c.transient_memory for c in costs)
     for _, _, i, option, c in upgrades:
@@ -624,7 +728,8 @@ def choose_remat(
         costs[i], chosen[i] = c, option
         if state + in_flight * kept + transient <= budget:
             break
-    return _Fit(level, tuple(chosen), tuple(costs), stage_memory(costs, in_flight))
+    return _Fit(level, tuple(chosen), tuple(costs),
+                _stage_parts(table, layer_range, shape, level, costs, in_flight))
 
 
 # A leaner memory level or a recompute never makes a stage faster than its layers' fastest
@@ -663,7 +768,7 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     plain = [table.cost(k, shape) for k in layer_range]
     if _lower_bound(table, layer_range, shape, 0) >= cutoff:
         return None
-    memory = stage_memory(plain, in_flight)
+    memory = _stage_parts(table, layer_range, shape, 0, plain, in_flight).total
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
     wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
@@ -676,7 +781,7 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
             break
-        memory = stage_memory(costs, in_flight)
+        memory = _stage_parts(table, layer_range, shape, level, costs, in_flight).total
         if memory >= least:
             break  # a tighter footprint no longer helps
         least = memory
@@ -799,10 +904,13 @@ def choose_stages(
 
 
 def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
-    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat)."""
+    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat),
+    the fused rerun every layer's backward does included (`LayerCostTable.fused_seconds`:
+    in the layer costs, not in the stitched stage plan's cost)."""
     shape, level, remats = detail
     return math.fsum(
         table.remat_cost(k, shape, level, r).latency - table.cost(k, shape, level).latency
+        + table.fused_seconds(k, shape, level)
         for k, r in zip(layer_range, remats)
     )
 
@@ -954,7 +1062,8 @@ class _StageCosts:
             if fit.memory <= self.budget:
                 latency = fit.latency + transfer
                 if best is None or (latency, rank) < (best.latency, best_rank):
-                    best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat))
+                    best = StageCost(latency, True, fit.memory, (shape, fit.level, fit.remat),
+                                     fit.parts)
                     best_rank = rank
         if best is None:
             return StageCost(math.inf, False, least_memory, None)

@@ -64,12 +64,14 @@ class StageCost:
     - `feasible`: False if the stage does not fit (memory) or cannot be sharded.
     - `memory`: bytes per device the stage needs; used to explain infeasible plans.
     - `detail`: anything the caller wants back for the chosen stages (e.g. the mesh).
+    - `memory_parts`: `memory` by part (`autopar.cost.StageMemory`), when the caller has it.
     """
 
     latency: float
     feasible: bool
     memory: float = 0.0
     detail: Any = None
+    memory_parts: Any = None
 
 
 @dataclass(frozen=True)

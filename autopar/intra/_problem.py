@@ -9,6 +9,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,9 +18,10 @@ import numpy as np
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import memory_budget
-from autopar.graph import OpGraph, Role
+from autopar.graph import OpGraph, Role, fusion_traffic
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
+from autopar.intra._registry import SHARDING_RULES
 from autopar.intra._reshard import reshard_time, shared_reshard_cache
 from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
@@ -161,6 +163,16 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     its strategies from the rule registry, weighted per `weights`.
     **Returns:** primitive -> count of equations without a rule (planned replicated)."""
     missing: dict[str, int] = {}
+    facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
+    memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
+    specs_of: dict[tuple[int, int], tuple[Spec, ...]] = {}
+
+    def out_specs(u: int, k: int) -> tuple[Spec, ...]:
+        found = specs_of.get((u, k))
+        if found is None:
+            found = specs_of[u, k] = _out_specs(ilp_nodes[u], k)
+        return found
+
     for node in graph.nodes:
         if node.primitive in TRANSPARENT:
             # Identity markers: each result is its operand, with the operand's layout.
@@ -169,36 +181,113 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                     source_of[v_out] = source_of[v_in]
             if all(v in source_of for v in node.outputs):
                 continue
-        sig = node_signature(node, graph)
-        if sig is None:
+        sig, key, has_rule, candidates = facts[node.id]
+        if not has_rule:
             missing[node.primitive] = missing.get(node.primitive, 0) + 1
-            sig = replicated_signature(node, graph)
         index = len(ilp_nodes)
+        # What the strategies depend on besides `key` (the node up to its ids): how they
+        # are weighted, and, for a follower, its leader's specs.
+        extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
         strategies = None
         if options.merge_followers:
-            strategies = _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index)
+            leader = _leader(node, graph, candidates, ilp_nodes, source_of)
+            if leader is not None:
+                main, u, k = leader
+                specs = out_specs(u, k)
+                fkey = ("follow", key, main, specs, extra)
+                strategies = memo.get(fkey)
+                if strategies is None:
+                    found = follow_strategies(node, graph, sig, main, specs, ctx)
+                    strategies = memo[fkey] = (
+                        _CANNOT_FOLLOW if found is None else _finished(found, extra)
+                    )
+                if strategies is _CANNOT_FOLLOW:
+                    strategies = None
+                if strategies is not None:
+                    followers[index] = (u, np.arange(len(specs)))
         if strategies is None:
-            strategies = node_strategies(node, graph, sig, ctx)
-        if node.primitive in SCAN_MARKERS:
-            # Slicing a stacked operand and stacking results fuse into the body's
-            # operations (XLA reads and writes the slices in place): no time of their own.
-            strategies = [replace(s, compute_cost=0.0) for s in strategies]
-        if node.id in weights:
-            strategies = [_weighted(s, *weights[node.id]) for s in strategies]
+            okey = ("own", key, extra)
+            strategies = memo.get(okey)
+            if strategies is None:
+                found = node_strategies(node, graph, sig, ctx)
+                strategies = memo[okey] = _finished(found, extra)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
-        ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", strategies, node=node.id))
+        ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))
     return missing
 
 
-def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
-    """Make `node` a follower of one operand's producer if it can be; else None.
+# Memoised for a node that cannot follow its leader (`follow_strategies` gave None).
+_CANNOT_FOLLOW = object()
+
+
+def _finished(strategies: list[Strategy], extra) -> tuple[Strategy, ...]:
+    """`strategies` with the scan markers' compute zeroed and the node's weights applied."""
+    weight, scan_marker = extra
+    if scan_marker:
+        # Slicing a stacked operand and stacking results fuse into the body's
+        # operations (XLA reads and writes the slices in place): no time of their own.
+        strategies = [replace(s, compute_cost=0.0) for s in strategies]
+    if weight is not None:
+        strategies = [_weighted(s, *weight) for s in strategies]
+    return tuple(strategies)
+
+
+def _node_facts(graph: OpGraph, fused_attention: bool):
+    """Per node id: (signature, key, has a rule, operands it could follow).
+
+    The key holds everything the node's strategies depend on besides the mesh and the
+    cluster (`node_strategies`, `follow_strategies`): primitive, signature, operand and
+    result shapes and dtypes, which operands are constants, FLOPs and which bytes cross
+    its fusion's boundary. Nodes of equal keys (the same operation in every layer, the
+    forward and backward elementwise ops of one shape) share their strategies through the
+    mesh's memo (issue 18: enumerating strategies was a third of the demo's planning).
+    The same on every mesh, so computed once per graph."""
+    # The rules looked up (a rule registered later makes other signatures).
+    rules = tuple(
+        (p, SHARDING_RULES.get(p)) for p in sorted({n.primitive for n in graph.nodes})
+    )
+    cache_key = (fused_attention, len(graph.nodes), rules)
+    by_key = _NODE_FACTS.setdefault(graph, {})
+    if cache_key not in by_key:
+        traffic = fusion_traffic(graph, fused_attention)
+        facts = []
+        for node in graph.nodes:
+            sig = node_signature(node, graph)
+            has_rule = sig is not None
+            if sig is None:
+                sig = replicated_signature(node, graph)
+            in_vars = [graph.vars[v] for v in node.inputs]
+            key = (
+                node.primitive,
+                sig.inputs, sig.outputs, tuple(sorted(sig.reductions.items())),
+                tuple((tuple(v.shape), v.dtype, v.role is Role.CONST) for v in in_vars),
+                tuple((tuple(graph.vars[v].shape), graph.vars[v].dtype) for v in node.outputs),
+                node.flops,
+                traffic.reads.get(node.id), traffic.writes.get(node.id),
+            )
+            facts.append((sig, key, has_rule, follower_candidates(node, graph, sig)))
+        by_key[cache_key] = facts
+    return by_key[cache_key]
+
+
+# graph -> {(fused attention, node count, rules): per-node facts}; forgets graphs nothing
+# else holds.
+_NODE_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
+    """The spec of result `k` under each of the node's strategies."""
+    return tuple(s.out_specs[k] for s in ilp_node.strategies)
+
+
+def _leader(node, graph, candidates, ilp_nodes, source_of):
+    """(operand, ILP node, result index) that `node` follows, or None.
 
     Among the operands that fix the whole node, follow the largest one computed by
-    another node (graph inputs keep their own decision).
-    """
+    another node (graph inputs keep their own decision)."""
     best = None
-    for i in follower_candidates(node, graph, sig):
+    for i in candidates:
         leader = source_of.get(node.inputs[i])
         if leader is None or ilp_nodes[leader[0]].node is None:
             continue
@@ -208,11 +297,7 @@ def _follow(node, graph, sig, ilp_nodes, source_of, ctx, followers, index):
     if best is None:
         return None
     _, main, (u, k) = best
-    specs = [s.out_specs[k] for s in ilp_nodes[u].strategies]
-    strategies = follow_strategies(node, graph, sig, main, specs, ctx)
-    if strategies is not None:
-        followers[index] = (u, np.arange(len(specs)))
-    return strategies
+    return main, u, k
 
 
 def _weighted(
@@ -289,28 +374,33 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
 
     edges: list[tuple[int, int]] = []
     costs: list[np.ndarray] = []
+    out_specs: dict[tuple[int, int], _SpecList] = {}  # (ILP node, result) -> its specs
 
-    def matrix(var, src_specs: list[Spec], dst_specs: list[Spec]) -> np.ndarray:
-        src_unique = tuple(dict.fromkeys(src_specs))
-        dst_unique = tuple(dict.fromkeys(dst_specs))
-        key = ("matrix", tuple(var.shape), var.dtype, src_unique, dst_unique)
+    def source(u: int, k: int) -> _SpecList:
+        found = out_specs.get((u, k))
+        if found is None:
+            found = out_specs[u, k] = _spec_list(_out_specs(ilp_nodes[u], k))
+        return found
+
+    def matrix(var, src: _SpecList, dst: _SpecList) -> np.ndarray:
+        # Resharding seconds between the distinct specs of each side, memoised for the
+        # mesh (`shared_reshard_cache`), then spread over the strategies of both ends.
+        key = ("matrix", tuple(var.shape), var.dtype, src.token, dst.token)
         small = cache.get(key)
         if small is None:
             small = cache[key] = np.array([
                 [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache)
-                 for b in dst_unique]
-                for a in src_unique
+                 for b in dst.unique]
+                for a in src.unique
             ])
-        rows = [src_unique.index(s) for s in src_specs]
-        cols = [dst_unique.index(s) for s in dst_specs]
-        return small[np.ix_(rows, cols)]
+        return small[src.index[:, None], dst.index]
 
     for index, ilp_node, p, var in operands(graph, ilp_nodes):
         u, k = source_of[var.id]
-        src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
-        dst = [s.in_specs[p] or replicated(len(var.shape)) for s in ilp_node.strategies]
+        ndim = len(var.shape)
+        dst = _spec_list(tuple(s.in_specs[p] or replicated(ndim) for s in ilp_node.strategies))
         edges.append((u, index))
-        costs.append(weight(index) * matrix(var, src, dst))
+        costs.append(weight(index) * matrix(var, source(u, k), dst))
     for out_var, in_var in tied:
         if out_var not in source_of or in_var not in source_of:
             continue
@@ -319,11 +409,46 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
         if u == w:
             continue
         var = graph.vars[out_var]
-        src = [s.out_specs[k] for s in ilp_nodes[u].strategies]
-        dst = [s.out_specs[0] for s in ilp_nodes[w].strategies]
         edges.append((u, w))
-        costs.append(weight(u) * matrix(var, src, dst))  # moved when the update runs
+        # moved when the update runs
+        costs.append(weight(u) * matrix(var, source(u, k), source(w, 0)))
     return edges, costs
+
+
+@dataclass(frozen=True)
+class _SpecList:
+    """One spec per strategy of a node's operand or result, as its distinct specs (in
+    first-seen order, named by `token`) and the position of each strategy's among them."""
+
+    unique: tuple[Spec, ...]
+    index: np.ndarray
+    token: int
+
+
+def _spec_list(specs: tuple[Spec, ...]) -> _SpecList:
+    found = _SPEC_LISTS.get(specs)
+    if found is None:
+        unique = tuple(dict.fromkeys(specs))
+        token = _UNIQUE_TOKENS.get(unique)
+        if token is None:
+            if len(_UNIQUE_TOKENS) > _SPEC_LIST_LIMIT:
+                _UNIQUE_TOKENS.clear()
+            token = _UNIQUE_TOKENS[unique] = next(_TOKENS)
+        position = {spec: i for i, spec in enumerate(unique)}
+        index = np.array([position[spec] for spec in specs], dtype=np.intp)
+        if len(_SPEC_LISTS) > _SPEC_LIST_LIMIT:
+            _SPEC_LISTS.clear()
+        found = _SPEC_LISTS[specs] = _SpecList(unique, index, token)
+    return found
+
+
+# Distinct spec tuples -> a token that names them in the resharding memo's keys, and spec
+# lists -> their `_SpecList`, process-wide (layers, meshes and searches repeat them).
+# Tokens are never reused, so a cleared table only costs recomputation.
+_TOKENS = itertools.count()
+_UNIQUE_TOKENS: dict[tuple[Spec, ...], int] = {}
+_SPEC_LISTS: dict[tuple[Spec, ...], _SpecList] = {}
+_SPEC_LIST_LIMIT = 200_000
 
 
 def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):

@@ -361,7 +361,8 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
         transfer = boundary_transfer_time(
             crossing[layer_range[0]], cluster, config.dp * config.tp
         ) if s > 0 else 0.0
-        stages.append(Stage(layer_range, sharding, remat, seconds, memory, transfer))
+        stages.append(Stage(layer_range, sharding, remat, seconds, memory, transfer,
+                            memory_parts=fit.parts.scaled(config.virtual_stages)))
     return tuple(stages)
 
 

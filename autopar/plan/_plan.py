@@ -19,6 +19,7 @@ from autopar.choices import Remat, Runtime, Schedule
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
 from autopar.cost import (
     DEFAULT_PHASE_SHARES,
+    StageMemory,
     bubble_fraction,
     pipelined_step_time,
 )
@@ -65,17 +66,25 @@ class Stage:
     sharding: ShardingPlan
     # What each layer of the stage recomputes in its backward (a `Remat` per layer, in
     # layer order; empty: nothing), and the seconds per microbatch that adds on top of
-    # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost).
+    # `sharding.cost` (autopar.cost.full_recompute_cost / selective_recompute_cost), with
+    # the elementwise values every backward reruns inside its fusions whatever the choice
+    # (autopar.cost.fused_rerun_seconds).
     remat: tuple[Remat, ...] = ()
     recompute_time: float = 0.0
     # Bytes per device the planner predicted for the stage with the microbatches its
     # schedule keeps in flight (`autopar.cost.stage_memory`); 0 when not recorded. A
-    # figure for reports, not part of the plan's identity or its JSON.
+    # figure for reports, not part of the plan's identity; its JSON keeps it as the
+    # total of `memory_parts`.
     predicted_memory: float = field(default=0.0, compare=False)
     # Seconds per microbatch to bring the activations crossing into this stage from the
     # one before, and their gradients back (`autopar.cost.boundary_transfer_time`, what
     # the stage DP charges the stage); 0 for the first stage and one-stage plans.
     transfer_time: float = 0.0
+    # `predicted_memory` by part (`autopar.cost.StageMemory`: state, gradient sums, kept
+    # activations of the microbatches in flight, working memory of the layer running),
+    # when the planner recorded it; saved in the JSON (additive) and restored with
+    # `predicted_memory` on load, so reports compare a run with its plan part by part.
+    memory_parts: StageMemory | None = field(default=None, compare=False)
 
     @property
     def mesh(self) -> LogicalMesh:
@@ -100,17 +109,23 @@ class Stage:
         data = {"layers": list(self.layers), "sharding": self.sharding.to_json(timings=timings)}
         if any(r != "none" for r in self.remat):  # additive: plans without remat unchanged
             data["remat"] = list(self.remat)
+        if self.recompute_time:  # with or without remat: the fused rerun's seconds
             data["recompute_time"] = self.recompute_time
         if self.transfer_time:  # additive: first stages and one-stage plans unchanged
             data["transfer_time"] = self.transfer_time
+        if self.memory_parts is not None:  # additive: plans without it unchanged
+            data["memory"] = self.memory_parts.to_json()
         return data
 
     @staticmethod
     def from_json(d: dict) -> Stage:
+        parts = StageMemory.from_json(d["memory"]) if "memory" in d else None
         return Stage(
             tuple(d["layers"]), ShardingPlan.from_json(d["sharding"]),
             tuple(d.get("remat", ())), float(d.get("recompute_time", 0.0)),
+            predicted_memory=parts.total if parts is not None else 0.0,
             transfer_time=float(d.get("transfer_time", 0.0)),
+            memory_parts=parts,
         )
 
 

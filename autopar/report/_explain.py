@@ -60,6 +60,15 @@ def _remat_line(stage, scan_ranges=()) -> str:
     return line
 
 
+def _memory_line(parts) -> str:
+    """A stage's predicted memory by part (`autopar.cost.StageMemory`)."""
+    return (
+        f"state {_fmt_bytes(parts.state)} + gradient sums {_fmt_bytes(parts.gradients)} + "
+        f"kept activations {_fmt_bytes(parts.activations)} ({parts.in_flight:g} "
+        f"microbatch(es) in flight) + working {_fmt_bytes(parts.working)}"
+    )
+
+
 def explain(plan, detail: int = 1) -> str:
     """A text report of a plan: cluster, stages, predicted costs, parameter specs.
 
@@ -87,6 +96,8 @@ def explain(plan, detail: int = 1) -> str:
             f"  resharding {_fmt_time(cost.resharding)}  peak memory/device "
             f"{_fmt_bytes(stage.memory_per_device)}"
         )
+        if stage.memory_parts is not None:
+            lines.append(f"  memory/device: {_memory_line(stage.memory_parts)}")
         if cost.collectives:
             items = sorted(cost.collectives.items())
             parts = [f"{k} x{n:.4g} ({_fmt_bytes(b)})" for k, (n, b) in items]

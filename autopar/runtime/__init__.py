@@ -7,7 +7,13 @@ from autopar.cost._schedule import (
     interleaved_order,
     stage_order,
 )
-from autopar.runtime._memory import MemorySample, live_bytes_per_device, peak_live_bytes
+from autopar.runtime._memory import (
+    MemorySample,
+    live_bytes_per_device,
+    peak_live_bytes,
+    peak_sample,
+    task_working_bytes,
+)
 from autopar.runtime._pipeline import (
     PipelineExecutable,
     TaskRecord,
@@ -26,6 +32,8 @@ __all__ = [
     "live_bytes_per_device",
     "overlap_fraction",
     "peak_live_bytes",
+    "peak_sample",
+    "task_working_bytes",
     "split_backward",
     "stage_order",
 ]

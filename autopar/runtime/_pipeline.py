@@ -19,7 +19,9 @@ Memory: every per-microbatch value is dropped after its last reader on each stag
 (`autopar.runtime._values`, reader counts computed once here at build time), so a stage
 holds the activations of the microbatches its schedule keeps in flight, not of the whole
 step; each stage keeps one running sum per gradient. `record_memory` samples the live bytes
-per device between tasks (`autopar.runtime._memory`).
+per device by part (state, gradient sums, held activations) after every task, and while
+each task runs with its program's own working memory from XLA's `memory_analysis()`
+(`autopar.runtime._memory`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, split_backward, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._fused import FusedStep
-from autopar.runtime._memory import MemoryRecorder, MemorySample
+from autopar.runtime._memory import MemoryRecorder, MemorySample, task_working_bytes
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
@@ -131,6 +133,7 @@ class PipelineExecutable:
         self.per_microbatch = frozenset(per_microbatch)
         self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
+        self._working: dict[tuple, int] = {}  # (phase, stage, id(program)) -> bytes per device
         self.virtual_stages = _virtual_stages(schedule, self.meshes)
         self.group_orders = device_orders(
             schedule, partition.num_stages, num_microbatches, self.virtual_stages
@@ -246,14 +249,22 @@ class PipelineExecutable:
         else:
             for phase, stage, i in self.order:
                 start = time.perf_counter()
-                outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage])
+                running = None
+                if recorder:
+                    running = functools.partial(
+                        self._sample_running, recorder, (phase, stage, i), functools.partial(
+                            self._held, step_env, step_values, stage_sums, micro),
+                    )
+                outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage],
+                                      running)
                 if record or recorder:
                     jax.block_until_ready(outs)  # only this process's shards
                     records.append(
                         TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0)
                     )
                 if recorder:
-                    recorder.sample(stage, phase, i)
+                    recorder.sample(stage, phase, i,
+                                    self._held(step_env, step_values, stage_sums, micro))
         assert all(not m.copies for m in micro), (
             "values of a microbatch outlived their last reader: "
             f"{[m.held() for m in micro if m.copies]}"
@@ -268,6 +279,11 @@ class PipelineExecutable:
         for compiled in self.apply:
             start = time.perf_counter()
             args = self._fetch(step_env, compiled)
+            if recorder:
+                self._sample_running(
+                    recorder, ("apply", compiled.segment.stage, 0),
+                    functools.partial(self._held, step_env, step_values), compiled.fn, args,
+                )
             outs = compiled.fn(*args)
             del args
             for v, x in zip(compiled.segment.outputs, outs):
@@ -278,7 +294,7 @@ class PipelineExecutable:
                 stage = compiled.segment.stage
                 records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
                 if recorder:
-                    recorder.sample(stage, "apply", 0)
+                    recorder.sample(stage, "apply", 0, self._held(step_env, step_values))
         settle_transfers()  # several processes: every transfer in before the next step
         if record:
             self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
@@ -321,9 +337,37 @@ class PipelineExecutable:
         if errors:
             raise errors[0]
 
+    def _held(self, step_env: dict, step_values: _StepValues, stage_sums=(), micro=()):
+        """The step's arrays by part (`autopar.runtime._memory.PARTS`), for a sample."""
+        roles = {v: self.graph.vars[v].role for v in self.graph.invars}
+        state = [x for v, x in step_env.items()
+                 if roles.get(v) in (Role.PARAM, Role.OPT_STATE)]
+        return {
+            "state": state + list(step_values.copies.values()),
+            "batch": [step_env[v] for v in self.batch_vars],
+            "gradients": [x for sums in stage_sums for x in sums.values()]
+            + [step_env[v] for v in self.partition.grad_vars if v in step_env],
+            "activations": [x for m in micro for copies in list(m.copies.values())
+                            for x in copies.values()],
+        }
+
+    def _sample_running(self, recorder: MemoryRecorder, task: tuple, held, fn,
+                        args: list) -> None:
+        """Sample while task (phase, stage, microbatch) runs: its arguments in place
+        (`held()`: the step's arrays by part), and its program's working memory
+        (`task_working_bytes`, once per program) on every device of its stage."""
+        phase, stage, i = task
+        key = (phase, stage, id(fn))
+        if key not in self._working:
+            self._working[key] = task_working_bytes(fn, args)
+        working = {d.id: self._working[key] for d in self.meshes[stage].devices.flat}
+        recorder.sample(stage, phase, i, held(), working)
+
     def _run_task(self, phase: str, stage: int, values: MicrobatchValues,
-                  step_values: _StepValues, sums: dict) -> list:
-        """Dispatch one task (returns at once, its outputs still being computed)."""
+                  step_values: _StepValues, sums: dict, running=None) -> list:
+        """Dispatch one task (returns at once, its outputs still being computed).
+        `running(fn, args)`, when given, is called just before the dispatch (a memory
+        sample while the task runs)."""
         compiled = self.tasks[(phase, stage)]
         seg = compiled.segment
         if not seg.nodes:
@@ -334,10 +378,16 @@ class PipelineExecutable:
             else step_values.read(v, stage, sharding)
             for v, sharding in zip(seg.inputs, compiled.in_shardings)
         ]
+        fn = compiled.fn
         if compiled.sums and all(v in sums for v in compiled.sums):
-            outs = compiled.fn_sum(*args, *[sums.pop(v) for v in compiled.sums])
-        else:
-            outs = compiled.fn(*args)
+            args += [sums[v] for v in compiled.sums]
+            fn = compiled.fn_sum
+        if running is not None:
+            running(fn, args)
+        if fn is compiled.fn_sum:
+            for v in compiled.sums:
+                del sums[v]  # donated to the program, which returns the new sum
+        outs = fn(*args)
         del args
         for v, x in zip(seg.outputs, outs):
             if v in compiled.sums:

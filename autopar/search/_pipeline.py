@@ -598,7 +598,7 @@ def _pipeline_plan(best: _Candidate, cluster, options, num_auto_layers, timings,
     choice = best.choice
     stages = tuple(
         Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds,
-              cost.memory, transfer)
+              cost.memory, transfer, memory_parts=cost.memory_parts)
         for layers, sp, remat, seconds, cost, transfer in zip(
             choice.stage_layers, choice.stage_plans, choice.stage_remat,
             choice.stage_recompute, choice.dp.stage_costs,
