@@ -96,7 +96,7 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
     returned = set(graph.outvars)
     buffer = _buffers(graph)  # var -> the var whose buffer holds it
     sliced = _sliced_reads(graph, operand_specs, var_specs, mesh)
-    made = _made_at(graph, consumers)
+    made = _made_at(graph)
     last_use: dict[int, int] = {}
     end = len(graph.nodes)
     for node in graph.nodes:
@@ -254,26 +254,23 @@ def _sliced_reads(graph: OpGraph, operand_specs, var_specs, mesh) -> set[tuple[i
     producer's loop), and keeps only the slice for a later reader: the attention's
     query, key and value and a layer norm's output read by the backward with the batch
     split over more devices (XLA:CPU, gpt on (2, 4): `dynamic-slice_bitcast_fusion`s of
-    a quarter, live from the forward to the backward, while the whole values die)."""
+    a quarter, live from the forward to the backward, while the whole values die). A
+    graph input's slice is taken where it is read, as any reshard."""
     sliced = set()
     for node_id, position, spec in operand_specs:
         v = graph.nodes[node_id].inputs[position]
         var = graph.vars[v]
-        if not var.shape or spec is None:
-            continue
+        if not var.shape or spec is None or var.producer is None:
+            continue  # a graph input is sliced where it is read
         have = var_specs[v] or ((),) * len(var.shape)
         if have != spec and not reshard_collectives(var.shape, var.dtype, have, spec, mesh):
             sliced.add((node_id, position))
     return sliced
 
 
-def _made_at(graph: OpGraph, consumers) -> dict[int, int]:
-    """Var -> the node that makes it (a graph input: its first reader)."""
-    made = {v: n.id for n in graph.nodes for v in n.outputs}
-    for v in graph.invars:
-        if consumers[v]:
-            made.setdefault(v, consumers[v][0])
-    return made
+def _made_at(graph: OpGraph) -> dict[int, int]:
+    """Var -> the node that makes it (graph inputs have none)."""
+    return {v: n.id for n in graph.nodes for v in n.outputs}
 
 
 def _reshard_bytes(graph: OpGraph, v: int, have, want, mesh, nbytes) -> float:
