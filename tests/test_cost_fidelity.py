@@ -523,3 +523,127 @@ def test_fused_attention_keeps_the_scores_on_chip(a100):
     h100 = Cluster.from_profile("dgx-h100")
     assert h100.fused_attention and not a100.fused_attention
     assert Cluster.from_json(h100.to_json()).fused_attention
+
+
+# ---- 5. combined collectives and in-place updates --------------------------------------
+
+
+def test_combined_collective_pays_its_share_of_one_latency():
+    """By hand on cpu-local-measured, 8 devices (ring: 14 latency steps, 2·7/8 of the bytes
+    on the wire): 64 KiB pays the bandwidth in full and 64 KiB / 30 MiB of the latency."""
+    from autopar.cost import COMBINE_THRESHOLD_BYTES, combined_collective_time
+
+    cluster = Cluster.from_profile("cpu-local-measured")
+    mesh = LogicalMesh.create((8,), axis_names=("x",))
+    link = cluster.intra_link(8)
+    nbytes = 64 * 1024
+    wire = 2 * 7 / 8 * nbytes / link.bandwidth
+    alone = collective_time("all_reduce", nbytes, cluster, mesh, "x")
+    assert alone == pytest.approx(wire + 14 * link.latency)
+    combined = combined_collective_time("all_reduce", nbytes, cluster, mesh, "x")
+    assert combined == pytest.approx(wire + nbytes / COMBINE_THRESHOLD_BYTES * 14 * link.latency)
+    # A collective of a whole bucket or more pays a whole latency; kinds XLA does not
+    # combine (send_recv) pay as before.
+    big = 64 * 2**20
+    assert combined_collective_time("all_reduce", big, cluster, mesh, "x") == pytest.approx(
+        collective_time("all_reduce", big, cluster, mesh, "x"))
+    assert combined_collective_time("send_recv", nbytes, cluster, mesh, "x") == pytest.approx(
+        collective_time("send_recv", nbytes, cluster, mesh, "x"))
+
+
+def test_combined_bucket_count_by_hand():
+    from autopar.cost import combined_bucket_count
+
+    MiB = 2**20
+    assert combined_bucket_count([]) == 0
+    assert combined_bucket_count([20 * MiB, 20 * MiB, MiB]) == 2
+    assert combined_bucket_count([40 * MiB, MiB]) == 2
+    assert combined_bucket_count([1024] * 300) == 2  # at most 256 operands per bucket
+
+
+def test_in_place_update_runs_at_the_in_place_bandwidth():
+    """An elementwise node whose result is donated state costs its bytes at
+    `inplace_bandwidth`; without the field (GPU profiles) at `hbm_bandwidth`."""
+    from autopar.intra._strategies import step_effects
+
+    def step(w, g):
+        return w - 0.1 * g, jnp.sum(g * g)
+
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32)
+    graph = trace(step, x, x)
+    new_w = graph.outvars[0]
+    tied = [(new_w, graph.invars[0])]
+    effects = step_effects(graph, tied)
+    update = graph.nodes[graph.vars[new_w].producer]
+    assert update.id in effects.in_place
+    reduce = next(n for n in graph.nodes if n.primitive == "reduce_sum")
+    assert reduce.id not in effects.in_place
+    cluster = Cluster.from_profile("cpu-local-measured")
+    mesh = LogicalMesh.create((1,), axis_names=("x",))
+    plain = CostContext(cluster, mesh)
+    ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place)
+    sig = node_signature(update, graph)
+    fresh = node_strategies(update, graph, sig, plain)[0].compute_cost
+    in_place = node_strategies(update, graph, sig, ctx)[0].compute_cost
+    assert fresh / in_place == pytest.approx(cluster.inplace_bandwidth / cluster.hbm_bandwidth)
+    no_field = dataclasses.replace(cluster, inplace_bandwidth=None)
+    ctx_gpu = CostContext(no_field, mesh, effects.combinable, effects.in_place)
+    assert node_strategies(update, graph, sig, ctx_gpu)[0].compute_cost == pytest.approx(fresh)
+
+
+def test_inplace_bandwidth_round_trips_and_is_checked():
+    cluster = Cluster.from_profile("cpu-local-measured")
+    assert Cluster.from_json(cluster.to_json()).inplace_bandwidth == cluster.inplace_bandwidth
+    assert "inplace_bandwidth" not in Cluster.from_profile("dgx-a100-80g").to_json()
+    with pytest.raises(ValueError, match="inplace_bandwidth"):
+        dataclasses.replace(cluster, inplace_bandwidth=-1.0)
+
+
+def test_data_parallel_gradient_reductions_are_one_all_reduce_per_bucket():
+    """The model's count of all-reduces for a data-parallel GPT step (its combined gradient
+    reductions in buckets, `combined_bucket_count`, plus the ones it charges alone) is the
+    count of all-reduce instructions in XLA's optimized HLO of the step: one, a tuple of
+    every gradient and the loss."""
+    import optax
+
+    import autopar
+    from autopar.cost import combined_bucket_count
+    from autopar.graph import tied_state
+    from autopar.intra._strategies import step_effects
+    from autopar.lower import count_collectives
+    from examples import gpt
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    cfg = dataclasses.replace(gpt.CONFIGS["tiny"], num_layers=1)
+    opt = optax.adamw(1e-3)
+    abstract = (gpt.abstract_state(cfg, opt), gpt.abstract_batch(cfg, 8))
+    # On one mesh axis: on (4, 2) XLA splits a weight gradient's reduction over both axes
+    # into one all-reduce per axis, which the model charges as one (not modelled).
+    step = autopar.autoparallel(gpt.make_train_step(cfg, opt), method="data", cache=False,
+                                cluster=Cluster.from_profile("cpu-local"), mesh_shape=(8,))
+    last = step._compile(abstract)  # plans and lowers; nothing runs
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            for x, sharding in zip(jax.tree.leaves(abstract), last.in_shardings)]
+    hlo = count_collectives(last.fn.lower(*args).compile().as_text())
+    plan, graph = last.plan, last.graph
+    sharding = plan.stages[0].sharding
+    effects = step_effects(graph, tied_state(graph, (0,)))
+    ctx = CostContext(Cluster.from_profile("cpu-local"), sharding.mesh, effects.combinable,
+                      effects.in_place)
+    combined, alone = {}, 0
+    for node in graph.nodes:
+        name = sharding.node_strategies[node.id]
+        sig = node_signature(node, graph)
+        chosen = next((s for s in node_strategies(node, graph, sig, ctx) if s.name == name), None) \
+            if sig is not None else None
+        for c in chosen.collectives if chosen else ():
+            if c.kind != "all_reduce":
+                continue
+            if c.combined:
+                combined.setdefault(c.axes, []).append(c.nbytes)
+            else:
+                alone += 1
+    buckets = sum(combined_bucket_count(sizes) for sizes in combined.values())
+    assert sum(len(s) for s in combined.values()) >= 6  # one per weight, and the loss
+    assert buckets + alone == hlo["all_reduce"][0]

@@ -61,7 +61,10 @@ def test_quick_profile_contents(quick_profile, devices):
     assert all(seconds > 0 for *_, seconds in samples)
     # one fit per group size, from groups timed all at once (4 pairs, then 1 group of 8)
     assert set(data["intra_host_by_group"]) == {"2", str(len(devices))}
+    # the update of donated state, timed in place, besides the fresh-output bandwidth
+    assert data["inplace_bandwidth"] > 0 and data["hbm_bandwidth"] > 0
     cluster = Cluster.from_profile(path)
+    assert cluster.write_bandwidth(True) == data["inplace_bandwidth"]
     assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
 
 
@@ -84,7 +87,7 @@ def test_progress_is_one_line_per_group(quick_profile):
     assert sum(" on 4 groups of 2 devices, " in line for line in collective_lines) == len(
         COLLECTIVE_KINDS)
     assert sum("matmul" in line for line in lines) == 2
-    assert sum("memory bandwidth" in line for line in lines) == 1
+    assert sum("memory bandwidth" in line for line in lines) == 2  # fresh and in place
     assert all(line.startswith("[autopar profile] ") for line in lines)
 
 

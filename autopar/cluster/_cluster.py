@@ -104,6 +104,12 @@ class Cluster:
       in devices_per_host / size groups running at once (as a sharded step runs them;
       `autopar profile` measures it). `intra_link` picks the entry for a group; None:
       `intra_host` for every group size.
+    - `inplace_bandwidth`: optional device memory bandwidth in bytes/s of elementwise work
+      that writes its results over its donated inputs (a training step's optimizer update
+      of its parameters and state); `autopar profile` times ``x * 2 + 1`` on a donated
+      buffer. None: `hbm_bandwidth` (the rate with a fresh output buffer). On CPU a fresh
+      buffer pays first-touch page faults, so the two differ (2.27 against 8.4 GB/s on the
+      2-core VM of `cpu-local-measured`). See `write_bandwidth`.
 
     **Example:**
     ```python
@@ -129,6 +135,7 @@ class Cluster:
     fused_attention: bool = False
     dispatch_overhead: float = 0.0
     intra_host_by_group: tuple[tuple[int, Link], ...] | None = None
+    inplace_bandwidth: float | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -198,6 +205,14 @@ class Cluster:
         _, link = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
         return link
 
+    def write_bandwidth(self, in_place: bool = False) -> float:
+        """Device memory bandwidth (bytes/s) of work writing fresh buffers, or, with
+        `in_place`, writing over its donated inputs (`inplace_bandwidth` when the profile
+        measured it, else `hbm_bandwidth`)."""
+        if in_place and self.inplace_bandwidth is not None:
+            return self.inplace_bandwidth
+        return self.hbm_bandwidth
+
     def network_link(self) -> Link:
         """Each device's link to other hosts when every device of its host talks at once.
 
@@ -225,6 +240,8 @@ class Cluster:
             optional["fused_attention"] = True
         if self.dispatch_overhead:
             optional["dispatch_overhead"] = self.dispatch_overhead
+        if self.inplace_bandwidth is not None:
+            optional["inplace_bandwidth"] = self.inplace_bandwidth
         if self.intra_host_by_group is not None:
             optional["intra_host_by_group"] = {
                 str(n): link.to_json() for n, link in self.intra_host_by_group
@@ -426,6 +443,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             if "dispatch_overhead" in data else 0.0,
             intra_host_by_group=_read_links_by_group(read, "intra_host_by_group")
             if "intra_host_by_group" in data else None,
+            inplace_bandwidth=read.number("inplace_bandwidth")
+            if "inplace_bandwidth" in data else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -519,6 +538,7 @@ _FIELD_HELP = {
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
+    "inplace_bandwidth": "a number: memory bandwidth in bytes/s of updates written in place",
     "intra_host_by_group": 'an object of links by group size, e.g. {"2": {"bandwidth": '
     'bytes/s per device, "latency": seconds}, "4": {...}}',
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
@@ -541,6 +561,9 @@ def _check_cluster(cluster: Cluster) -> None:
     for name in ("device_memory", "hbm_bandwidth"):
         if not getattr(cluster, name) > 0:
             problems.append(f"{name} must be > 0, got {getattr(cluster, name)!r}")
+    inplace = cluster.inplace_bandwidth
+    if inplace is not None and not (np.isfinite(inplace) and inplace > 0):
+        problems.append(f"inplace_bandwidth must be a finite number > 0 or None, got {inplace!r}")
     table = cluster.gemm_efficiency
     if table is not None:
         sizes = [size for size, _ in table]

@@ -8,7 +8,14 @@ schedule's bubble simulated from its task order (`_schedule`) and in-flight micr
 The ILP, the stage DP, the manual-plan scorer and the reports all call these functions.
 """
 
-from autopar.cost._collective import collective_time, link_for, transfer_time
+from autopar.cost._collective import (
+    COMBINE_THRESHOLD_BYTES,
+    collective_time,
+    combined_bucket_count,
+    combined_collective_time,
+    link_for,
+    transfer_time,
+)
 from autopar.cost._compute import (
     MATMUL_PRIMITIVES,
     bytes_per_device,
@@ -49,6 +56,9 @@ from autopar.cost._remat import (
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "COMBINE_THRESHOLD_BYTES",
+    "combined_bucket_count",
+    "combined_collective_time",
     "DEFAULT_PHASE_SHARES",
     "MATMUL_PRIMITIVES",
     "LayerCost",

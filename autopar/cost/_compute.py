@@ -21,6 +21,7 @@ def compute_time(
     dtype: Any = "float32",
     *,
     matmul: bool = False,
+    in_place: bool = False,
 ) -> float:
     """Seconds for an operator on one device, by the roofline model.
 
@@ -33,19 +34,23 @@ def compute_time(
       dot, `rate_dtype` of its operands.
     - `matmul`: the operator is a GEMM (dot or convolution) of `flops`, so its efficiency
       comes from `gemm_efficiency` by its size; else `matmul_efficiency`.
+    - `in_place`: the operator writes its results over donated inputs (the optimizer
+      update of a step's state), so its bytes move at `Cluster.write_bandwidth(True)`.
 
-    **Returns:** ``max(flops / (peak[dtype] · efficiency), bytes / hbm_bandwidth)``.
+    **Returns:** ``max(flops / (peak[dtype] · efficiency), bytes / bandwidth)``, the
+    bandwidth `hbm_bandwidth` (or the in-place one).
     """
     if flops < 0 or bytes_accessed < 0:
         raise ValueError(
             f"compute_time needs flops >= 0 and bytes >= 0, got {flops} and {bytes_accessed}"
         )
+    bandwidth = cluster.write_bandwidth(in_place) if in_place else cluster.hbm_bandwidth
     if flops == 0:
-        return bytes_accessed / cluster.hbm_bandwidth
+        return bytes_accessed / bandwidth
     rate = cluster.flops(dtype)
     if matmul:
         rate *= gemm_efficiency(cluster, flops) / cluster.matmul_efficiency
-    return max(flops / rate, bytes_accessed / cluster.hbm_bandwidth)
+    return max(flops / rate, bytes_accessed / bandwidth)
 
 
 def gemm_efficiency(cluster: Cluster, flops: float) -> float:

@@ -23,13 +23,19 @@ from that model in four ways, each modelled here:
   all-gather's result; the whole tensor where XLA gathers everything and slices). XLA
   computes equal reshards of one value once (common-subexpression elimination), so the
   copies of a value to one layout are one temporary, live from its first consumer to its
-  last.
+  last. A reshard that is a local slice alone (the consumer's layout splits the value
+  further, no collective on the route) is taken where the value is made and kept in its
+  place: the slice lives from the value's producer to its last reader through it, and those
+  readers do not keep the whole value alive (XLA fuses the `dynamic-slice` into the
+  producer's loop; gpt on (2, 4) keeps a quarter of each attention input for the backward).
 - **Layout copies.** A convolution reads its operands in the backend's layout (XLA's
   `dim_labels` b01f for the input, 01io for the kernel). An operand whose dimensions the
   convolution reads in another order (the kernel gradient's input with batch and feature
   swapped, the input gradient's kernel with its two features swapped) is copied into that
   layout: the copy lives from the value's production (for a graph input, its first reader)
-  to the last convolution reading it so.
+  to the last convolution reading it so. It is a copy of the operand as the convolution
+  reads it: a kernel split over its features but gathered for the convolution is copied
+  whole.
 
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
@@ -72,6 +78,12 @@ def peak_live_bytes(
 
     **Returns:** bytes per device (float).
     """
+    return _walk(graph, var_specs, mesh, donated, operand_specs)[0]
+
+
+def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
+    """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
+    bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
 
     def nbytes(v: int, spec=None) -> float:
         var = graph.vars[v]
@@ -83,17 +95,25 @@ def peak_live_bytes(
     consumers = graph.consumers()
     returned = set(graph.outvars)
     buffer = _buffers(graph)  # var -> the var whose buffer holds it
+    sliced = _sliced_reads(graph, operand_specs, var_specs, mesh)
+    made = _made_at(graph)
     last_use: dict[int, int] = {}
     end = len(graph.nodes)
-    for v, node_ids in enumerate(consumers):
-        if node_ids or v in returned:
+    for node in graph.nodes:
+        for position, v in enumerate(node.inputs):
             b = buffer.get(v, v)
-            last_use[b] = max(last_use.get(b, -1), end if v in returned else node_ids[-1])
+            # A read of a slice made at production is no read of the value itself.
+            use = made[v] if (node.id, position) in sliced else node.id
+            last_use[b] = max(last_use.get(b, -1), use)
+    for v in returned:
+        last_use[buffer.get(v, v)] = end
     fused = _fused_values(graph, consumers, returned)
+    copy_bytes = _layout_copy_bytes(graph, consumers, operand_specs, nbytes)
     # Temporaries: (first node, last node, bytes), live from before the first to after the
     # last (resharded operands, layout copies).
-    temporaries = [*_reshard_temporaries(graph, operand_specs, var_specs, mesh, nbytes),
-                   *((first, last, nbytes(v)) for (v, _), (first, last) in
+    temporaries = [*_reshard_temporaries(graph, operand_specs, var_specs, mesh, nbytes,
+                                         sliced, made),
+                   *((first, last, copy_bytes[key]) for key, (first, last) in
                      _layout_copies(graph, consumers).items())]
     starting: dict[int, list[int]] = {}
     for t, (first, _, _) in enumerate(temporaries):
@@ -111,6 +131,7 @@ def peak_live_bytes(
             always += nbytes(v)
     current = sum(live.values())
     peak = always + current
+    at_peak = (-1, dict(live), [], always) if record else None
     active: set[int] = set()
     for node in graph.nodes:
         for v in node.outputs:
@@ -120,14 +141,17 @@ def peak_live_bytes(
         for t in starting.get(node.id, ()):
             active.add(t)
             current += temporaries[t][2]
-        peak = max(peak, always + current)
+        if always + current > peak:
+            peak = always + current
+            if record:
+                at_peak = (node.id, dict(live), [temporaries[t] for t in active], always)
         for v in dict.fromkeys(buffer.get(u, u) for u in (*node.inputs, *node.outputs)):
             if v in live and last_use.get(v, -1) <= node.id:
                 current -= live.pop(v)
         for t in [t for t in active if temporaries[t][1] <= node.id]:
             active.remove(t)
             current -= temporaries[t][2]
-    return peak
+    return peak, at_peak
 
 
 # Ops that read their operands in a layout of the backend's choosing (a convolution's
@@ -152,22 +176,48 @@ def _layout_copies(graph: OpGraph, consumers) -> dict[tuple[int, tuple], tuple[i
     forward's input with batch and feature swapped, and the input gradient reads the kernel
     with its features swapped. (XLA:CPU, wide_resnet: a `transpose_copy_fusion` per
     kernel and per convolution input, live from the forward to the backward.)"""
-    producer = {v: n for n in graph.nodes for v in n.outputs}
     spans: dict[tuple[int, tuple], tuple[int, int]] = {}
+    for v, order, made, node, _ in _layout_reads(graph, consumers):
+        first, last = spans.get((v, order), (made, node.id))
+        spans[(v, order)] = (min(first, made), max(last, node.id))
+    return spans
+
+
+def _layout_reads(graph: OpGraph, consumers):
+    """(value, dimension order, node that makes it, convolution, [(node, operand position)]
+    of the reads from the value to the convolution through layout-only ops) of every
+    convolution operand read in another order than the backend's."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
     for node in graph.nodes:
         if node.primitive not in LAYOUT_BOUND:
             continue
-        for v, order in zip(node.inputs, _conv_operand_orders(node)):
+        for position, (v, order) in enumerate(zip(node.inputs, _conv_operand_orders(node))):
             if order == tuple(range(len(order))):
                 continue
+            reads = [(node.id, position)]
             while v in producer and producer[v].primitive in LAYOUT_ONLY:
+                reads.append((producer[v].id, 0))
                 v = producer[v].inputs[0]
             if graph.vars[v].role is Role.CONST:
                 continue
             made = producer[v].id if v in producer else consumers[v][0]
-            first, last = spans.get((v, order), (made, node.id))
-            spans[(v, order)] = (min(first, made), max(last, node.id))
-    return spans
+            yield v, order, made, node, reads
+
+
+def _layout_copy_bytes(graph: OpGraph, consumers, operand_specs, nbytes) -> dict:
+    """(var, dimension order) -> bytes per device of its layout copy: the value as the
+    convolution reads it, the largest layout along the layout-only ops there (a kernel
+    split over its input features but read whole by the input gradient is copied whole:
+    XLA:CPU, wide_resnet on (2, 4), a `transpose_copy_fusion` of the gathered kernel)."""
+    resharded = {(n, p): spec for n, p, spec in operand_specs}
+    sizes: dict[tuple[int, tuple], float] = {}
+    for v, order, _, _, reads in _layout_reads(graph, consumers):
+        size = nbytes(v)
+        for node_id, position in reads:
+            u = graph.nodes[node_id].inputs[position]
+            size = max(size, nbytes(u), nbytes(u, resharded.get((node_id, position))))
+        sizes[(v, order)] = max(sizes.get((v, order), 0.0), size)
+    return sizes
 
 
 def _conv_operand_orders(node) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -178,21 +228,49 @@ def _conv_operand_orders(node) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (lhs[0], *lhs[2:], lhs[1]), (*rhs[2:], rhs[1], rhs[0])
 
 
-def _reshard_temporaries(graph: OpGraph, operand_specs, var_specs, mesh, nbytes):
+def _reshard_temporaries(graph: OpGraph, operand_specs, var_specs, mesh, nbytes,
+                         sliced=frozenset(), made=None):
     """(first, last node, bytes per device) of each resharded copy: one per value and
     target layout (XLA computes equal reshards once), live from its first consumer to its
-    last."""
+    last; a slice (`sliced`) from where the value is made (`made`) on."""
     spans: dict[tuple[int, tuple], tuple[int, int, float]] = {}
     for node_id, position, spec in operand_specs:
         v = graph.nodes[node_id].inputs[position]
         key = (v, spec)
+        first = made[v] if (node_id, position) in sliced else node_id
         if key in spans:
-            first, last, size = spans[key]
-            spans[key] = (min(first, node_id), max(last, node_id), size)
+            was, last, size = spans[key]
+            spans[key] = (min(was, first), max(last, node_id), size)
         else:
             size = _reshard_bytes(graph, v, var_specs[v], spec, mesh, nbytes)
-            spans[key] = (node_id, node_id, size)
+            spans[key] = (first, node_id, size)
     return spans.values()
+
+
+def _sliced_reads(graph: OpGraph, operand_specs, var_specs, mesh) -> set[tuple[int, int]]:
+    """(node id, operand position) of operands resharded by a local slice alone (no
+    collective on XLA's route: the consumer's layout splits the value further). XLA takes
+    such a slice once, right where the value is made (the `dynamic-slice` fuses into the
+    producer's loop), and keeps only the slice for a later reader: the attention's
+    query, key and value and a layer norm's output read by the backward with the batch
+    split over more devices (XLA:CPU, gpt on (2, 4): `dynamic-slice_bitcast_fusion`s of
+    a quarter, live from the forward to the backward, while the whole values die). A
+    graph input's slice is taken where it is read, as any reshard."""
+    sliced = set()
+    for node_id, position, spec in operand_specs:
+        v = graph.nodes[node_id].inputs[position]
+        var = graph.vars[v]
+        if not var.shape or spec is None or var.producer is None:
+            continue  # a graph input is sliced where it is read
+        have = var_specs[v] or ((),) * len(var.shape)
+        if have != spec and not reshard_collectives(var.shape, var.dtype, have, spec, mesh):
+            sliced.add((node_id, position))
+    return sliced
+
+
+def _made_at(graph: OpGraph) -> dict[int, int]:
+    """Var -> the node that makes it (graph inputs have none)."""
+    return {v: n.id for n in graph.nodes for v in n.outputs}
 
 
 def _reshard_bytes(graph: OpGraph, v: int, have, want, mesh, nbytes) -> float:

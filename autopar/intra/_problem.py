@@ -33,6 +33,7 @@ from autopar.intra._strategies import (
     node_signature,
     node_strategies,
     replicated_signature,
+    step_effects,
 )
 
 # Identity primitives that take no decision of their own: results alias operands.
@@ -111,7 +112,8 @@ def build_problem(
     if expansion is not None:  # the ILP is about the planning graph from here on
         graph, weights, tied = expansion.graph, expansion.weights, expansion.tied
     weights = dict(weights or {})
-    ctx = CostContext(cluster, mesh)
+    effects = step_effects(graph, tied)
+    ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place)
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}

@@ -8,6 +8,7 @@ the collectives the node itself must issue (reducing partial sums). All times co
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,10 +19,11 @@ from autopar.cost import (
     MATMUL_PRIMITIVES,
     bytes_per_device,
     collective_time,
+    combined_collective_time,
     compute_time,
     rate_dtype,
 )
-from autopar.graph import Node, OpGraph, Role, fusion_traffic
+from autopar.graph import Node, OpGraph, Role, fusion_kind, fusion_traffic
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
 from autopar.intra._signature import (
@@ -42,6 +44,9 @@ class Collective:
     # Times per planned unit of work: 1/microbatches for what runs once per step in a
     # pipeline stage planned per microbatch (see `autopar.inter.passes._deferred.step_weights`).
     weight: float = 1.0
+    # Merged by XLA's combiner with the step's other independent collectives of its kind
+    # and group, its latency charged per bucket (`autopar.cost.combined_collective_time`).
+    combined: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,66 @@ class Strategy:
 
 @dataclass(frozen=True)
 class CostContext:
+    """What node costs depend on besides the node: the cluster, the mesh, and two sets of
+    graph node ids (`step_effects`): `combinable`, nodes whose reductions XLA merges with
+    their kind's other independent ones; `in_place`, elementwise nodes that write the
+    step's donated state in place. Empty sets: every node is charged on its own."""
+
     cluster: object
     mesh: LogicalMesh
+    combinable: frozenset = frozenset()
+    in_place: frozenset = frozenset()
+
+
+@dataclass(frozen=True)
+class StepEffects:
+    combinable: frozenset
+    in_place: frozenset
+
+
+def step_effects(graph: OpGraph, tied: Sequence[tuple[int, int]] = ()) -> StepEffects:
+    """Which nodes' costs the rest of the step changes (for `CostContext`).
+
+    - `combinable`: nodes from whose results no matmul, reduction or kernel (anything
+      but elementwise work: `autopar.graph.fusion_kind`) follows, e.g. weight gradients
+      feeding only the optimizer update. Nothing in the step waits on their reductions
+      but that elementwise tail, so they are independent of each other and XLA's
+      combiner merges them (`autopar.cost.combined_collective_time`). A reduction that
+      something later reduces further or multiplies (a tensor-parallel all-reduce of an
+      activation, a gradient under global-norm clipping) stays on its own.
+    - `in_place`: elementwise nodes whose every result is a donated state output
+      (`tied`: (output var, input var) pairs) or is read only by such nodes: the
+      optimizer update, whose fusion writes the parameters and optimizer state over
+      their donated buffers (`autopar.cost.compute_time`'s `in_place`).
+    """
+    key = tuple(tied)
+    cached = _EFFECTS.get(graph)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    nodes = graph.nodes
+    consumers = graph.consumers()
+    blocking = [fusion_kind(n.primitive) != "elementwise" for n in nodes]
+    feeds_block = [False] * len(nodes)  # a blocking node lies downstream of its results
+    tied_out = {o for o, _ in tied}
+    outvars = set(graph.outvars)
+    in_place = [False] * len(nodes)
+    for node in reversed(nodes):
+        users = [c for v in node.outputs for c in consumers[v]]
+        feeds_block[node.id] = any(blocking[c] or feeds_block[c] for c in users)
+        in_place[node.id] = bool(tied_out) and not blocking[node.id] and all(
+            v in tied_out or (v not in outvars and consumers[v]
+                              and all(in_place[c] for c in consumers[v]))
+            for v in node.outputs
+        )
+    effects = StepEffects(
+        frozenset(n.id for n in nodes if not feeds_block[n.id]),
+        frozenset(n.id for n in nodes if in_place[n.id]),
+    )
+    _EFFECTS[graph] = (key, effects)
+    return effects
+
+
+_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _assignment_name(assignment: dict[str, tuple[str, ...]]) -> str:
@@ -135,8 +198,10 @@ def node_strategies(
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
                               getattr(ctx.cluster, "fused_attention", False))
         matmul = node.primitive in MATMUL_PRIMITIVES
-        work = (node.flops / parallelism, accessed, dtype, matmul)
-        compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul)
+        in_place = node.id in ctx.in_place and graph.nodes[node.id] is node
+        work = (node.flops / parallelism, accessed, dtype, matmul, in_place)
+        compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
+                               in_place=in_place)
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -144,20 +209,33 @@ def node_strategies(
             continue
         # Partial results: reduce them with an all-reduce, or (one summed result) with a
         # reduce-scatter that leaves the result split along a free dimension.
+        combined = _combined(node, graph, ctx)
         reduce = tuple(
-            Collective("all_reduce", axes, out_bytes) for axes in partial.values()
+            Collective("all_reduce", axes, out_bytes, combined=combined)
+            for axes in partial.values()
         )
-        comm = sum(collective_time(c.kind, c.nbytes, ctx.cluster, mesh, c.axes) for c in reduce)
+        comm = sum(_collective_seconds(c, ctx) for c in reduce)
         strategies.append(
             Strategy(name, in_specs, out_specs, compute, comm, out_bytes, reduce)
         )
         if len(out_vars) == 1 and set(partial) == {"sum"}:
             strategies.extend(
                 _reduce_scatter_variants(
-                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx
+                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx,
+                    combined,
                 )
             )
     return _dedupe(strategies)
+
+
+def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:
+    return node.id in ctx.combinable and graph.nodes[node.id] is node
+
+
+def _collective_seconds(c: Collective, ctx: CostContext) -> float:
+    if c.combined:
+        return combined_collective_time(c.kind, c.nbytes, ctx.cluster, ctx.mesh, c.axes)
+    return collective_time(c.kind, c.nbytes, ctx.cluster, ctx.mesh, c.axes)
 
 
 def _carried_labels(sig: Signature, in_vars) -> set[str]:
@@ -183,11 +261,13 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
     return list(best.values())
 
 
-def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx):
+def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
+                             combined=False):
     """The strategy that leaves the summed result split over the reduced `axes`.
 
-    `work` is (FLOPs per device, bytes accessed per device, dtype, is a matmul) of the node
-    when it computes the whole partial result.
+    `work` is (FLOPs per device, bytes accessed per device, dtype, is a matmul, writes in
+    place) of the node when it computes the whole partial result; `combined`: its
+    reduction merges with the step's other independent ones (`step_effects`).
     """
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
@@ -204,17 +284,19 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx)
     # size 4 on (2, 4), with only x of size 2 unused, reduce-scatters (on XLA:CPU an
     # all-reduce and a local slice).
     on_spare = bool(spare) and mesh.axis_size(spare) % split == 0
-    flops, accessed, dtype, matmul = work
+    flops, accessed, dtype, matmul, in_place = work
     if on_spare:
         reduce = (
-            Collective("all_reduce", tuple(axes), full_bytes / split),
+            Collective("all_reduce", tuple(axes), full_bytes / split, combined=combined),
             Collective("send_recv", (*axes, *spare), full_bytes / split),
         )
-        compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul)
+        compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul,
+                               in_place=in_place)
     else:
-        reduce = (Collective("reduce_scatter", tuple(axes), full_bytes),)
-        compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul)
-    comm = sum(collective_time(c.kind, c.nbytes, ctx.cluster, mesh, c.axes) for c in reduce)
+        reduce = (Collective("reduce_scatter", tuple(axes), full_bytes, combined=combined),)
+        compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul,
+                               in_place=in_place)
+    comm = sum(_collective_seconds(c, ctx) for c in reduce)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
     for dim, (size, dim_axes) in enumerate(zip(out_var.shape, out_spec)):
@@ -302,6 +384,7 @@ def follow_strategies(
         compute = compute_time(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,
+            in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
         )
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes

@@ -167,6 +167,7 @@ def measure_profile(
         )
     flops = {dtype: measure_matmul(dtype, mine, options, log) for dtype in MATMUL_DTYPES}
     hbm = measure_bandwidth(mine, options, log)
+    inplace = measure_bandwidth(mine, options, log, in_place=True)
     dispatch = measure_dispatch(mine, options, log)
     intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
     inter = []
@@ -187,6 +188,7 @@ def measure_profile(
         matmul_efficiency=1.0,
         gemm_efficiency=_gemm_table(flops),
         hbm_bandwidth=hbm,
+        inplace_bandwidth=inplace,
         intra_host=intra_link,
         inter_host=inter_link,
         dispatch_overhead=dispatch,
@@ -314,17 +316,28 @@ def _chained_matmuls(y: jax.Array, a: jax.Array, repeats: int) -> jax.Array:
 
 
 def measure_bandwidth(
-    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None],
+    in_place: bool = False,
 ) -> float:
-    """Memory bandwidth per device: bytes read + written by ``x * 2 + 1`` per second."""
+    """Memory bandwidth per device: bytes read + written by ``x * 2 + 1`` per second.
+
+    With `in_place`, `x` is donated and each call's result is the next call's input, so the
+    program writes over its input, as a training step's optimizer update writes its
+    donated state (`Cluster.inplace_bandwidth`); else every call writes a fresh buffer
+    (`Cluster.hbm_bandwidth`, what a step's activations pay). On CPU the two differ: a
+    fresh buffer's pages fault on first touch (2.27 against 8.4 GB/s on 8 virtual devices
+    of a 2-core VM, cpu-per-core clock)."""
     mesh = Mesh(np.array(devices), (AXIS,))
     itemsize = jnp.dtype(jnp.float32).itemsize
     elements = options.bandwidth_bytes // itemsize
     fn = jax.shard_map(lambda x: x * 2 + 1, mesh=mesh, in_specs=PartitionSpec(AXIS),
                        out_specs=PartitionSpec(AXIS))
     x = _filled((len(devices) * elements,), jnp.float32, mesh)
-    bandwidth = 2 * elements * itemsize / _median_seconds(fn, (x,), options)
-    log(f"memory bandwidth on {len(devices)} devices: {bandwidth / 1e9:.2f} GB/s per device")
+    seconds = _median_seconds(fn, (x,), options, donate=in_place)
+    bandwidth = 2 * elements * itemsize / seconds
+    how = "in place (donated)" if in_place else "fresh output"
+    log(f"memory bandwidth on {len(devices)} devices ({how}): {bandwidth / 1e9:.2f} GB/s "
+        "per device")
     return bandwidth
 
 
@@ -368,24 +381,35 @@ def _filled(shape: tuple[int, ...], dtype, mesh: Mesh) -> jax.Array:
 
 
 def _median_seconds(
-    fn: Callable, args: tuple, options: ProfileOptions, num_devices: int | None = None
+    fn: Callable, args: tuple, options: ProfileOptions, num_devices: int | None = None,
+    donate: bool = False,
 ) -> float:
     """Compile `fn` once for `args`, warm up, and return the median time of the repeats,
     by `options.clock`; with ``"cpu-per-core"``, CPU seconds over ``min(cores, num_devices)``
-    (`num_devices` None: the devices of the first argument's sharding)."""
-    compiled = jax.jit(fn).lower(*args).compile()
+    (`num_devices` None: the devices of the first argument's sharding). With `donate`,
+    `fn` takes one argument, donated, and each call's result is the next call's argument."""
+    if num_devices is None:
+        num_devices = len(args[0].sharding.device_set)
+    compiled = jax.jit(fn, donate_argnums=(0,) if donate else ()).lower(*args).compile()
+    if donate:
+        state = [jnp.copy(args[0])]  # the caller's array stays valid
+
+        def call():
+            state[0] = compiled(state[0])
+            return state[0]
+    else:
+        def call():
+            return compiled(*args)
     for _ in range(options.warmup):
-        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(call())
     if options.clock == "wall":
         clock, parallelism = time.perf_counter, 1
     else:
-        if num_devices is None:
-            num_devices = len(args[0].sharding.device_set)
         clock, parallelism = time.process_time, max(1, min(usable_cores(), num_devices))
     times = []
     for _ in range(options.repeats):
         start = clock()
-        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(call())
         times.append((clock() - start) / parallelism)
     return statistics.median(times)
 
