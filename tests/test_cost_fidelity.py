@@ -591,6 +591,28 @@ def test_in_place_update_runs_at_the_in_place_bandwidth():
     assert node_strategies(update, graph, sig, ctx_gpu)[0].compute_cost == pytest.approx(fresh)
 
 
+def test_a_reduction_summed_again_before_the_update_is_combinable():
+    """A partial sum that only further sums and elementwise work follow (a bias gradient
+    summed over the batch, reshaped and summed again before the optimizer update) can
+    wait for the step's combined reduction: XLA:CPU's HLO of a data-parallel GPT step has
+    one all-reduce, none for the bias gradients alone. A reduction a matmul reads is not
+    combinable."""
+    from autopar.intra._strategies import step_effects
+
+    def step(w, g, a):
+        bias = jnp.sum(jnp.sum(g, axis=0).reshape(1, -1), axis=0)
+        return w - 0.1 * bias, jnp.sum(g, axis=1) @ a
+
+    g = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    graph = trace(step, jax.ShapeDtypeStruct((32,), jnp.float32), g,
+                  jax.ShapeDtypeStruct((64, 8), jnp.float32))
+    effects = step_effects(graph, [(graph.outvars[0], graph.invars[0])])
+    sums = [n for n in graph.nodes if n.primitive == "reduce_sum"]
+    first, second, into_dot = sums[0], sums[1], sums[2]
+    assert first.id in effects.combinable and second.id in effects.combinable
+    assert into_dot.id not in effects.combinable
+
+
 def test_inplace_bandwidth_round_trips_and_is_checked():
     cluster = Cluster.from_profile("cpu-local-measured")
     assert Cluster.from_json(cluster.to_json()).inplace_bandwidth == cluster.inplace_bandwidth

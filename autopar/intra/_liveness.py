@@ -47,10 +47,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from autopar.cluster._mesh import spec_axes
 from autopar.cost import bytes_per_device
 from autopar.graph import OpGraph, Role
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._rules import ELEMENTWISE
+from autopar.intra._strategies import step_effects
 
 # Ops XLA fuses into their consumers, besides the elementwise ones: layout-only ops and
 # broadcasts (loop fusion takes them as part of the fused loop).
@@ -107,6 +109,14 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
             last_use[b] = max(last_use.get(b, -1), use)
     for v in returned:
         last_use[buffer.get(v, v)] = end
+    # Reductions XLA's combiner merges run as one collective after the last of them is
+    # made, reducing each buffer in place: each stays live until then at least.
+    combined = _combined_reductions(graph, var_specs)
+    if combined:
+        bucket = max(made[v] for v in combined)
+        for v in combined:
+            b = buffer.get(v, v)
+            last_use[b] = max(last_use.get(b, -1), bucket)
     fused = _fused_values(graph, consumers, returned)
     copy_bytes = _layout_copy_bytes(graph, consumers, operand_specs, nbytes)
     # Temporaries: (first node, last node, bytes), live from before the first to after the
@@ -152,6 +162,29 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
             active.remove(t)
             current -= temporaries[t][2]
     return peak, at_peak
+
+
+def _combined_reductions(graph: OpGraph, var_specs) -> list[int]:
+    """Results of the reductions XLA merges into the step's combined all-reduce: nodes
+    `step_effects` calls combinable (only sums and elementwise work follow) that contract
+    or reduce over a mesh axis their result is not split on (a weight or bias gradient
+    summed over a split batch), as their costs charge them (`combined_collective_time`)."""
+    combinable = step_effects(graph).combinable
+    found = []
+    for node in graph.nodes:
+        if node.id not in combinable or node.primitive not in REDUCING:
+            continue
+        out = node.outputs[0]
+        out_spec = var_specs[out] if out < len(var_specs) else None
+        out_axes = set(spec_axes(out_spec)) if out_spec else set()
+        in_axes = {a for v in node.inputs if v < len(var_specs) and var_specs[v]
+                   for a in spec_axes(var_specs[v])}
+        if in_axes - out_axes and graph.vars[out].shape:
+            found.append(out)
+    return found
+
+
+REDUCING = frozenset(("dot_general", "conv_general_dilated", "reduce_sum"))
 
 
 # Ops that read their operands in a layout of the backend's choosing (a convolution's

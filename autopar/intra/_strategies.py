@@ -88,13 +88,16 @@ class StepEffects:
 def step_effects(graph: OpGraph, tied: Sequence[tuple[int, int]] = ()) -> StepEffects:
     """Which nodes' costs the rest of the step changes (for `CostContext`).
 
-    - `combinable`: nodes from whose results no matmul, reduction or kernel (anything
-      but elementwise work: `autopar.graph.fusion_kind`) follows, e.g. weight gradients
-      feeding only the optimizer update. Nothing in the step waits on their reductions
-      but that elementwise tail, so they are independent of each other and XLA's
-      combiner merges them (`autopar.cost.combined_collective_time`). A reduction that
-      something later reduces further or multiplies (a tensor-parallel all-reduce of an
-      activation, a gradient under global-norm clipping) stays on its own.
+    - `combinable`: nodes from whose results no matmul, non-sum reduction or kernel
+      (anything but elementwise work and `reduce_sum`: `autopar.graph.fusion_kind`)
+      follows, e.g. weight gradients feeding only the optimizer update. Nothing in the
+      step waits on their reductions but that tail, so they are independent of each other
+      and XLA's combiner merges them (`autopar.cost.combined_collective_time`). A later
+      sum does not stop it: a sum of partial sums is a partial sum, and XLA reduces it
+      once, after (a bias gradient summed over the batch, reshaped and summed again: the
+      optimized HLO of a data-parallel GPT step on 8 CPU devices has one all-reduce and
+      no reduce-scatter for it). A reduction that a matmul or kernel later reads (a
+      tensor-parallel all-reduce of an activation) stays on its own.
     - `in_place`: elementwise nodes whose every result is a donated state output
       (`tied`: (output var, input var) pairs) or is read only by such nodes: the
       optimizer update, whose fusion writes the parameters and optimizer state over
@@ -106,7 +109,10 @@ def step_effects(graph: OpGraph, tied: Sequence[tuple[int, int]] = ()) -> StepEf
         return cached[1]
     nodes = graph.nodes
     consumers = graph.consumers()
-    blocking = [fusion_kind(n.primitive) != "elementwise" for n in nodes]
+    # A sum of partial sums is still a partial sum: XLA's partitioner reduces after it, so
+    # a later reduce_sum does not keep a reduction from merging with the step's others.
+    blocking = [fusion_kind(n.primitive) != "elementwise" and n.primitive != "reduce_sum"
+                for n in nodes]
     feeds_block = [False] * len(nodes)  # a blocking node lies downstream of its results
     tied_out = {o for o, _ in tied}
     outvars = set(graph.outvars)
