@@ -477,8 +477,10 @@ class _HighsBuilt:
         self.objective = self.cost
         self.num_col = n
         self.tie_break = False  # `add_cost_bound` makes it the tie-break problem
-        # the row duals of the LP relaxation when `integral_relaxation` found it integral
-        # (a simplex vertex's: valid for reduced-cost fixing, if weaker than interior ones)
+        # the LP relaxation's optimum and row duals (a simplex vertex's: valid for
+        # reduced-cost fixing, if weaker than interior ones) once `integral_relaxation`
+        # has solved it, integral or not
+        self.relaxation_values: np.ndarray | None = None
         self.relaxation_duals: np.ndarray | None = None
 
     def add_cost_bound(self, bound: float, secondary: np.ndarray) -> None:
@@ -566,11 +568,12 @@ class _HighsBuilt:
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         values = np.array(highs.getSolution().col_value)
+        self.relaxation_values = values.copy()
+        self.relaxation_duals = np.array(highs.getSolution().row_dual, float)
         binary = values[self.integer]
         if np.any(np.minimum(binary, 1.0 - binary) > INTEGRALITY_TOLERANCE):
             return None
         values[self.integer] = np.round(binary)
-        self.relaxation_duals = np.array(highs.getSolution().row_dual, float)
         return values
 
     def row_duals(self, time_limit, msg, interior=True):
@@ -614,13 +617,15 @@ def with_cost_bound(built, bound: float, secondary: np.ndarray) -> None:
 
 
 def run_model(built, time_limit: float, msg: bool, start: np.ndarray | None = None,
-              gap_rel: float = MIP_RELATIVE_GAP):
+              gap_rel: float = MIP_RELATIVE_GAP, fractional=None):
     """Solve a model built by `build_solver_model` (None: a model without columns).
 
     `start`: a feasible solution to start from (one value per column); `gap_rel`: the
     relative MIP gap (the absolute one is `MIP_ABSOLUTE_GAP`). Without `start`, HiGHS
     first solves the LP relaxation and returns it when it is integral
-    (`_HighsBuilt.integral_relaxation`).
+    (`_HighsBuilt.integral_relaxation`); when it is fractional and `fractional` is given,
+    `fractional(relaxation values, row duals)` solves the MIP instead and its (values,
+    status) are returned.
 
     **Returns:** (column values or None, status), status one of "optimal", "time_limit",
     "infeasible", "no_solution".
@@ -631,6 +636,8 @@ def run_model(built, time_limit: float, msg: bool, start: np.ndarray | None = No
         values = built.integral_relaxation(time_limit, msg)
         if values is not None:
             return values, "optimal"
+        if fractional is not None and built.relaxation_duals is not None:
+            return fractional(built.relaxation_values, built.relaxation_duals)
     return built.run(time_limit, msg, start, gap_rel)
 
 
@@ -661,8 +668,8 @@ def lp_row_duals(built, time_limit: float, msg: bool, interior: bool = True):
 
 
 def vertex_row_duals(built) -> np.ndarray | None:
-    """The row duals the first solve left: those of an integral LP relaxation
-    (`_HighsBuilt.integral_relaxation`), or None."""
+    """The row duals the first solve left: those of its LP relaxation
+    (`_HighsBuilt.integral_relaxation`, integral or not), or None."""
     return getattr(built, "relaxation_duals", None)
 
 
