@@ -163,12 +163,20 @@ def _normalised_costs(graph: CostGraph):
 
 def _classes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct rows of `matrix`, in order of first appearance: (index of each class's
-    first row, class of every row)."""
-    _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    return first[order], rank[np.ravel(inverse)]
+    first row, class of every row). Rows are told apart by their bytes (after `+ 0.0`, so
+    that -0.0 and 0.0 are one value): a dict of them is ten times faster than
+    `np.unique(axis=0)` on these small matrices (issue 18)."""
+    rows = np.ascontiguousarray(matrix + 0.0)
+    class_of: dict[bytes, int] = {}
+    first, classes = [], []
+    for i, row in enumerate(rows):
+        key = row.tobytes()
+        k = class_of.get(key)
+        if k is None:
+            k = class_of[key] = len(first)
+            first.append(i)
+        classes.append(k)
+    return np.array(first, dtype=np.int64), np.array(classes, dtype=np.int64)
 
 
 def _compressed_edge(matrix: np.ndarray):

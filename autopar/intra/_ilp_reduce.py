@@ -172,9 +172,19 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
     **Returns:** int array of kept strategy indices, ascending.
     """
     cost = graph.node_cost[v]
+    if len(cost) == 1:
+        return np.zeros(1, dtype=np.int64)
     extra = cost[:, None] - cost[None, :]
-    for _, matrix in sorted(graph.adjacent[v].items()):
-        extra = extra + (matrix[:, None, :] - matrix[None, :, :]).max(axis=2)
+    matrices = [matrix for _, matrix in sorted(graph.adjacent[v].items())]
+    if matrices:
+        # every neighbour's differences in one array, each one's largest by reduceat, then
+        # added in neighbour order as one matrix at a time would be (issue 18: the loop's
+        # per-neighbour numpy calls were most of the time, on matrices of a few rows)
+        joined = np.concatenate(matrices, axis=1)
+        starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+        largest = np.maximum.reduceat(joined[:, None, :] - joined[None, :, :], starts, axis=2)
+        for k in range(len(matrices)):
+            extra = extra + largest[:, :, k]
     dominates = extra <= 0
     for bytes_ in memory:
         dominates &= bytes_[:, None] <= bytes_[None, :]
