@@ -470,18 +470,21 @@ class _HighsBuilt:
         self.cost = np.asarray(model.cost, float)
         self.integer = np.asarray(model.binary, bool)
         self.upper = np.where(self.integer, 1.0, highspy.kHighsInf)
-        starts, index, value, lower, upper = [0], [], [], [], []
-        for columns, coefficients, sense, rhs in model.rows:
-            keep = coefficients != 0
-            index.append(np.asarray(columns)[keep])
-            value.append(coefficients[keep])
-            starts.append(starts[-1] + int(keep.sum()))
-            lower.append(rhs if sense in (_EQ, _GE) else -highspy.kHighsInf)
-            upper.append(rhs if sense in (_EQ, _LE) else highspy.kHighsInf)
-        self.starts = np.asarray(starts, np.int32)
-        self.index = (np.concatenate(index) if index else np.zeros(0)).astype(np.int32)
-        self.value = np.concatenate(value) if value else np.zeros(0)
-        self.lower, self.row_upper = np.asarray(lower, float), np.asarray(upper, float)
+        # the rows as one row-wise matrix (zeros dropped), built with whole-array operations
+        rows = model.rows
+        lengths = np.array([len(columns) for columns, _, _, _ in rows], dtype=np.int64)
+        index = np.concatenate([c for c, _, _, _ in rows]) if rows else np.zeros(0, np.int64)
+        value = np.concatenate([a for _, a, _, _ in rows]) if rows else np.zeros(0)
+        keep = value != 0
+        row_of = np.repeat(np.arange(len(rows)), lengths)
+        kept = np.bincount(row_of[keep], minlength=len(rows))
+        self.starts = np.concatenate([[0], np.cumsum(kept)]).astype(np.int32)
+        self.index = index[keep].astype(np.int32)
+        self.value = value[keep].astype(float)
+        sense = np.array([sense for _, _, sense, _ in rows], dtype=np.int64)
+        rhs = np.array([rhs for _, _, _, rhs in rows], dtype=float)
+        self.lower = np.where((sense == _EQ) | (sense == _GE), rhs, -highspy.kHighsInf)
+        self.row_upper = np.where((sense == _EQ) | (sense == _LE), rhs, highspy.kHighsInf)
         self.objective = self.cost
         self.num_col = n
         self.tie_break = False  # `add_cost_bound` makes it the tie-break problem

@@ -174,18 +174,7 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
     cost = graph.node_cost[v]
     if len(cost) == 1:
         return np.zeros(1, dtype=np.int64)
-    extra = cost[:, None] - cost[None, :]
-    matrices = [matrix for _, matrix in sorted(graph.adjacent[v].items())]
-    if matrices:
-        # every neighbour's differences in one array, each one's largest by reduceat, then
-        # added in neighbour order as one matrix at a time would be (issue 18: the loop's
-        # per-neighbour numpy calls were most of the time, on matrices of a few rows)
-        joined = np.concatenate(matrices, axis=1)
-        starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
-        largest = np.maximum.reduceat(joined[:, None, :] - joined[None, :, :], starts, axis=2)
-        for k in range(len(matrices)):
-            extra = extra + largest[:, :, k]
-    dominates = extra <= 0
+    dominates = _dominates(cost, [matrix for _, matrix in sorted(graph.adjacent[v].items())])
     for bytes_ in memory:
         dominates &= bytes_[:, None] <= bytes_[None, :]
     np.fill_diagonal(dominates, False)
@@ -194,6 +183,45 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
         if np.any(dominates[alive, b]):
             alive[b] = False
     return np.flatnonzero(alive)
+
+
+# A pair whose lower bound on `extra` (see `_dominates`) exceeds this share of the
+# node's largest possible cost is not computed exactly: far above float rounding.
+_BOUND_MARGIN = 1e-9
+
+
+def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
+    """dominates[a, b]: extra[a, b] <= 0 (see `_undominated`), a != b, for v's costs
+    `cost` and its edge matrices `matrices` (rows: v's strategies) in neighbour order.
+
+    Only pairs that can dominate are computed: max_j (R[a, j] - R[b, j]) is at least both
+    max R[a] - max R[b] and min R[a] - min R[b], which bounds extra[a, b] from below with
+    per-row numbers; a pair whose bound is clearly positive is not dominated. The rest
+    (a third on the demo) get `extra` exactly, each neighbour's term added in neighbour
+    order. Issue 18: a third less time than every pair of every neighbour, the same answer.
+    """
+    size = len(cost)
+    difference = cost[:, None] - cost[None, :]
+    if not matrices:
+        dominates = difference <= 0
+        np.fill_diagonal(dominates, False)
+        return dominates
+    joined = np.concatenate(matrices, axis=1)
+    starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+    high = np.maximum.reduceat(joined, starts, axis=1)
+    low = np.minimum.reduceat(joined, starts, axis=1)
+    bound = difference + np.maximum(high[:, None, :] - high[None, :, :],
+                                    low[:, None, :] - low[None, :, :]).sum(axis=2)
+    scale = np.abs(cost).max() + np.abs(joined).max(axis=0).sum()
+    np.fill_diagonal(bound, np.inf)
+    a, b = np.nonzero(bound <= _BOUND_MARGIN * scale)
+    largest = np.maximum.reduceat(joined[a] - joined[b], starts, axis=1)
+    extra = difference[a, b]
+    for k in range(len(matrices)):
+        extra = extra + largest[:, k]
+    dominates = np.zeros((size, size), dtype=bool)
+    dominates[a, b] = extra <= 0
+    return dominates
 
 
 def _prune_dominated(
