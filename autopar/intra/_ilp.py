@@ -66,6 +66,7 @@ from autopar.intra._ilp_model import (
     sharding_model,
     tie_break_costs,
     tie_break_weights,
+    vertex_row_duals,
     with_cost_bound,
 )
 from autopar.intra._ilp_problem import (
@@ -412,9 +413,10 @@ def _tie_strategies(
     `window` (scaled units of `model`) of the cost of `choice` may use, by reduced-cost
     fixing (`plans_within`) in two rounds, each exact:
 
-    1. with a simplex vertex's duals of `model`'s LP relaxation: those of the first solve
-       when it took an integral relaxation (free), else a dual simplex solve. They are
-       degenerate and keep some 40 % of the strategies of the demo's largest models;
+    1. with the duals of `model`'s LP relaxation that the first solve left (a simplex
+       vertex's, free: `vertex_row_duals`; a model with memory rows has none, and skips
+       this round). They are degenerate and keep some 40 % of the strategies of the
+       demo's largest models;
     2. with interior-point duals (strictly complementary: they keep little more than the
        tie set) of the LP of the graph restricted to what round 1 kept, a third of the
        columns (its edges shrink with both ends). Issue 18: the interior point on the whole
@@ -424,8 +426,7 @@ def _tie_strategies(
     everything it was given.
     """
     everything = {v: np.arange(len(c)) for v, c in reduction.graph.node_cost.items()}
-    keep = _fixed_by_duals(model, lp_row_duals(built, time_limit, msg, interior=False),
-                           choice, window, everything)
+    keep = _fixed_by_duals(model, vertex_row_duals(built), choice, window, everything)
     if keep is everything:
         graph, restricted = reduction.graph, model
     else:

@@ -427,8 +427,7 @@ class _PulpBuilt:
         optimal = self.problem.sol_status == pulp.LpSolutionOptimal
         return values, "optimal" if optimal else "time_limit"
 
-    def row_duals(self, time_limit, msg, interior=True):
-        del interior  # CBC's LP is always solved by simplex
+    def row_duals(self, time_limit, msg):
         self.problem.solve(_pulp_solver(time_limit, msg, False, MIP_RELATIVE_GAP, mip=False))
         if self.problem.sol_status != pulp.LpSolutionOptimal:
             return None
@@ -587,12 +586,10 @@ class _HighsBuilt:
         values[self.integer] = np.round(binary)
         return values
 
-    def row_duals(self, time_limit, msg, interior=True):
+    def row_duals(self, time_limit, msg):
         import highspy
 
-        options = self._options(time_limit, msg, MIP_RELATIVE_GAP)
-        if interior:
-            options |= _HIGHS_LP_OPTIONS
+        options = self._options(time_limit, msg, MIP_RELATIVE_GAP) | _HIGHS_LP_OPTIONS
         highs = self._highs(False, options)
         highs.run()
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
@@ -662,20 +659,10 @@ def run_model(built, time_limit: float, msg: bool, start: np.ndarray | None = No
 _HIGHS_LP_OPTIONS = dict(solver="ipm", run_crossover="off", presolve="off")
 
 
-def lp_row_duals(built, time_limit: float, msg: bool, interior: bool = True):
+def lp_row_duals(built, time_limit: float, msg: bool):
     """Row duals of the LP relaxation of a model built by `build_solver_model`, in row
-    order; None when the LP was not solved to optimality.
-
-    `interior`: HiGHS's interior point without crossover (`_HIGHS_LP_OPTIONS`: strictly
-    complementary duals, the most fixing); False: a simplex vertex's duals, from the first
-    solve when it took an integral relaxation (`vertex_row_duals`), else a dual simplex
-    solve (a quarter of the interior point's CPU time on the demo's largest models, and
-    less fixing). CBC's LP is always simplex."""
-    if not interior:
-        duals = vertex_row_duals(built)
-        if duals is not None:
-            return duals
-    return built.row_duals(time_limit, msg, interior)
+    order; None when the LP was not solved to optimality."""
+    return built.row_duals(time_limit, msg)
 
 
 def vertex_row_duals(built) -> np.ndarray | None:
