@@ -17,16 +17,24 @@ Before the ILP is built the problem is reduced, exactly (`merge_followers`, `red
    every row and column), and all costs are scaled so the largest coefficient is 1.
 Edges are linearised with Alpa's marginal constraints.
 
+With HiGHS, a model without memory rows is first solved as an LP (dual simplex): an
+integral relaxation is the optimum; a fractional one gives an incumbent (rounded, then
+improved node by node) and duals, and the MIP runs only over the strategies that
+reduced-cost fixing keeps for plans as cheap as the incumbent (`_solve_within_incumbent`).
+
 Equal-cost optima are common (symmetric layers, a matrix sharded along either of two equal
 dimensions), and which one a MILP solver returns depends on its version and search. So the
 plan is made canonical by a lexicographic second solve (`_break_ties`): the same model with
 the row "cost <= optimum found (plus `TIE_RELATIVE_TOLERANCE`)", minimising a weighted sum
 of strategy indices whose minimiser is unique (`tie_break_weights`), started from the first
-solve's plan. To keep it small, strategies that the LP relaxation's duals prove too dear
-for any such plan are left out first (reduced-cost fixing, `plans_within`). Eliminated
-nodes are recovered by the lowest index of least cost given their neighbours, so the whole
-plan is a function of the problem alone, not of the solver or its version. The second
-solve is skipped when no ILP is left, and when the first stopped at its time limit.
+solve's plan. To keep it small, strategies that LP duals prove too dear for any such plan
+are left out first (reduced-cost fixing, `plans_within`), in two rounds
+(`_tie_strategies`): the first solve's own simplex duals, then interior-point duals of
+the smaller LP left. Most layer ILPs then have one plan left, and no second solve runs.
+Eliminated nodes are recovered by the lowest index of least cost given their neighbours,
+so the whole plan is a function of the problem alone, not of the solver or its version.
+The second solve is skipped when no ILP is left, and when the first stopped at its time
+limit.
 
 The code is split by stage; this module holds the entry points `solve` and `least_memory`
 and re-exports the names of the others, so `from autopar.intra._ilp import X` works for all:
