@@ -573,7 +573,8 @@ class _HighsBuilt:
 
         if np.any(np.abs(self.value) != 1.0):
             return None
-        highs = self._highs(False, self._options(time_limit, msg, MIP_RELATIVE_GAP))
+        options = self._options(time_limit, msg, MIP_RELATIVE_GAP) | _HIGHS_RELAXATION_OPTIONS
+        highs = self._highs(False, options)
         highs.run()
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
@@ -595,6 +596,12 @@ class _HighsBuilt:
         if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return None
         return np.array(highs.getSolution().row_dual, float)
+
+
+# The LP relaxation of the first solve without presolve: on the demo's six largest layer
+# ILPs (17-19k columns) dual simplex takes half the CPU time (0.31 -> 0.16 s in all); these
+# models have nothing for presolve to remove but its own bookkeeping (issue 18).
+_HIGHS_RELAXATION_OPTIONS = dict(presolve="off")
 
 
 # The tie-break MIP starts from a plan that is already optimal for its cost row and, in
