@@ -179,8 +179,8 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
         dominates &= bytes_[:, None] <= bytes_[None, :]
     np.fill_diagonal(dominates, False)
     alive = np.ones(len(cost), dtype=bool)
-    for b in reversed(range(len(cost))):
-        if np.any(dominates[alive, b]):
+    for b in reversed(np.flatnonzero(dominates.any(axis=0)).tolist()):  # the others stay
+        if dominates[alive, b].any():
             alive[b] = False
     return np.flatnonzero(alive)
 
