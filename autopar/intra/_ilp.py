@@ -419,33 +419,54 @@ def _tie_strategies(
 ) -> dict[int, np.ndarray]:
     """The strategies (indices into `reduction.graph`'s) of every node that a plan within
     `window` (scaled units of `model`) of the cost of `choice` may use, by reduced-cost
-    fixing (`plans_within`) in two rounds, each exact:
+    fixing (`plans_within`) in rounds, each exact, each on the LP of the graph restricted
+    to what the rounds before kept (its edges shrink with both ends):
 
     1. with the duals of `model`'s LP relaxation that the first solve left (a simplex
-       vertex's, free: `vertex_row_duals`; a model with memory rows has none, and skips
-       this round). They are degenerate and keep some 40 % of the strategies of the
-       demo's largest models;
-    2. with interior-point duals (strictly complementary: they keep little more than the
-       tie set) of the LP of the graph restricted to what round 1 kept, a third of the
-       columns (its edges shrink with both ends). Issue 18: the interior point on the whole
-       model was 1.6 of the demo's 5.5 CPU s; in two rounds the fixing takes a third.
+       vertex's, free: `vertex_row_duals`; a model with memory rows has none, and skips to
+       round 3). They are degenerate and keep some 40 % of the strategies of the demo's
+       largest models (a third of their columns);
+    2. when that LP still has more than `_VERTEX_ROUND_COLUMNS` columns, a simplex vertex's
+       duals of it (dual simplex, a few hundredths of a CPU second), which keep about a
+       third of its columns again;
+    3. interior-point duals (strictly complementary: they keep little more than the tie
+       set). Issue 18: the interior point on the whole model was 1.6 of the demo's 5.5
+       CPU s; in rounds the fixing takes a fifth of that.
 
     A round whose LP fails, or whose rounding would exclude `choice` itself, keeps
     everything it was given.
     """
     everything = {v: np.arange(len(c)) for v, c in reduction.graph.node_cost.items()}
     keep = _fixed_by_duals(model, vertex_row_duals(built), choice, window, everything)
-    if keep is everything:
-        graph, restricted = reduction.graph, model
-    else:
+    restricted, restricted_built = model, built
+    for last_round in (False, True):
+        if restricted is model and keep is everything:
+            break
         graph, groups = restrict_strategies(reduction.graph, reduction.groups, budget, keep)
         restricted = sharding_model(graph, groups, budget, formulation)
         if not restricted.node_columns:  # one plan left: `choice`
             return keep
-    position = {v: int(np.searchsorted(keep[v], choice[v])) for v in restricted.node_columns}
-    restricted_built = built if restricted is model else build_solver_model(restricted, solver)
+        restricted_built = build_solver_model(restricted, solver)
+        if last_round or len(restricted.cost) <= _VERTEX_ROUND_COLUMNS:
+            break
+        keep = _fixed_within(keep, restricted, choice, window * model.scale / restricted.scale,
+                             vertex_row_duals(restricted_built, time_limit, msg))
     duals = lp_row_duals(restricted_built, time_limit, msg)
-    within = _fixed_by_duals(restricted, duals, position, window * model.scale / restricted.scale,
+    return _fixed_within(keep, restricted, choice, window * model.scale / restricted.scale, duals)
+
+
+# An LP left with more columns than this after the first round of fixing gets a second,
+# simplex round before the interior point (on the demo: 5-6k columns, 0.07 -> 0.045 CPU s
+# for both rounds; below ~1,000 columns the extra round costs more than it saves).
+_VERTEX_ROUND_COLUMNS = 2000
+
+
+def _fixed_within(keep: dict[int, np.ndarray], restricted, choice: Mapping[int, int],
+                  window: float, duals) -> dict[int, np.ndarray]:
+    """`keep` narrowed by fixing on `restricted` (the graph restricted to `keep`, whose
+    nodes with one strategy left are folded away) with `duals`."""
+    position = {v: int(np.searchsorted(keep[v], choice[v])) for v in restricted.node_columns}
+    within = _fixed_by_duals(restricted, duals, position, window,
                              {v: np.arange(len(keep[v])) for v in restricted.node_columns})
     return {v: keep[v][within[v]] if v in within else keep[v] for v in keep}
 

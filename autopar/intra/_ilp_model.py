@@ -672,10 +672,16 @@ def lp_row_duals(built, time_limit: float, msg: bool):
     return built.row_duals(time_limit, msg)
 
 
-def vertex_row_duals(built) -> np.ndarray | None:
-    """The row duals the first solve left: those of its LP relaxation
-    (`_HighsBuilt.integral_relaxation`, integral or not), or None."""
-    return getattr(built, "relaxation_duals", None)
+def vertex_row_duals(built, time_limit: float | None = None, msg: bool = False):
+    """The row duals of a simplex vertex of the LP relaxation of a model built for HiGHS:
+    those the first solve left (`_HighsBuilt.integral_relaxation`, integral or not), else,
+    given a `time_limit`, that LP solved now; None for a model with memory rows (whose
+    relaxation is not solved) or for CBC."""
+    if not isinstance(built, _HighsBuilt):
+        return None
+    if built.relaxation_duals is None and time_limit is not None:
+        built.integral_relaxation(time_limit, msg)
+    return built.relaxation_duals
 
 
 def node_choices(model: _Model, values: np.ndarray) -> dict[int, int]:
