@@ -28,9 +28,9 @@ plan is made canonical by a lexicographic second solve (`_break_ties`): the same
 the row "cost <= optimum found (plus `TIE_RELATIVE_TOLERANCE`)", minimising a weighted sum
 of strategy indices whose minimiser is unique (`tie_break_weights`), started from the first
 solve's plan. To keep it small, strategies that LP duals prove too dear for any such plan
-are left out first (reduced-cost fixing, `plans_within`), in two rounds
-(`_tie_strategies`): the first solve's own simplex duals, then interior-point duals of
-the smaller LP left. Most layer ILPs then have one plan left, and no second solve runs.
+are left out first (reduced-cost fixing, `plans_within`), in rounds (`_tie_strategies`):
+the first solve's own simplex duals, on a large model a second simplex round, then
+interior-point duals of the smaller LP left. Most layer ILPs then have one plan left, and no second solve runs.
 Eliminated nodes are recovered by the lowest index of least cost given their neighbours,
 so the whole plan is a function of the problem alone, not of the solver or its version.
 The second solve is skipped when no ILP is left, and when the first stopped at its time
