@@ -30,7 +30,8 @@ of strategy indices whose minimiser is unique (`tie_break_weights`), started fro
 solve's plan. To keep it small, strategies that LP duals prove too dear for any such plan
 are left out first (reduced-cost fixing, `plans_within`), in rounds (`_tie_strategies`):
 the first solve's own simplex duals, on a large model a second simplex round, then
-interior-point duals of the smaller LP left. Most layer ILPs then have one plan left, and no second solve runs.
+interior-point duals of the smaller LP left. Half the demo's layer ILPs then have one plan
+left, and no second solve runs.
 Eliminated nodes are recovered by the lowest index of least cost given their neighbours,
 so the whole plan is a function of the problem alone, not of the solver or its version.
 The second solve is skipped when no ILP is left, and when the first stopped at its time
@@ -377,8 +378,8 @@ def _break_ties(
     and is the start. The weights are those of every node of `reduction.graph`, not only
     of the nodes left, so that they do not depend on the fixing either. The relative gap
     is 0: tie-break values are a few units apart and must be told apart exactly. When the
-    fixing leaves one strategy per node (the optimum is unique: most layer ILPs), no
-    tie-break ILP is built.
+    fixing leaves one strategy per node (the optimum is unique: half the demo's layer
+    ILPs), no tie-break ILP is built.
 
     **Returns:** (ILP choice, "canonical" or "incomplete": the solver stopped at the time
     limit or failed, and the best plan it had, still of optimal cost, is returned).
