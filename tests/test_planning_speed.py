@@ -116,6 +116,9 @@ class _FakeTable:
     def footprint_span(self, k, shape):
         return 0.4 * self.base[k, shape][1], self.base[k, shape][1]
 
+    def shared_state_bytes(self, layer_range, shape, level=0):
+        return 0.0
+
     def remat_cost(self, k, shape, level, remat):
         from autopar.cost import LayerCost
 
@@ -152,6 +155,40 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
         solved.append(table.solved)
     assert answers[0] == answers[1]
     assert any(c.detail and c.detail[1] > 0 for c in answers[1])  # leaner levels in play
+    assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
+    """The stage DP with stages cut off by a known plan (`PRUNE_BY_BOUND`: the best even
+    plan's latency and the least work of the other layers, `_StageCosts.latency_cutoff`)
+    finds the plan of the full search -- stages, submeshes, shapes, levels, remat and
+    latency -- on made-up tables of 8 layers on 2 hosts of 4 devices with positions and
+    budgets that need leaner levels, and asks for fewer leaner levels."""
+    import numpy as np
+
+    from autopar.inter import _planner, plan_stages, submesh_shapes
+    from autopar.inter._submesh import logical_mesh_shapes
+
+    rng = np.random.default_rng(seed)
+    submeshes = submesh_shapes(2, 4)
+    shapes = sorted({tuple(s) for sub in submeshes for s in logical_mesh_shapes(sub)})
+    budget = float(rng.uniform(10, 24))
+    plans, solved = [], []
+    for prune in (True, False):
+        table = _FakeTable(np.random.default_rng(seed), 8, shapes)
+        table.cluster = SimpleNamespace(num_devices=8)
+        inner = _planner._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto")
+        if prune:
+            inner.work = _planner._least_work(table, submeshes, None)
+            _planner._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
+            assert math.isfinite(inner.bound)
+        plan = plan_stages(8, 2, 4, inner, 4, submeshes=submeshes,
+                           num_positions=inner.num_positions)
+        plans.append((plan.stages, plan.latency, [c.detail for c in plan.stage_costs]))
+        solved.append({key for key in table.solved if key[2] > 0})
+    assert plans[0] == plans[1]
+    assert solved[1], "the budget should need leaner levels"
     assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
 
 
