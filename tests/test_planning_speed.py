@@ -61,6 +61,65 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
     assert pruned.num_layer_ilps < full.num_layer_ilps
 
 
+def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None):
+    from autopar.inter import _planner
+    from autopar.intra._options import ShardOptions
+
+    monkeypatch.setattr(_planner, "PRUNE_BY_BOUND", prune)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    options = ShardOptions(memory_budget=budget)
+    if table is None:
+        table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
+    choice = _planner.choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
+                                    table=table)
+    monkeypatch.undo()
+    return choice, table
+
+
+def _same_choice(a, b):
+    assert a.stage_layers == b.stage_layers
+    assert a.submeshes == b.submeshes
+    assert [c.detail for c in a.dp.stage_costs] == [c.detail for c in b.dp.stage_costs]
+    assert a.latency == b.latency
+    assert [p.var_specs for p in a.stage_plans] == [p.var_specs for p in b.stage_plans]
+
+
+def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
+    """`choose_stages` with stages cut off by the best even plan (`PRUNE_BY_BOUND`) makes
+    the choice of the full search on every submesh of a dgx-a100-80g host (the layer ILPs
+    shared: the same costs in both), and asks the DP's cost function about fewer shapes."""
+    from autopar.inter import _planner
+
+    graph, layers, tied = _tiny_gpt_graph()
+    original = _planner._fitting_level
+    asked = {True: 0, False: 0}
+    choices, table = {}, None
+    for prune in (False, True):
+        def counted(*args, prune=prune, **kwargs):
+            asked[prune] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_planner, "_fitting_level", counted)
+        choices[prune], table = _bound_search(graph, layers, tied, None, monkeypatch,
+                                              prune=prune, table=table)
+    _same_choice(choices[True], choices[False])
+    assert 0 < asked[True] < asked[False]
+
+
+@pytest.mark.extended  # minutes: the leaner levels' MIPs; the made-up tables are its twin
+def test_bound_pruning_keeps_the_plan_under_a_tight_budget(monkeypatch):
+    """As above under a budget that needs leaner memory levels, each search with a table
+    of its own: the same choice from fewer layer ILPs."""
+    graph, layers, tied = _tiny_gpt_graph()
+    unlimited, _ = _bound_search(graph, layers, tied, None, monkeypatch, prune=True)
+    budget = 0.7 * max(c.memory for c in unlimited.dp.stage_costs)
+    full, _ = _bound_search(graph, layers, tied, budget, monkeypatch, prune=False)
+    pruned, _ = _bound_search(graph, layers, tied, budget, monkeypatch, prune=True)
+    assert any(c.detail[1] > 0 for c in full.dp.stage_costs)  # leaner levels in play
+    _same_choice(pruned, full)
+    assert pruned.num_layer_ilps < full.num_layer_ilps
+
+
 def test_search_reports_its_parts():
     """A pipelined plan's timings hold the search's parts (seconds) and how many layer
     ILPs it solved; explain() prints both."""
