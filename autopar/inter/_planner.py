@@ -1036,12 +1036,38 @@ class _StageCosts:
     def __post_init__(self):
         self._orders: dict[tuple, list] = {}  # (start, end, index, shapes) -> shapes by speed
         self._hopeless: set[tuple] = set()  # (start, end, index, shapes) beyond `bound`
+        self._shapes: dict[tuple, tuple] = {}  # (index, shapes asked) -> shapes to try
+        self._prefix: dict[tuple, tuple] = {}  # shape -> prefix sums of level 0 (`_fastest`)
 
     @property
     def num_positions(self) -> int | None:
         """Positions whose memory differs: under 1F1B stage i of S keeps min(B, S - i)
         microbatches, the same from S - i = B on; under GPipe every stage keeps B."""
         return self.num_microbatches if self.schedule == "1f1b" else None
+
+    def _fastest(self, start: int, end: int, shape) -> tuple[float | None, float]:
+        """(sum of the layers' fastest plans on `shape`, `_lower_bound` of it) from prefix
+        sums over the layers (None: a layer has no plan there); the lower bound is -inf
+        when a plan is not a proven optimum. Rounding differs from a sum over the range by
+        far less than `DOMINANCE_MARGIN`, which the lower bound keeps."""
+        if shape not in self._prefix:
+            sums, missing, unproven = [0.0], [0], [0]
+            for k in range(len(self.table.per_layer.stage_graphs)):
+                cost = self.table.cost(k, shape)
+                sums.append(sums[-1] + (0.0 if cost is None else cost.latency))
+                missing.append(missing[-1] + (cost is None))
+                unproven.append(unproven[-1] + (
+                    cost is not None
+                    and self.table.plan(k, shape).stats.get("status") != "optimal"
+                ))
+            self._prefix[shape] = (sums, missing, unproven)
+        sums, missing, unproven = self._prefix[shape]
+        if missing[end] - missing[start]:
+            return None, -math.inf
+        fastest = sums[end] - sums[start]
+        if unproven[end] - unproven[start]:
+            return fastest, -math.inf
+        return fastest, fastest * (1 - DOMINANCE_MARGIN)
 
     def latency_cutoff(self, start: int, end: int, num_devices: int) -> float:
         """A stage latency at or above which layers [start, end) on `num_devices` devices
@@ -1075,9 +1101,13 @@ class _StageCosts:
         """`shapes`: the logical mesh shapes to try (default: `logical_shapes`, else every
         shape of the submesh); those of another device count are skipped."""
         sub = self.submeshes[index]
-        if shapes is None:
-            shapes = self.logical_shapes or logical_mesh_shapes(sub)
-        shapes = tuple(tuple(s) for s in shapes if math.prod(s) == sub.num_devices)
+        asked = (index, None if shapes is None else tuple(map(tuple, shapes)))
+        if asked not in self._shapes:  # the same for every layer range and position
+            tried = self.logical_shapes or logical_mesh_shapes(sub) if shapes is None else shapes
+            self._shapes[asked] = tuple(
+                tuple(s) for s in tried if math.prod(s) == sub.num_devices
+            )
+        shapes = self._shapes[asked]
         key = (start, end, index, shapes)
         if key in self._hopeless:
             return StageCost(math.inf, False, math.inf, None)
@@ -1105,6 +1135,11 @@ class _StageCosts:
         if order is None:  # the same for every position: computed once
             order = []
             for rank, shape in enumerate(shapes):
+                if self.work:  # every layer's level 0 is solved on every shape
+                    fastest, lower = self._fastest(start, end, shape)
+                    if fastest is not None:
+                        order.append((fastest, rank, shape, lower))
+                    continue
                 plain = [self.table.cost(k, shape) for k in layer_range]
                 if all(c is not None for c in plain):
                     order.append((math.fsum(c.latency for c in plain), rank, shape,
