@@ -175,6 +175,9 @@ class _FakeTable:
     def footprint_span(self, k, shape):
         return 0.4 * self.base[k, shape][1], self.base[k, shape][1]
 
+    def is_solved(self, k, shape, level):
+        return (k, shape, level) in self.solved
+
     def shared_state_bytes(self, layer_range, shape, level=0):
         return 0.0
 

@@ -206,6 +206,10 @@ class LayerCostTable:
             self._plans[key] = plan
         return self._cache[key]
 
+    def is_solved(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
+        """Whether `cost(layer, shape, level)` is known without a solve."""
+        return (self.fingerprints[layer], shape, level) in self._cache
+
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
         if level == 0:
@@ -745,7 +749,8 @@ DOMINANCE_MARGIN = 1e-6
 
 
 def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                   remat: str = "auto", cutoff: float = math.inf) -> _Fit | None:
+                   remat: str = "auto", cutoff: float = math.inf,
+                   solved_only: bool = False) -> _Fit | None:
     """The fastest (memory level, remat per layer) at which the layers fit `budget`
     together on a mesh of `shape`, or the leanest tried when none does; None when a layer
     has no plan on that mesh.
@@ -761,6 +766,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs. The walk to
     leaner levels also stops once the next one cannot beat `cutoff` or a fit already
     found (a leaner level is never faster); what it skips would not have been chosen.
+    `solved_only`: stop the walk at the first level not solved yet (no ILP is solved; a
+    fit found is one the full walk also reaches or beats).
     """
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
@@ -783,6 +790,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     tried = [first_fit]
     least = memory
     for level in range(first, len(LEVEL_FRACTIONS)):
+        if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
+            break
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
             break
@@ -1153,12 +1162,23 @@ class _StageCosts:
             self._hopeless.add(key)
             return StageCost(math.inf, False, math.inf, None)
         best_rank = None
+        # First the fits the ILPs solved so far give (no solve), as a cutoff for the walks
+        # that solve: a shape that cannot beat a fit on another is not walked further.
+        known = math.inf
+        if PRUNE_BY_BOUND and len(order) > 1:
+            for _, _rank, shape, lower in order:
+                if lower >= min(hopeless, known):
+                    continue
+                fit = _fitting_level(self.table, layer_range, shape, in_flight, self.budget,
+                                     self.remat, min(hopeless, known), solved_only=True)
+                if fit is not None and fit.memory <= self.budget:
+                    known = min(known, fit.latency)
         for _, rank, shape, lower in order:
             if lower >= hopeless:
                 continue
             # Once a shape fits, another must beat it (`least_memory` is then unused).
             cutoff = math.inf if best is None else best.latency - transfer
-            cutoff = min(cutoff, hopeless)
+            cutoff = min(cutoff, hopeless, known * (1 + BOUND_MARGIN))
             fit = _fitting_level(
                 self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
