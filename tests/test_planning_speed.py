@@ -61,7 +61,8 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
     assert pruned.num_layer_ilps < full.num_layer_ilps
 
 
-def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None):
+def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None,
+                  logical_shapes=None):
     from autopar.inter import _planner
     from autopar.intra._options import ShardOptions
 
@@ -71,7 +72,7 @@ def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=N
     if table is None:
         table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
     choice = _planner.choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
-                                    table=table)
+                                    table=table, logical_shapes=logical_shapes)
     monkeypatch.undo()
     return choice, table
 
@@ -86,8 +87,10 @@ def _same_choice(a, b):
 
 def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
     """`choose_stages` with stages cut off by the best even plan (`PRUNE_BY_BOUND`) makes
-    the choice of the full search on every submesh of a dgx-a100-80g host (the layer ILPs
-    shared: the same costs in both), and asks the DP's cost function about fewer shapes."""
+    the choice of the full search on every submesh of a dgx-a100-80g host with 1-D
+    meshes (the layer ILPs shared: the same costs in both), and asks the DP's cost
+    function about fewer shapes. (The extended test below: 2-D meshes too, under a
+    tight budget.)"""
     from autopar.inter import _planner
 
     graph, layers, tied = _tiny_gpt_graph()
@@ -101,7 +104,8 @@ def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
 
         monkeypatch.setattr(_planner, "_fitting_level", counted)
         choices[prune], table = _bound_search(graph, layers, tied, None, monkeypatch,
-                                              prune=prune, table=table)
+                                              prune=prune, table=table,
+                                              logical_shapes=[(1,), (2,), (4,), (8,)])
     _same_choice(choices[True], choices[False])
     assert 0 < asked[True] < asked[False]
 
