@@ -42,7 +42,11 @@ s10-memory at nice 10 under load 7-10, `--auto --models "" --log-level INFO`: tr
 47.7 s, then after 70 min wall, 16.3 CPU min, still in the first stage DP's cost
 evaluation (`_evaluate` -> `_fitting_level` -> `choose_remat`), interrupted;
 a cProfile of 4 layers at 175B widths: 99% of 1635 s in 193 layer ILPs, half building
-the problems, half in HiGHS including tie-breaking).
+the problems, half in HiGHS including tie-breaking). Branch s11-big (the stage DP pruned
+by the best even plan, first commit d8884fc; nice 10, load ~3-4): still in the first stage
+DP's cost evaluation when `timeout 1800` stopped it, 780 CPU s, 360 layer ILPs (156 at
+level 0 in 43 CPU s; the leaner levels of the 2-D shapes (2, 4), (4, 2), (4, 4), (2, 8),
+(8, 2) took 570 of the rest, 10-20 CPU s per MIP); see docs/benchmarks.md, planning time.
 """
 
 from __future__ import annotations

@@ -40,14 +40,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("demo", "gpt-1.3B@16", "gpt-39B@64", "gpt-175B@1024")
+ROWS = ("demo", "gpt-1.3B@16", "gpt-39B@64", "gpt-175B@1024", "gpt-1.3B@8")
 # Issue 18's acceptance: planning wall seconds on a quiet 2-core machine.
 TARGETS = {"demo": 3.0, "gpt-39B@64": 120.0, "gpt-175B@1024": 600.0}
 DEFAULT_LIMIT = 900.0
+NO_BOUND_ENV = "AUTOPAR_PLANNING_TIME_NO_BOUND"  # --no-bound, handed to the child
 PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering")
 # The GPT rows: (model config, hosts of 8 GPUs, microbatches). 64 microbatches as issue 18
 # states the 39B row (global batch 1024, Alpa's benchmark batch).
-GPT_ROWS = {"gpt-1.3B@16": ("1.3B", 2, 64), "gpt-39B@64": ("39B", 8, 64),
+GPT_ROWS = {"gpt-1.3B@8": ("1.3B", 1, 64), "gpt-1.3B@16": ("1.3B", 2, 64),
+            "gpt-39B@64": ("39B", 8, 64),
             "gpt-175B@1024": ("175B", 128, 64)}
 
 
@@ -168,6 +170,10 @@ def child(row: str, out: Path) -> None:
     from autopar._progress import show_progress
 
     _instrument(clock)
+    if os.environ.get(NO_BOUND_ENV):
+        from autopar.inter import _planner as inter_planner
+
+        inter_planner.PRUNE_BY_BOUND = False
     step, args, cluster, micro = _row_args(row)
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
     with show_progress():
@@ -178,6 +184,8 @@ def child(row: str, out: Path) -> None:
         plan=f"{plan.num_stages} stage(s), meshes "
              f"{sorted({tuple(s.mesh.shape) for s in plan.stages})}, "
              f"{plan.num_microbatches} mb",
+        stages=[[list(s.layers), list(s.mesh.shape)] for s in plan.stages],
+        remat=[sorted(set(s.remat)) for s in plan.stages],
     )
     clock.dump(force=True)
 
@@ -245,12 +253,17 @@ def main(argv=None) -> None:
     parser.add_argument("--limit", type=float, default=DEFAULT_LIMIT,
                         help="seconds per row (default %(default)s)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--no-bound", action="store_true",
+                        help="switch off the stage DP's pruning by a known plan "
+                        "(`autopar.inter._planner.PRUNE_BY_BOUND`), to compare plans")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
     if ns.child:
         child(ns.child, ns.out)
         return
+    if ns.no_bound:
+        os.environ[NO_BOUND_ENV] = "1"
     results = []
     for row in ns.rows:
         print(f"planning {row} (limit {ns.limit:g} s) ...", file=sys.stderr, flush=True)

@@ -61,6 +61,69 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
     assert pruned.num_layer_ilps < full.num_layer_ilps
 
 
+def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None,
+                  logical_shapes=None):
+    from autopar.inter import _planner
+    from autopar.intra._options import ShardOptions
+
+    monkeypatch.setattr(_planner, "PRUNE_BY_BOUND", prune)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    options = ShardOptions(memory_budget=budget)
+    if table is None:
+        table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
+    choice = _planner.choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
+                                    table=table, logical_shapes=logical_shapes)
+    monkeypatch.undo()
+    return choice, table
+
+
+def _same_choice(a, b):
+    assert a.stage_layers == b.stage_layers
+    assert a.submeshes == b.submeshes
+    assert [c.detail for c in a.dp.stage_costs] == [c.detail for c in b.dp.stage_costs]
+    assert a.latency == b.latency
+    assert [p.var_specs for p in a.stage_plans] == [p.var_specs for p in b.stage_plans]
+
+
+def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
+    """`choose_stages` with stages cut off by the best even plan (`PRUNE_BY_BOUND`) makes
+    the choice of the full search on every submesh of a dgx-a100-80g host with 1-D
+    meshes (the layer ILPs shared: the same costs in both), and asks the DP's cost
+    function about fewer shapes. (The extended test below: 2-D meshes too, under a
+    tight budget.)"""
+    from autopar.inter import _planner
+
+    graph, layers, tied = _tiny_gpt_graph()
+    original = _planner._fitting_level
+    asked = {True: 0, False: 0}
+    choices, table = {}, None
+    for prune in (False, True):
+        def counted(*args, prune=prune, **kwargs):
+            asked[prune] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(_planner, "_fitting_level", counted)
+        choices[prune], table = _bound_search(graph, layers, tied, None, monkeypatch,
+                                              prune=prune, table=table,
+                                              logical_shapes=[(1,), (2,), (4,), (8,)])
+    _same_choice(choices[True], choices[False])
+    assert 0 < asked[True] < asked[False]
+
+
+@pytest.mark.extended  # minutes: the leaner levels' MIPs; the made-up tables are its twin
+def test_bound_pruning_keeps_the_plan_under_a_tight_budget(monkeypatch):
+    """As above under a budget that needs leaner memory levels, each search with a table
+    of its own: the same choice from fewer layer ILPs."""
+    graph, layers, tied = _tiny_gpt_graph()
+    unlimited, _ = _bound_search(graph, layers, tied, None, monkeypatch, prune=True)
+    budget = 0.7 * max(c.memory for c in unlimited.dp.stage_costs)
+    full, table = _bound_search(graph, layers, tied, budget, monkeypatch, prune=False)
+    pruned, _ = _bound_search(graph, layers, tied, budget, monkeypatch, prune=True)
+    assert any(key[2] > 0 for key in table._cache)  # the full search solved leaner levels
+    _same_choice(pruned, full)
+    assert pruned.num_layer_ilps < full.num_layer_ilps
+
+
 def test_search_reports_its_parts():
     """A pipelined plan's timings hold the search's parts (seconds) and how many layer
     ILPs it solved; explain() prints both."""
@@ -116,8 +179,11 @@ class _FakeTable:
     def footprint_span(self, k, shape):
         return 0.4 * self.base[k, shape][1], self.base[k, shape][1]
 
+    def is_solved(self, k, shape, level):
+        return (k, shape, level) in self.solved
+
     def shared_state_bytes(self, layer_range, shape, level=0):
-        return 0.0  # no parameter is read by two of these made-up layers
+        return 0.0
 
     def remat_cost(self, k, shape, level, remat):
         from autopar.cost import LayerCost
@@ -155,6 +221,40 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
         solved.append(table.solved)
     assert answers[0] == answers[1]
     assert any(c.detail and c.detail[1] > 0 for c in answers[1])  # leaner levels in play
+    assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
+    """The stage DP with stages cut off by a known plan (`PRUNE_BY_BOUND`: the best even
+    plan's latency and the least work of the other layers, `_StageCosts.latency_cutoff`)
+    finds the plan of the full search -- stages, submeshes, shapes, levels, remat and
+    latency -- on made-up tables of 8 layers on 2 hosts of 4 devices with positions and
+    budgets that need leaner levels, and asks for fewer leaner levels."""
+    import numpy as np
+
+    from autopar.inter import _planner, plan_stages, submesh_shapes
+    from autopar.inter._submesh import logical_mesh_shapes
+
+    rng = np.random.default_rng(seed)
+    submeshes = submesh_shapes(2, 4)
+    shapes = sorted({tuple(s) for sub in submeshes for s in logical_mesh_shapes(sub)})
+    budget = float(rng.uniform(10, 24))
+    plans, solved = [], []
+    for prune in (True, False):
+        table = _FakeTable(np.random.default_rng(seed), 8, shapes)
+        table.cluster = SimpleNamespace(num_devices=8)
+        inner = _planner._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto")
+        if prune:
+            inner.work = _planner._least_work(table, submeshes, None)
+            _planner._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
+            assert math.isfinite(inner.bound)
+        plan = plan_stages(8, 2, 4, inner, 4, submeshes=submeshes,
+                           num_positions=inner.num_positions)
+        plans.append((plan.stages, plan.latency, [c.detail for c in plan.stage_costs]))
+        solved.append({key for key in table.solved if key[2] > 0})
+    assert plans[0] == plans[1]
+    assert solved[1], "the budget should need leaner levels"
     assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
 
 

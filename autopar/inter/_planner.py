@@ -41,7 +41,12 @@ from autopar.graph import OpGraph, Role, fusion_traffic, stored_residuals, trace
 from autopar.graph._opgraph import dtype_itemsize
 from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 from autopar.inter._stitch import stitch
-from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
+from autopar.inter._submesh import (
+    SubmeshShape,
+    assign_devices,
+    logical_mesh_shapes,
+    submesh_shapes,
+)
 from autopar.inter.passes._deferred import gradient_roots, stacked_layout, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
@@ -200,6 +205,10 @@ class LayerCostTable:
         if plan is not None:
             self._plans[key] = plan
         return self._cache[key]
+
+    def is_solved(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
+        """Whether `cost(layer, shape, level)` is known without a solve."""
+        return (self.fingerprints[layer], shape, level) in self._cache
 
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
@@ -740,7 +749,8 @@ DOMINANCE_MARGIN = 1e-6
 
 
 def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                   remat: str = "auto", cutoff: float = math.inf) -> _Fit | None:
+                   remat: str = "auto", cutoff: float = math.inf,
+                   solved_only: bool = False) -> _Fit | None:
     """The fastest (memory level, remat per layer) at which the layers fit `budget`
     together on a mesh of `shape`, or the leanest tried when none does; None when a layer
     has no plan on that mesh.
@@ -756,6 +766,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     (see `DOMINANCE_MARGIN`): None, without solving the leaner levels' ILPs. The walk to
     leaner levels also stops once the next one cannot beat `cutoff` or a fit already
     found (a leaner level is never faster); what it skips would not have been chosen.
+    `solved_only`: stop the walk at the first level not solved yet (no ILP is solved; a
+    fit found is one the full walk also reaches or beats).
     """
     first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
     if first_fit is None:
@@ -778,6 +790,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     tried = [first_fit]
     least = memory
     for level in range(first, len(LEVEL_FRACTIONS)):
+        if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
+            break
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
             break
@@ -841,13 +855,25 @@ def choose_stages(
         cluster.num_hosts, cluster.devices_per_host
     )
     crossing = boundary_bytes(graph, layers)
-    stage_cost = _StageCosts(
+    stage_cost = inner = _StageCosts(
         table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
         crossing,
     )
-    if allowed is not None or range_shapes is not None:
+    restricted = allowed is not None or range_shapes is not None
+    if restricted:
         stage_cost = _Restricted(stage_cost, allowed, range_shapes)
     start_time = time.perf_counter()
+    if PRUNE_BY_BOUND:
+        # A plan that exists bounds the answer: stages that cannot be part of a plan as
+        # fast are not costed at their leaner levels (`_StageCosts.bound`).
+        if not restricted:
+            inner.work = _least_work(table, all_submeshes, logical_shapes)
+        _bound_by_even_plans(
+            inner, stage_cost, layers.num_layers, cluster.num_hosts,
+            cluster.devices_per_host, all_submeshes, num_stages,
+        )
+        log.info("stage DP: an even plan bounds the search at %.6g s (%d layer ILPs so far)",
+                 inner.bound, table.num_ilps)
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
@@ -1008,20 +1034,92 @@ class _StageCosts:
     # moved to a stage starting at k once per microbatch (`boundary_transfer_time`).
     boundary: Sequence[float] = ()
 
+    # The pipeline latency (the DP's objective, `sum t + (B - 1) max t`) of a plan known
+    # to exist (`_bound_by_even_plans`); inf: none known.
+    bound: float = math.inf
+    # Prefix sums over the layers of each layer's least work: its fastest plan's seconds
+    # times the devices running it, least over every logical mesh the search may use
+    # (`_least_work`); empty: not known (then only the stage's own latency bounds a plan).
+    work: Sequence[float] = ()
+
+    def __post_init__(self):
+        self._orders: dict[tuple, list] = {}  # (start, end, index, shapes) -> shapes by speed
+        self._hopeless: set[tuple] = set()  # (start, end, index, shapes) beyond `bound`
+        self._shapes: dict[tuple, tuple] = {}  # (index, shapes asked) -> shapes to try
+        self._prefix: dict[tuple, tuple] = {}  # shape -> prefix sums of level 0 (`_fastest`)
+
     @property
     def num_positions(self) -> int | None:
         """Positions whose memory differs: under 1F1B stage i of S keeps min(B, S - i)
         microbatches, the same from S - i = B on; under GPipe every stage keeps B."""
         return self.num_microbatches if self.schedule == "1f1b" else None
 
+    def _fastest(self, start: int, end: int, shape) -> tuple[float | None, float]:
+        """(sum of the layers' fastest plans on `shape`, `_lower_bound` of it) from prefix
+        sums over the layers (None: a layer has no plan there); the lower bound is -inf
+        when a plan is not a proven optimum. Rounding differs from a sum over the range by
+        far less than `DOMINANCE_MARGIN`, which the lower bound keeps."""
+        if shape not in self._prefix:
+            sums, missing, unproven = [0.0], [0], [0]
+            for k in range(len(self.table.per_layer.stage_graphs)):
+                cost = self.table.cost(k, shape)
+                sums.append(sums[-1] + (0.0 if cost is None else cost.latency))
+                missing.append(missing[-1] + (cost is None))
+                unproven.append(unproven[-1] + (
+                    cost is not None
+                    and self.table.plan(k, shape).stats.get("status") != "optimal"
+                ))
+            self._prefix[shape] = (sums, missing, unproven)
+        sums, missing, unproven = self._prefix[shape]
+        if missing[end] - missing[start]:
+            return None, -math.inf
+        fastest = sums[end] - sums[start]
+        if unproven[end] - unproven[start]:
+            return fastest, -math.inf
+        return fastest, fastest * (1 - DOMINANCE_MARGIN)
+
+    def latency_cutoff(self, start: int, end: int, num_devices: int) -> float:
+        """A stage latency at or above which layers [start, end) on `num_devices` devices
+        cannot be a stage of a plan as fast as `bound` (inf: any may).
+
+        A plan holding this stage (latency t) spends `sum t + (B - 1) max t`. The other
+        stages run the other layers on the other N - d devices: their stage latencies
+        times devices add up to at least those layers' least work W (a layer's latency on a
+        stage is at least its fastest plan's there), so the slowest of them takes at least
+        R = W / (N - d), and so does their sum. The plan thus spends at least
+        f(t) = t + R + (B - 1) max(t, R), increasing in t; the cutoff is where f reaches
+        `bound` (up to `BOUND_MARGIN`, far above rounding, so that the known plan's own
+        stages are never cut off)."""
+        if not math.isfinite(self.bound):
+            return math.inf
+        limit = self.bound * (1 + BOUND_MARGIN)
+        rest = 0.0
+        total_devices = self.table.cluster.num_devices
+        if self.work and num_devices < total_devices:
+            outside = self.work[-1] - (self.work[end] - self.work[start])
+            rest = max(0.0, outside) / (total_devices - num_devices)
+        b = self.num_microbatches
+        if b * rest >= limit:
+            return -math.inf
+        if (b + 1) * rest <= limit:
+            return (limit - rest) / b
+        return limit - b * rest
+
     def __call__(self, start: int, end: int, index: int, stages_from_here: int = 1,
                  shapes=None) -> StageCost:
         """`shapes`: the logical mesh shapes to try (default: `logical_shapes`, else every
         shape of the submesh); those of another device count are skipped."""
         sub = self.submeshes[index]
-        if shapes is None:
-            shapes = self.logical_shapes or logical_mesh_shapes(sub)
-        shapes = [s for s in shapes if math.prod(s) == sub.num_devices]
+        asked = (index, None if shapes is None else tuple(map(tuple, shapes)))
+        if asked not in self._shapes:  # the same for every layer range and position
+            tried = self.logical_shapes or logical_mesh_shapes(sub) if shapes is None else shapes
+            self._shapes[asked] = tuple(
+                tuple(s) for s in tried if math.prod(s) == sub.num_devices
+            )
+        shapes = self._shapes[asked]
+        key = (start, end, index, shapes)
+        if key in self._hopeless:
+            return StageCost(math.inf, False, math.inf, None)
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         best = None
         least_memory = math.inf
@@ -1042,17 +1140,45 @@ class _StageCosts:
         # it are not solved; among equally fast fits the first shape of `shapes` wins, as
         # when they are tried in that order.
         layer_range = range(start, end)
-        order = []
-        for rank, shape in enumerate(shapes):
-            shape = tuple(shape)
-            plain = [self.table.cost(k, shape) for k in layer_range]
-            if all(c is not None for c in plain):
-                order.append((math.fsum(c.latency for c in plain), rank, shape))
-        order.sort()
+        order = self._orders.get(key)
+        if order is None:  # the same for every position: computed once
+            order = []
+            for rank, shape in enumerate(shapes):
+                if self.work:  # every layer's level 0 is solved on every shape
+                    fastest, lower = self._fastest(start, end, shape)
+                    if fastest is not None:
+                        order.append((fastest, rank, shape, lower))
+                    continue
+                plain = [self.table.cost(k, shape) for k in layer_range]
+                if all(c is not None for c in plain):
+                    order.append((math.fsum(c.latency for c in plain), rank, shape,
+                                  _lower_bound(self.table, layer_range, shape, 0)))
+            order.sort(key=lambda o: o[:2])
+            self._orders[key] = order
+        # No plan as fast as `bound` holds this stage at or above `hopeless` latency; a
+        # shape whose fastest plans (`_lower_bound`) reach it is not costed, at any position.
+        hopeless = self.latency_cutoff(start, end, sub.num_devices) - transfer
+        if order and all(o[3] >= hopeless for o in order):
+            self._hopeless.add(key)
+            return StageCost(math.inf, False, math.inf, None)
         best_rank = None
-        for _, rank, shape in order:
+        # First the fits the ILPs solved so far give (no solve), as a cutoff for the walks
+        # that solve: a shape that cannot beat a fit on another is not walked further.
+        known = math.inf
+        if PRUNE_BY_BOUND and len(order) > 1:
+            for _, _rank, shape, lower in order:
+                if lower >= min(hopeless, known):
+                    continue
+                fit = _fitting_level(self.table, layer_range, shape, in_flight, self.budget,
+                                     self.remat, min(hopeless, known), solved_only=True)
+                if fit is not None and fit.memory <= self.budget:
+                    known = min(known, fit.latency)
+        for _, rank, shape, lower in order:
+            if lower >= hopeless:
+                continue
             # Once a shape fits, another must beat it (`least_memory` is then unused).
             cutoff = math.inf if best is None else best.latency - transfer
+            cutoff = min(cutoff, hopeless, known * (1 + BOUND_MARGIN))
             fit = _fitting_level(
                 self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
@@ -1068,6 +1194,101 @@ class _StageCosts:
         if best is None:
             return StageCost(math.inf, False, least_memory, None)
         return best
+
+
+# Prune the stage DP's stages by a plan known to exist (`_StageCosts.bound`); the tests
+# switch it off to check that the pruned search finds the plan of the full one.
+PRUNE_BY_BOUND = True
+# `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
+# known one by more than this (relative), far above rounding.
+BOUND_MARGIN = 1e-6
+
+
+def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]:
+    """Prefix sums (`_StageCosts.work`) of each layer's least work: its fastest plan's
+    seconds (level 0) times the mesh's devices, least over every logical mesh of
+    `submeshes` (`logical_shapes` when given), times (1 - `DOMINANCE_MARGIN`) as
+    `_lower_bound`; empty when one such plan is not a proven optimum (no bound then)."""
+    shapes = []
+    for sub in submeshes:
+        for shape in logical_shapes or logical_mesh_shapes(sub):
+            shape = tuple(shape)
+            if math.prod(shape) == sub.num_devices and shape not in shapes:
+                shapes.append(shape)
+    if table.solve is not None or not shapes:
+        return []
+    sums = [0.0]
+    for k in range(len(table.per_layer.stage_graphs)):
+        least = math.inf
+        for shape in shapes:
+            cost = table.cost(k, shape)
+            if cost is None:
+                continue
+            if table.plan(k, shape).stats.get("status") != "optimal":
+                return []
+            least = min(least, cost.latency * math.prod(shape))
+        if not math.isfinite(least):
+            return []
+        sums.append(sums[-1] + least * (1 - DOMINANCE_MARGIN))
+    return sums
+
+
+def _bound_by_even_plans(inner: _StageCosts, stage_cost, num_layers: int, num_hosts: int,
+                         devices_per_host: int, submeshes, num_stages: int | None) -> None:
+    """Set `inner.bound` to the DP objective of the best "even" plan: S stages of
+    (nearly) equal layer counts on S copies of one submesh (Megatron-LM's layout), for
+    every submesh whose copies fill the cluster and pack (`assign_devices`), each stage
+    costed by `stage_cost` at its position as the DP asks it. The plans are tried by
+    their lower bound (their stages' fastest shapes) and each tightens the bound the next
+    ones are costed under, so that few leaner levels are solved for plans that lose."""
+    total = num_hosts * devices_per_host
+    b = inner.num_microbatches
+    positions = inner.num_positions
+    plans = []
+    for index, sub in enumerate(submeshes):
+        count, rest = divmod(total, sub.num_devices)
+        if rest or count > num_layers or (num_stages is not None and count != num_stages):
+            continue
+        try:
+            assign_devices([sub] * count, num_hosts, devices_per_host)
+        except ValueError:
+            continue
+        cuts = [round(i * num_layers / count) for i in range(count + 1)]
+        stages = []
+        for i in range(count):
+            args = [cuts[i], cuts[i + 1], index]
+            if positions is not None:
+                args.append(min(count - i, positions))
+            stages.append(tuple(args))
+        lows = [_fastest_stage(inner, s[0], s[1], index) for s in stages]
+        plans.append((math.fsum(lows) + (b - 1) * max(lows), index, stages))
+    plans.sort(key=lambda p: p[:2])
+    for low, _, stages in plans:
+        if low >= inner.bound:
+            break
+        costs = []
+        for args in stages:
+            cost = stage_cost(*args)
+            if not cost.feasible:
+                break
+            costs.append(cost.latency)
+        else:
+            inner.bound = min(inner.bound, math.fsum(costs) + (b - 1) * max(costs))
+
+
+def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> float:
+    """A lower bound on the stage's latency on submesh `index` (`_lower_bound` on its
+    fastest logical mesh; 0 where a plan there is not a proven optimum, inf where no
+    mesh has a plan for every layer)."""
+    sub = inner.submeshes[index]
+    lows = []
+    for shape in inner.logical_shapes or logical_mesh_shapes(sub):
+        shape = tuple(shape)
+        if math.prod(shape) != sub.num_devices:
+            continue
+        if all(inner.table.cost(k, shape) is not None for k in range(start, end)):
+            lows.append(max(0.0, _lower_bound(inner.table, range(start, end), shape, 0)))
+    return min(lows, default=math.inf)
 
 
 def boundary_bytes(graph, layers: LayerAssignment) -> list[float]:
