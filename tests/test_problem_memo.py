@@ -31,6 +31,7 @@ from autopar.intra._strategies import (
     node_signature,
     node_strategies,
     replicated_signature,
+    step_effects,
 )
 
 
@@ -73,7 +74,8 @@ def test_memoised_strategies_are_those_enumerated_afresh(mesh_shape=(2, 4)):
     graph, cluster = _gpt(), _cluster()
     mesh = LogicalMesh.create(mesh_shape)
     built = _fresh_problem(graph, mesh, cluster)
-    ctx = CostContext(cluster, mesh)
+    effects = step_effects(graph)  # what build_problem's context knows (no tied state here)
+    ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place)
     followers = built.problem.followers
     shared = 0
     keys = set()
