@@ -8,8 +8,13 @@ import numpy as np
 from autopar.lower import count_collectives
 
 # XLA:CPU has no reduce-scatter: it lowers one as an all-reduce and a dynamic-slice, with
-# the same bytes on the wire as the plan counts for the reduce-scatter.
-EQUIVALENT_KINDS = {"reduce_scatter": {"all_reduce"}}
+# the same bytes on the wire as the plan counts for the reduce-scatter; where the slices
+# it keeps are not the devices' own in the target layout it moves them with a
+# collective-permute (on a 2x4 mesh, ``a @ w`` with a: P(None, 'x'), w: P('x', None),
+# result P(None, 'x') compiles to an all-reduce and a collective-permute; so does a
+# vocabulary-parallel embedding lookup, table P('x', None), indices P('y'), result
+# P('y', 'x', None)).
+EQUIVALENT_KINDS = {"reduce_scatter": {"all_reduce", "send_recv"}}
 
 
 def run_steps(step, state, batch, num_steps=3):

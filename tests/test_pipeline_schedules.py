@@ -221,31 +221,40 @@ def test_four_stage_parity(schedule, v):
 
 
 def test_auto_schedule_picks_the_fastest_predicted():
-    """A dry run (zero bubble's parity is test_two_stage_parity's): on the cheap MLP the
-    stage-boundary transfers of interleaving outweigh its smaller bubble. Each schedule is
-    priced as its plan then prices it (`pipelined_step_time`: launching the programs
-    included, 3 tasks per microbatch under zero bubble, 2 under 1F1B): with cpu-local's
-    launch cost zero bubble's 8 extra launches per stage outweigh its smaller bubble on
-    this tiny model, and 1F1B wins; with launches free zero bubble wins."""
+    """A dry run (zero bubble's parity is test_two_stage_parity's). `schedule="auto"` gives
+    the plan of whichever schedule, planned on its own, predicts the shortest step; and the
+    launch cost decides between 1F1B and zero bubble on the same stages, each priced as its
+    plan prices it (`pipelined_step_time`: 3 tasks per microbatch under zero bubble, 2 under
+    1F1B). With cpu-local's launch cost zero bubble's 8 extra launches per stage outweigh
+    its smaller bubble on this tiny model; with launches free its smaller bubble wins."""
     optimizer = optax.adamw(1e-2, eps=1e-6)
     step = mlp.make_train_step(MLP, optimizer)
     args = (mlp.abstract_state(MLP, optimizer), mlp.abstract_batch(MLP, 32))
     local = autopar.Cluster.from_profile("cpu-local")
     assert local.dispatch_overhead > 0
     free = dataclasses.replace(local, dispatch_overhead=0.0)
-    for cluster, expected in ((local, "1f1b"), (free, "zero_bubble")):
-        plan = autopar.plan(
-            step, *args, cluster=cluster, num_stages=2, num_microbatches=8, schedule="auto",
-            submeshes=[(1, 4)], logical_shapes=[(4,)], cache=False,
-        )
+    common = dict(num_stages=2, num_microbatches=8, submeshes=[(1, 4)],
+                  logical_shapes=[(4,)], cache=False)
+    for cluster, faster in ((local, "1f1b"), (free, "zero_bubble")):
+        auto = autopar.plan(step, *args, cluster=cluster, schedule="auto", **common)
+        alone = {
+            s: autopar.plan(step, *args, cluster=cluster, schedule=s, **common, **extra)
+            for s, extra in (("1f1b", {}), ("zero_bubble", {}),
+                             ("interleaved_1f1b", {"virtual_stages": 2}))
+        }
+        fastest = min(alone, key=lambda s: alone[s].predicted_step_time)
+        assert auto.schedule == fastest
+        assert auto.predicted_step_time == pytest.approx(
+            alone[fastest].predicted_step_time, rel=1e-12)
+        # 1F1B against zero bubble on the same stages, priced by the plan's own function
+        stages = alone["1f1b"]
         predicted = {
-            s: pipelined_step_time([st.time_per_microbatch for st in plan.stages],
-                                   plan.cluster, 8, s, phase_shares=plan.phase_shares)
+            s: pipelined_step_time([st.time_per_microbatch for st in stages.stages],
+                                   stages.cluster, 8, s, phase_shares=stages.phase_shares)
             for s in ("1f1b", "zero_bubble")
         }
-        assert plan.schedule == min(predicted, key=predicted.get) == expected
-        # the schedule choice and the plan price it with the same function
-        assert plan.predicted_step_time == pytest.approx(predicted[expected], rel=1e-12)
+        assert min(predicted, key=predicted.get) == faster
+        assert stages.predicted_step_time == pytest.approx(predicted["1f1b"], rel=1e-12)
 
 
 def test_auto_schedule_weighs_interleaving_by_predicted_time():

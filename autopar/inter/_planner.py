@@ -193,9 +193,9 @@ class LayerCostTable:
         layer's footprint on a stage (`footprint`: its state, accumulated gradients and
         the kept activations of the microbatches in flight) to
         least + `LEVEL_FRACTIONS`[L] x (fastest - least): a leaner plan for stages whose
-        fastest layer plans together do not fit. A layer that cannot get leaner (no
-        footprint to give up, or the limit infeasible under the peak memory) keeps its
-        plan of the level below. Each (layer structure, shape, level) is solved once.
+        fastest layer plans together do not fit, at a peak no higher than the fastest
+        plan's. A layer that cannot get leaner (no footprint to give up, or the limit
+        infeasible under that peak) keeps its plan of the level below. Each (layer structure, shape, level) is solved once.
         """
         key = (self.fingerprints[layer], shape, level)
         if key in self._cache:
@@ -222,7 +222,10 @@ class LayerCostTable:
         if least >= at_fastest * (1 - 1e-6):
             return self._level_as(layer, shape, 0)  # no leaner plan than the fastest
         budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
-        solved = self._solve(layer, shape, footprint_budget=budget)
+        # No higher peak than the fastest plan's: see `Footprint.peak_budget`.
+        peak = self._plans[(self.fingerprints[layer], shape, 0)][0].cost.memory_per_device
+        solved = self._solve(layer, shape, footprint_budget=budget,
+                             peak_budget=peak * (1 + PEAK_TOLERANCE))
         if solved[0] is None:
             # The least footprint is a lower bound the peak memory may not allow: this
             # layer stays at its leanest feasible plan.
@@ -234,7 +237,8 @@ class LayerCostTable:
         cost = self.cost(layer, shape, level)
         return cost, self._plans.get((self.fingerprints[layer], shape, level))
 
-    def _solve(self, layer: int, shape, footprint_budget: float | None):
+    def _solve(self, layer: int, shape, footprint_budget: float | None,
+               peak_budget: float | None = None):
         """Plan the layer on a mesh of `shape` (one ILP, or the caller's `solve`)."""
         sub = self.per_layer.stage_graphs[layer]
         mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
@@ -248,7 +252,7 @@ class LayerCostTable:
             else:
                 plan = plan_on_mesh(
                     sub, self.cluster, mesh, self.options, ties, weights=weights,
-                    footprint=self.footprint(layer, shape, footprint_budget),
+                    footprint=self.footprint(layer, shape, footprint_budget, peak_budget),
                 )
         except MemoryBudgetError:
             return None, None
@@ -385,7 +389,8 @@ class LayerCostTable:
         stats = self._plans[(self.fingerprints[layer], shape, 0)][0].stats
         return stats["least_footprint"], stats["footprint"]
 
-    def footprint(self, layer: int, shape: tuple[int, ...], budget: float | None) -> Footprint:
+    def footprint(self, layer: int, shape: tuple[int, ...], budget: float | None,
+                  peak_budget: float | None = None) -> Footprint:
         """What a stage on a mesh of `shape` holds of this layer for the whole step: its
         parameters and optimizer state, its accumulated gradients (deferred ones counted
         unreduced, at their partial-sum producer's layout without the summed axes) and
@@ -408,7 +413,7 @@ class LayerCostTable:
         in_flight = float(self.in_flight(shape))
         for v in self.kept_for_backward(layer):
             held[v] = held.get(v, 0.0) + in_flight
-        return Footprint(held, unreduced, budget)
+        return Footprint(held, unreduced, budget, peak_budget)
 
     def plan(self, layer: int, shape: tuple[int, ...], level: int = 0) -> ShardingPlan | None:
         """The layer's plan behind `cost(layer, shape, level)` (solved for a layer of the
@@ -643,6 +648,9 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
 # (state, gradients and activations split further) do. `choose_stages` jumps to the level
 # the stage's excess memory asks for, then steps down while the stage still does not fit.
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
+# A leaner level's peak may exceed its fastest plan's by rounding only (the same ILP
+# measure, `peak_memory`, on both).
+PEAK_TOLERANCE = 1e-9
 
 
 def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:

@@ -108,10 +108,15 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
         built = by_key[key] = build_problem(
             graph, mesh, cluster, options, tied, fixed, weights, footprint
         )
-    if footprint is not None and built.problem.footprint_budget != footprint.budget:
-        built = dataclasses.replace(
-            built, problem=dataclasses.replace(built.problem, footprint_budget=footprint.budget)
-        )
+    if footprint is None:
+        return built
+    limits = {"footprint_budget": footprint.budget}
+    peak = built.problem.memory_budget
+    if footprint.peak_budget is not None:
+        peak = footprint.peak_budget if peak is None else min(peak, footprint.peak_budget)
+        limits["memory_budget"] = peak
+    if any(getattr(built.problem, k) != v for k, v in limits.items()):
+        built = dataclasses.replace(built, problem=dataclasses.replace(built.problem, **limits))
     return built
 
 

@@ -61,11 +61,16 @@ class Footprint:
       sums (deferred gradient reductions): the var counts at its producer's result layout
       without the mesh axes the producer sums over, times the weight.
     - `budget`: the limit; None computes the footprint without limiting it.
+    - `peak_budget`: a lower limit on the peak memory than the options' budget, or None.
+      A leaner memory level gives it the peak of the layer's fastest plan: a plan that
+      holds less for the whole run by running replicated (activations whole on every
+      device, so that gradients need no partial sums) is no leaner where it runs.
     """
 
     held: Mapping[int, float] = field(default_factory=dict)
     unreduced: Mapping[int, float] = field(default_factory=dict)
     budget: float | None = None
+    peak_budget: float | None = None
 
 
 @dataclass
