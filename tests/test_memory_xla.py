@@ -24,11 +24,12 @@ BATCH = 8
 EXAMPLES = {"mlp": mlp, "gpt": gpt, "moe": moe, "wide_resnet": wide_resnet}
 # Measured XLA/predicted on 8 CPU devices (cpu-local): mlp 1.013, gpt 1.002, moe 1.072,
 # wide_resnet 1.022 (with combined reductions' buffers kept until the combined all-reduce;
-# before that, on s11-cost's plans, 0.954, 0.972, 1.055, 1.043; gpt 0.760 and wide_resnet 1.154 before the walk took slice reshards
-# where the value is made and copied gathered kernels whole; the plans made before the
-# combined-collective rule: 0.893, 1.095, 1.131, 1.021). Wide_resnet was 1.35 before the
-# walk counted convolution inputs' layout copies and computed equal reshards once, 1.59
-# before it counted the kernels' layout copies.
+# before that, on s11-cost's plans, 0.954, 0.972, 1.055, 1.043; gpt 0.760 and
+# wide_resnet 1.154 before the walk took slice reshards where the value is made and
+# copied gathered kernels whole; the plans made before the combined-collective rule:
+# 0.893, 1.095, 1.131, 1.021). Wide_resnet was 1.35 before the walk counted convolution
+# inputs' layout copies and computed equal reshards once, 1.59 before it counted the
+# kernels' layout copies.
 
 
 def xla_peak_bytes(compiled) -> int:
