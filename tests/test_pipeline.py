@@ -155,15 +155,19 @@ def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
     # here. Weights are never split, and there is one stage.)
 
 
-def test_layer_footprint_is_what_the_stage_memory_counts():
-    """The footprint the leaner memory levels limit in a layer's ILP is exactly what
-    `stage_memory` counts of that layer: state + accumulated gradients + the kept
-    activations of every microbatch in flight; a leaner level stays under its limit."""
+@pytest.mark.parametrize("levels", ["price", "limit"])
+def test_layer_footprint_is_what_the_stage_memory_counts(levels, monkeypatch):
+    """The footprint the leaner memory levels price (or limit) in a layer's ILP is exactly
+    what `stage_memory` counts of that layer: state + accumulated gradients + the kept
+    activations of every microbatch in flight. Priced levels are ever leaner and never
+    faster, down to about the least footprint; a limited level stays under its limit."""
     from autopar.graph import tied_state
-    from autopar.inter._planner import LEVEL_FRACTIONS, LayerCostTable
+    from autopar.inter import _planner
+    from autopar.inter._planner import LEVEL_FRACTIONS, NUM_LEVELS, LayerCostTable
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
+    monkeypatch.setattr(_planner, "LEVELS", levels)
     opt = optax.adamw(LR)
     graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
@@ -175,15 +179,22 @@ def test_layer_footprint_is_what_the_stage_memory_counts():
     def held(c):
         return c.state_memory + c.gradient_memory + 3 * c.activation_memory
 
-    level = 5
     for layer in (0, 1, layers.num_layers - 1):
         fastest = table.cost(layer, (2, 4))
         least, at_fastest = table.footprint_span(layer, (2, 4))
         assert at_fastest == pytest.approx(held(fastest), rel=1e-9)
         assert 0 < least < at_fastest
-        lean = table.cost(layer, (2, 4), level)
-        assert held(lean) <= least + LEVEL_FRACTIONS[level] * (at_fastest - least)
-        assert lean.latency >= fastest.latency
+        if levels == "limit":
+            level = 5
+            lean = table.cost(layer, (2, 4), level)
+            assert held(lean) <= least + LEVEL_FRACTIONS[level] * (at_fastest - least)
+            assert lean.latency >= fastest.latency
+            continue
+        costs = [table.cost(layer, (2, 4), level) for level in range(NUM_LEVELS)]
+        for leaner, c in zip(costs[1:], costs):
+            assert held(leaner) <= held(c) * (1 + 1e-9)
+            assert leaner.latency >= c.latency * (1 - 1e-9)
+        assert held(costs[-1]) <= least + 0.2 * (at_fastest - least), (least, at_fastest)
 
 
 def test_layer_that_cannot_get_leaner_keeps_its_plan():

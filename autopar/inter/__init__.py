@@ -16,6 +16,7 @@ of microbatches, the schedule and the single-mesh planner's options. Out: a
 
 from autopar.inter._planner import (
     LEVEL_FRACTIONS,
+    LEVEL_PRICES,
     PLANNING_PHASES,
     LayerCostTable,
     PipelineChoice,
@@ -48,6 +49,7 @@ from autopar.inter.passes import (
 
 __all__ = [
     "LEVEL_FRACTIONS",
+    "LEVEL_PRICES",
     "LayerAssignment",
     "LayerCostTable",
     "Partition",

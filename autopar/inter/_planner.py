@@ -189,13 +189,13 @@ class LayerCostTable:
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
 
-        Level 0 is the layer's fastest plan. At level L > 0 the layer's ILP also limits the
-        layer's footprint on a stage (`footprint`: its state, accumulated gradients and
-        the kept activations of the microbatches in flight) to
-        least + `LEVEL_FRACTIONS`[L] x (fastest - least): a leaner plan for stages whose
-        fastest layer plans together do not fit, at a peak no higher than the fastest
-        plan's. A layer that cannot get leaner (no footprint to give up, or the limit
-        infeasible under that peak) keeps its plan of the level below. Each (layer
+        Level 0 is the layer's fastest plan. At level L > 0 the layer's ILP also prices
+        (or limits, `LEVELS`) the layer's footprint on a stage (`footprint`: its state,
+        accumulated gradients and the kept activations of the microbatches in flight):
+        a leaner plan for stages whose fastest layer plans together do not fit, at a peak
+        no higher than the fastest plan's. A layer that cannot get leaner (no footprint
+        to give up, or the limit infeasible under that peak) keeps its plan of the level
+        below. Each (layer
         structure, shape, level) is solved once.
         """
         key = (self.fingerprints[layer], shape, level)
@@ -217,16 +217,25 @@ class LayerCostTable:
             return self._solve(layer, shape, footprint_budget=None)
         if self.cost(layer, shape) is None or self.solve is not None:
             return None, None
-        if level >= len(LEVEL_FRACTIONS):
+        if level >= NUM_LEVELS:
             return None, None
         least, at_fastest = self.footprint_span(layer, shape)
         if least >= at_fastest * (1 - 1e-6):
             return self._level_as(layer, shape, 0)  # no leaner plan than the fastest
-        budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
         # No higher peak than the fastest plan's: see `Footprint.peak_budget`.
-        peak = self._plans[(self.fingerprints[layer], shape, 0)][0].cost.memory_per_device
-        solved = self._solve(layer, shape, footprint_budget=budget,
-                             peak_budget=peak * (1 + PEAK_TOLERANCE))
+        fastest = self._plans[(self.fingerprints[layer], shape, 0)][0]
+        peak = fastest.cost.memory_per_device * (1 + PEAK_TOLERANCE)
+        if LEVELS == "price":
+            price = LEVEL_PRICES[level] * fastest.cost.total / (at_fastest - least)
+            solved = self._solve(layer, shape, footprint_budget=None, price=price)
+            if solved[0] is not None and solved[1][0].cost.memory_per_device > peak:
+                # Leaner for the run but not at its peak: solve again under that peak
+                # (memory rows: a MIP, for the few layers where it binds).
+                solved = self._solve(layer, shape, footprint_budget=None, peak_budget=peak,
+                                     price=price)
+        else:
+            budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
+            solved = self._solve(layer, shape, footprint_budget=budget, peak_budget=peak)
         if solved[0] is None:
             # The least footprint is a lower bound the peak memory may not allow: this
             # layer stays at its leanest feasible plan.
@@ -239,7 +248,7 @@ class LayerCostTable:
         return cost, self._plans.get((self.fingerprints[layer], shape, level))
 
     def _solve(self, layer: int, shape, footprint_budget: float | None,
-               peak_budget: float | None = None):
+               peak_budget: float | None = None, price: float = 0.0):
         """Plan the layer on a mesh of `shape` (one ILP, or the caller's `solve`)."""
         sub = self.per_layer.stage_graphs[layer]
         mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
@@ -253,7 +262,7 @@ class LayerCostTable:
             else:
                 plan = plan_on_mesh(
                     sub, self.cluster, mesh, self.options, ties, weights=weights,
-                    footprint=self.footprint(layer, shape, footprint_budget, peak_budget),
+                    footprint=self.footprint(layer, shape, footprint_budget, peak_budget, price),
                 )
         except MemoryBudgetError:
             return None, None
@@ -391,7 +400,7 @@ class LayerCostTable:
         return stats["least_footprint"], stats["footprint"]
 
     def footprint(self, layer: int, shape: tuple[int, ...], budget: float | None,
-                  peak_budget: float | None = None) -> Footprint:
+                  peak_budget: float | None = None, price: float = 0.0) -> Footprint:
         """What a stage on a mesh of `shape` holds of this layer for the whole step: its
         parameters and optimizer state, its accumulated gradients (deferred ones counted
         unreduced, at their partial-sum producer's layout without the summed axes) and
@@ -414,7 +423,7 @@ class LayerCostTable:
         in_flight = float(self.in_flight(shape))
         for v in self.kept_for_backward(layer):
             held[v] = held.get(v, 0.0) + in_flight
-        return Footprint(held, unreduced, budget, peak_budget)
+        return Footprint(held, unreduced, budget, peak_budget, price)
 
     def plan(self, layer: int, shape: tuple[int, ...], level: int = 0) -> ShardingPlan | None:
         """The layer's plan behind `cost(layer, shape, level)` (solved for a layer of the
@@ -641,14 +650,30 @@ def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float
     )
 
 
-# Memory levels of the layer plans a stage may use. Level 0 is each layer's fastest plan;
-# level L limits the layer's footprint on the stage (state, accumulated gradients, kept
-# activations of the microbatches in flight: what `stage_memory` sums over the layers) to
-# least + LEVEL_FRACTIONS[L] x (fastest - least). The layer ILPs see one layer; a stage
-# holds many, so the fastest plans of its layers may not fit together where leaner ones
-# (state, gradients and activations split further) do. `choose_stages` jumps to the level
-# the stage's excess memory asks for, then steps down while the stage still does not fit.
+# Memory levels of the layer plans a stage may use. Level 0 is each layer's fastest plan.
+# The layer ILPs see one layer; a stage holds many, so the fastest plans of its layers may
+# not fit together where leaner ones (state, gradients and activations split further) do.
+# A leaner level trades latency for the layer's footprint on the stage (state, accumulated
+# gradients, kept activations of the microbatches in flight: what `stage_memory` sums over
+# the layers), in one of two ways (`LEVELS`):
+# - "price" (the default): level L's ILP pays LEVEL_PRICES[L] x (fastest plan's seconds /
+#   (fastest - least footprint)) per byte of footprint in its objective, no limit row
+#   (`with_footprint_price`): at price 1, giving up the whole span is worth the layer's
+#   whole latency; the last level all but minimises the footprint (a small layer whose
+#   latency is collective latencies may need 10-100x its time to hold less). One
+#   unconstrained solve per level, as cheap as level 0's (issue 18: gpt-39B on 64 GPUs
+#   spent 165 of 180 ILP CPU seconds in 29 limit-row MIPs, 15 in 156 level-0 ILPs); the
+#   levels are points of the lower convex hull of the latency/footprint trade-off,
+#   leaner (never faster) as the price grows.
+# - "limit": level L limits the footprint to least + LEVEL_FRACTIONS[L] x (fastest -
+#   least) with a row; any point of the trade-off, each a harder MIP. `choose_stages`
+#   jumps to the level the stage's excess memory asks for, then steps down while the
+#   stage still does not fit.
+LEVELS = "price"
+LEVEL_PRICES = (0.0, 0.05, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0, 100.0, 1e4)
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
+NUM_LEVELS = len(LEVEL_PRICES)
+assert len(LEVEL_FRACTIONS) == NUM_LEVELS
 # A leaner level's peak may exceed its fastest plan's by rounding only (the same ILP
 # measure, `peak_memory`, on both).
 PEAK_TOLERANCE = 1e-9
@@ -764,9 +789,10 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     together on a mesh of `shape`, or the leanest tried when none does; None when a layer
     has no plan on that mesh.
 
-    From level 0 (each layer's fastest plan, with `choose_remat`) it jumps to the level
-    whose footprint limit removes the stage's excess without recompute (each layer giving
-    up the same fraction of what it can give), then steps down while that does not fit;
+    From level 0 (each layer's fastest plan, with `choose_remat`) it walks the leaner
+    levels in order (price levels, `LEVELS`), or jumps to the level whose footprint limit
+    removes the stage's excess without recompute (limit levels: each layer giving up the
+    same fraction of what it can give) and steps down from there, while it does not fit;
     every level visited is also tried with recompute, and the fastest fit wins (a leaner
     sharding costs communication, recompute costs forward work).
 
@@ -793,20 +819,23 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
     wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
-    first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
-    if first is None:
-        first = len(LEVEL_FRACTIONS) - 1  # the leanest: it may still fit (or tell how close)
+    if LEVELS == "price":
+        first = 1  # a level's footprint is known once solved: walk them in order
+    else:
+        first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
+        if first is None:
+            first = NUM_LEVELS - 1  # the leanest: it may still fit (or tell how close)
     tried = [first_fit]
     least = memory
-    for level in range(first, len(LEVEL_FRACTIONS)):
+    for level in range(first, NUM_LEVELS):
         if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
             break
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
             break
         memory = _stage_parts(table, layer_range, shape, level, costs, in_flight).total
-        if memory >= least:
-            break  # a tighter footprint no longer helps
+        if memory > least or (memory == least and LEVELS != "price"):
+            break  # a tighter footprint no longer helps (a higher price may not move it)
         least = memory
         fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
         tried.append(fit)

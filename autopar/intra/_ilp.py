@@ -89,6 +89,7 @@ from autopar.intra._ilp_problem import (
     node_name,
     peak_memory,
     resolve_followers,
+    with_footprint_price,
 )
 from autopar.intra._ilp_reduce import (
     CostGraph,
@@ -123,6 +124,7 @@ __all__ = [
     "peak_memory",
     "resolve_followers",
     "solve",
+    "with_footprint_price",
 ]
 
 # --------------------------------------------------------------------------------------

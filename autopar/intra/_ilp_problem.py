@@ -17,7 +17,7 @@ import functools
 import math
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -372,6 +372,21 @@ def footprint_total(problem: ShardingProblem, choices: Sequence[int]) -> float:
     """The footprint of a choice (bytes per device, see `ShardingProblem`); 0.0 without."""
     s = _check_choices(problem, choices)
     return math.fsum(m[s[v]] for v, m in enumerate(problem.footprint))
+
+
+def with_footprint_price(problem: ShardingProblem, price: float) -> ShardingProblem:
+    """`problem` whose objective also pays `price` (seconds per byte) for each byte of
+    footprint: the Lagrangian relaxation of its footprint limit. Without the limit's row
+    the problem keeps the shape of an unconstrained one (its LP relaxation is often
+    integral), and for growing prices its optima trace the lower convex hull of the
+    latency/footprint trade-off (Everett 1963: a minimiser of cost + price x footprint is
+    a cheapest plan among those of at most its footprint)."""
+    if not problem.footprint:
+        raise ValueError("with_footprint_price: the problem has no footprint to price")
+    if not price >= 0 or not math.isfinite(price):
+        raise ValueError(f"with_footprint_price: price must be finite and >= 0, got {price}")
+    costs = tuple(c + price * f for c, f in zip(problem.node_costs, problem.footprint))
+    return replace(problem, node_costs=costs, footprint_budget=None)
 
 
 def least_footprint(problem: ShardingProblem) -> float:

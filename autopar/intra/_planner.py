@@ -21,6 +21,7 @@ from autopar.intra._ilp import (
     least_footprint,
     peak_memory,
     solve,
+    with_footprint_price,
 )
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import BuiltProblem, Footprint, build_problem, operands
@@ -64,7 +65,10 @@ def plan_on_mesh(
     start = time.perf_counter()
     built = _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
     build_time = time.perf_counter() - start
-    solution = solve(built.problem, time_limit=options.time_limit, solver=options.solver)
+    problem = built.problem
+    if footprint is not None and footprint.price:
+        problem = with_footprint_price(problem, footprint.price)
+    solution = solve(problem, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
     stats = dict(plan.stats)
     stats.update(

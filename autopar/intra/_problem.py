@@ -65,12 +65,16 @@ class Footprint:
       A leaner memory level gives it the peak of the layer's fastest plan: a plan that
       holds less for the whole run by running replicated (activations whole on every
       device, so that gradients need no partial sums) is no leaner where it runs.
+    - `price`: seconds per byte the objective pays for the footprint (a Lagrangian
+      memory price, instead of or besides `budget`); 0: none. The plan's costs leave it
+      out: it steers the choice only.
     """
 
     held: Mapping[int, float] = field(default_factory=dict)
     unreduced: Mapping[int, float] = field(default_factory=dict)
     budget: float | None = None
     peak_budget: float | None = None
+    price: float = 0.0
 
 
 @dataclass
