@@ -15,6 +15,7 @@ from autopar.intra._ilp import (
     least_memory,
     peak_memory,
     solve,
+    with_footprint_price,
 )
 from autopar.intra._ilp_reference import (
     all_choices,
@@ -318,6 +319,46 @@ def test_footprint_budget_matches_brute_force(seed):
     solution = solve(problem)
     assert_same_optimum(problem, solution, reference)
     assert footprint_total(problem, solution.choices) <= budget
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 6, 9])
+def test_priced_footprint_matches_brute_force(seed):
+    # The Lagrangian memory levels: cost + price x footprint, minimised over every choice
+    # (peak-memory groups kept where the problem has them), for growing prices; the
+    # optima hold no more and cost no less as the price grows.
+    base = random_problem(seed)
+    rng = np.random.default_rng(100 + seed)
+    footprint = tuple(rng.integers(0, 2**20, len(c)).astype(float) for c in base.node_costs)
+    unpriced = dataclasses.replace(base, footprint=footprint)
+    scale = max(float(np.ptp(c)) for c in base.node_costs) / 2**20
+    held, cost = [], []
+    for multiple in (0.0, 0.1, 1.0, 10.0, 1e4):
+        problem = with_footprint_price(unpriced, multiple * scale)
+        try:
+            reference = solve_brute_force(problem)
+        except MemoryBudgetError:
+            with pytest.raises(MemoryBudgetError):
+                solve(problem)
+            return
+        solution = solve(problem)
+        assert_same_optimum(problem, solution, reference)
+        held.append(footprint_total(unpriced, solution.choices))
+        cost.append(evaluate(unpriced, solution.choices))
+    assert all(b <= a for a, b in zip(held, held[1:])), held
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(cost, cost[1:])), cost
+    assert held[-1] == least_footprint(unpriced) or unpriced.memory_budget is not None
+
+
+def test_footprint_price_needs_a_footprint_and_a_sane_price():
+    problem = ShardingProblem(node_costs=(np.array([0.0, 1.0]),))
+    with pytest.raises(ValueError, match="no footprint to price"):
+        with_footprint_price(problem, 1.0)
+    priced = dataclasses.replace(problem, footprint=(np.array([3.0, 1.0]),))
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        with_footprint_price(priced, -1.0)
+    # 3 bytes at cost 0 against 1 byte at cost 1: a price above 0.5 per byte flips it.
+    assert solve(with_footprint_price(priced, 0.4)).choices == (0,)
+    assert solve(with_footprint_price(priced, 0.6)).choices == (1,)
 
 
 def test_footprint_error_names_the_least_footprint():

@@ -820,11 +820,11 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     slack = math.fsum(fastest - least for least, fastest in spans)
     wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
     if LEVELS == "price":
-        first = 1  # a level's footprint is known once solved: walk them in order
-    else:
-        first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
-        if first is None:
-            first = NUM_LEVELS - 1  # the leanest: it may still fit (or tell how close)
+        return _priced_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
+                           solved_only, first_fit)
+    first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
+    if first is None:
+        first = NUM_LEVELS - 1  # the leanest: it may still fit (or tell how close)
     tried = [first_fit]
     least = memory
     for level in range(first, NUM_LEVELS):
@@ -834,8 +834,8 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         if any(c is None for c in costs):
             break
         memory = _stage_parts(table, layer_range, shape, level, costs, in_flight).total
-        if memory > least or (memory == least and LEVELS != "price"):
-            break  # a tighter footprint no longer helps (a higher price may not move it)
+        if memory >= least:
+            break  # a tighter footprint no longer helps
         least = memory
         fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
         tried.append(fit)
@@ -850,6 +850,66 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     if fitting:
         return min(fitting, key=lambda f: f.latency)  # first of equals: the faster level
     return min(tried, key=lambda f: f.memory)
+
+
+def _priced_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
+                remat: str, cutoff: float, solved_only: bool, first_fit: _Fit) -> _Fit:
+    """`_fitting_level` over price levels, which are ever leaner and never faster: the
+    leanest level first (when even it does not fit, no level does), then a bisection for
+    the first level that fits with recompute, then up from there while recompute is
+    needed and a leaner level can still be faster (at most the walk's answer, from about
+    log2(levels) + a few solves instead of up to every level)."""
+    tried = [first_fit]
+
+    def fit_at(level: int) -> _Fit | None:
+        """The fit at `level`; None when a layer has no plan or, with `solved_only`, it
+        is not solved yet."""
+        if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
+            return None
+        if any(table.cost(k, shape, level) is None for k in layer_range):
+            return None
+        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
+        tried.append(fit)
+        return fit
+
+    def result() -> _Fit:
+        fitting = [f for f in tried if f.memory <= budget]
+        if fitting:
+            return min(fitting, key=lambda f: (f.latency, f.level))
+        return min(tried, key=lambda f: f.memory)
+
+    def hopeless(level: int) -> bool:  # no level from here on can win
+        fastest = min((f.latency for f in tried if f.memory <= budget), default=math.inf)
+        bound = _lower_bound(table, layer_range, shape, level)
+        return bound >= cutoff or bound >= fastest
+
+    lo, hi = 0, NUM_LEVELS - 1  # the first fitting level is in (lo, hi]
+    if first_fit.memory > budget:
+        top = fit_at(hi)
+        if top is None or top.memory > budget:
+            return result()
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            fit = fit_at(mid)
+            if fit is None:
+                return result()
+            if fit.memory <= budget:
+                hi = mid
+            else:
+                if hopeless(mid):
+                    return result()
+                lo = mid
+    else:
+        hi = 0  # level 0 fits with recompute
+    level = hi
+    while level + 1 < NUM_LEVELS:
+        fit = next(f for f in reversed(tried) if f.level == level)
+        if all(r == "none" for r in fit.remat) or hopeless(level):
+            break
+        level += 1
+        if fit_at(level) is None:
+            break
+    return result()
 
 
 def choose_stages(
