@@ -29,12 +29,12 @@ SHORTFALL_CAUSES = {
   attention and the update, 5-10% here. We know of no honest way to a 1.2x gap against
   this baseline.""",
     "gpt": """- GPT (bar 0.97): where autopar falls short or finds no plan, memory is the limit.
-  Kept activations per layer and microbatch cannot shrink below one full split (no
-  rematerialisation is offered), and the leaner layer plans the stage DP takes under
-  memory pressure come in steps (`LEVEL_FRACTIONS` in `autopar/inter/_planner.py`), not
-  exactly at the memory a stage has. Resharding where the embedding and head layers meet
-  the blocks (about 1% at 13B) is added when a stage is stitched; the stage DP does not
-  see it.""",
+  Kept activations per layer and microbatch shrink below one full split only by
+  recompute, and the leaner layer plans the stage DP takes under memory pressure come
+  in steps (`LEVEL_PRICES` in `autopar/inter/_planner.py`: points of the
+  latency/footprint hull), not exactly at the memory a stage has. Resharding where the
+  embedding and head layers meet the blocks (about 1% at 13B) is added when a stage is
+  stitched; the stage DP does not see it.""",
 }
 
 
