@@ -257,3 +257,18 @@ def test_child_env_keeps_other_xla_flags():
                     "127.0.0.1:1", "127.0.0.1:2", "/tmp/status", 4)
     assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
     assert env["JAX_PLATFORMS"] == "cpu" and env["PYTHONHASHSEED"] == "0"
+
+
+def test_free_ports_lie_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """The launcher's ports are bound later by other processes: none may be one the OS could
+    hand meanwhile to a socket bound to port 0 (a gloo listener), which would route a peer's
+    packets to the wrong server."""
+    from autopar.distributed import _env
+
+    low, _ = _env._ephemeral_range()
+    ports = {_env.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(ports) > 1, "ports are drawn at random, not the same one each time"
+    # An unreadable range falls back to Linux's default.
+    monkeypatch.setattr(_env, "_LINUX_PORT_RANGE", tmp_path / "missing")
+    assert _env._ephemeral_range() == _env._DEFAULT_EPHEMERAL_RANGE

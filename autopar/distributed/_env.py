@@ -10,6 +10,7 @@ this process, naming the lost one, as soon as the launcher sees another process 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import threading
@@ -91,10 +92,56 @@ def default_transfer_address(coordinator: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A TCP port nobody listens on right now, below the OS's ephemeral range.
+
+    The port is picked here but bound later, by another process (the coordinator, or a
+    process's transfer socket, which JAX opens when its backend starts). A port from the
+    ephemeral range could meanwhile be handed by the OS to one of the many sockets the
+    processes open on port 0 (gloo opens a listener per communicator), and a peer's packets
+    would then reach the wrong server: a CI run saw JAX's transfer socket server abort on a
+    packet it did not know ("socket-server.cc ... Implement"). The OS never assigns a port
+    below its ephemeral range on its own, so one from there stays ours once it is free.
+    Falls back to a port the OS picks when no such port is free.
+    """
+    low = _ephemeral_range()[0]
+    first = max(_FIRST_UNASSIGNED_PORT, low - _PORT_WINDOW)
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    for _ in range(_PORT_TRIES):
+        port = rng.randrange(first, low) if first < low else 0
+        if port == 0:
+            break
+        if _can_bind(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# Ports are drawn from [max(this, ephemeral low - _PORT_WINDOW), ephemeral low).
+_FIRST_UNASSIGNED_PORT = 10000
+_PORT_WINDOW = 16000
+_PORT_TRIES = 64
+_LINUX_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Linux's default when the range cannot be read (the IANA range 49152-65535 elsewhere).
+_DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The (low, high) ports the OS assigns to sockets bound to port 0."""
+    try:
+        low, high = (int(v) for v in _LINUX_PORT_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL_RANGE
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def initialize(
