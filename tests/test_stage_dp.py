@@ -44,11 +44,35 @@ def test_submesh_shapes_follow_alpa():
 
 def test_logical_mesh_shapes():
     assert logical_mesh_shapes(SubmeshShape(1, 8)) == [(8,), (2, 4), (4, 2)]
-    assert logical_mesh_shapes(SubmeshShape(4, 2)) == [(8,), (4, 2), (2, 4)]
     assert logical_mesh_shapes(SubmeshShape(2, 4)) == [(8,), (2, 4), (4, 2)]
     assert logical_mesh_shapes(SubmeshShape(1, 1)) == [(1,)]
     assert logical_mesh_shapes(SubmeshShape(1, 2)) == [(2,)]
-    assert logical_mesh_shapes(SubmeshShape(3, 4)) == [(12,), (3, 4), (2, 6), (4, 3), (6, 2)]
+    # Several hosts: no shape whose second axis crosses hosts (it does not divide a host).
+    assert logical_mesh_shapes(SubmeshShape(4, 2)) == [(8,), (4, 2)]
+    assert logical_mesh_shapes(SubmeshShape(3, 4)) == [(12,), (3, 4), (6, 2)]
+    assert logical_mesh_shapes(SubmeshShape(8, 8)) == [(64,), (8, 8), (16, 4), (32, 2)]
+    assert logical_mesh_shapes(SubmeshShape(4, 2), every=True) == [(8,), (4, 2), (2, 4)]
+    assert logical_mesh_shapes(SubmeshShape(3, 4), every=True) == [
+        (12,), (3, 4), (2, 6), (4, 3), (6, 2)]
+    # Inside one host every factorisation stays.
+    assert logical_mesh_shapes(SubmeshShape(1, 12)) == [(12,), (2, 6), (3, 4), (4, 3), (6, 2)]
+
+
+def test_left_out_shapes_would_cross_hosts_on_both_axes():
+    """Some group of each axis of a left-out shape spans hosts: a collective on either
+    axis waits for the hosts' network."""
+    for hosts, per_host in [(2, 4), (3, 4), (4, 2), (4, 8), (8, 8), (3, 6)]:
+        sub = SubmeshShape(hosts, per_host)
+        kept = logical_mesh_shapes(sub)
+        for shape in logical_mesh_shapes(sub, every=True):
+            if shape in kept:
+                continue
+            first, second = shape
+            ids = [[a * second + b for b in range(second)] for a in range(first)]
+            rows_cross = any(len({d // per_host for d in row}) > 1 for row in ids)
+            columns_cross = any(len({row[b] // per_host for row in ids}) > 1
+                                for b in range(second))
+            assert rows_cross and columns_cross, (sub, shape)
 
 
 def test_assign_devices_packs_largest_first_on_hosts():
@@ -364,3 +388,54 @@ def test_last_stage_may_hold_more_layers_than_the_first():
             3, 1, 2, lambda s, e, i, p: stage_cost(s, e, i, 2), 4, num_positions=4,
             submeshes=[SubmeshShape(1, 1)], memory_budget=4,
         )
+
+
+def _plan_both_ways(cfg, cluster, batch_size, num_microbatches, monkeypatch):
+    """The plan with the shapes left out (the search as it runs) and with every shape."""
+    import functools
+
+    import optax
+
+    import autopar
+    from autopar.inter import _planner
+    from examples import gpt
+
+    optimizer = optax.adamw(1e-3)
+    step = gpt.make_train_step(cfg, optimizer)
+    args = gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, batch_size)
+    plans = []
+    for every in (False, True):
+        monkeypatch.setattr(_planner, "logical_mesh_shapes",
+                            functools.partial(logical_mesh_shapes, every=every))
+        plans.append(autopar.plan(step, *args, cluster=cluster, cache=False,
+                                  num_microbatches=num_microbatches))
+    return plans
+
+
+def test_left_out_shapes_keep_the_plan_on_three_dgx_hosts(monkeypatch):
+    """24 GPUs: the 3-host submesh loses (2, 12), (4, 6) and (8, 3); the search finds the
+    plan of the search with every shape (6 CPU s each way)."""
+    import autopar
+    from examples import gpt
+
+    cfg = gpt.GPTConfig(gpt.PADDED_VOCAB, 512, 1024, 4, 16, layer_markers=True)
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=3)
+    pruned, every = _plan_both_ways(cfg, cluster, 48, 4, monkeypatch)
+    assert [(s.layers, s.mesh.shape) for s in pruned.stages] == [
+        (s.layers, s.mesh.shape) for s in every.stages]
+    assert pruned.predicted_step_time == every.predicted_step_time
+
+
+def test_left_out_shapes_cost_at_most_a_percent_on_cpu_hosts(monkeypatch):
+    """4 hosts of 2 CPU devices, where the hosts' link is no slower than a host's own: the
+    search with every shape runs the GPT on (2, 4), whose axes both cross hosts, 0.4%
+    faster than the (4, 2) the search finds; issue 18 allows 1%."""
+    import dataclasses
+
+    import autopar
+    from examples import gpt
+
+    cfg = dataclasses.replace(gpt.CONFIGS["wide-test"], layer_markers=True)
+    pruned, every = _plan_both_ways(cfg, autopar.Cluster.from_profile("cpu-local", 4, 2),
+                                    16, 2, monkeypatch)
+    assert pruned.predicted_step_time <= 1.01 * every.predicted_step_time

@@ -73,17 +73,28 @@ def submesh_shapes(num_hosts: int, devices_per_host: int) -> list[SubmeshShape]:
     return shapes
 
 
-def logical_mesh_shapes(sub: SubmeshShape) -> list[tuple[int, ...]]:
+def logical_mesh_shapes(sub: SubmeshShape, every: bool = False) -> list[tuple[int, ...]]:
     """The logical mesh shapes to try for a stage on submesh `sub`.
 
     **Arguments:**
     - `sub`: the submesh.
+    - `every`: also the shapes the search leaves out (below); for checking that rule.
 
     **Returns:**
     ``(d,)`` for its d devices; then, for a submesh of several whole hosts, the host-aligned
     ``(num_hosts, devices_per_host)`` (axis 0 crosses hosts, axis 1 stays inside them); then
     every other 2-D ``(a, d // a)`` with both sides > 1, by increasing a. A 1x8 submesh gives
-    ``[(8,), (2, 4), (4, 2)]``; a 4x2 one ``[(8,), (4, 2), (2, 4)]``.
+    ``[(8,), (2, 4), (4, 2)]``; a 4x2 one ``[(8,), (4, 2)]``.
+
+    On a submesh of several hosts, a 2-D shape whose second axis does not divide the
+    devices of a host is left out: devices are numbered host by host, so some groups of
+    that axis span hosts, and so do some of the first axis; a collective on either axis
+    then waits for the hosts' network. Megatron-LM keeps tensor parallelism inside a node
+    for that reason (Narayanan et al. 2021, section 3.3, takeaway 1). The shapes kept still
+    split the devices every way a plan may want: the whole submesh as one axis, and a
+    host-local axis of each size dividing a host with the rest along the other.
+    `tests/test_stage_dp.py` checks that the search with every shape finds the same plans
+    on clusters of several hosts.
     """
     if not isinstance(sub, SubmeshShape):
         raise TypeError(f"expected a SubmeshShape, got {type(sub).__name__}: {sub!r}")
@@ -93,8 +104,11 @@ def logical_mesh_shapes(sub: SubmeshShape) -> list[tuple[int, ...]]:
         shapes.append((sub.num_hosts, sub.devices_per_host))
     for first in range(2, num_devices // 2 + 1):
         shape = (first, num_devices // first)
-        if num_devices % first == 0 and shape not in shapes:
-            shapes.append(shape)
+        if num_devices % first or shape in shapes:
+            continue
+        if not every and sub.num_hosts > 1 and sub.devices_per_host % shape[1]:
+            continue  # the second axis would cross hosts (see above)
+        shapes.append(shape)
     return shapes
 
 
