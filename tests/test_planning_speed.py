@@ -34,12 +34,14 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool):
     if not prune:  # no shape or level is known to lose: every one is solved
         monkeypatch.setattr(_planner, "_lower_bound", lambda *args: -math.inf)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    options = ShardOptions(memory_budget=budget)
+    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
     choice = _planner.choose_stages(
-        graph, layers, cluster, 4, "1f1b", ShardOptions(memory_budget=budget), tied,
+        graph, layers, cluster, 4, "1f1b", options, tied, table=table,
         submeshes=[autopar.inter.SubmeshShape(1, 4), autopar.inter.SubmeshShape(1, 8)],
     )
     monkeypatch.undo()
-    return choice
+    return choice, table
 
 
 @pytest.mark.extended  # minutes: the leaner levels' MIPs; the made-up tables below are its twin
@@ -47,18 +49,23 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
     """The stage DP skips the leaner memory levels of a mesh shape whose fastest layer
     plans already lose to a shape that fits (`_fitting_level`'s cutoff): under a budget
     that needs leaner levels, the choice (stages, shapes, levels, remat, latency, every
-    stage's specs) is the one the unpruned search makes, from fewer ILPs."""
+    stage's specs) is the one the unpruned search makes, from no more ILPs."""
     graph, layers, tied = _tiny_gpt_graph()
-    unlimited = _search(graph, layers, tied, None, monkeypatch, prune=True)
+    unlimited, _ = _search(graph, layers, tied, None, monkeypatch, prune=True)
     budget = 0.7 * max(c.memory for c in unlimited.dp.stage_costs)
-    full = _search(graph, layers, tied, budget, monkeypatch, prune=False)
-    pruned = _search(graph, layers, tied, budget, monkeypatch, prune=True)
-    assert any(c.detail[1] > 0 for c in full.dp.stage_costs)  # leaner levels in play
+    full, table = _search(graph, layers, tied, budget, monkeypatch, prune=False)
+    pruned, _ = _search(graph, layers, tied, budget, monkeypatch, prune=True)
+    # Leaner levels in play: the full search solved some (its plan, since the memory levels
+    # are priced, may need none: a faster layout of another stage cut fits at level 0).
+    assert any(key[2] > 0 for key in table._cache)
     assert pruned.stage_layers == full.stage_layers
     assert [c.detail for c in pruned.dp.stage_costs] == [c.detail for c in full.dp.stage_costs]
     assert pruned.latency == full.latency
     assert [p.var_specs for p in pruned.stage_plans] == [p.var_specs for p in full.stage_plans]
-    assert pruned.num_layer_ilps < full.num_layer_ilps
+    # Since the levels are priced (the leanest solved first, then a bisection), this GPT's
+    # search solves 169 ILPs either way: nothing is left here for the cutoff to skip. The
+    # made-up tables below still show it skipping levels.
+    assert pruned.num_layer_ilps <= full.num_layer_ilps
 
 
 def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None,
