@@ -294,14 +294,19 @@ def test_no_plan_within_the_time_limit_raises():
         solve(problem, time_limit=1e-3)
 
 
+def _with_random_footprint(seed):
+    """`random_problem(seed)` with a footprint of up to 1 MiB per strategy."""
+    base = random_problem(seed)
+    rng = np.random.default_rng(100 + seed)
+    footprint = tuple(rng.integers(0, 2**20, len(c)).astype(float) for c in base.node_costs)
+    return dataclasses.replace(base, footprint=footprint)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 6, 9])
 def test_footprint_budget_matches_brute_force(seed):
     # A second, weighted limit over every node (a stage's memory held for the whole run),
     # alone (even seeds without memory groups) or beside the peak-memory groups.
-    base = random_problem(seed)
-    rng = np.random.default_rng(100 + seed)
-    footprint = tuple(rng.integers(0, 2**20, len(c)).astype(float) for c in base.node_costs)
-    unlimited = dataclasses.replace(base, footprint=footprint)
+    unlimited = _with_random_footprint(seed)
     fastest = solve_brute_force(unlimited)
     least = least_footprint(unlimited)
     assert least == min(
@@ -326,11 +331,8 @@ def test_priced_footprint_matches_brute_force(seed):
     # The Lagrangian memory levels: cost + price x footprint, minimised over every choice
     # (peak-memory groups kept where the problem has them), for growing prices; the
     # optima hold no more and cost no less as the price grows.
-    base = random_problem(seed)
-    rng = np.random.default_rng(100 + seed)
-    footprint = tuple(rng.integers(0, 2**20, len(c)).astype(float) for c in base.node_costs)
-    unpriced = dataclasses.replace(base, footprint=footprint)
-    scale = max(float(np.ptp(c)) for c in base.node_costs) / 2**20
+    unpriced = _with_random_footprint(seed)
+    scale = max(float(np.ptp(c)) for c in unpriced.node_costs) / 2**20
     held, cost = [], []
     for multiple in (0.0, 0.1, 1.0, 10.0, 1e4):
         problem = with_footprint_price(unpriced, multiple * scale)

@@ -105,13 +105,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     low = _ephemeral_range()[0]
     first = max(_FIRST_UNASSIGNED_PORT, low - _PORT_WINDOW)
-    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
-    for _ in range(_PORT_TRIES):
-        port = rng.randrange(first, low) if first < low else 0
-        if port == 0:
-            break
-        if _can_bind(host, port):
-            return port
+    if first < low:
+        draw = random.SystemRandom()
+        for _ in range(_PORT_TRIES):
+            port = draw.randrange(first, low)
+            if _can_bind(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -195,8 +195,7 @@ class LayerCostTable:
         a leaner plan for stages whose fastest layer plans together do not fit, at a peak
         no higher than the fastest plan's. A layer that cannot get leaner (no footprint
         to give up, or the limit infeasible under that peak) keeps its plan of the level
-        below. Each (layer
-        structure, shape, level) is solved once.
+        below. Each (layer structure, shape, level) is solved once.
         """
         key = (self.fingerprints[layer], shape, level)
         if key in self._cache:
