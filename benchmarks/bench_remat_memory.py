@@ -54,7 +54,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -65,7 +67,9 @@ from autopar.cluster import Cluster
 from autopar.graph import trace
 from autopar.manual import MegatronConfig, megatron_plan_for_graph
 from autopar.search import microbatch_args
-from examples import gpt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from examples import gpt  # noqa: E402
 
 PROFILE = "dgx-a100-80g"
 GiB = 2**30
@@ -186,6 +190,12 @@ def main() -> None:
               f"{p.num_microbatches} mb, remat {sorted({r for s in p.stage_remat for r in s})}"
               f", step {p.predicted_step_time:.3f} s; planned in "
               f"{time.perf_counter() - start:.0f} s ({time.process_time() - cpu:.0f} CPU s)")
+        if args.layers is None:  # the published plan on the same batch, for comparison
+            megatron, fits, _ = megatron_memory("175B", "selective", 64)
+            if fits:
+                print(f"Megatron tp8 pp8 sp selective, 64 mb: step "
+                      f"{megatron.predicted_step_time:.3f} s; autopar/Megatron "
+                      f"{p.predicted_step_time / megatron.predicted_step_time:.3f}")
 
 
 def plan_row(key: str, num_microbatches: int = 64) -> None:

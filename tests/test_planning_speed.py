@@ -280,3 +280,39 @@ def test_bytes_per_device_memo_matches_the_formula(mesh_shape):
             _bytes_per_device((6, 8), "bfloat16", spec, mesh)
         with pytest.raises(ValueError, match="at most once"):
             bytes_per_device((6, 8), "float32", (("x",), ("x",)), mesh)
+
+
+def test_ranges_of_equal_content_share_their_fits():
+    """`range_key` is equal exactly for layer ranges of the same layer structures in the
+    same order, with the same state shared at the same places (the tied embedding: only
+    ranges holding both its readers); `choose_remat` and `_lower_bound` computed once per
+    key give what each range computes on its own, under a budget that needs recompute."""
+    from autopar.inter import _planner
+    from autopar.intra._options import ShardOptions
+
+    graph, layers, tied = _tiny_gpt_graph()
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    n = layers.num_layers
+    ranges = [range(a, b) for a in range(n) for b in range(a + 1, n + 1)]
+    for r in ranges:
+        for q in ranges:
+            same = [table.fingerprints[k] for k in r] == [table.fingerprints[k] for k in q]
+            tied_both = {0, n - 1} <= set(r), {0, n - 1} <= set(q)
+            expected = same and tied_both[0] == tied_both[1]
+            assert (table.range_key(r) == table.range_key(q)) == expected, (r, q)
+    assert table.range_key([0, 2]) is None  # not contiguous: not shared
+    shape = (2, 4)
+    full = _planner.choose_remat(table, range(n), shape, 0, 4, math.inf)
+    budget = 0.8 * full.memory
+    table.range_cache.clear()
+    for r in ranges:
+        for in_flight in (1, 3):
+            cached = _planner.choose_remat(table, r, shape, 0, in_flight, budget)
+            alone = _planner._choose_remat(table, r, shape, 0, in_flight, budget)
+            assert cached == alone, (r, in_flight)
+        assert (_planner._lower_bound(table, r, shape, 0)
+                == _planner._layers_lower_bound(table, r, shape, 0))
+    assert len({key[1] for key in table.range_cache}) < len(ranges)  # some were shared
+    assert any(f.remat != ("none",) * len(f.remat) for f in table.range_cache.values()
+               if isinstance(f, _planner._Fit))

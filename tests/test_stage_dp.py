@@ -365,6 +365,92 @@ def test_positional_dp_equals_brute_force(seed):
     check_assignment(plan.device_ids, [subs[j] for _, _, j in plan.stages], *cluster)
 
 
+class _Monotone:
+    """A positional callback that says its answers never improve as the position grows
+    (`monotone_in_position`), so that the DP may ask only a few positions."""
+
+    monotone_in_position = True
+
+    def __init__(self, table):
+        self.table = table
+        self.calls = collections.Counter()
+
+    def __call__(self, start, end, index, position):
+        self.calls[(start, end, index, position)] += 1
+        return self.table[(start, end, index, position)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_positions_bisected_give_the_plan_of_every_position(seed):
+    """`positional_cost_table` is monotone in the position (more microbatches in flight:
+    leaner and slower, then no fit). Asked at a few positions per (range, submesh), the DP
+    finds brute force's plan, and each chosen stage's cost is the one of its own position
+    (memory included), with fewer calls than positions."""
+    rng = random.Random(2000 + seed)
+    cluster = SMALL_CLUSTERS[seed % len(SMALL_CLUSTERS)]
+    num_layers = rng.randint(2, 6)
+    num_microbatches = 8
+    subs = submesh_shapes(*cluster)
+    table = positional_cost_table(rng, num_layers, subs, num_microbatches)
+    stage_cost = _Monotone(table)
+    try:
+        plan = plan_stages(num_layers, *cluster, stage_cost, num_microbatches,
+                           num_positions=num_microbatches)
+    except ValueError:
+        with pytest.raises(ValueError):
+            brute_force_stages(num_layers, *cluster, stage_cost, num_microbatches,
+                               num_positions=num_microbatches)
+        return
+    reference = brute_force_stages(num_layers, *cluster, lambda *key: table[key],
+                                   num_microbatches, num_positions=num_microbatches)
+    assert plan.latency == pytest.approx(reference.latency, rel=1e-12)
+    count = len(plan.stages)
+    keys = [(s, e, j, min(count - i, num_microbatches)) for i, (s, e, j) in enumerate(plan.stages)]
+    assert plan.stage_costs == tuple(table[key] for key in keys)
+    asked = sum(stage_cost.calls.values()) - count  # the chosen stages are asked again
+    assert plan.num_evaluations == asked
+    every = plan_stages(num_layers, *cluster, lambda *key: table[key], num_microbatches,
+                        num_positions=num_microbatches).num_evaluations
+    assert asked <= every  # few positions to skip on instances this small
+
+
+def test_bisection_asks_few_positions_of_a_deep_pipeline():
+    """16 layers on 4x8 devices with 32 microbatches: up to 16 positions per stage, each
+    (range, submesh) with up to two changes of answer (fits, fits leaner, does not fit).
+    The bisection asks about half of what asking every position does (2,433 against
+    4,948), for the same plan."""
+    rng = random.Random(7)
+    table = positional_cost_table(rng, 16, submesh_shapes(4, 8), 32)
+    bisected = plan_stages(16, 4, 8, _Monotone(table), 32, num_positions=32)
+    every = plan_stages(16, 4, 8, lambda *key: table[key], 32, num_positions=32)
+    assert bisected.stages == every.stages and bisected.latency == every.latency
+    assert bisected.num_evaluations < every.num_evaluations * 0.6
+
+
+def test_a_callback_not_monotone_as_it_claims_is_asked_everywhere(caplog):
+    """A callback that claims monotone answers but has a dip at a position the bisection
+    inferred: the chosen stage's own answer gives it away, and the DP asks every position
+    again, with a warning. Hand-made: 4 layers on 3 single devices (3 stages); only the
+    2-layer stage [2, 4) is cheap, so the plan is [0, 1) [1, 2) [2, 4), which puts [1, 2)
+    at position 2 -- inferred from positions 1 and 3 (1.0 each), truly 0.1."""
+
+    class Lying:
+        monotone_in_position = True
+
+        def __call__(self, start, end, index, position):
+            if end - start == 1:
+                return StageCost(0.1 if (start, position) == (1, 2) else 1.0, True)
+            return StageCost(1.0 if (start, end) == (2, 4) else 5.0, True)
+
+    stage_cost = Lying()
+    with caplog.at_level("WARNING", logger="autopar"):
+        plan = plan_stages(4, 1, 3, stage_cost, 4, num_positions=4,
+                           submeshes=[SubmeshShape(1, 1)])
+    assert plan.stages == ((0, 1, 0), (1, 2, 0), (2, 4, 0))
+    assert [c.latency for c in plan.stage_costs] == [1.0, 0.1, 1.0]
+    assert "not monotone in the position" in caplog.text
+
+
 def test_last_stage_may_hold_more_layers_than_the_first():
     """Hand-computed, 1F1B with B = 4 on 1x2 devices, layers of 1 unit of state and 1 of
     activations per microbatch, budget 4. Stage 0 of 2 keeps 2 microbatches, stage 1 one:

@@ -180,6 +180,10 @@ class LayerCostTable:
         self._recomputes: dict[tuple, object] = {}
         self._kept: dict[int, frozenset[int]] = {}
         self._shared: dict[int, list[int]] | None = None  # state var -> layers reading it
+        self._slots: dict[tuple[int, int], int] = {}  # (shared var, layer) -> input slot
+        self._hashes: list | None = None  # `range_key`'s prefix hashes and powers
+        # (`range_key`, ...) -> a `choose_remat` fit or a `_lower_bound`; cleared when full.
+        self.range_cache: dict[tuple, object] = {}
         self._fused_reruns: dict[int, object] = {}  # layer -> its `fused_recompute`
         self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
@@ -448,12 +452,8 @@ class LayerCostTable:
             ))
         return set(self._kept[layer])
 
-    def shared_state_bytes(self, layer_range, shape: tuple[int, ...], level: int = 0) -> float:
-        """Bytes per device of parameters and optimizer state that several of the layers
-        read (a tied embedding, read by the first and the last layer), beyond one copy:
-        each reader's `LayerCost.state_memory` counts them, the stage holds them once
-        (the runtime keeps one array per input and stage). A shared value counts at its
-        smallest size among its readers' layouts."""
+    def shared_readers(self) -> dict[int, list[int]]:
+        """State vars read by several layers -> those layers, in order."""
         if self._shared is None:
             readers: dict[int, list[int]] = {}
             for k, sub in enumerate(self.per_layer.stage_graphs):
@@ -461,9 +461,61 @@ class LayerCostTable:
                     if sub.vars[v].role in (Role.PARAM, Role.OPT_STATE):
                         readers.setdefault(v, []).append(k)
             self._shared = {v: ks for v, ks in readers.items() if len(ks) > 1}
+            self._slots = {
+                (v, k): self.per_layer.stage_graphs[k].invars.index(v)
+                for v, ks in self._shared.items() for k in ks
+            }
+        return self._shared
+
+    def range_key(self, layer_range) -> tuple | None:
+        """A key equal for contiguous layer ranges of equal content -- the same layer
+        structures in the same order, sharing the same state at the same places -- whose
+        costs, memory and remat choices are therefore equal (every per-layer figure is
+        keyed by the layer's structure); None for a range that is not contiguous.
+        O(shared state vars): the structures are compared by two polynomial hashes of
+        the sequence (mod 2^61 - 1), not layer by layer."""
+        if isinstance(layer_range, range):
+            if layer_range.step != 1:
+                return None
+            start, end = layer_range.start, layer_range.stop
+        else:
+            layer_range = list(layer_range)
+            if not layer_range:
+                return ()
+            start, end = layer_range[0], layer_range[-1] + 1
+            if layer_range != list(range(start, end)):
+                return None
+        if end <= start:
+            return ()
+        if self._hashes is None:
+            ids: dict[str, int] = {}
+            codes = [ids.setdefault(f, len(ids)) + 1 for f in self.fingerprints]
+            self._hashes = []
+            for base in _HASH_BASES:
+                prefix, power = [0], [1]
+                for c in codes:
+                    prefix.append((prefix[-1] * base + c) % _HASH_MOD)
+                    power.append(power[-1] * base % _HASH_MOD)
+                self._hashes.append((prefix, power))
+        length = end - start
+        key = [length]
+        for prefix, power in self._hashes:
+            key.append((prefix[end] - prefix[start] * power[length]) % _HASH_MOD)
+        for v, ks in self.shared_readers().items():
+            inside = [k for k in ks if start <= k < end]
+            if len(inside) > 1:
+                key.append(tuple((k - start, self._slots[(v, k)]) for k in inside))
+        return tuple(key)
+
+    def shared_state_bytes(self, layer_range, shape: tuple[int, ...], level: int = 0) -> float:
+        """Bytes per device of parameters and optimizer state that several of the layers
+        read (a tied embedding, read by the first and the last layer), beyond one copy:
+        each reader's `LayerCost.state_memory` counts them, the stage holds them once
+        (the runtime keeps one array per input and stage). A shared value counts at its
+        smallest size among its readers' layouts."""
         layer_range = range(layer_range[0], layer_range[-1] + 1) if len(layer_range) else ()
         excess = []
-        for v, ks in self._shared.items():
+        for v, ks in self.shared_readers().items():
             inside = [k for k in ks if k in layer_range]
             if len(inside) < 2:
                 continue
@@ -684,6 +736,11 @@ def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float
     ILP stopped at the time limit) or a caller's `solve` made it."""
     if table.solve is not None:
         return -math.inf
+    return _range_cached(table, "bound", layer_range, (shape, level),
+                         lambda: _layers_lower_bound(table, layer_range, shape, level))
+
+
+def _layers_lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
     total = []
     for k in layer_range:
         cost, plan = table.cost(k, shape, level), table.plan(k, shape, level)
@@ -718,7 +775,56 @@ def _stage_parts(table: LayerCostTable, layer_range, shape, level: int, costs,
                               table.shared_state_bytes(layer_range, shape, level))
 
 
+# `range_key`'s hashes, and the entries `LayerCostTable.range_cache` holds before it is
+# cleared (a fit holds a tuple of its layers' costs: a few hundred MB at most).
+_HASH_MOD = (1 << 61) - 1
+_HASH_BASES = (1_000_003, 998_244_353)
+RANGE_CACHE_SIZE = 200_000
+
+
+def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, compute):
+    """`compute()`, shared by the layer ranges of equal content (`range_key`; a table
+    without one, e.g. a test's made-up numbers, shares nothing)."""
+    range_key = getattr(table, "range_key", None)
+    key = None if range_key is None else range_key(layer_range)
+    if key is None:
+        return compute()
+    key = (what, key, *args)
+    cache = table.range_cache
+    if key not in cache:
+        if len(cache) >= RANGE_CACHE_SIZE:
+            cache.clear()
+        cache[key] = compute()
+    return cache[key]
+
+
+def _all_solved(table: LayerCostTable, layer_range, shape, level: int) -> bool:
+    """Whether every layer's cost at `level` is known without a solve (a range once
+    solved stays so: only that answer is shared)."""
+    range_key = getattr(table, "range_key", None)
+    key = None if range_key is None else ("solved", range_key(layer_range), shape, level)
+    if key is not None and key in table.range_cache:
+        return True
+    if not all(table.is_solved(k, shape, level) for k in layer_range):
+        return False
+    if key is not None and key[1] is not None:
+        table.range_cache[key] = True
+    return True
+
+
 def choose_remat(
+    table: LayerCostTable, layer_range, shape, level: int, in_flight: int, budget: float,
+    remat: str = "auto",
+) -> _Fit | None:
+    """The layers' costs at `level` with a remat choice per layer (`_choose_remat`), the
+    same for every range of the same content."""
+    return _range_cached(
+        table, "fit", layer_range, (shape, level, in_flight, budget, remat),
+        lambda: _choose_remat(table, layer_range, shape, level, in_flight, budget, remat),
+    )
+
+
+def _choose_remat(
     table: LayerCostTable, layer_range, shape, level: int, in_flight: int, budget: float,
     remat: str = "auto",
 ) -> _Fit | None:
@@ -811,23 +917,23 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         return first_fit
     if table.solve is not None:
         return first_fit
-    plain = [table.cost(k, shape) for k in layer_range]
     if _lower_bound(table, layer_range, shape, 0) >= cutoff:
         return None
+    if LEVELS == "price":
+        return _priced_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
+                           solved_only, first_fit)
+    plain = [table.cost(k, shape) for k in layer_range]
     memory = _stage_parts(table, layer_range, shape, 0, plain, in_flight).total
     spans = [table.footprint_span(k, shape) for k in layer_range]
     slack = math.fsum(fastest - least for least, fastest in spans)
     wanted = 1.0 - (memory - budget) / slack if slack > 0 else -1.0
-    if LEVELS == "price":
-        return _priced_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
-                           solved_only, first_fit)
     first = next((k for k, f in enumerate(LEVEL_FRACTIONS) if k and f <= wanted), None)
     if first is None:
         first = NUM_LEVELS - 1  # the leanest: it may still fit (or tell how close)
     tried = [first_fit]
     least = memory
     for level in range(first, NUM_LEVELS):
-        if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
+        if solved_only and not _all_solved(table, layer_range, shape, level):
             break
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
@@ -863,12 +969,11 @@ def _priced_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budge
     def fit_at(level: int) -> _Fit | None:
         """The fit at `level`; None when a layer has no plan or, with `solved_only`, it
         is not solved yet."""
-        if solved_only and not all(table.is_solved(k, shape, level) for k in layer_range):
-            return None
-        if any(table.cost(k, shape, level) is None for k in layer_range):
+        if solved_only and not _all_solved(table, layer_range, shape, level):
             return None
         fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
-        tried.append(fit)
+        if fit is not None:  # None: a layer has no plan at this level
+            tried.append(fit)
         return fit
 
     def result() -> _Fit:
@@ -1105,6 +1210,10 @@ class _Restricted:
     def num_positions(self) -> int | None:
         return self.stage_cost.num_positions
 
+    @property
+    def monotone_in_position(self) -> bool:
+        return self.stage_cost.monotone_in_position
+
     def __call__(self, start: int, end: int, index: int, *rest) -> StageCost:
         if self.allowed is not None and not self.allowed(start, end):
             return StageCost(math.inf, False, math.inf, None)
@@ -1150,6 +1259,11 @@ class _StageCosts:
         """Positions whose memory differs: under 1F1B stage i of S keeps min(B, S - i)
         microbatches, the same from S - i = B on; under GPipe every stage keeps B."""
         return self.num_microbatches if self.schedule == "1f1b" else None
+
+    # A stage further from the last keeps at least as many microbatches in flight, so its
+    # fit is never faster, and once it does not fit it never does: the stage DP may ask
+    # a few positions and infer those between (`autopar.inter._stage_dp._evaluate`).
+    monotone_in_position = True
 
     def _fastest(self, start: int, end: int, shape) -> tuple[float | None, float]:
         """(sum of the layers' fastest plans on `shape`, `_lower_bound` of it) from prefix

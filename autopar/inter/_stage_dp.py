@@ -30,6 +30,14 @@ the stages from layer k to the end, b, exactly up to P - 1, with b = P meaning "
 more". Without positions the count is only tracked when `num_stages` or `max_stages`
 constrain it (then exactly, up to the most stages allowed).
 
+Positions asked. A callback with ``monotone_in_position = True`` promises that a stage's
+answer never improves as its position grows (1F1B: more microbatches in flight, so a
+leaner or recomputing fit, then none). It is asked at the first and the last position
+of each (layer range, submesh) and bisected where they differ; the positions between
+two equal answers share them (`_evaluate`). The chosen stages are asked again at their
+own positions, which also checks the promise: if an answer differs, every position is
+asked and the DP runs again.
+
 Packing. When the host-local submesh sizes are powers of two dividing `devices_per_host`
 (always so for Alpa's shapes with a power-of-two `devices_per_host`), every plan that uses
 all devices packs onto the cluster (`assign_devices`), and the answer is exact. Otherwise
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -53,6 +62,8 @@ import numpy as np
 
 from autopar.cost import pipeline_latency
 from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
+
+log = logging.getLogger("autopar")
 
 
 @dataclass(frozen=True)
@@ -244,24 +255,114 @@ def _call_cost(problem: _Problem, stage_cost: StageCostFn, key: StageKey) -> Sta
     return cost
 
 
-def _evaluate(problem: _Problem, stage_cost: StageCostFn) -> dict[StageKey, StageCost]:
-    """Call the callback once for every (layer range, submesh, position) a plan could use."""
+class _Costs:
+    """The callback's answers, as runs of positions sharing one answer per (start, end,
+    submesh index): ``runs[(start, end, index)] = [(first, last, StageCost), ...]``.
+
+    A callback monotone in the position (`monotone_in_position`) is asked at a few
+    positions only (`_evaluate`); the positions between two equal answers take the
+    lower one's `StageCost`, whose latency is theirs but whose memory parts are not (the
+    chosen stages are asked again, `plan_stages`)."""
+
+    def __init__(self):
+        self.runs: dict[tuple[int, int, int], list[tuple[int, int, StageCost]]] = {}
+        self.num_positions = 0  # keys covered
+        self.num_calls = 0  # callback calls made
+        self.bisected = False  # whether some positions were not asked
+
+    def add(self, start: int, end: int, index: int, first: int, last: int,
+            cost: StageCost) -> None:
+        self.runs.setdefault((start, end, index), []).append((first, last, cost))
+        self.num_positions += last - first + 1
+
+    def __getitem__(self, key: StageKey) -> StageCost:
+        start, end, index, position = key
+        for first, last, cost in self.runs.get((start, end, index), ()):
+            if first <= position <= last:
+                return cost
+        raise KeyError(key)
+
+    def __len__(self) -> int:
+        return self.num_positions
+
+    def items(self):
+        for (start, end, index), runs in self.runs.items():
+            for first, last, cost in runs:
+                for position in range(first, last + 1):
+                    yield (start, end, index, position), cost
+
+    def values(self):
+        return (cost for _, cost in self.items())
+
+
+def _last_position(problem: _Problem, fewest: int, start: int, end: int,
+                   num_devices: int) -> int:
+    """The farthest position from the last stage at which layers [start, end) on
+    `num_devices` devices can sit in a plan (0: none). The other stages need a layer and
+    a device each: at least `fewest` stages in all, and `position - 1` after this one."""
+    room = min(problem.num_layers - (end - start), problem.num_devices - num_devices)
+    if fewest - 1 > room:
+        return 0
+    return min(problem.num_positions, problem.num_layers - end + 1, room + 1)
+
+
+def _same_answer(a: StageCost, b: StageCost) -> bool:
+    return (not a.feasible and not b.feasible) or (
+        a.feasible and b.feasible and a.latency == b.latency
+    )
+
+
+def _evaluate(problem: _Problem, stage_cost: StageCostFn, bisect: bool = True) -> _Costs:
+    """Ask the callback about every (layer range, submesh, position) a plan could use.
+
+    A callback whose latency never falls as the position grows (`monotone_in_position`:
+    under 1F1B a stage further from the last keeps more microbatches in flight, so it is
+    no faster, and once it does not fit it never does) is asked at the first and the
+    last position and, where their answers differ, bisected: the positions between two
+    equal answers share them. A few calls per (range, submesh) instead of one per
+    position."""
     fewest, _ = problem.stage_count_range()
-    costs = {}
-    for position in range(1, problem.num_positions + 1):
-        # The other stages need a layer and a device each: at least `fewest` stages in
-        # all, and at least `position - 1` after this one.
-        others = max(fewest, position) - 1
-        longest = problem.num_layers - others
-        most_devices = problem.num_devices - others
-        for index in problem.allowed:
-            if problem.submeshes[index].num_devices > most_devices:
-                continue
-            for start in range(problem.num_layers - position + 1):
-                last = min(problem.num_layers - position + 1, start + longest)
-                for end in range(start + 1, last + 1):
-                    key = (start, end, index, position)
-                    costs[key] = _call_cost(problem, stage_cost, key)
+    costs = _Costs()
+    monotone = bisect and problem.positional and getattr(
+        stage_cost, "monotone_in_position", False
+    )
+    costs.bisected = monotone
+
+    def ask(start: int, end: int, index: int, position: int) -> StageCost:
+        costs.num_calls += 1
+        return _call_cost(problem, stage_cost, (start, end, index, position))
+
+    def split(start, end, index, lo, at_lo, hi, at_hi) -> None:
+        """Runs covering positions [lo, hi), knowing the answers at lo and hi."""
+        if _same_answer(at_lo, at_hi):
+            costs.add(start, end, index, lo, hi - 1, at_lo)
+        elif hi - lo == 1:
+            costs.add(start, end, index, lo, lo, at_lo)
+        else:
+            mid = (lo + hi) // 2
+            at_mid = ask(start, end, index, mid)
+            split(start, end, index, lo, at_lo, mid, at_mid)
+            split(start, end, index, mid, at_mid, hi, at_hi)
+
+    for index in problem.allowed:
+        num_devices = problem.submeshes[index].num_devices
+        for start in range(problem.num_layers):
+            for end in range(start + 1, problem.num_layers + 1):
+                last = _last_position(problem, fewest, start, end, num_devices)
+                if last < 1:
+                    continue
+                if not monotone:
+                    for position in range(1, last + 1):
+                        costs.add(start, end, index, position, position,
+                                  ask(start, end, index, position))
+                    continue
+                at_first = ask(start, end, index, 1)
+                if last > 1:
+                    at_last = ask(start, end, index, last)
+                    split(start, end, index, 1, at_first, last, at_last)
+                    costs.add(start, end, index, last, last, at_last)
+                else:
+                    costs.add(start, end, index, 1, 1, at_first)
     return costs
 
 
@@ -278,17 +379,18 @@ def _group_latency(problem: _Problem, costs: dict[StageKey, StageCost]):
     shape = (num_layers, num_layers + 1, len(device_counts), problem.num_positions)
     latency = np.full(shape, np.inf)
     submesh = np.full(latency.shape, -1, dtype=np.int64)
-    for (start, end, index, position), cost in costs.items():
+    allowed = set(problem.allowed)
+    for (start, end, index), runs in costs.runs.items():
         g = group_of.get(problem.submeshes[index].num_devices)
-        at = (start, end, g, position - 1)
-        if (
-            g is not None
-            and index in problem.allowed
-            and cost.feasible
-            and cost.latency < latency[at]
-        ):
-            latency[at] = cost.latency
-            submesh[at] = index
+        if g is None or index not in allowed:
+            continue
+        for first, last, cost in runs:
+            if not cost.feasible:
+                continue
+            at = (start, end, g, slice(first - 1, last))
+            better = cost.latency < latency[at]
+            latency[at] = np.where(better, cost.latency, latency[at])
+            submesh[at] = np.where(better, index, submesh[at])
     return latency, submesh, np.asarray(device_counts, dtype=np.int64)
 
 
@@ -605,7 +707,8 @@ def plan_stages(
       position from the last stage (1 = the last; S - i for stage i of S), capped at P:
       ``stage_cost(start, end, submesh_index, min(S - i, P))``. Give it when a stage's
       cost depends on where it sits (its memory under 1F1B: P = B, see the module
-      docstring); called at most once per argument quadruple.
+      docstring); called at most once per argument quadruple, and once more for each
+      chosen stage when it is `monotone_in_position` (module docstring).
 
     **Returns:**
     The `StagePlan` minimising ``sum_i t_i + (B - 1) * max_j t_j``.
@@ -624,13 +727,26 @@ def plan_stages(
         allowed_submeshes=allowed_submeshes,
         num_positions=num_positions,
     )
-    costs = _evaluate(problem, stage_cost)
-    started = time.perf_counter()
-    stages, num_runs = _best_packable(problem, costs)
-    if stages is None:
-        raise _no_plan_error(problem, costs, memory_budget)
-    solve_time = time.perf_counter() - started
-    return _make_plan(problem, stages, costs, len(costs), solve_time, num_runs)
+    bisect = True
+    while True:
+        costs = _evaluate(problem, stage_cost, bisect)
+        started = time.perf_counter()
+        stages, num_runs = _best_packable(problem, costs)
+        if stages is None:
+            raise _no_plan_error(problem, costs, memory_budget)
+        solve_time = time.perf_counter() - started
+        # A position between two asked ones shares their latency but not their memory
+        # parts: the chosen stages are asked at their own positions.
+        if not costs.bisected:
+            return _make_plan(problem, stages, costs, costs.num_calls, solve_time, num_runs)
+        exact = {key: _call_cost(problem, stage_cost, key) for key in stages}
+        if all(_same_answer(exact[key], costs[key]) for key in stages):
+            return _make_plan(problem, stages, exact, costs.num_calls, solve_time, num_runs)
+        log.warning(
+            "stage DP: the stage costs are not monotone in the position as they claim "
+            "(stages %s); asking every position instead", stages,
+        )
+        bisect = False
 
 
 def brute_force_stages(
