@@ -525,3 +525,27 @@ def test_left_out_shapes_cost_at_most_a_percent_on_cpu_hosts(monkeypatch):
     pruned, every = _plan_both_ways(cfg, autopar.Cluster.from_profile("cpu-local", 4, 2),
                                     16, 2, monkeypatch)
     assert pruned.predicted_step_time <= 1.01 * every.predicted_step_time
+
+
+def test_only_whole_hosts_feasible_counts_devices_by_the_host():
+    """When no host-local stage is feasible, the DP counts devices in whole hosts (the gcd
+    of the feasible sizes) and still finds brute force's plan; with only 3-device stages
+    on 8 devices, no plan covers them all."""
+    rng = random.Random(5)
+    subs = submesh_shapes(3, 4)  # 1x1, 1x2, 1x4, 2x4, 3x4
+    work = {(s, e): sum(rng.uniform(0.5, 2.0) for _ in range(e - s))
+            for s in range(6) for e in range(s + 1, 7)}
+
+    def stage_cost(start, end, index):
+        sub = subs[index]
+        if sub.num_hosts == 1 and sub.num_devices < 4:
+            return StageCost(math.inf, False)
+        return StageCost(round(work[start, end] / sub.num_devices ** 0.8, 4), True)
+
+    plan = plan_stages(6, 3, 4, stage_cost, 8, submeshes=subs)
+    reference = brute_force_stages(6, 3, 4, stage_cost, 8, submeshes=subs)
+    assert plan.latency == pytest.approx(reference.latency, rel=1e-12)
+    assert all(subs[j].num_devices % 4 == 0 for _, _, j in plan.stages)
+    three = [SubmeshShape(1, 3)]
+    with pytest.raises(ValueError, match="no plan"):
+        plan_stages(4, 1, 8, lambda s, e, i: StageCost(1.0, True), 2, submeshes=three)

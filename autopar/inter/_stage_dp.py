@@ -387,6 +387,11 @@ def _group_latency(problem: _Problem, costs: dict[StageKey, StageCost]):
         for first, last, cost in runs:
             if not cost.feasible:
                 continue
+            if first == last:  # one position: scalars (most keys, without positions)
+                at = (start, end, g, first - 1)
+                if cost.latency < latency[at]:
+                    latency[at], submesh[at] = cost.latency, index
+                continue
             at = (start, end, g, slice(first - 1, last))
             better = cost.latency < latency[at]
             latency[at] = np.where(better, cost.latency, latency[at])
@@ -420,14 +425,7 @@ class _Buckets:
         return range(min(1, self.top), self.top + 1)
 
 
-def _store_shifted(shifted, total, row, device_counts) -> None:
-    """shifted[g, s, row, d] = total[s, row, d - device_counts[g]] (inf below 0)."""
-    num_columns = total.shape[2]
-    for g, count in enumerate(device_counts):
-        shifted[g, :, row, count:] = total[:, row, : num_columns - count]
-
-
-def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets):
+def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, live=None):
     """The DP for one t_max: least total latency with every stage <= t_max.
 
     **Arguments:**
@@ -437,31 +435,53 @@ def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets):
     - `t_max`: the bound on every stage.
     - `buckets`: what the stage counts index (`_Buckets`); a stage in bucket b (itself and
       the stages after it) is at position min(b, P), P = ``latency.shape[3]``.
+    - `live`: the groups with a finite latency somewhere (default: found here); the
+      others are skipped.
+
+    The device axis counts in units of the gcd of the live groups' device counts (whole
+    hosts, when no host-local stage is feasible), and each group adds only the layer
+    ranges it has a finite stage for: the work follows the stages that can be, not
+    ``groups x layers^2 x devices``.
 
     **Returns:**
     ``[(start, end, group), ...]`` of the best plan, or None if there is none.
     """
     num_layers, num_positions = latency.shape[0], latency.shape[3]
-    num_groups = len(device_counts)
     top, saturating = buckets.top, buckets.saturating
-    cost = np.where(latency <= t_max, latency, np.inf)
-    total = np.full((top + 1, num_layers + 1, num_devices + 1), np.inf)
+    if live is None:
+        live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+    unit = math.gcd(num_devices, *(int(device_counts[g]) for g in live))
+    if not live or num_devices % unit:
+        return None
+    columns = num_devices // unit + 1
+    total = np.full((top + 1, num_layers + 1, columns), np.inf)
     total[0, num_layers, 0] = 0.0
     choice = np.full(total.shape, -1, dtype=np.int64)
     # Where the "top or more" bucket came from the top bucket itself (not from top - 1).
     from_top = np.zeros(total.shape, dtype=bool)
-    shifted = np.full((num_groups,) + total.shape, np.inf)
-    _store_shifted(shifted, total, num_layers, device_counts)
     sources = np.arange(top + 1) if saturating else np.arange(top)
     targets = np.minimum(sources + 1, top)
     positions = np.minimum(np.maximum(targets, 1), num_positions) - 1
     for start in range(num_layers - 1, -1, -1):
-        stage = cost[start, start + 1 :].transpose(1, 2, 0)[:, positions]  # [group, src, end]
-        source = shifted[:, sources, start + 1 :]  # [group, source bucket, end, devices]
-        candidates = stage[..., None] + source
-        flat = candidates.transpose(1, 3, 0, 2).reshape(len(sources), num_devices + 1, -1)
-        best = flat.argmin(axis=2)  # encodes group * num_ends + (end - start - 1)
-        value = np.take_along_axis(flat, best[..., None], axis=2)[..., 0]
+        num_ends = num_layers - start
+        value = np.full((len(sources), columns), np.inf)
+        best = np.full(value.shape, -1, dtype=np.int64)  # group * num_ends + end - start - 1
+        for g in live:
+            step = int(device_counts[g]) // unit
+            if step >= columns:
+                continue
+            stage = latency[start, start + 1 :, g][:, positions]  # [end, source bucket]
+            stage = np.where(stage <= t_max, stage, np.inf)
+            ends = np.flatnonzero(np.isfinite(stage).any(axis=1))
+            if not ends.size:
+                continue
+            source = total[: len(sources), start + 1 + ends, : columns - step]  # [src, end, d]
+            candidates = stage[ends].T[:, :, None] + source
+            pick = candidates.argmin(axis=1)  # the first least end, as the flat argmin
+            found = np.take_along_axis(candidates, pick[:, None, :], axis=1)[:, 0, :]
+            better = found < value[:, step:]  # strict: an earlier group keeps a tie
+            value[:, step:] = np.where(better, found, value[:, step:])
+            best[:, step:] = np.where(better, g * num_ends + ends[pick], best[:, step:])
         if not saturating:
             total[1:, start], choice[1:, start] = value, best
         elif top == 0:
@@ -472,15 +492,15 @@ def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets):
             total[top, start] = np.where(stays, value[top], value[top - 1])
             choice[top, start] = np.where(stays, best[top], best[top - 1])
             from_top[top, start] = stays
-        _store_shifted(shifted, total, start, device_counts)
     final = buckets.final_range
-    bucket = final.start + int(np.argmin(total[final.start : final.stop, 0, num_devices]))
-    if not np.isfinite(total[bucket, 0, num_devices]):
+    last = columns - 1
+    bucket = final.start + int(np.argmin(total[final.start : final.stop, 0, last]))
+    if not np.isfinite(total[bucket, 0, last]):
         return None
-    return _reconstruct(choice, from_top, device_counts, bucket)
+    return _reconstruct(choice, from_top, device_counts, bucket, unit)
 
 
-def _reconstruct(choice, from_top, device_counts, bucket) -> list[tuple[int, int, int]]:
+def _reconstruct(choice, from_top, device_counts, bucket, unit=1) -> list[tuple[int, int, int]]:
     num_layers = choice.shape[1] - 1
     devices = choice.shape[2] - 1
     stages, start = [], 0
@@ -491,10 +511,10 @@ def _reconstruct(choice, from_top, device_counts, bucket) -> list[tuple[int, int
         group, offset = divmod(code, num_layers - start)
         end = start + 1 + offset
         stages.append((start, end, group))
-        devices -= int(device_counts[group])
+        devices -= int(device_counts[group]) // unit
         start = end
         bucket -= 0 if came_from_top else 1
-    assert devices == 0, f"DP plan leaves {devices} devices unused"
+    assert devices == 0, f"DP plan leaves {devices * unit} devices unused"
     return stages
 
 
@@ -581,6 +601,7 @@ def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
     num_positions = _distinct_positions(latency, submesh)
     latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
     candidates = np.unique(latency[np.isfinite(latency)])
+    live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
     buckets = _Buckets.of(problem, num_positions)
     extra = problem.num_microbatches - 1
     t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
@@ -588,7 +609,8 @@ def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
     index = candidates.size - 1
     while index >= 0:
         t_max = candidates[index]
-        groups = _bounded_dp(latency, device_counts, problem.num_devices, t_max, buckets)
+        groups = _bounded_dp(latency, device_counts, problem.num_devices, t_max, buckets,
+                             live)
         num_runs += 1
         if groups is None:
             break
