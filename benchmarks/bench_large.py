@@ -294,8 +294,9 @@ def run_row(row: Row, microbatches: Sequence[int],
 def least_memory_per_device(row: Row, num_microbatches: int) -> float:
     """A lower bound on the bytes per device any plan of the row needs with
     `num_microbatches`: parameters, optimizer state, gradients and one microbatch's kept
-    activations, each split over every GPU (no plan splits further; none keeps less
-    without rematerialisation)."""
+    activations, each split over every GPU (no plan splits further). A layer keeps the
+    lesser of what its backward reads from its forward and, with full recompute, the
+    activations its forward reads (the layer's input)."""
     from autopar.graph import Role
     from autopar.inter.passes._layers import assign_layers
     from autopar.inter.passes._partition import partition
@@ -309,11 +310,15 @@ def least_memory_per_device(row: Row, num_microbatches: int) -> float:
         if graph.vars[v].role in (Role.PARAM, Role.OPT_STATE)
     )
     grads = sum(graph.vars[v].nbytes for v in part.grad_vars)
-    kept = sum(
-        graph.vars[v].nbytes
-        for k in range(layers.num_layers)
-        for v in set(part.forward[k].outputs) & set(part.backward[k].inputs)
-    )
+    state_roles = (Role.PARAM, Role.OPT_STATE)
+    kept = 0
+    for k in range(layers.num_layers):
+        forward, backward = part.forward[k], part.backward[k]
+        stored = sum(graph.vars[v].nbytes
+                     for v in set(forward.outputs) & set(backward.inputs))
+        inputs = sum(graph.vars[v].nbytes for v in set(forward.inputs)
+                     if graph.vars[v].role not in state_roles)
+        kept += min(stored, inputs)
     return (state + grads + kept) / row.num_gpus
 
 
