@@ -782,14 +782,20 @@ _HASH_BASES = (1_000_003, 998_244_353)
 RANGE_CACHE_SIZE = 200_000
 
 
-def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, compute):
-    """`compute()`, shared by the layer ranges of equal content (`range_key`; a table
-    without one, e.g. a test's made-up numbers, shares nothing)."""
+def _range_cache_key(table: LayerCostTable, what: str, layer_range, args: tuple):
+    """The `range_cache` key of `what` for these layers and `args`; None when nothing is
+    shared (a range that is not contiguous, or a table without `range_key`, e.g. a
+    test's made-up numbers)."""
     range_key = getattr(table, "range_key", None)
     key = None if range_key is None else range_key(layer_range)
+    return None if key is None else (what, key, *args)
+
+
+def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, compute):
+    """`compute()`, shared by the layer ranges of equal content (`_range_cache_key`)."""
+    key = _range_cache_key(table, what, layer_range, args)
     if key is None:
         return compute()
-    key = (what, key, *args)
     cache = table.range_cache
     if key not in cache:
         if len(cache) >= RANGE_CACHE_SIZE:
@@ -801,13 +807,12 @@ def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, co
 def _all_solved(table: LayerCostTable, layer_range, shape, level: int) -> bool:
     """Whether every layer's cost at `level` is known without a solve (a range once
     solved stays so: only that answer is shared)."""
-    range_key = getattr(table, "range_key", None)
-    key = None if range_key is None else ("solved", range_key(layer_range), shape, level)
+    key = _range_cache_key(table, "solved", layer_range, (shape, level))
     if key is not None and key in table.range_cache:
         return True
     if not all(table.is_solved(k, shape, level) for k in layer_range):
         return False
-    if key is not None and key[1] is not None:
+    if key is not None:
         table.range_cache[key] = True
     return True
 

@@ -264,11 +264,11 @@ class _Costs:
     lower one's `StageCost`, whose latency is theirs but whose memory parts are not (the
     chosen stages are asked again, `plan_stages`)."""
 
-    def __init__(self):
+    def __init__(self, bisected: bool):
         self.runs: dict[tuple[int, int, int], list[tuple[int, int, StageCost]]] = {}
         self.num_positions = 0  # keys covered
         self.num_calls = 0  # callback calls made
-        self.bisected = False  # whether some positions were not asked
+        self.bisected = bisected  # whether some positions are inferred, not asked
 
     def add(self, start: int, end: int, index: int, first: int, last: int,
             cost: StageCost) -> None:
@@ -322,11 +322,10 @@ def _evaluate(problem: _Problem, stage_cost: StageCostFn, bisect: bool = True) -
     equal answers share them. A few calls per (range, submesh) instead of one per
     position."""
     fewest, _ = problem.stage_count_range()
-    costs = _Costs()
     monotone = bisect and problem.positional and getattr(
         stage_cost, "monotone_in_position", False
     )
-    costs.bisected = monotone
+    costs = _Costs(monotone)
 
     def ask(start: int, end: int, index: int, position: int) -> StageCost:
         costs.num_calls += 1
@@ -366,7 +365,7 @@ def _evaluate(problem: _Problem, stage_cost: StageCostFn, bisect: bool = True) -
     return costs
 
 
-def _group_latency(problem: _Problem, costs: dict[StageKey, StageCost]):
+def _group_latency(problem: _Problem, costs: _Costs):
     """Best latency per (start, end, device count, position); inf where no feasible stage.
 
     **Returns:**
@@ -425,7 +424,7 @@ class _Buckets:
         return range(min(1, self.top), self.top + 1)
 
 
-def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, live=None):
+def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, live):
     """The DP for one t_max: least total latency with every stage <= t_max.
 
     **Arguments:**
@@ -435,8 +434,7 @@ def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, l
     - `t_max`: the bound on every stage.
     - `buckets`: what the stage counts index (`_Buckets`); a stage in bucket b (itself and
       the stages after it) is at position min(b, P), P = ``latency.shape[3]``.
-    - `live`: the groups with a finite latency somewhere (default: found here); the
-      others are skipped.
+    - `live`: the groups with a finite latency somewhere; the others are skipped.
 
     The device axis counts in units of the gcd of the live groups' device counts (whole
     hosts, when no host-local stage is feasible), and each group adds only the layer
@@ -448,8 +446,6 @@ def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, l
     """
     num_layers, num_positions = latency.shape[0], latency.shape[3]
     top, saturating = buckets.top, buckets.saturating
-    if live is None:
-        live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
     unit = math.gcd(num_devices, *(int(device_counts[g]) for g in live))
     if not live or num_devices % unit:
         return None
@@ -554,7 +550,7 @@ def _chain_submeshes(problem: _Problem) -> tuple[int, ...]:
     )
 
 
-def _best_packable(problem: _Problem, costs: dict[StageKey, StageCost]):
+def _best_packable(problem: _Problem, costs: _Costs):
     """`_search`, made exact for submesh sets that always pack; for other sets also the
     search restricted to the subset that does (see "Packing" in the module docstring).
 
@@ -590,7 +586,7 @@ def _distinct_positions(latency, submesh) -> int:
     return num_positions
 
 
-def _search(problem: _Problem, costs: dict[StageKey, StageCost]):
+def _search(problem: _Problem, costs: _Costs):
     """Visit candidate t_max from the largest down (see the module docstring).
 
     **Returns:**
