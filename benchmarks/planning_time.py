@@ -14,14 +14,17 @@ gives its whole child's totals, and its phases up to the last one that ended):
 - ``layer clustering``: layers assigned and each layer cut out as its own graph (with its
   structural fingerprint);
 - ``layer ILPs``: one sharding ILP per (layer structure, logical mesh, memory level),
-  built and solved (`plan_on_mesh`); how many, and how many cost look-ups were answered
-  from the table instead (``cached``);
+  built, solved (here or in the solver pool, `AUTOPAR_JOBS`) and read back
+  (`LayerCostTable._drive`); how many, and how many cost look-ups were answered from the
+  table instead (``cached``);
 - ``stage DP``: Alpa's DP over layer ranges x submeshes, less the ILPs it triggered;
 - ``lowering``: each chosen stage's plan stitched from its layers' plans, and the `Plan`.
 
-It also prints the planner's peak memory (the child's maximum resident set) and the
-predicted step time of the plan. CPU time is the figure to trust on a shared machine:
-wall time grows with whatever else runs on the cores.
+It also prints the planner's peak memory (the child's maximum resident set, plus each
+solver worker's when the pool ran) and the predicted step time of the plan. CPU seconds
+include the solver workers' (in the total only: a phase's CPU is the planning process's
+own); on a shared machine they are the figure to trust, since wall time grows with
+whatever else runs on the cores.
 
 Run: ``python benchmarks/planning_time.py`` (all rows), ``--rows demo gpt-39B@64``,
 ``--limit 600`` (seconds per row), ``--json out.json``. Progress goes to stderr.
@@ -71,7 +74,8 @@ class _Clock:
         self.extra: dict = {}
         self.last_dump = 0.0
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, count: str | None = None):
+        """`fn` timed under phase `name`; each call adds one to `counts[count]`."""
         def timed(*args, **kwargs):
             frame = [name, time.perf_counter(), _cpu(), 0.0, 0.0]  # nested wall, cpu
             self.stack.append(frame)
@@ -86,8 +90,8 @@ class _Clock:
                 if self.stack:
                     self.stack[-1][3] += wall
                     self.stack[-1][4] += cpu
-                if name == "layer ILPs":
-                    self.counts["ilps"] += 1
+                if count:
+                    self.counts[count] += 1
                 self.dump()
 
         return timed
@@ -125,7 +129,12 @@ def _instrument(clock: _Clock) -> None:
     _pipeline.assign_layers = clock.wrap("layer clustering", _pipeline.assign_layers)
     table = inter_planner.LayerCostTable
     table.__init__ = clock.wrap("layer clustering", table.__init__)
-    inter_planner.plan_on_mesh = clock.wrap("layer ILPs", inter_planner.plan_on_mesh)
+    # The ILPs are built, solved (here or in the solver pool) and read back in `_drive`;
+    # one `prepare_on_mesh` per ILP.
+    table._drive = clock.wrap("layer ILPs", table._drive)
+    inter_planner.prepare_on_mesh = clock.wrap(
+        "layer ILPs", inter_planner.prepare_on_mesh, count="ilps"
+    )
     inter_planner.plan_stages = clock.wrap("stage DP", inter_planner.plan_stages)
     inter_planner._stage_plans = clock.wrap("lowering", inter_planner._stage_plans)
     _pipeline._pipeline_plan = clock.wrap("lowering", _pipeline._pipeline_plan)
@@ -178,6 +187,14 @@ def child(row: str, out: Path) -> None:
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
     with show_progress():
         plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False)
+    # The solver pool's workers are children: once they have ended, their CPU seconds
+    # count in the totals (`_cpu`) and their largest resident set is known.
+    from autopar.intra import _pool
+
+    clock.extra["jobs"] = _pool.jobs()
+    clock.extra["pool_used"] = _pool._POOL is not None and _pool._POOL.started
+    clock.extra["worker_peak_rss_mb"] = _worker_peaks_mb()
+    _pool._close_pool()
     clock.extra.update(
         done=True,
         predicted_step_time=plan.predicted_step_time,
@@ -188,6 +205,25 @@ def child(row: str, out: Path) -> None:
         remat=[sorted(set(s.remat)) for s in plan.stages],
     )
     clock.dump(force=True)
+
+
+def _worker_peaks_mb() -> list[float]:
+    """Each live solver worker's peak resident set (VmHWM, Linux), MB. (The children's
+    `ru_maxrss` would count the copy of this process a worker is forked from before it
+    starts Python.)"""
+    from autopar.intra import _pool
+
+    peaks = []
+    for worker in _pool._POOL._workers if _pool._POOL is not None else []:
+        try:
+            status = Path(f"/proc/{worker.process.pid}/status").read_text()
+        except OSError:
+            continue
+        kb = next((line.split()[1] for line in status.splitlines()
+                   if line.startswith("VmHWM:")), None)
+        if kb is not None:
+            peaks.append(int(kb) / 1024)
+    return peaks
 
 
 def run_row(row: str, limit: float) -> dict:
@@ -217,6 +253,17 @@ def run_row(row: str, limit: float) -> dict:
     return data
 
 
+def _peak(r: dict) -> str:
+    """The planner's peak memory: its own plus each solver worker's peak (an upper bound
+    on what they held at once) when the pool ran."""
+    own = f"{r['peak_rss_mb']:.0f}"
+    peaks = r.get("worker_peak_rss_mb") or []
+    if not r.get("pool_used") or not peaks:
+        return own
+    workers = " + ".join(f"{p:.0f}" for p in peaks)
+    return f"{r['peak_rss_mb'] + sum(peaks):.0f} ({own} + workers {workers})"
+
+
 def report(results: list[dict]) -> str:
     """The rows as a markdown table (CPU / wall seconds per phase)."""
     head = ["row", "total CPU / wall s", *PHASES, "ILPs", "cached", "peak MB", "target",
@@ -241,7 +288,7 @@ def report(results: list[dict]) -> str:
         lines.append(
             "| " + " | ".join([
                 r["row"], total, *phases, str(r["counts"]["ilps"]), str(r["counts"]["cached"]),
-                f"{r['peak_rss_mb']:.0f}", met, step,
+                _peak(r), met, step,
             ]) + " |"
         )
     return "\n".join(lines)

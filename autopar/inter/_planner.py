@@ -18,6 +18,7 @@ import hashlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,9 +59,10 @@ from autopar.inter.passes._remat import (
     scan_body,
     score_shapes,
 )
-from autopar.intra._ilp import MemoryBudgetError
+from autopar.intra._ilp import MemoryBudgetError, solve
 from autopar.intra._options import ShardOptions
-from autopar.intra._planner import plan_on_mesh
+from autopar.intra._planner import PreparedILP, finish_on_mesh, prepare_on_mesh
+from autopar.intra._pool import WorkerDied, jobs, solver_pool
 from autopar.intra._problem import Footprint, unstacked_spec
 from autopar.intra._sharding_plan import ShardingPlan
 
@@ -189,6 +191,7 @@ class LayerCostTable:
         self.num_ilps = 0
         self.ilp_seconds = 0.0  # wall seconds in `_solve`
         self.num_hits = 0  # `cost` look-ups answered from the table
+        self._driving = False  # inside `_drive` (nested solves count once in ilp_seconds)
 
     def cost(self, layer: int, shape: tuple[int, ...], level: int = 0) -> LayerCost | None:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
@@ -214,10 +217,118 @@ class LayerCostTable:
         """Whether `cost(layer, shape, level)` is known without a solve."""
         return (self.fingerprints[layer], shape, level) in self._cache
 
+    def prefetch(self, requests) -> None:
+        """Solve the ILPs of the (layer, shape, level) costs in `requests` not known yet,
+        side by side in the solver pool (`autopar.intra._pool`) once this table has spent
+        `POOL_AFTER_SECONDS` on ILPs (a small search never starts it); `cost` then
+        answers from the table. Level by level, lowest first: a leaner level starts from
+        the plans of level 0. The costs are those `cost` finds one at a time."""
+        if self.solve is not None or self._pool_jobs() <= 1:
+            return
+        wanted: dict[tuple, tuple[int, tuple, int]] = {}
+        for layer, shape, level in requests:
+            shape = tuple(shape)
+            key = (self.fingerprints[layer], shape, level)
+            if key not in self._cache:
+                wanted.setdefault(key, (layer, shape, level))
+            if level and (self.fingerprints[layer], shape, 0) not in self._cache:
+                wanted.setdefault((self.fingerprints[layer], shape, 0), (layer, shape, 0))
+        if len(wanted) < 2:
+            return
+        for level in sorted({lv for _, _, lv in wanted.values()}):
+            asks = [(key, ask) for key, ask in wanted.items() if ask[2] == level]
+            pending = []
+            for key, (layer, shape, _) in asks:
+                if key in self._cache:  # found while an earlier one was costed
+                    continue
+                if self.ilp_seconds < POOL_AFTER_SECONDS:
+                    self.cost(layer, shape, level)  # the pool would cost more than it saves
+                    continue
+                pending.append((key, self._level_steps(layer, shape, level)))
+            results = self._drive([steps for _, steps in pending], parallel=True)
+            for (key, _), (cost, plan) in zip(pending, results):
+                if key not in self._cache:
+                    self._cache[key] = cost
+                    if plan is not None:
+                        self._plans[key] = plan
+
+    @staticmethod
+    def _pool_jobs() -> int:
+        return jobs()
+
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
+        return self._drive([self._level_steps(layer, shape, level)], parallel=False)[0]
+
+    def _drive(self, all_steps: list, parallel: bool) -> list:
+        """Run `_level_steps` generators to their ends, solving the ILPs they yield (in
+        the solver pool when `parallel`, round by round: every generator's next ILP at
+        once); their results in order. The wall seconds count as `ilp_seconds`."""
+        outermost = not self._driving
+        self._driving = True
+        start = time.perf_counter()
+        results: list = [None] * len(all_steps)
+        pool = solver_pool() if parallel else None
+        try:
+            # Each ILP goes to the pool as soon as it is built, so that building the next
+            # overlaps solving this one.
+            handles = {}
+            for i, steps in enumerate(all_steps):
+                self._advance(i, steps, None, handles, results, pool)
+            while handles:
+                asked, handles = handles, {}
+                for i, handle in asked.items():
+                    self._advance(i, all_steps[i], self._outcome(handle), handles, results,
+                                  pool)
+        finally:
+            if outermost:
+                self._driving = False
+                self.ilp_seconds += time.perf_counter() - start
+        return results
+
+    def _advance(self, i: int, steps, outcome, handles: dict, results: list, pool) -> None:
+        """Send `outcome` (a solution or the exception its solve raised) into generator
+        `i`: its next ILP is started (`handles[i]`), or its result goes to `results`."""
+        try:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, MemoryBudgetError):
+                prepared = steps.throw(outcome)
+            else:
+                prepared = steps.send(outcome)
+        except StopIteration as stop:
+            results[i] = stop.value
+            return
+        handles[i] = self._start_solve(prepared, pool)
+
+    @staticmethod
+    def _start_solve(prepared: PreparedILP, pool):
+        if pool is None:
+            return prepared
+        try:
+            return pool.submit(prepared.problem, **prepared.solve_args)
+        except (OSError, WorkerDied) as err:
+            log.warning("the sharding ILP pool failed (%s): solving here instead", err)
+            return prepared
+
+    @staticmethod
+    def _outcome(handle):
+        """The solution of a `_start_solve` handle, or the exception its solve raised."""
+        try:
+            if isinstance(handle, PreparedILP):
+                return solve(handle.problem, **handle.solve_args)
+            try:
+                return handle.result()
+            except WorkerDied as err:
+                log.warning("%s: solving its ILP here instead", err)
+                return solve(handle.problem, **handle.solve_args)
+        except Exception as err:
+            return err
+
+    def _level_steps(self, layer: int, shape, level: int):
+        """A generator yielding the `PreparedILP`s of one level (`_plan_level`) one at a
+        time, sent each one's solution (or the exception its solve raised); it returns
+        (cost, (plan, graph solved on)), or (None, None) when none fits."""
         if level == 0:
-            return self._solve(layer, shape, footprint_budget=None)
+            return (yield from self._solve_steps(layer, shape, footprint_budget=None))
         if self.cost(layer, shape) is None or self.solve is not None:
             return None, None
         if level >= NUM_LEVELS:
@@ -230,15 +341,18 @@ class LayerCostTable:
         peak = fastest.cost.memory_per_device * (1 + PEAK_TOLERANCE)
         if LEVELS == "price":
             price = LEVEL_PRICES[level] * fastest.cost.total / (at_fastest - least)
-            solved = self._solve(layer, shape, footprint_budget=None, price=price)
+            solved = yield from self._solve_steps(layer, shape, footprint_budget=None,
+                                                  price=price)
             if solved[0] is not None and solved[1][0].cost.memory_per_device > peak:
                 # Leaner for the run but not at its peak: solve again under that peak
                 # (memory rows: a MIP, for the few layers where it binds).
-                solved = self._solve(layer, shape, footprint_budget=None, peak_budget=peak,
-                                     price=price)
+                solved = yield from self._solve_steps(
+                    layer, shape, footprint_budget=None, peak_budget=peak, price=price
+                )
         else:
             budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
-            solved = self._solve(layer, shape, footprint_budget=budget, peak_budget=peak)
+            solved = yield from self._solve_steps(layer, shape, footprint_budget=budget,
+                                                  peak_budget=peak)
         if solved[0] is None:
             # The least footprint is a lower bound the peak memory may not allow: this
             # layer stays at its leanest feasible plan.
@@ -250,27 +364,29 @@ class LayerCostTable:
         cost = self.cost(layer, shape, level)
         return cost, self._plans.get((self.fingerprints[layer], shape, level))
 
-    def _solve(self, layer: int, shape, footprint_budget: float | None,
-               peak_budget: float | None = None, price: float = 0.0):
-        """Plan the layer on a mesh of `shape` (one ILP, or the caller's `solve`)."""
+    def _solve_steps(self, layer: int, shape, footprint_budget: float | None,
+                     peak_budget: float | None = None, price: float = 0.0):
+        """Plan the layer on a mesh of `shape`: one ILP, yielded to be solved (or the
+        caller's `solve`, run here)."""
         sub = self.per_layer.stage_graphs[layer]
         mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
         self.num_ilps += 1
         ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
         weights = self.weights[layer]
-        start = time.perf_counter()
-        try:
-            if self.solve is not None:
+        if self.solve is not None:
+            try:
                 plan = self.solve(sub, mesh, ties, weights)
-            else:
-                plan = plan_on_mesh(
-                    sub, self.cluster, mesh, self.options, ties, weights=weights,
-                    footprint=self.footprint(layer, shape, footprint_budget, peak_budget, price),
-                )
-        except MemoryBudgetError:
-            return None, None
-        finally:
-            self.ilp_seconds += time.perf_counter() - start
+            except MemoryBudgetError:
+                return None, None
+        else:
+            prepared = prepare_on_mesh(
+                sub, self.cluster, mesh, self.options, ties, weights=weights,
+                footprint=self.footprint(layer, shape, footprint_budget, peak_budget, price),
+            )
+            solution = yield prepared
+            if isinstance(solution, MemoryBudgetError):
+                return None, None
+            plan = finish_on_mesh(prepared, solution)
         # The backward reruns the kept values its forward made inside a fusion
         # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
         fused = self._fused_seconds(layer, sub, plan)
@@ -631,24 +747,30 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
     ctx = CostContext(cluster, plan.mesh)
     wanted = set(node_ids)
     operand_specs = {(n, p): spec for n, p, spec in plan.operand_specs if n in wanted}
+    # A layer is priced at several levels and remat choices on one mesh: each node's
+    # strategies are costed once per (mesh, cluster).
+    by_node = _RERUN_STRATEGIES.setdefault(graph, {})
     seconds = 0.0
     for n in node_ids:
         node = graph.nodes[n]
-        name = plan.node_strategies[n]
-        chosen = next(
-            (s for s in node_strategies(node, graph, node_signature(node, graph), ctx)
-             if s.name == name),
-            None,
-        )
-        if chosen is None:  # an identity marker or a node planned without a rule
-            continue
-        seconds += chosen.compute_cost + chosen.comm_cost
+        key = (n, plan.mesh, cluster)
+        if key not in by_node:
+            costs = by_node[key] = {}
+            for s in node_strategies(node, graph, node_signature(node, graph), ctx):
+                costs.setdefault(s.name, s.compute_cost + s.comm_cost)  # the first of a name
+        # No entry: an identity marker or a node planned without a rule.
+        seconds += by_node[key].get(plan.node_strategies[n], 0.0)
         for p, v in enumerate(node.inputs):
             var = graph.vars[v]
             have, want = plan.var_specs[v], operand_specs.get((n, p))
             if want is not None and have is not None and want != have:
                 seconds += reshard_time(var.shape, var.dtype, have, want, plan.mesh, cluster)
     return seconds
+
+
+# graph -> {(node id, mesh, cluster): {strategy name: seconds}} for `rerun_seconds`;
+# forgets graphs nothing else holds.
+_RERUN_STRATEGIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _var_map(sub: OpGraph, solved_on: OpGraph) -> dict[int, int]:
@@ -728,6 +850,10 @@ assert len(LEVEL_FRACTIONS) == NUM_LEVELS
 # A leaner level's peak may exceed its fastest plan's by rounding only (the same ILP
 # measure, `peak_memory`, on both).
 PEAK_TOLERANCE = 1e-9
+# `LayerCostTable.prefetch` solves in the solver pool only once the table has spent this
+# many seconds on ILPs: starting the workers (about a second of CPU each, importing
+# autopar) would cost a small search more than it saves.
+POOL_AFTER_SECONDS = 2.0
 
 
 def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
@@ -817,6 +943,14 @@ def _all_solved(table: LayerCostTable, layer_range, shape, level: int) -> bool:
     return True
 
 
+def _prefetch(table: LayerCostTable, layer_range, shape, level: int) -> None:
+    """The range's layer ILPs at `level` solved side by side (`LayerCostTable.prefetch`)
+    when some are not yet."""
+    prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
+    if prefetch is not None and not _all_solved(table, layer_range, shape, level):
+        prefetch((k, shape, level) for k in layer_range)
+
+
 def choose_remat(
     table: LayerCostTable, layer_range, shape, level: int, in_flight: int, budget: float,
     remat: str = "auto",
@@ -845,6 +979,7 @@ def _choose_remat(
     solve (Megatron-LM likewise recomputes only some layers of a stage).
     """
     layer_range = list(layer_range)
+    _prefetch(table, layer_range, shape, level)
     if remat != "auto":
         costs = [table.remat_cost(k, shape, level, remat) for k in layer_range]
         if any(c is None for c in costs):
@@ -1276,6 +1411,7 @@ class _StageCosts:
         when a plan is not a proven optimum. Rounding differs from a sum over the range by
         far less than `DOMINANCE_MARGIN`, which the lower bound keeps."""
         if shape not in self._prefix:
+            _prefetch(self.table, range(len(self.table.per_layer.stage_graphs)), shape, 0)
             sums, missing, unproven = [0.0], [0], [0]
             for k in range(len(self.table.per_layer.stage_graphs)):
                 cost = self.table.cost(k, shape)
@@ -1433,6 +1569,10 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
                 shapes.append(shape)
     if table.solve is not None or not shapes:
         return []
+    prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
+    if prefetch is not None:
+        num_layers = len(table.per_layer.stage_graphs)
+        prefetch((k, shape, 0) for shape in shapes for k in range(num_layers))
     sums = [0.0]
     for k in range(len(table.per_layer.stage_graphs)):
         least = math.inf

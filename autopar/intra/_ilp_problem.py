@@ -66,6 +66,17 @@ class ShardingProblem:
     def __post_init__(self):
         _check_problem(self)
 
+    # Pickled as checked (a solver pool sends problems to its workers): the followers'
+    # read-only view does not pickle, a dict does.
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["followers"] = dict(state["followers"])
+        return state
+
+    def __setstate__(self, state):
+        state["followers"] = types.MappingProxyType(state["followers"])
+        self.__dict__.update(state)
+
     @property
     def num_nodes(self) -> int:
         return len(self.node_costs)
@@ -147,6 +158,9 @@ class MemoryBudgetError(ValueError):
             f"{least:.6g}, or lower the memory needed (more devices, more pipeline stages, "
             f"smaller micro-batches, rematerialisation)."
         )
+
+    def __reduce__(self):  # pickles with its numbers (a solver pool hands it back)
+        return type(self), (self.budget, self.least_memory, self.kind)
 
 
 # --------------------------------------------------------------------------------------

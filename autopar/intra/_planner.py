@@ -61,18 +61,60 @@ def plan_on_mesh(
     `fixed` pins input variables to specs, `weights` weighs node costs, `footprint` limits
     memory held for the whole run (see `build_problem`); with a footprint the plan's stats
     give its "footprint" and the "least_footprint" any plan reaches (bytes per device).
+    The same as `prepare_on_mesh`, `solve` of its problem, then `finish_on_mesh` (which a
+    caller solving many ILPs side by side does itself: `autopar.intra._pool`).
     """
+    prepared = prepare_on_mesh(graph, cluster, mesh, options, tied, fixed, weights, footprint)
+    solution = solve(prepared.problem, **prepared.solve_args)
+    return finish_on_mesh(prepared, solution)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedILP:
+    """A sharding ILP built and ready to solve: `solve(problem, **solve_args)` (in this
+    process or another: both are plain data), then `finish_on_mesh` with the solution."""
+
+    problem: object  # ShardingProblem
+    solve_args: dict
+    graph: OpGraph
+    mesh: LogicalMesh
+    cluster: object
+    options: ShardOptions
+    tied: tuple
+    footprint: Footprint | None
+    built: BuiltProblem
+    build_time: float
+
+
+def prepare_on_mesh(
+    graph: OpGraph,
+    cluster,
+    mesh: LogicalMesh,
+    options: ShardOptions = DEFAULT_OPTIONS,
+    tied: Sequence[tuple[int, int]] = (),
+    fixed: Mapping[int, Spec] | None = None,
+    weights: Mapping[int, tuple[float, float]] | None = None,
+    footprint: Footprint | None = None,
+) -> PreparedILP:
+    """The ILP `plan_on_mesh` solves, built (memoised per graph: `_built_problem`)."""
     start = time.perf_counter()
     built = _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
-    build_time = time.perf_counter() - start
     problem = built.problem
     if footprint is not None and footprint.price:
         problem = with_footprint_price(problem, footprint.price)
-    solution = solve(problem, time_limit=options.time_limit, solver=options.solver)
-    plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
+    return PreparedILP(
+        problem, {"time_limit": options.time_limit, "solver": options.solver}, graph, mesh,
+        cluster, options, tuple(tied), footprint, built, time.perf_counter() - start,
+    )
+
+
+def finish_on_mesh(prepared: PreparedILP, solution) -> ShardingPlan:
+    """The `ShardingPlan` of a solution of `prepared.problem`."""
+    graph, mesh, built = prepared.graph, prepared.mesh, prepared.built
+    plan = _to_plan(graph, mesh, prepared.cluster, built, solution.choices, prepared.tied)
     stats = dict(plan.stats)
     stats.update(
-        build_time=build_time,
+        build_time=prepared.build_time,
         solve_time=solution.stats.solve_time,
         objective=solution.objective,
         status=solution.status,
@@ -83,14 +125,16 @@ def plan_on_mesh(
         solver=solution.stats.solver,
         tie_break=solution.stats.tie_break,
     )
-    if footprint is not None:
+    if prepared.footprint is not None:
         stats.update(
             footprint=footprint_total(built.problem, solution.choices),
             least_footprint=least_footprint(built.problem),
         )
     object.__setattr__(plan, "stats", stats)
     warnings = plan.warnings + large_replicated_warnings(graph)
-    object.__setattr__(plan, "warnings", warnings + _solve_warnings(solution, mesh, options))
+    object.__setattr__(
+        plan, "warnings", warnings + _solve_warnings(solution, mesh, prepared.options)
+    )
     return plan
 
 
