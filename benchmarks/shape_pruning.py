@@ -52,13 +52,13 @@ def child(row: str, every: bool) -> dict:
         _planner.logical_mesh_shapes = functools.partial(_submesh.logical_mesh_shapes, every=True)
     solved = [0]
     table = _planner.LayerCostTable
-    original = table._solve
+    original = table._solve_steps  # one call per layer ILP
 
     def counted(self, *args, **kwargs):
         solved[0] += 1
         return original(self, *args, **kwargs)
 
-    table._solve = counted
+    table._solve_steps = counted
     model, hosts, micro = ROWS[row]
     step, args = model_step(Row("gpt", model, hosts))
     cluster = Cluster.from_profile(PROFILE, num_hosts=hosts)
