@@ -316,3 +316,32 @@ def test_ranges_of_equal_content_share_their_fits():
     assert len({key[1] for key in table.range_cache}) < len(ranges)  # some were shared
     assert any(f.remat != ("none",) * len(f.remat) for f in table.range_cache.values()
                if isinstance(f, _planner._Fit))
+
+
+def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
+    """The table keeps each layer plan's specs only for the variables its layer graph
+    touches (`_CompactSpecs`); they read as the full tuple `plan_on_mesh` returns:
+    indexing (negative too), slicing, iteration, length, equality."""
+    from autopar.inter import _planner
+    from autopar.inter._planner import _CompactSpecs
+    from autopar.intra import plan_on_mesh
+    from autopar.intra._options import ShardOptions
+
+    graph, layers, tied = _tiny_gpt_graph()
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    layer, shape = 1, (2, 2)
+    kept = table.plan(layer, shape)
+    assert isinstance(kept.var_specs, _CompactSpecs)
+    sub = table.per_layer.stage_graphs[layer]
+    fresh = plan_on_mesh(
+        sub, cluster, autopar.LogicalMesh.create(shape), ShardOptions(),
+        _planner._tied_in(sub, tied) + table.chain_ties(layer), weights=table.weights[layer],
+    ).var_specs
+    assert isinstance(fresh, tuple) and len(kept.var_specs) == len(fresh) == len(sub.vars)
+    assert kept.var_specs == fresh and tuple(kept.var_specs) == fresh
+    assert sum(s is not None for s in fresh) > 0
+    assert all(kept.var_specs[v] == fresh[v] for v in range(-len(fresh), len(fresh)))
+    assert kept.var_specs[3:40:3] == fresh[3:40:3]
+    with pytest.raises(IndexError):
+        kept.var_specs[len(fresh)]

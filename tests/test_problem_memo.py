@@ -161,3 +161,39 @@ def test_route_leaves_out_unsplit_dimensions(mesh_shape, ndim):
         got = tuple(dataclasses.astuple(c)[:3] for c in
                     _reshard.reshard_collectives(shape, "float32", src, dst, mesh))
         assert got == _full_route_collectives(shape, 4, src, dst, mesh), (src, dst)
+
+
+def test_built_problems_are_dropped_least_recently_used_first(monkeypatch):
+    """Past `BUILT_CACHE_BYTES` the least recently used problem is dropped (a look-up
+    counts as a use) and counted out; a plan of a dropped problem, built again, is the
+    plan solved before."""
+    from autopar.intra import _planner
+
+    graph = _gpt()
+    cluster = _cluster()
+    meshes = [LogicalMesh.create(shape) for shape in ((2,), (4,), (8,))]
+    monkeypatch.setattr(_planner, "_BUILT_ORDER", type(_planner._BUILT_ORDER)())
+    monkeypatch.setattr(_planner, "_built_bytes", 0)
+    monkeypatch.setattr(_planner, "BUILT_CACHE_BYTES", float("inf"))
+    _planner._BUILT.pop(graph, None)
+    first = [_planner.plan_on_mesh(graph, cluster, mesh) for mesh in meshes]
+    sizes = [size for _, size in _planner._BUILT_ORDER.values()]
+    assert len(sizes) == 3 and _planner._built_bytes == sum(sizes)
+    _planner.plan_on_mesh(graph, cluster, meshes[0])  # (2,) used again: (4,) is the oldest
+    budget = sum(sizes) - 1
+    monkeypatch.setattr(_planner, "BUILT_CACHE_BYTES", budget)
+    again = _planner.plan_on_mesh(graph, cluster, LogicalMesh.create((2, 4)))
+    kept = [key[0] for _, key in _planner._BUILT_ORDER]
+    assert kept[-1] == LogicalMesh.create((2, 4))
+    lru = [meshes[1], meshes[2], meshes[0]]  # least recently used first
+    dropped = [m for m in lru if m not in kept]
+    assert dropped and dropped == lru[:len(dropped)]
+    assert set(kept[:-1]) == set(lru[len(dropped):])
+    assert {key[0] for key in _planner._BUILT[graph]} == set(kept)
+    assert _planner._built_bytes == sum(size for _, size in _planner._BUILT_ORDER.values())
+    assert _planner._built_bytes <= budget or len(kept) == 1
+    assert again.var_specs  # planned
+    rebuilt = _planner.plan_on_mesh(graph, cluster, meshes[1])
+    assert rebuilt.var_specs == first[1].var_specs
+    assert rebuilt.cost == first[1].cost
+    _planner._BUILT.pop(graph, None)

@@ -7,6 +7,7 @@ step time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -156,6 +157,9 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
         built = by_key[key] = build_problem(
             graph, mesh, cluster, options, tied, fixed, weights, footprint
         )
+        _keep_built(graph, key, built)
+    elif (id(graph), key) in _BUILT_ORDER:
+        _BUILT_ORDER.move_to_end((id(graph), key))
     if footprint is None:
         return built
     limits = {"footprint_budget": footprint.budget}
@@ -168,8 +172,47 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
     return built
 
 
-# graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds.
+# graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds,
+# and the least recently used problems past `BUILT_CACHE_BYTES` of their arrays (a large
+# search builds thousands: GPT-3 175B on 1,024 GPUs, ~1,600 of 3-8 MB each).
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+BUILT_CACHE_BYTES = 1 << 30
+# (id(graph), key) -> (weakref to the graph, bytes), least recently used first.
+_BUILT_ORDER: collections.OrderedDict = collections.OrderedDict()
+_built_bytes = 0
+
+
+def _problem_bytes(problem) -> int:
+    """The bytes of a problem's arrays (its Python objects are of the same order)."""
+    arrays = (*problem.node_costs, *problem.edge_costs, *problem.node_memory,
+              *problem.footprint)
+    return sum(a.nbytes for a in arrays)
+
+
+def _keep_built(graph, key, built) -> None:
+    """Count `built` in the cache, dropping the least recently used past the limit."""
+    global _built_bytes
+    entry = (id(graph), key)
+    _forget_built(entry, None)  # an entry of a dead graph whose id this one reuses
+    ref = weakref.ref(graph, lambda ref, entry=entry: _forget_built(entry, ref))
+    size = _problem_bytes(built.problem)
+    _BUILT_ORDER[entry] = (ref, size)
+    _built_bytes += size
+    while _built_bytes > BUILT_CACHE_BYTES and len(_BUILT_ORDER) > 1:
+        (_, old_key), (old_ref, old_size) = _BUILT_ORDER.popitem(last=False)
+        _built_bytes -= old_size
+        old_graph = old_ref()
+        if old_graph is not None:
+            _BUILT.get(old_graph, {}).pop(old_key, None)
+
+
+def _forget_built(entry, ref) -> None:
+    """Stop counting `entry` (when `ref` is given: only if it is still that graph's)."""
+    global _built_bytes
+    held = _BUILT_ORDER.get(entry)
+    if held is not None and (ref is None or held[0] is ref):
+        del _BUILT_ORDER[entry]
+        _built_bytes -= held[1]
 
 
 def large_replicated_warnings(
