@@ -113,7 +113,6 @@ def _stage_choice(graph, layers, tied, budget, monkeypatch, pooled: bool):
     from autopar.intra._options import ShardOptions
 
     monkeypatch.setenv(JOBS_ENV, "2" if pooled else "1")
-    monkeypatch.setattr(_planner, "POOL_AFTER_SECONDS", 0.0)  # from the first batch
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
     options = ShardOptions(memory_budget=budget)
     table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)

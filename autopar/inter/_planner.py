@@ -220,10 +220,10 @@ class LayerCostTable:
 
     def prefetch(self, requests) -> None:
         """Solve the ILPs of the (layer, shape, level) costs in `requests` not known yet,
-        side by side in the solver pool (`autopar.intra._pool`) once this table has spent
-        `POOL_AFTER_SECONDS` on ILPs (a small search never starts it); `cost` then
-        answers from the table. Level by level, lowest first: a leaner level starts from
-        the plans of level 0. The costs are those `cost` finds one at a time."""
+        side by side in the solver pool (`autopar.intra._pool`; nothing when it has one
+        worker or there is one ILP); `cost` then answers from the table. Level by level,
+        lowest first: a leaner level starts from the plans of level 0. The costs are
+        those `cost` finds one at a time."""
         if self.solve is not None or self._pool_jobs() <= 1:
             return
         wanted: dict[tuple, tuple[int, tuple, int]] = {}
@@ -241,9 +241,6 @@ class LayerCostTable:
             pending = []
             for key, (layer, shape, _) in asks:
                 if key in self._cache:  # found while an earlier one was costed
-                    continue
-                if self.ilp_seconds < POOL_AFTER_SECONDS:
-                    self.cost(layer, shape, level)  # the pool would cost more than it saves
                     continue
                 pending.append((key, self._level_steps(layer, shape, level)))
             results = self._drive([steps for _, steps in pending], parallel=True)
@@ -920,10 +917,6 @@ assert len(LEVEL_FRACTIONS) == NUM_LEVELS
 # A leaner level's peak may exceed its fastest plan's by rounding only (the same ILP
 # measure, `peak_memory`, on both).
 PEAK_TOLERANCE = 1e-9
-# `LayerCostTable.prefetch` solves in the solver pool only once the table has spent this
-# many seconds on ILPs: starting the workers (about a second of CPU each, importing
-# autopar) would cost a small search more than it saves.
-POOL_AFTER_SECONDS = 2.0
 
 
 def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
