@@ -84,6 +84,7 @@ def test_a_worker_that_dies_is_replaced(pool, monkeypatch):
     with pytest.raises(WorkerDied, match="worker stopped"):
         pool.submit(problem).result()
     monkeypatch.undo()
+    assert pool.broken  # `solver_pool` hands out no broken pool
     assert pool.submit(problem).result().choices == solve(problem).choices
 
 
@@ -155,3 +156,24 @@ def test_pooled_search_makes_the_same_choice(monkeypatch):
             assert (cost is None) == (other is None)
             if cost is not None:
                 assert cost == other
+
+
+def test_workers_that_cannot_start_leave_the_search_to_this_process(monkeypatch, caplog):
+    """Workers that die on start (here: a bootstrap that exits) cost the search nothing
+    but a warning: its ILPs are solved here, to the same choice, and the broken pool is
+    not used again."""
+    from autopar.intra import _pool
+
+    graph, layers, tied = _tiny_gpt_graph()
+    here, _ = _stage_choice(graph, layers, tied, None, monkeypatch, pooled=False)
+    _pool._close_pool()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_pool, "_POOL", None)
+        patch.setattr(_pool, "_BOOTSTRAP", "import sys; sys.exit(3)  # {packages}")
+        with caplog.at_level("WARNING", logger="autopar"):
+            pooled, _ = _stage_choice(graph, layers, tied, None, monkeypatch, pooled=True)
+        broken = _pool._POOL
+        _pool._close_pool()
+    _same_choice(pooled, here)
+    assert broken is not None and broken.broken
+    assert "solving its ILP here instead" in caplog.text

@@ -298,26 +298,27 @@ class LayerCostTable:
         handles[i] = self._start_solve(prepared, pool)
 
     @staticmethod
-    def _start_solve(prepared: PreparedILP, pool):
+    def _start_solve(prepared: PreparedILP, pool) -> tuple:
+        """(prepared, its solve's future in `pool`, or None: solved by `_outcome`)."""
         if pool is None:
-            return prepared
+            return prepared, None
         try:
-            return pool.submit(prepared.problem, **prepared.solve_args)
+            return prepared, pool.submit(prepared.problem, **prepared.solve_args)
         except (OSError, WorkerDied) as err:
             log.warning("the sharding ILP pool failed (%s): solving here instead", err)
-            return prepared
+            return prepared, None
 
     @staticmethod
-    def _outcome(handle):
+    def _outcome(handle: tuple):
         """The solution of a `_start_solve` handle, or the exception its solve raised."""
+        prepared, future = handle
         try:
-            if isinstance(handle, PreparedILP):
-                return solve(handle.problem, **handle.solve_args)
-            try:
-                return handle.result()
-            except WorkerDied as err:
-                log.warning("%s: solving its ILP here instead", err)
-                return solve(handle.problem, **handle.solve_args)
+            if future is not None:
+                try:
+                    return future.result()
+                except WorkerDied as err:
+                    log.warning("%s: solving its ILP here instead", err)
+            return solve(prepared.problem, **prepared.solve_args)
         except Exception as err:
             return err
 

@@ -135,6 +135,7 @@ class SolverPool:
         self._workers: list[_Worker] = []
         self._threads: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.broken = False  # a problem's worker died twice: `solver_pool` stops using it
 
     @property
     def started(self) -> bool:
@@ -172,6 +173,9 @@ class SolverPool:
             try:
                 answer = worker.call(payload)
             except WorkerDied:
+                # Twice in a row: the problem, or workers that cannot run here (a Python
+                # without the solver's modules). The search goes on without the pool.
+                self.broken = True
                 self._idle.put(self._replace(worker))
                 raise
         self._idle.put(worker)
@@ -203,10 +207,10 @@ _POOL: SolverPool | None = None
 
 
 def solver_pool() -> SolverPool | None:
-    """The process's shared pool; None when `jobs()` is 1."""
+    """The process's shared pool; None when `jobs()` is 1 or the pool broke."""
     global _POOL
     size = jobs()
-    if size <= 1:
+    if size <= 1 or (_POOL is not None and _POOL.broken):
         return None
     if _POOL is None or _POOL.size != size:
         if _POOL is not None:
