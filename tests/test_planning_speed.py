@@ -27,7 +27,9 @@ def _tiny_gpt_graph():
     return graph, assign_layers(graph), tied_state(graph, (0,))
 
 
-def _search(graph, layers, tied, budget, monkeypatch, prune: bool):
+def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8)):
+    """The stage choice on one host's submeshes of `devices` GPUs each, and its table;
+    undoes `monkeypatch` after."""
     from autopar.inter import _planner
     from autopar.intra._options import ShardOptions
 
@@ -38,7 +40,7 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool):
     table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
     choice = _planner.choose_stages(
         graph, layers, cluster, 4, "1f1b", options, tied, table=table,
-        submeshes=[autopar.inter.SubmeshShape(1, 4), autopar.inter.SubmeshShape(1, 8)],
+        submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
     )
     monkeypatch.undo()
     return choice, table

@@ -10,7 +10,7 @@ import pytest
 
 from autopar.intra import MemoryBudgetError, ShardingProblem, solve
 from autopar.intra._pool import JOBS_ENV, SolverPool, WorkerDied, jobs
-from tests.test_planning_speed import _same_choice, _tiny_gpt_graph
+from tests.test_planning_speed import _same_choice, _search, _tiny_gpt_graph
 
 
 def _problem(seed: int, budget: float | None = None) -> ShardingProblem:
@@ -109,20 +109,8 @@ def test_jobs_setting(monkeypatch):
 
 
 def _stage_choice(graph, layers, tied, budget, monkeypatch, pooled: bool):
-    import autopar
-    from autopar.inter import _planner
-    from autopar.intra._options import ShardOptions
-
     monkeypatch.setenv(JOBS_ENV, "2" if pooled else "1")
-    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    options = ShardOptions(memory_budget=budget)
-    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
-    choice = _planner.choose_stages(
-        graph, layers, cluster, 4, "1f1b", options, tied, table=table,
-        submeshes=[autopar.inter.SubmeshShape(1, 2), autopar.inter.SubmeshShape(1, 4)],
-    )
-    monkeypatch.undo()
-    return choice, table
+    return _search(graph, layers, tied, budget, monkeypatch, prune=True, devices=(2, 4))
 
 
 def test_pooled_search_makes_the_same_choice(monkeypatch):

@@ -189,7 +189,7 @@ class LayerCostTable:
         self._fused_reruns: dict[int, object] = {}  # layer -> its `fused_recompute`
         self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
-        self.ilp_seconds = 0.0  # wall seconds in `_solve`
+        self.ilp_seconds = 0.0  # wall seconds in `_drive`
         self.num_hits = 0  # `cost` look-ups answered from the table
         self._driving = False  # inside `_drive` (nested solves count once in ilp_seconds)
         self._var_index: dict[int, dict[int, int]] = {}  # id(layer graph) -> `_compact`'s
@@ -224,7 +224,7 @@ class LayerCostTable:
         worker or there is one ILP); `cost` then answers from the table. Level by level,
         lowest first: a leaner level starts from the plans of level 0. The costs are
         those `cost` finds one at a time."""
-        if self.solve is not None or self._pool_jobs() <= 1:
+        if self.solve is not None or jobs() <= 1:
             return
         wanted: dict[tuple, tuple[int, tuple, int]] = {}
         for layer, shape, level in requests:
@@ -237,12 +237,11 @@ class LayerCostTable:
         if len(wanted) < 2:
             return
         for level in sorted({lv for _, _, lv in wanted.values()}):
-            asks = [(key, ask) for key, ask in wanted.items() if ask[2] == level]
-            pending = []
-            for key, (layer, shape, _) in asks:
-                if key in self._cache:  # found while an earlier one was costed
-                    continue
-                pending.append((key, self._level_steps(layer, shape, level)))
+            pending = [  # (those found while an earlier level was costed are left out)
+                (key, self._level_steps(layer, shape, level))
+                for key, (layer, shape, lv) in wanted.items()
+                if lv == level and key not in self._cache
+            ]
             results = self._drive([steps for _, steps in pending], parallel=True)
             for (key, _), (cost, plan) in zip(pending, results):
                 if key not in self._cache:
@@ -250,17 +249,13 @@ class LayerCostTable:
                     if plan is not None:
                         self._plans[key] = plan
 
-    @staticmethod
-    def _pool_jobs() -> int:
-        return jobs()
-
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
         return self._drive([self._level_steps(layer, shape, level)], parallel=False)[0]
 
     def _drive(self, all_steps: list, parallel: bool) -> list:
         """Run `_level_steps` generators to their ends, solving the ILPs they yield (in
-        the solver pool when `parallel`, round by round: every generator's next ILP at
+        the solver pool when `parallel`: every generator's next ILP is in flight at
         once); their results in order. The wall seconds count as `ilp_seconds`."""
         outermost = not self._driving
         self._driving = True
@@ -300,11 +295,11 @@ class LayerCostTable:
     @staticmethod
     def _start_solve(prepared: PreparedILP, pool) -> tuple:
         """(prepared, its solve's future in `pool`, or None: solved by `_outcome`)."""
-        if pool is None:
+        if pool is None or pool.broken:
             return prepared, None
         try:
             return prepared, pool.submit(prepared.problem, **prepared.solve_args)
-        except (OSError, WorkerDied) as err:
+        except OSError as err:  # no worker could start (then the pool is broken)
             log.warning("the sharding ILP pool failed (%s): solving here instead", err)
             return prepared, None
 

@@ -106,7 +106,7 @@ class _Worker:
         try:
             _write_frame(self.process.stdin, payload)
             answer = _read_frame(self.process.stdout)
-        except (BrokenPipeError, OSError) as err:
+        except OSError as err:  # a broken pipe: the worker has ended
             raise WorkerDied(f"a sharding ILP worker stopped: {err}") from err
         if answer is None:
             code = self.process.poll()
@@ -135,7 +135,9 @@ class SolverPool:
         self._workers: list[_Worker] = []
         self._threads: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.broken = False  # a problem's worker died twice: `solver_pool` stops using it
+        # A problem's worker died twice, or no worker could start: `solver_pool` stops
+        # handing the pool out.
+        self.broken = False
 
     @property
     def started(self) -> bool:
@@ -148,7 +150,11 @@ class SolverPool:
                 return
             log.info("solving sharding ILPs in %d worker processes (%s)", self.size, JOBS_ENV)
             for _ in range(self.size):
-                worker = _Worker()
+                try:
+                    worker = _Worker()
+                except OSError:
+                    self.broken = True  # cannot start a process here: not tried again
+                    raise
                 self._workers.append(worker)
                 self._idle.put(worker)
             self._threads = ThreadPoolExecutor(self.size, thread_name_prefix="autopar-ilp")
