@@ -86,7 +86,7 @@ def main(row: str) -> None:
                   f"{_deep_size(held, seen) / mb:,.0f} MB")
         built = dict(intra_planner._BUILT)
         print(f"  built problems: {len(intra_planner._BUILT_ORDER):,}, "
-              f"{intra_planner._built_bytes / mb:,.0f} MB of arrays, "
+              f"{intra_planner._built_bytes / mb:,.0f} MB as the cache counts them, "
               f"{_deep_size(built, seen) / mb:,.0f} MB with what they reach", flush=True)
         return result
 

@@ -371,21 +371,33 @@ def _group_latency(problem: _Problem, costs: _Costs):
     **Returns:**
     ``(latency[start, end, group, position - 1], submesh[...], device_counts[group])``:
     submeshes with the same number of devices form one group, which keeps the cheapest.
+    Only groups with a feasible stage are kept, and only the positions up to the last at
+    which some stage's answer changes (those after it repeat it): a dense array of every
+    group and position is ``layers^2 x groups x B`` -- 1.3 GB for GPT-3 175B on 1,024 GPUs
+    (98 layers, 131 device counts, 64 microbatches).
     """
     num_layers = problem.num_layers
-    device_counts = sorted({problem.submeshes[i].num_devices for i in problem.allowed})
-    group_of = {count: g for g, count in enumerate(device_counts)}
-    shape = (num_layers, num_layers + 1, len(device_counts), problem.num_positions)
-    latency = np.full(shape, np.inf)
-    submesh = np.full(latency.shape, -1, dtype=np.int64)
     allowed = set(problem.allowed)
-    for (start, end, index), runs in costs.runs.items():
-        g = group_of.get(problem.submeshes[index].num_devices)
-        if g is None or index not in allowed:
-            continue
+    runs_of = {
+        key: [run for run in runs if run[2].feasible]
+        for key, runs in costs.runs.items() if key[2] in allowed
+    }
+    runs_of = {key: runs for key, runs in runs_of.items() if runs}
+    device_counts = sorted({problem.submeshes[index].num_devices for _, _, index in runs_of})
+    group_of = {count: g for g, count in enumerate(device_counts)}
+    # A stage's answer changes only where a feasible run starts or ends.
+    num_positions = 1
+    for runs in runs_of.values():
+        for first, last, _ in runs:
+            num_positions = max(num_positions, first,
+                                last + 1 if last < problem.num_positions else 1)
+    shape = (num_layers, num_layers + 1, len(device_counts), num_positions)
+    latency = np.full(shape, np.inf)
+    submesh = np.full(latency.shape, -1, dtype=np.int32)
+    for (start, end, index), runs in runs_of.items():
+        g = group_of[problem.submeshes[index].num_devices]
         for first, last, cost in runs:
-            if not cost.feasible:
-                continue
+            last = min(last, num_positions)
             if first == last:  # one position: scalars (most keys, without positions)
                 at = (start, end, g, first - 1)
                 if cost.latency < latency[at]:

@@ -173,20 +173,30 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
 
 
 # graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds,
-# and the least recently used problems past `BUILT_CACHE_BYTES` of their arrays (a large
-# search builds thousands: GPT-3 175B on 1,024 GPUs, ~1,600 of 3-8 MB each).
+# and the least recently used problems past `BUILT_CACHE_BYTES` (a large search builds
+# thousands: GPT-3 175B on 1,024 GPUs, 1,545 of 0.1-8 MB of arrays each, about four times
+# that with their strategy objects). Its hits come soon after the build: in that search,
+# 1,462 of 1,515 came within 256 MB of arrays of other problems used since (issue 18).
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-BUILT_CACHE_BYTES = 1 << 30
+BUILT_CACHE_BYTES = 512 << 20
 # (id(graph), key) -> (weakref to the graph, bytes), least recently used first.
 _BUILT_ORDER: collections.OrderedDict = collections.OrderedDict()
 _built_bytes = 0
+# Python objects per ILP node and per strategy (a walk of gpt-1.3B's built layer problems
+# with `benchmarks/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
+# strategy, counting what they share with other problems too).
+NODE_OBJECT_BYTES = 1400
+STRATEGY_OBJECT_BYTES = 300
 
 
-def _problem_bytes(problem) -> int:
-    """The bytes of a problem's arrays (its Python objects are of the same order)."""
+def _problem_bytes(built) -> int:
+    """The bytes a built problem holds: its arrays and an estimate of its objects."""
+    problem = built.problem
     arrays = (*problem.node_costs, *problem.edge_costs, *problem.node_memory,
               *problem.footprint)
-    return sum(a.nbytes for a in arrays)
+    strategies = sum(len(n.strategies) for n in built.ilp_nodes)
+    return (sum(a.nbytes for a in arrays) + NODE_OBJECT_BYTES * len(built.ilp_nodes)
+            + STRATEGY_OBJECT_BYTES * strategies)
 
 
 def _keep_built(graph, key, built) -> None:
@@ -195,7 +205,7 @@ def _keep_built(graph, key, built) -> None:
     entry = (id(graph), key)
     _forget_built(entry, None)  # an entry of a dead graph whose id this one reuses
     ref = weakref.ref(graph, lambda ref, entry=entry: _forget_built(entry, ref))
-    size = _problem_bytes(built.problem)
+    size = _problem_bytes(built)
     _BUILT_ORDER[entry] = (ref, size)
     _built_bytes += size
     while _built_bytes > BUILT_CACHE_BYTES and len(_BUILT_ORDER) > 1:
