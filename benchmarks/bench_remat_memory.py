@@ -13,17 +13,26 @@ gradients, and fp32 optimizer state -- a master copy of the weights and Adam's t
 gradients too, 18 bytes; Rajbhandari et al. 2020 count 16 with bf16 gradients).
 
 Usage: ``python benchmarks/bench_remat_memory.py [--auto [--layers N]] [--models 175B,530B]
-[--rows gpt-13B@8,gpt-39B@8] [--log-level INFO]``.
+[--recompute selective] [--microbatches 64] [--rows gpt-13B@8,gpt-39B@8] [--log-level INFO]``.
 
 Measured (2 CPU cores shared by six agents at load ~15, so times are upper bounds), with
 kept activations counted as XLA keeps them (`autopar.graph.stored_residuals`: a GPT layer
 with tp + sp keeps 32 sbh/t + its attention core, Korthikanti et al.'s 34 sbh/t less their
 two dropout masks; tests/test_remat.py::test_layer_activation_bytes_follow_korthikanti):
-175B tp8 pp8 sp: none needs 85.3 GiB on stage 0 (does not fit); selective fits, 67.5 GiB
-on stage 0 (last stage 51.5), step 3.213 s, 138 s to plan; full fits, 59.3 GiB (stage 0
-59.1, last 50.6), step 4.182 s. 530B tp8 pp35 sp: none needs 96.5 GiB on stage 0 (does not
-fit); selective fits, 73.8 GiB on the fullest stage (stage 0 70.5, last 35.4), step 9.257 s,
-173 s to plan; full fits, 63.4 GiB (stage 17, which holds 4 of the 106 layer pieces;
+Session 16 (quiet machine; the Megatron scorer no longer keeps a matrix's weight gradient as
+"model"-axis partial sums until the update, `_penalise_model_stacks`): 175B tp8 pp8 sp,
+microbatches = stages: none fits, 74.4 GiB on stage 0 (last 43.5), step 2.916 s; selective
+56.6 GiB (last 41.6), step 3.018 s; full 48.3 GiB (last 40.7), step 3.904 s; each planned
+in about 20 s. The same at 16 and 64 microbatches (`--models 175B --microbatches 64`):
+56.6 GiB with selective; before the change it grew, 67.5 GiB at 8 and 89.1 at 64, which
+did not fit. 530B tp8 pp35 sp: none
+needs 85.5 GiB on stage 0 (does not fit); selective fits, 59.5 GiB (last 28.2), step
+9.040 s; full 47.0 GiB (stage 0 44.3, last 28.0), step 11.861 s.
+Earlier, with those stacks: 175B tp8 pp8 sp: none needed 85.3 GiB on stage 0; selective
+67.5 GiB (last stage 51.5), step 3.213 s, 138 s to plan; full 59.3 GiB (stage 0
+59.1, last 50.6), step 4.182 s. 530B tp8 pp35 sp: none needed 96.5 GiB on stage 0;
+selective 73.8 GiB on the fullest stage (stage 0 70.5, last 35.4), step 9.257 s,
+173 s to plan; full 63.4 GiB (stage 17, which holds 4 of the 106 layer pieces;
 stage 0 55.3, last 35.3), step 12.456 s. (Before the
 fusion rule, 530B with selective needed 85.7 GiB on stage 0: every GELU and layer-norm
 intermediate JAX's autodiff reads was counted as kept.) gpt-13B@8 at 64 microbatches
@@ -149,6 +158,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="175B,530B")
     parser.add_argument("--recompute", default="none,selective,full")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="the Megatron plans' microbatch count, each of one sequence "
+                        "(default: as many as stages)")
     parser.add_argument("--auto", action="store_true", help="also autopar.plan GPT-3 175B")
     parser.add_argument("--layers", type=int, default=None,
                         help="--auto: GPT-3 175B's widths with this many layers (default 96)")
@@ -164,11 +176,12 @@ def main() -> None:
     for name in filter(None, args.models.split(",")):
         for recompute in args.recompute.split(","):
             start = time.perf_counter()
-            plan, fits, detail = megatron_memory(name, recompute)
+            plan, fits, detail = megatron_memory(name, recompute, args.microbatches)
             seconds = time.perf_counter() - start
             if fits:
                 peaks = [stage_peak(plan, s) for s in range(plan.num_stages)]
-                print(f"{name} tp8 pp{len(peaks)} sp recompute={recompute}: fits; "
+                print(f"{name} tp8 pp{len(peaks)} sp recompute={recompute}, "
+                      f"{plan.num_microbatches} mb: fits; "
                       f"stage memory max {max(peaks) / GiB:.1f} GiB (stage 0 "
                       f"{peaks[0] / GiB:.1f}, last {peaks[-1] / GiB:.1f}); step "
                       f"{plan.predicted_step_time:.3f} s; planned in {seconds:.0f} s")

@@ -40,15 +40,16 @@ def _model_axis_all_reduces(hlo: str, tp: int) -> int:
     return count
 
 
-def _run_and_compare(sequence_parallel: bool):
-    """Plan, run 3 steps against one device; **Returns:** (plan, [(phase, HLO text)])."""
+def _run_and_compare(sequence_parallel: bool, num_microbatches: int = 2):
+    """Plan, run 3 steps against one device; **Returns:** (plan, [(phase, HLO text)],
+    the pipeline executable)."""
     opt = optax.adamw(1e-2, eps=1e-6)
     state = gpt.init_state(CFG, opt, jax.random.key(0))
     batch = gpt.make_batch(CFG, 8, jax.random.key(1))
     step = gpt.make_train_step(CFG, opt)
     plan = autopar.megatron_plan(
-        step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2, num_microbatches=2,
-        sequence_parallel=sequence_parallel,
+        step, state, batch, cluster="cpu-local", dp=2, tp=2, pp=2,
+        num_microbatches=num_microbatches, sequence_parallel=sequence_parallel,
     )
     assert plan.num_stages == 2 and plan.runtime == "pipeline"
     assert [len(s.mesh.device_ids) for s in plan.stages] == [4, 4]
@@ -69,11 +70,11 @@ def _run_and_compare(sequence_parallel: bool):
             for v, sh in zip(task.segment.inputs, task.in_shardings)
         ]
         hlos.append((phase, task.fn.lower(*args).compile().as_text()))
-    return plan, hlos
+    return plan, hlos, pipeline
 
 
 def test_megatron_tp2_pp2_dp2_matches_one_device_and_all_reduces_per_layer():
-    _, hlos = _run_and_compare(sequence_parallel=False)
+    _, hlos, _ = _run_and_compare(sequence_parallel=False)
     # Megatron TP: two all-reduces forward (attention output, MLP output) and two backward
     # (the column-parallel inputs' gradients) per transformer layer, on the model axis.
     total = 0
@@ -88,8 +89,16 @@ def test_megatron_sequence_parallel_pipeline_reduce_scatters_instead():
     """With sequence parallelism each stage's layers reduce-scatter onto the sequence and
     all-gather it back (two of each per layer forward, two of each backward); no
     activation is all-reduced over "model"."""
-    plan, hlos = _run_and_compare(sequence_parallel=True)
-    assert plan.method == "megatron(dp=2,tp=2,pp=2,sp,mb=2)"
+    plan, hlos, pipeline = _run_and_compare(sequence_parallel=True, num_microbatches=4)
+    assert plan.method == "megatron(dp=2,tp=2,pp=2,sp,mb=4)"
+    # Gradients wait for the update as partial sums over "data" (Megatron's gradient
+    # buffers) and, over "model", only the vectors (layer norms, biases): a matrix's
+    # weight gradient is complete per model rank, never a stack of the whole matrix.
+    for s, stacked in enumerate(pipeline.stacked):
+        sub = pipeline.partition.stage_graphs[s]
+        for v, axes in stacked.items():
+            if "model" in axes:
+                assert sum(d > 1 for d in sub.vars[v].shape) < 2, (sub.vars[v], axes)
     total = Counter()
     for _, hlo in hlos:
         total += activation_collectives(hlo, MODEL_GROUPS, 2)

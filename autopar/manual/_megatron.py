@@ -41,7 +41,13 @@ from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
-from autopar.manual._layout import AXIS_NAMES, MegatronConfig, Schedule, megatron_specs
+from autopar.manual._layout import (
+    AXIS_NAMES,
+    MegatronConfig,
+    MeshAxis,
+    Schedule,
+    megatron_specs,
+)
 from autopar.manual._sequence import pin_activations, residual_specs
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search import microbatch_args, resolve_cluster
@@ -400,6 +406,7 @@ def plan_keeping_state(
     if pinned:
         built = pin_activations(built, graph, pinned, where_possible=True)
     penalised, forbidden = _penalise_moving_state(built, graph)
+    penalised = _penalise_model_stacks(penalised, built, graph, weights or {})
     solution = solve(penalised, time_limit=options.time_limit, solver=options.solver)
     plan = _to_plan(graph, mesh, cluster, built, solution.choices, tied)
     moved = sorted(
@@ -447,6 +454,48 @@ def _penalise_moving_state(built, graph: OpGraph):
             costs[e] = problem.edge_costs[e] + mask * bound
             forbidden.append(((u, v), mask))
     return replace(problem, edge_costs=tuple(costs)), forbidden
+
+
+def _penalise_model_stacks(problem, built, graph: OpGraph, weights):
+    """`problem` with every strategy that keeps a matrix's gradient as partial sums over
+    the "model" axis until the update penalised.
+
+    With microbatches, a weight gradient's reduction is deferred to the end of the step
+    (`autopar.inter.passes._deferred`): the stage accumulates partial sums and reduces
+    them once. Its cost then weighs 1/microbatches (`step_weights`), so around pinned
+    layouts the ILP likes a strategy that contracts over the model-split sequence and
+    defers the reduce-scatter -- and keeps, per device, a stack the size of the whole
+    gradient shard before the model split (GPT-3 175B, tp 8: the tied embedding's grows
+    from 150 MiB to 1,200 MiB per device). Megatron-LM never makes those partial sums:
+    its column- and row-parallel weight gradients are complete per model rank (the
+    sequence-parallel input is all-gathered for the backward, Korthikanti et al. 2022
+    section 4.2.2); only the small vectors replicated over "model" (layer-norm weights,
+    row-parallel biases) are summed over it, once per step. Data-parallel partial sums
+    stay deferred, as Megatron's gradient buffers (and its distributed optimizer's
+    reduce-scatter) keep them.
+
+    The deferred roots are the nodes `step_weights` gives a reduction weight below one
+    at full node weight."""
+    model = MeshAxis.MODEL.value
+    roots = {n for n, w in weights.items() if w[0] == 1.0 and w[1] < 1.0}
+    if not roots:
+        return problem
+    bound = sum(float(c.max()) for c in problem.node_costs if len(c)) + sum(
+        float(m.max()) for m in problem.edge_costs if m.size
+    )
+    costs = list(problem.node_costs)
+    for i, ilp_node in enumerate(built.ilp_nodes):
+        if ilp_node.node not in roots:
+            continue
+        node = graph.nodes[ilp_node.node]
+        if sum(d > 1 for d in graph.vars[node.outputs[0]].shape) < 2:
+            continue  # a vector: Megatron sums these over "model" once per step too
+        mask = np.array([
+            any(model in c.axes for c in s.collectives) for s in ilp_node.strategies
+        ])
+        if mask.any() and not mask.all():
+            costs[i] = problem.node_costs[i] + mask * bound
+    return replace(problem, node_costs=tuple(costs))
 
 
 def _operand_edges(built, graph: OpGraph) -> list[tuple[int, int, int]]:
