@@ -4,6 +4,7 @@ import collections
 import math
 import random
 
+import numpy as np
 import pytest
 
 from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
@@ -549,3 +550,29 @@ def test_only_whole_hosts_feasible_counts_devices_by_the_host():
     three = [SubmeshShape(1, 3)]
     with pytest.raises(ValueError, match="no plan"):
         plan_stages(4, 1, 8, lambda s, e, i: StageCost(1.0, True), 2, submeshes=three)
+
+
+def test_latency_table_keeps_feasible_groups_and_positions_that_differ():
+    """The DP's table of best latencies (`_group_latency`) has one column per device count
+    with a feasible stage, and positions up to the last at which an answer changes (a
+    dense table of every group and position took 1.3 GB for GPT-3 175B on 1,024 GPUs);
+    the plan is the one of asking every position."""
+    from autopar.inter._stage_dp import _Costs, _group_latency, _Problem, _search
+
+    subs = tuple(submesh_shapes(1, 4))  # (1, 1), (1, 2), (1, 4)
+    problem = _Problem(2, 1, 4, 8, subs, (0, 1, 2), None, None, num_positions=8,
+                       positional=True)
+    costs = _Costs(bisected=True)
+    for start, end in [(0, 1), (1, 2), (0, 2)]:
+        work = end - start
+        costs.add(start, end, 1, 1, 8, StageCost(math.inf, False, 9.0))  # never fits
+        costs.add(start, end, 0, 1, 2, StageCost(work * 1.0, True, 1.0))
+        costs.add(start, end, 0, 3, 8, StageCost(work * 1.5, True, 1.0))  # leaner from 3
+        costs.add(start, end, 2, 1, 8, StageCost(work * 0.4, True, 1.0))
+    latency, submesh, device_counts = _group_latency(problem, costs)
+    assert list(device_counts) == [1, 4]
+    assert latency.shape == (2, 3, 2, 3) and submesh.dtype == np.int32
+    assert latency[0, 1, 0].tolist() == [1.0, 1.0, 1.5]
+    assert submesh[0, 2, 1].tolist() == [2, 2, 2]
+    stages, _ = _search(problem, costs)
+    assert [(s, e, i) for s, e, i, _ in stages] == [(0, 2, 2)]
