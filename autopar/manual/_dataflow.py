@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -104,8 +105,18 @@ def classify_parameters(graph: OpGraph) -> dict[int, Placement]:
     **Arguments:**
     - `graph`: a traced train step (see `autopar.graph.trace`).
 
-    **Returns:** ``{var id: Placement}`` for each input with role PARAM.
+    **Returns:** ``{var id: Placement}`` for each input with role PARAM (a new dict; the
+    walk is done once per graph: the Megatron grid asks once per configuration).
     """
+    if graph not in _PLACEMENTS:
+        _PLACEMENTS[graph] = _classify_parameters(graph)
+    return dict(_PLACEMENTS[graph])
+
+
+_PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _classify_parameters(graph: OpGraph) -> dict[int, Placement]:
     params = [v.id for v in graph.inputs_with_role(Role.PARAM)]
     walker = _Walker(graph, params)
     for node in graph.nodes:

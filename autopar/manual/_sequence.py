@@ -31,6 +31,7 @@ to the input of the next column-parallel dot (QKV, MLP first linear, output laye
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -126,8 +127,18 @@ def residual_stream(graph: OpGraph) -> ResidualStream:
 
     **Returns:** the `ResidualStream`. Raises ValueError when the step has no batch input
     shaped (batch, sequence, ...), no row-parallel weight, or no single scalar loss from
-    `autopar.value_and_grad`.
+    `autopar.value_and_grad`. Found once per graph (the Megatron grid asks once per
+    configuration).
     """
+    if graph not in _STREAMS:
+        _STREAMS[graph] = _residual_stream(graph)
+    return _STREAMS[graph]
+
+
+_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _residual_stream(graph: OpGraph) -> ResidualStream:
     leading = {graph.vars[v].shape[:2] for v in graph.invars
                if graph.vars[v].role is Role.BATCH and len(graph.vars[v].shape) >= 2}
     if len(leading) != 1:

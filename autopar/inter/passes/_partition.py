@@ -15,6 +15,7 @@ the gradient in it. Scalar-only update nodes run on the stage of their first con
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 
 from autopar.cost import MATMUL_PRIMITIVES, compute_time
@@ -56,7 +57,27 @@ class Partition:
 def partition(
     graph: OpGraph, layers: LayerAssignment, stage_layers: list[tuple[int, int]]
 ) -> Partition:
-    """Split `graph` into stages; `stage_layers[i]` = [start, end) layers of stage i."""
+    """Split `graph` into stages; `stage_layers[i]` = [start, end) layers of stage i.
+
+    Memoised per graph (the last `PARTITIONS_PER_GRAPH` splits): the Megatron grid asks for
+    the same per-layer and per-stage splits once per configuration, and they took most of
+    its time (py-spy of `run_benchmarks.py` on gpt-13B@16: 64% of the grid in `partition`).
+    A `Partition` is read, never changed, by its users."""
+    key = (layers, tuple((int(a), int(b)) for a, b in stage_layers))
+    held = _PARTITIONS.setdefault(graph, {})
+    if key not in held:
+        if len(held) >= PARTITIONS_PER_GRAPH:
+            held.pop(next(iter(held)))
+        held[key] = _partition(graph, layers, stage_layers)
+    return held[key]
+
+
+# graph -> {(layers, stage layers): Partition}, oldest first.
+_PARTITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PARTITIONS_PER_GRAPH = 8
+
+
+def _partition(graph: OpGraph, layers: LayerAssignment, stage_layers) -> Partition:
     num_stages = len(stage_layers)
     layer_stage = {}
     for s, (start, end) in enumerate(stage_layers):
