@@ -437,10 +437,7 @@ def _penalise_moving_state(built, graph: OpGraph):
         i for i, n in enumerate(nodes)
         if n.var is not None and graph.vars[n.var].role in PINNED_ROLES
     }
-    # An upper bound on any plan's cost: each node and edge at its dearest.
-    bound = sum(float(c.max()) for c in problem.node_costs if len(c)) + sum(
-        float(m.max()) for m in problem.edge_costs if m.size
-    )
+    bound = _cost_bound(problem)
     costs = list(problem.edge_costs)
     forbidden = []
     for e, (u, v, operand) in enumerate(_operand_edges(built, graph)):
@@ -454,6 +451,13 @@ def _penalise_moving_state(built, graph: OpGraph):
             costs[e] = problem.edge_costs[e] + mask * bound
             forbidden.append(((u, v), mask))
     return replace(problem, edge_costs=tuple(costs)), forbidden
+
+
+def _cost_bound(problem) -> float:
+    """An upper bound on any plan's cost: each node and edge at its dearest."""
+    return sum(float(c.max()) for c in problem.node_costs if len(c)) + sum(
+        float(m.max()) for m in problem.edge_costs if m.size
+    )
 
 
 def _penalise_model_stacks(problem, built, graph: OpGraph, weights):
@@ -480,9 +484,7 @@ def _penalise_model_stacks(problem, built, graph: OpGraph, weights):
     roots = {n for n, w in weights.items() if w[0] == 1.0 and w[1] < 1.0}
     if not roots:
         return problem
-    bound = sum(float(c.max()) for c in problem.node_costs if len(c)) + sum(
-        float(m.max()) for m in problem.edge_costs if m.size
-    )
+    bound = _cost_bound(problem)
     costs = list(problem.node_costs)
     for i, ilp_node in enumerate(built.ilp_nodes):
         if ilp_node.node not in roots:
