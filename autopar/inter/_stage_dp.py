@@ -378,19 +378,21 @@ def _group_latency(problem: _Problem, costs: _Costs):
     """
     num_layers = problem.num_layers
     allowed = set(problem.allowed)
-    runs_of = {
-        key: [run for run in runs if run[2].feasible]
-        for key, runs in costs.runs.items() if key[2] in allowed
-    }
-    runs_of = {key: runs for key, runs in runs_of.items() if runs}
+    runs_of = {}  # (start, end, index) -> its feasible runs, where it has some
+    # A stage's answer changes only where a feasible run starts, or after one that ends
+    # before the last position: the positions from the latest such change on are alike.
+    num_positions = 1
+    for key, runs in costs.runs.items():
+        feasible = [run for run in runs if run[2].feasible]
+        if key[2] not in allowed or not feasible:
+            continue
+        runs_of[key] = feasible
+        for first, last, _ in feasible:
+            num_positions = max(num_positions, first)
+            if last < problem.num_positions:
+                num_positions = max(num_positions, last + 1)
     device_counts = sorted({problem.submeshes[index].num_devices for _, _, index in runs_of})
     group_of = {count: g for g, count in enumerate(device_counts)}
-    # A stage's answer changes only where a feasible run starts or ends.
-    num_positions = 1
-    for runs in runs_of.values():
-        for first, last, _ in runs:
-            num_positions = max(num_positions, first,
-                                last + 1 if last < problem.num_positions else 1)
     shape = (num_layers, num_layers + 1, len(device_counts), num_positions)
     latency = np.full(shape, np.inf)
     submesh = np.full(latency.shape, -1, dtype=np.int32)
