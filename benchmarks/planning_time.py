@@ -27,7 +27,10 @@ own); on a shared machine they are the figure to trust, since wall time grows wi
 whatever else runs on the cores.
 
 Run: ``python benchmarks/planning_time.py`` (all rows), ``--rows demo gpt-39B@64``,
-``--limit 600`` (seconds per row), ``--json out.json``. Progress goes to stderr.
+``--limit 600`` (seconds per row), ``--json out.json``; ``--microbatches auto`` plans every
+row with the search's choice of microbatch counts (or ``--microbatches N``), and
+``--no-share`` then searches every count in full instead of pricing one count's layer
+layouts for the others (the comparison on the benchmarks page). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ ROWS = ("demo", "gpt-1.3B@16", "gpt-39B@64", "gpt-175B@1024", "gpt-1.3B@8")
 TARGETS = {"demo": 3.0, "gpt-39B@64": 120.0, "gpt-175B@1024": 600.0}
 DEFAULT_LIMIT = 900.0
 NO_BOUND_ENV = "AUTOPAR_PLANNING_TIME_NO_BOUND"  # --no-bound, handed to the child
+MICROBATCHES_ENV = "AUTOPAR_PLANNING_TIME_MICROBATCHES"  # --microbatches, to the child
+NO_SHARE_ENV = "AUTOPAR_PLANNING_TIME_NO_SHARE"  # --no-share, to the child
 PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering")
 # The GPT rows: (model config, hosts of 8 GPUs, microbatches). 64 microbatches as issue 18
 # states the 39B row (global batch 1024, Alpa's benchmark batch).
@@ -183,7 +188,14 @@ def child(row: str, out: Path) -> None:
         from autopar.inter import _planner as inter_planner
 
         inter_planner.PRUNE_BY_BOUND = False
+    if os.environ.get(NO_SHARE_ENV):
+        from autopar.search import _pipeline
+
+        _pipeline.SHARE_LAYOUTS = False
     step, args, cluster, micro = _row_args(row)
+    if os.environ.get(MICROBATCHES_ENV):
+        given = os.environ[MICROBATCHES_ENV]
+        micro = given if given == "auto" else int(given)
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
     with show_progress():
         plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False)
@@ -267,7 +279,7 @@ def _peak(r: dict) -> str:
 def report(results: list[dict]) -> str:
     """The rows as a markdown table (CPU / wall seconds per phase)."""
     head = ["row", "total CPU / wall s", *PHASES, "ILPs", "cached", "peak MB", "target",
-            "predicted step s"]
+            "predicted step s", "plan"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "wall" not in r:
@@ -285,10 +297,11 @@ def report(results: list[dict]) -> str:
             f"≤{target:g} s: " + ("yes" if r.get("done") and r["total_wall"] <= target else "no")
         )
         step = f"{r['predicted_step_time']:.4g}" if r.get("done") else "-"
+        plan = r.get("plan", "-") if r.get("done") else "-"
         lines.append(
             "| " + " | ".join([
                 r["row"], total, *phases, str(r["counts"]["ilps"]), str(r["counts"]["cached"]),
-                _peak(r), met, step,
+                _peak(r), met, step, plan,
             ]) + " |"
         )
     return "\n".join(lines)
@@ -303,6 +316,12 @@ def main(argv=None) -> None:
     parser.add_argument("--no-bound", action="store_true",
                         help="switch off the stage DP's pruning by a known plan "
                         "(`autopar.inter._planner.PRUNE_BY_BOUND`), to compare plans")
+    parser.add_argument("--microbatches", help="plan every row with this microbatch count "
+                        "instead of its own, or 'auto' (the search tries several counts)")
+    parser.add_argument("--no-share", action="store_true",
+                        help="with several microbatch counts, search each in full instead of "
+                        "pricing one count's layer layouts for the others "
+                        "(`autopar.search._pipeline.SHARE_LAYOUTS`), to compare plans")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -311,6 +330,12 @@ def main(argv=None) -> None:
         return
     if ns.no_bound:
         os.environ[NO_BOUND_ENV] = "1"
+    if ns.no_share:
+        os.environ[NO_SHARE_ENV] = "1"
+    if ns.microbatches:
+        if ns.microbatches != "auto" and not ns.microbatches.isdigit():
+            parser.error(f"--microbatches {ns.microbatches}: give a count or 'auto'")
+        os.environ[MICROBATCHES_ENV] = ns.microbatches
     results = []
     for row in ns.rows:
         print(f"planning {row} (limit {ns.limit:g} s) ...", file=sys.stderr, flush=True)

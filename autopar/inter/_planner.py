@@ -61,9 +61,9 @@ from autopar.inter.passes._remat import (
 )
 from autopar.intra._ilp import MemoryBudgetError, solve
 from autopar.intra._options import ShardOptions
-from autopar.intra._planner import PreparedILP, finish_on_mesh, prepare_on_mesh
+from autopar.intra._planner import PreparedILP, finish_on_mesh, prepare_on_mesh, price_layout
 from autopar.intra._pool import WorkerDied, jobs, solver_pool
-from autopar.intra._problem import Footprint, unstacked_spec
+from autopar.intra._problem import Footprint, chosen_layout, unstacked_spec
 from autopar.intra._sharding_plan import ShardingPlan
 
 log = logging.getLogger("autopar")
@@ -149,6 +149,8 @@ class LayerCostTable:
         solve=None,
         axis_names: tuple[str, ...] | None = None,
         in_flight=None,
+        reference: LayerCostTable | None = None,
+        keep_layouts: bool = False,
     ):
         """Layers are planned per microbatch: what runs once per step (the update, the
         deferred gradient reductions) weighs 1/`num_microbatches`.
@@ -156,9 +158,30 @@ class LayerCostTable:
         (manual plans pin their inputs this way); `axis_names` names the logical mesh axes.
         `in_flight(shape) -> int`: microbatches whose kept activations a stage on a mesh of
         that shape holds at once (default 1), the weight of the kept activations in the
-        footprint the leaner levels limit (see `cost`)."""
+        footprint the leaner levels limit (see `cost`).
+
+        `reference`: the table of the same layers at another microbatch count, made with
+        `keep_layouts=True` (it keeps each solved plan's `chosen_layout`). Where the
+        reference has solved a layer at (shape, level), this table's cost there is that
+        plan's layout priced on this table's graph (`price_layout`: the same cost model on
+        these shapes), no ILP; it solves its own ILP where the reference has not (as much
+        work, and exact) or the layout does not apply (a split these shapes do not divide,
+        other operations, or over the memory budget). A priced cost is a feasible plan's,
+        so no less than the ILP's optimum here; `forget_priced` drops them (issue 18:
+        `num_microbatches="auto"` searches several counts)."""
         self.cluster = cluster
         self.in_flight = in_flight or (lambda shape: 1)
+        if reference is not None and reference.per_layer.num_stages != layers.num_layers:
+            reference = None  # other layers: nothing to share
+        self.reference = reference
+        # id(plan) -> (plan, its `chosen_layout`), for tables that use this one as theirs.
+        self._layouts: dict[int, tuple[ShardingPlan, tuple]] | None = (
+            {} if keep_layouts else None
+        )
+        self._repriced: dict[tuple, tuple] = {}  # (fingerprint, id(reference plan)) -> found
+        self._matching: dict[int, bool] = {}  # layer -> `_matches_reference`
+        self._priced_plans: set[int] = set()  # ids of the plans `_priced` made
+        self.num_priced = 0  # layer costs found by pricing the reference's layouts
         self.options = options
         self.solve = solve
         self.axis_names = axis_names
@@ -215,8 +238,11 @@ class LayerCostTable:
         return self._cache[key]
 
     def is_solved(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
-        """Whether `cost(layer, shape, level)` is known without a solve."""
-        return (self.fingerprints[layer], shape, level) in self._cache
+        """Whether `cost(layer, shape, level)` is known without a solve (with a
+        `reference`: known there, so found here by pricing its layout)."""
+        if (self.fingerprints[layer], shape, level) in self._cache:
+            return True
+        return self.reference is not None and self.reference.is_solved(layer, shape, level)
 
     def prefetch(self, requests) -> None:
         """Solve the ILPs of the (layer, shape, level) costs in `requests` not known yet,
@@ -321,6 +347,10 @@ class LayerCostTable:
         """A generator yielding the `PreparedILP`s of one level (`_plan_level`) one at a
         time, sent each one's solution (or the exception its solve raised); it returns
         (cost, (plan, graph solved on)), or (None, None) when none fits."""
+        if self.reference is not None and self.solve is None:
+            found = self._priced(layer, shape, level)
+            if found is not None:
+                return found
         if level == 0:
             return (yield from self._solve_steps(layer, shape, footprint_budget=None))
         if self.cost(layer, shape) is None or self.solve is not None:
@@ -353,6 +383,76 @@ class LayerCostTable:
             return self._level_as(layer, shape, level - 1)
         return solved
 
+    def _priced(self, layer: int, shape, level: int):
+        """(cost, (plan, graph)) of the reference's plan at (`shape`, `level`) priced on
+        this table's layer (`price_layout`); None where the reference has not solved it
+        (an ILP here is as much work, and exact), has no plan, or its layout does not apply
+        (then the ILP decides). A level the reference answered with a lower level's plan
+        is priced once."""
+        ref = self.reference
+        if (not self._matches_reference(layer) or not ref.is_solved(layer, shape, level)
+                or ref.cost(layer, shape, level) is None):
+            return None
+        ref_plan = ref._plans[(ref.fingerprints[layer], shape, level)][0]
+        kept = ref._layouts.get(id(ref_plan)) if ref._layouts is not None else None
+        if kept is None:
+            return None
+        key = (self.fingerprints[layer], id(ref_plan))
+        if key not in self._repriced:
+            sub = self.per_layer.stage_graphs[layer]
+            mesh = LogicalMesh.create(shape, axis_names=self.axis_names)
+            ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
+            plan = price_layout(
+                sub, self.cluster, mesh, kept[1], self.options, ties,
+                weights=self.weights[layer], footprint=self.footprint(layer, shape, None),
+            )
+            self._repriced[key] = None if plan is None else self._layer_cost(layer, sub, plan)
+            if plan is not None:
+                self.num_priced += 1
+                self._priced_plans.add(id(plan))
+        return self._repriced[key]
+
+    def forget_priced(self) -> None:
+        """Drop the reference and every cost found by pricing its layouts (and what was
+        derived from them); the costs of this table's own ILPs stay. A stage DP run
+        again on it then solves the ILPs the priced costs stood in for."""
+        for key, (plan, _) in list(self._plans.items()):
+            if id(plan) in self._priced_plans:
+                del self._plans[key]
+                del self._cache[key]
+        self.reference, self._repriced, self._priced_plans = None, {}, set()
+        self._remat_cache.clear()
+        self._fused_by_level.clear()
+        self.range_cache.clear()
+
+    def _matches_reference(self, layer: int) -> bool:
+        """Whether the layer's graph has the reference's layer's operations in the same
+        order (a one-row microbatch traces to other ones: no layout of it applies)."""
+        if layer not in self._matching:
+            mine = self.per_layer.stage_graphs[layer]
+            theirs = self.reference.per_layer.stage_graphs[layer]
+            self._matching[layer] = (
+                len(mine.invars) == len(theirs.invars)
+                and [n.primitive for n in mine.nodes] == [n.primitive for n in theirs.nodes]
+            )
+        return self._matching[layer]
+
+    def _layer_cost(self, layer: int, sub: OpGraph, plan: ShardingPlan):
+        """(cost, (plan, sub)) of a plan of the layer solved (or priced) on `sub`."""
+        # The backward reruns the kept values its forward made inside a fusion
+        # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
+        fused = self._fused_seconds(layer, sub, plan)
+        cost = LayerCost(
+            plan.cost.total + fused,
+            plan.cost.memory_per_device,
+            _activation_bytes(sub, plan, self.kept_for_backward(layer)),
+            _state_bytes(sub, plan),
+            _gradient_bytes(sub, plan, self.per_layer),
+        )
+        if self.solve is None:
+            object.__setattr__(plan, "var_specs", self._compact(sub, plan.var_specs))
+        return cost, (plan, sub)
+
     def _level_as(self, layer: int, shape, level: int):
         """The cost and plan of `level` (solved if needed), to reuse at another level."""
         cost = self.cost(layer, shape, level)
@@ -381,19 +481,10 @@ class LayerCostTable:
             if isinstance(solution, MemoryBudgetError):
                 return None, None
             plan = finish_on_mesh(prepared, solution)
-        # The backward reruns the kept values its forward made inside a fusion
-        # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
-        fused = self._fused_seconds(layer, sub, plan)
-        cost = LayerCost(
-            plan.cost.total + fused,
-            plan.cost.memory_per_device,
-            _activation_bytes(sub, plan, self.kept_for_backward(layer)),
-            _state_bytes(sub, plan),
-            _gradient_bytes(sub, plan, self.per_layer),
-        )
-        if self.solve is None:
-            object.__setattr__(plan, "var_specs", self._compact(sub, plan.var_specs))
-        return cost, (plan, sub)
+            if self._layouts is not None:
+                self._layouts[id(plan)] = (plan, chosen_layout(prepared.built,
+                                                               solution.choices))
+        return self._layer_cost(layer, sub, plan)
 
     def _compact(self, sub: OpGraph, var_specs):
         """`var_specs` as `_CompactSpecs` over the variables `sub`'s nodes touch: a layer
@@ -1249,8 +1340,8 @@ def choose_stages(
         table = layer_cost_table(
             graph, layers, cluster, num_microbatches, schedule, options, tied
         )
-    ilps_before, ilp_seconds_before = table.num_ilps, table.ilp_seconds
-    hits_before = table.num_hits
+    ilps_before, ilp_seconds_before = _ilps_solved(table), table.ilp_seconds
+    hits_before, priced_before = table.num_hits, table.num_priced
     clustering = time.perf_counter() - start_time
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
@@ -1274,7 +1365,7 @@ def choose_stages(
             cluster.devices_per_host, all_submeshes, num_stages,
         )
         log.info("stage DP: an even plan bounds the search at %.6g s (%d layer ILPs so far)",
-                 inner.bound, table.num_ilps)
+                 inner.bound, _ilps_solved(table))
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
@@ -1284,9 +1375,12 @@ def choose_stages(
     log.info(
         "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs (%.2f s), %d cost look-ups "
         "answered from the table, %.2f s",
-        len(dp.stages), dp.latency, table.num_ilps, table.ilp_seconds, table.num_hits,
+        len(dp.stages), dp.latency, _ilps_solved(table), table.ilp_seconds, table.num_hits,
         dp_seconds,
     )
+    if table.reference is not None:
+        log.info("stage DP: %d layer costs priced on the layouts of the %d-microbatch "
+                 "search", table.num_priced, table.reference.num_microbatches)
     ilp_seconds = table.ilp_seconds
     start_time = time.perf_counter()
     stage_layers = tuple((s, e) for s, e, _ in dp.stages)
@@ -1300,8 +1394,9 @@ def choose_stages(
         clustering, table.ilp_seconds - ilp_seconds_before,
         dp_seconds - (ilp_seconds - ilp_seconds_before), stitching,
     )))
-    timings.update({"layer ILPs solved": table.num_ilps - ilps_before,
-                    "layer costs reused": table.num_hits - hits_before})
+    timings.update({"layer ILPs solved": _ilps_solved(table) - ilps_before,
+                    "layer costs reused": table.num_hits - hits_before,
+                    "layer costs priced": table.num_priced - priced_before})
     return PipelineChoice(
         stage_layers=stage_layers,
         submeshes=tuple(all_submeshes[i] for _, _, i in dp.stages),
@@ -1311,7 +1406,7 @@ def choose_stages(
         stage_plans=stage_plans,
         partition=part,
         dp=dp,
-        num_layer_ilps=table.num_ilps - ilps_before,
+        num_layer_ilps=_ilps_solved(table) - ilps_before,
         timings=timings,
         stage_remat=stage_remat,
         stage_recompute=tuple(
@@ -1330,6 +1425,12 @@ def choose_stages(
     )
 
 
+def _ilps_solved(table: LayerCostTable) -> int:
+    """The layer ILPs solved for `table`: its own and its reference's (which solves those
+    whose layouts it prices)."""
+    return table.num_ilps + (0 if table.reference is None else table.reference.num_ilps)
+
+
 def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
     """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat),
     the fused rerun every layer's backward does included (`LayerCostTable.fused_seconds`:
@@ -1342,8 +1443,10 @@ def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
     )
 
 
-def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied):
-    """The `LayerCostTable` `choose_stages` plans with (hand it back to re-run the DP)."""
+def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied, *,
+                     reference=None, keep_layouts=False):
+    """The `LayerCostTable` `choose_stages` plans with (hand it back to re-run the DP);
+    `reference` and `keep_layouts` as `LayerCostTable` takes them."""
 
     def in_flight(shape) -> int:
         # The layer ILPs' estimate of the activations in flight (a weight in the footprint
@@ -1355,7 +1458,7 @@ def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options
 
     return LayerCostTable(
         graph, layers, cluster, options, tied, num_microbatches=num_microbatches,
-        in_flight=in_flight,
+        in_flight=in_flight, reference=reference, keep_layouts=keep_layouts,
     )
 
 

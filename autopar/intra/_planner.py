@@ -18,6 +18,9 @@ from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
 from autopar.intra._ilp import (
     MemoryBudgetError,
+    Solution,
+    SolveStats,
+    evaluate,
     footprint_total,
     least_footprint,
     peak_memory,
@@ -25,7 +28,13 @@ from autopar.intra._ilp import (
     with_footprint_price,
 )
 from autopar.intra._options import ShardOptions
-from autopar.intra._problem import BuiltProblem, Footprint, build_problem, operands
+from autopar.intra._problem import (
+    BuiltProblem,
+    Footprint,
+    LayoutMismatch,
+    build_problem,
+    operands,
+)
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
@@ -137,6 +146,46 @@ def finish_on_mesh(prepared: PreparedILP, solution) -> ShardingPlan:
         plan, "warnings", warnings + _solve_warnings(solution, mesh, prepared.options)
     )
     return plan
+
+
+def price_layout(
+    graph: OpGraph,
+    cluster,
+    mesh: LogicalMesh,
+    layout: Sequence[tuple],
+    options: ShardOptions = DEFAULT_OPTIONS,
+    tied: Sequence[tuple[int, int]] = (),
+    weights: Mapping[int, tuple[float, float]] | None = None,
+    footprint: Footprint | None = None,
+) -> ShardingPlan | None:
+    """The plan of `graph` on `mesh` that takes `layout`, a solution chosen for another
+    graph of the same structure (`autopar.intra._problem.chosen_layout`: the same layer
+    traced at another microbatch size), priced by the same cost model on this graph's
+    shapes; no ILP is solved. None when the layout does not apply here (other ILP nodes,
+    or a split these shapes do not divide) or does not fit the memory budget.
+    """
+    start = time.perf_counter()
+    try:
+        built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
+                              layout=layout)
+    except LayoutMismatch as err:
+        log.debug("layout not priced on mesh %s: %s", tuple(mesh.shape), err)
+        return None
+    problem, choices = built.problem, (0,) * len(built.ilp_nodes)
+    if problem.memory_budget is not None and peak_memory(problem, choices) > problem.memory_budget:
+        return None
+    build_time = time.perf_counter() - start
+    n = len(choices)
+    stats = SolveStats(
+        num_nodes=n, num_nodes_after_merge=n, num_ilp_nodes=0, num_variables_before_merge=n,
+        num_variables=0, num_constraints=0, build_time=build_time, solve_time=0.0,
+        solver="none (a layout priced)", formulation="none", tie_break="none",
+    )
+    prepared = PreparedILP(
+        problem, {}, graph, mesh, cluster, options, tuple(tied), footprint, built, build_time
+    )
+    return finish_on_mesh(prepared, Solution(choices, evaluate(problem, choices), "optimal",
+                                             stats))
 
 
 def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint):

@@ -102,6 +102,7 @@ def build_problem(
     fixed: Mapping[int, Spec] | None = None,
     weights: Mapping[int, tuple[float, float]] | None = None,
     footprint: Footprint | None = None,
+    layout: Sequence[tuple] | None = None,
 ) -> BuiltProblem:
     """Build the ILP for `graph` on `mesh`.
 
@@ -116,6 +117,11 @@ def build_problem(
       (`autopar.inter.passes._deferred.step_weights`).
     - `footprint`: memory held for the whole run, limited besides the peak (a pipeline
       stage's view of one layer, `Footprint`).
+    - `layout`: a `chosen_layout` of another graph of the same structure (the same layer
+      traced at another microbatch size): every ILP node keeps only the strategy of those
+      specs, so the problem has one choice and prices that layout on this graph's shapes
+      (no edge matrix larger than 1 x 1). Raises `LayoutMismatch` when the nodes differ
+      or this graph's shapes rule one of those strategies out.
     """
     expansion = expand_scans(graph, weights, tied) if options.open_scans else None
     if expansion is not None:  # the ILP is about the planning graph from here on
@@ -128,6 +134,9 @@ def build_problem(
     followers: dict[int, tuple[int, np.ndarray]] = {}
     _add_input_nodes(graph, ctx, options, dict(fixed or {}), ilp_nodes, source_of)
     missing = _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers)
+    if layout is not None:
+        _keep_layout(ilp_nodes, layout)
+        followers = {}  # one strategy per node: nothing left to follow
     warnings = [
         f"no sharding rule for primitive '{prim}' ({count} node(s)): planned as replicated"
         for prim, count in sorted(missing.items())
@@ -150,6 +159,43 @@ def build_problem(
         **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
     )
     return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights, expansion)
+
+
+class LayoutMismatch(ValueError):
+    """A `chosen_layout` that does not apply to the graph `build_problem` was given."""
+
+
+def chosen_layout(built: BuiltProblem, choices: Sequence[int]) -> tuple:
+    """What a solution of `built` chose, independent of shapes: per ILP node its name and
+    the chosen strategy's operand and result specs (a node's strategies differ in these:
+    `_dedupe`). `build_problem(..., layout=...)` applies it to a graph of the same
+    structure."""
+    return tuple(
+        (_kind(node), (node.strategies[c].in_specs, node.strategies[c].out_specs))
+        for node, c in zip(built.ilp_nodes, choices)
+    )
+
+
+def _kind(node: IlpNode) -> str:
+    """What the node is, without the ids and paths it carries: another trace of the same
+    graph numbers its variables and equations from elsewhere, and a layer of the same
+    structure reads other parameters (``layers/1/...`` against ``layers/24/...``)."""
+    return "input" if node.node is None else node.name.rsplit(" #", 1)[0]
+
+
+def _keep_layout(ilp_nodes: list[IlpNode], layout: Sequence[tuple]) -> None:
+    """Each node's strategies cut to the one `layout` names (`chosen_layout`)."""
+    if len(layout) != len(ilp_nodes):
+        raise LayoutMismatch(
+            f"the layout has {len(layout)} ILP nodes and this graph {len(ilp_nodes)}"
+        )
+    for node, (kind, specs) in zip(ilp_nodes, layout):
+        if _kind(node) != kind:
+            raise LayoutMismatch(f"the layout's {kind!r} node is {node.name!r} here")
+        kept = [s for s in node.strategies if (s.in_specs, s.out_specs) == specs]
+        if not kept:
+            raise LayoutMismatch(f"{node.name}: this graph's shapes rule out {specs}")
+        node.strategies = kept[:1]
 
 
 def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:

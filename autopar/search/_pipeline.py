@@ -318,7 +318,17 @@ def _remat_by_layer(choice) -> dict[int, str]:
 def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                    scan_length=None):
     """The stage DP's choice for each microbatch count that has a plan; raises the last
-    count's error when none has."""
+    count's error when none has.
+
+    With several counts (`num_microbatches="auto"`) the layer ILPs are solved for one
+    count (`_reference_first`; issue 18): the other counts' layer costs are that search's
+    layouts priced on their own shapes (`LayerCostTable(reference=...)`; an ILP of their
+    own where the reference has not solved that layer, shape and level or its layout does
+    not apply), each the cost of a feasible plan, which a search of the count's own
+    layouts would match or beat. Whichever count `_pick` then takes is searched again on
+    its own table less the priced costs before it is kept: a plan of priced layouts is
+    never the answer. (What this can miss: a count whose own layouts would beat the
+    winner though its priced ones did not.)"""
     submeshes = None
     if options.submeshes is not None:
         submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
@@ -331,8 +341,7 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     # keep as many (zero bubble; "auto" chooses among those) and for the chunks of an
     # interleaved pipeline searched as p·v stages.
     dp_schedule = _dp_schedule(options.schedule)
-    candidates: list[_Candidate] = []
-    last_error: ValueError | None = None
+    errors: dict[int, ValueError] = {}
     allowed, remat = None, options.remat
     if scan_length is not None:
         allowed = _even_shares(scan_length, options.num_stages or cluster.num_devices)
@@ -341,29 +350,44 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                 "schedule='interleaved_1f1b' is not supported yet for a scanned layer stack "
                 "cut into pipeline stages; use schedule='1f1b', 'zero_bubble' or 'auto'"
             )
-    for num_micro in options.microbatch_counts(rows):
+
+    traced: dict[int, tuple] = {}  # count -> (its graph, layers, layer cost table)
+
+    def search(num_micro: int, reference, keep_layouts: bool):
+        """(the count's candidates, its layer cost table or None); a count without a plan
+        gives no candidates and its error in `errors`. A count searched before on priced
+        layouts is searched again on its own table, less the priced costs."""
         if interleaved and num_micro % options.num_stages:
             # Interleaved 1F1B runs microbatches in rounds of the device groups.
-            last_error = ValueError(
+            errors[num_micro] = ValueError(
                 f"schedule='interleaved_1f1b' runs microbatches in rounds of the "
                 f"{options.num_stages} device groups; {num_micro} microbatches is not a "
                 f"multiple of {options.num_stages}: pass num_microbatches as one"
             )
-            continue
+            return [], None
         start = time.perf_counter()
-        mb_graph = _trace_microbatch(
-            fn, args, options, num_micro, num_auto_layers,
-            None if scan_length is None else per_iteration(scan_length),
-        )
+        mb_graph, layers, table = traced.get(num_micro, (None, None, None))
+        if mb_graph is None:
+            mb_graph = _trace_microbatch(
+                fn, args, options, num_micro, num_auto_layers,
+                None if scan_length is None else per_iteration(scan_length),
+            )
         timings["trace"] = timings.get("trace", 0.0) + time.perf_counter() - start
         start = time.perf_counter()
         try:
-            layers = assign_layers(mb_graph)
+            if layers is None:
+                layers = assign_layers(mb_graph)
             if scan_length is not None and layers.num_layers != scan_length + 2:
                 raise _NotALayerStack()
             tied = tied_state(mb_graph, options.donate_argnums)
-            table = layer_cost_table(mb_graph, layers, dp_cluster, num_micro, dp_schedule,
-                                     single, tied)
+            if table is None:
+                table = layer_cost_table(mb_graph, layers, dp_cluster, num_micro,
+                                         dp_schedule, single, tied, reference=reference,
+                                         keep_layouts=keep_layouts)
+                if reference is not None:
+                    traced[num_micro] = (mb_graph, layers, table)
+            else:
+                table.forget_priced()
             stage_dp = functools.partial(
                 choose_stages, mb_graph, layers, dp_cluster, num_micro, dp_schedule,
                 single, tied, num_stages=num_stages, submeshes=submeshes,
@@ -376,9 +400,9 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                 choice = _one_layout(choice, scan_length, options, cluster, num_micro,
                                      functools.partial(stage_dp, table=table))
         except ValueError as err:
-            last_error = err
+            errors[num_micro] = err
             log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
-            continue
+            return [], table
         finally:
             timings["stage_dp_and_ilps"] = (
                 timings.get("stage_dp_and_ilps", 0.0) + time.perf_counter() - start
@@ -386,19 +410,74 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
         for name, value in choice.timings.items():  # the search's parts, summed over counts
             timings[name] = timings.get(name, 0) + value
         schedule, latency = _schedule_for(choice, num_micro, options, cluster)
-        log.info("%d microbatch(es): %d stage(s), predicted %.4g s%s",
+        log.info("%d microbatch(es): %d stage(s), predicted %.4g s%s%s",
                  num_micro, len(choice.stage_layers), latency,
-                 _stitch_note(choice, num_micro, options, cluster, latency))
-        candidates.append(_Candidate(choice, mb_graph, num_micro, schedule, latency))
+                 _stitch_note(choice, num_micro, options, cluster, latency),
+                 "" if not choice.timings.get("layer costs priced") else
+                 f" ({choice.timings['layer costs priced']} layer costs from the layouts of "
+                 f"the {reference.num_microbatches}-microbatch search, priced)")
+        found = [_Candidate(choice, mb_graph, num_micro, schedule, latency)]
         if options.schedule == "auto" and scan_length is None:
             start = time.perf_counter()
-            candidates += _interleaved_candidates(
-                mb_graph, layers, cluster, num_micro, options, len(choice.stage_layers)
+            found += _interleaved_candidates(
+                mb_graph, layers, cluster, num_micro, options, len(choice.stage_layers),
+                reference,
             )
             timings["stage_dp_and_ilps"] += time.perf_counter() - start
-    if not candidates:
-        raise last_error
-    return candidates
+        return found, table
+
+    counts = options.microbatch_counts(rows)
+    share = SHARE_LAYOUTS and len(counts) > 1
+    found: dict[int, list[_Candidate]] = {}
+    full: set[int] = set()  # counts whose candidates priced no other count's layout
+    reference = None
+    for num_micro in _reference_first(counts, rows, cluster) if share else counts:
+        found[num_micro], table = search(num_micro, reference,
+                                         keep_layouts=share and reference is None)
+        if reference is None:
+            reference = table if share else None
+        if not any(c.choice.timings.get("layer costs priced") for c in found[num_micro]):
+            full.add(num_micro)
+    while True:
+        candidates = [c for n in counts for c in found[n]]
+        if not candidates:
+            unsearched = [n for n in counts if n not in full]
+            if not unsearched:
+                raise errors[max(errors)]  # the largest count's, as searched last
+            pick = unsearched[0]  # no priced plan fits: search the counts in full
+        else:
+            pick = _pick(candidates).num_microbatches
+            if pick in full:
+                return candidates
+        log.info("%d microbatch(es): searching its own layer layouts (the priced plan of "
+                 "another count's layouts %s)", pick,
+                 "is the fastest" if candidates else "did not fit")
+        errors.pop(pick, None)
+        found[pick], _ = search(pick, None, keep_layouts=False)
+        full.add(pick)
+
+
+def _reference_first(counts: list[int], rows: int | None, cluster) -> list[int]:
+    """The counts in the order `_stage_choices` searches them: first the one whose layer
+    ILPs the others price, then the rest, largest first.
+
+    The reference is the largest count whose microbatch rows divide over one host's
+    devices, where the layouts differ most (tensor against data parallelism over the
+    fast links): no layout inside a host that a count of larger microbatches could take is
+    ruled out there for want of rows. A smaller microbatch leaves only tensor-parallel
+    layouts, which price poorly on a large one: the demo's 2-row microbatches priced its
+    16-row one at 1.7x its own search. Without such a count, the count of the largest
+    microbatch. (A count of smaller microbatches than the reference's falls back to its
+    own ILP wherever a reference layout does not divide its rows.)"""
+    per_host = cluster.devices_per_host
+    whole = [n for n in counts if rows is None or (rows // n) % per_host == 0]
+    first = max(whole) if whole else min(counts)
+    return [first, *sorted((n for n in counts if n != first), reverse=True)]
+
+
+SHARE_LAYOUTS = True
+"""With several microbatch counts, solve the layer ILPs of one count and price its layouts
+for the others (`_stage_choices`); False searches every count in full (to compare)."""
 
 
 def _dp_schedule(schedule: str) -> str:
@@ -483,13 +562,14 @@ and doubles the stage-boundary transfers)."""
 
 
 def _interleaved_candidates(mb_graph, layers, cluster, num_micro, options,
-                            num_groups) -> list[_Candidate]:
+                            num_groups, reference=None) -> list[_Candidate]:
     """With `schedule="auto"`: interleaved 1F1B on the `num_groups` device groups the
     1F1B search chose (or `num_stages`), one candidate per v of `AUTO_VIRTUAL_STAGES`
     that fits, each planned by the stage DP as interleaving is (p·v stages, so each
     boundary's transfer is charged; a 1/v share of the memory budget per chunk) and timed
     by `pipeline_latency` with its bubble. `_pick` then takes the fastest of these and
-    the 1F1B / zero-bubble candidates by predicted step time."""
+    the 1F1B / zero-bubble candidates by predicted step time. `reference`: a layer cost
+    table whose layouts the DP prices instead of solving ILPs (`_stage_choices`)."""
     p = options.num_stages or num_groups
     found = []
     for v in AUTO_VIRTUAL_STAGES:
@@ -501,11 +581,15 @@ def _interleaved_candidates(mb_graph, layers, cluster, num_micro, options,
             dp_cluster, single, num_stages, submeshes = _interleaved_search(
                 cluster, shard_options(chosen, cluster), chosen
             )
+            tied = tied_state(mb_graph, options.donate_argnums)
+            table = None if reference is None else layer_cost_table(
+                mb_graph, layers, dp_cluster, num_micro, "1f1b", single, tied,
+                reference=reference,
+            )
             choice = choose_stages(
-                mb_graph, layers, dp_cluster, num_micro, "1f1b", single,
-                tied_state(mb_graph, options.donate_argnums), num_stages=num_stages,
-                submeshes=submeshes, logical_shapes=options.logical_shapes,
-                remat=options.remat,
+                mb_graph, layers, dp_cluster, num_micro, "1f1b", single, tied,
+                num_stages=num_stages, submeshes=submeshes,
+                logical_shapes=options.logical_shapes, remat=options.remat, table=table,
             )
             choice = _fold(choice, p, cluster.num_devices)
         except ValueError as err:
