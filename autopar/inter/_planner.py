@@ -1340,7 +1340,7 @@ def choose_stages(
         table = layer_cost_table(
             graph, layers, cluster, num_microbatches, schedule, options, tied
         )
-    ilps_before, ilp_seconds_before = _ilps_solved(table), table.ilp_seconds
+    ilps_before, ilp_seconds_before = table.num_ilps, table.ilp_seconds
     hits_before, priced_before = table.num_hits, table.num_priced
     clustering = time.perf_counter() - start_time
     all_submeshes = list(submeshes) if submeshes else submesh_shapes(
@@ -1365,7 +1365,7 @@ def choose_stages(
             cluster.devices_per_host, all_submeshes, num_stages,
         )
         log.info("stage DP: an even plan bounds the search at %.6g s (%d layer ILPs so far)",
-                 inner.bound, _ilps_solved(table))
+                 inner.bound, table.num_ilps)
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
         num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
@@ -1375,7 +1375,7 @@ def choose_stages(
     log.info(
         "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs (%.2f s), %d cost look-ups "
         "answered from the table, %.2f s",
-        len(dp.stages), dp.latency, _ilps_solved(table), table.ilp_seconds, table.num_hits,
+        len(dp.stages), dp.latency, table.num_ilps, table.ilp_seconds, table.num_hits,
         dp_seconds,
     )
     if table.reference is not None:
@@ -1394,7 +1394,7 @@ def choose_stages(
         clustering, table.ilp_seconds - ilp_seconds_before,
         dp_seconds - (ilp_seconds - ilp_seconds_before), stitching,
     )))
-    timings.update({"layer ILPs solved": _ilps_solved(table) - ilps_before,
+    timings.update({"layer ILPs solved": table.num_ilps - ilps_before,
                     "layer costs reused": table.num_hits - hits_before,
                     "layer costs priced": table.num_priced - priced_before})
     return PipelineChoice(
@@ -1406,7 +1406,7 @@ def choose_stages(
         stage_plans=stage_plans,
         partition=part,
         dp=dp,
-        num_layer_ilps=_ilps_solved(table) - ilps_before,
+        num_layer_ilps=table.num_ilps - ilps_before,
         timings=timings,
         stage_remat=stage_remat,
         stage_recompute=tuple(
@@ -1423,12 +1423,6 @@ def choose_stages(
             for _ in dp.stages
         ),
     )
-
-
-def _ilps_solved(table: LayerCostTable) -> int:
-    """The layer ILPs solved for `table`: its own and its reference's (which solves those
-    whose layouts it prices)."""
-    return table.num_ilps + (0 if table.reference is None else table.reference.num_ilps)
 
 
 def recompute_time(table: LayerCostTable, layer_range, detail) -> float:

@@ -166,10 +166,10 @@ class LayoutMismatch(ValueError):
 
 
 def chosen_layout(built: BuiltProblem, choices: Sequence[int]) -> tuple:
-    """What a solution of `built` chose, independent of shapes: per ILP node its name and
-    the chosen strategy's operand and result specs (a node's strategies differ in these:
-    `_dedupe`). `build_problem(..., layout=...)` applies it to a graph of the same
-    structure."""
+    """What a solution of `built` chose, independent of shapes: per ILP node its kind
+    (`_kind`) and the chosen strategy's operand and result specs (a node's strategies
+    differ in these: `_dedupe`). `build_problem(..., layout=...)` applies it to a graph of
+    the same structure."""
     return tuple(
         (_kind(node), (node.strategies[c].in_specs, node.strategies[c].out_specs))
         for node, c in zip(built.ilp_nodes, choices)
