@@ -533,7 +533,10 @@ def test_combined_collective_pays_its_share_of_one_latency():
     on the wire): 64 KiB pays the bandwidth in full and 64 KiB / 30 MiB of the latency."""
     from autopar.cost import COMBINE_THRESHOLD_BYTES, combined_collective_time
 
-    cluster = Cluster.from_profile("cpu-local-measured")
+    # As XLA:GPU's combiner: one latency per merged collective (the profile's own
+    # `combined_operand_latency` is XLA:CPU's, which pays per operand: the next test).
+    cluster = dataclasses.replace(Cluster.from_profile("cpu-local-measured"),
+                                  combined_operand_latency=0.0)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
     link = cluster.intra_link(8)
     nbytes = 64 * 1024
@@ -549,6 +552,35 @@ def test_combined_collective_pays_its_share_of_one_latency():
         collective_time("all_reduce", big, cluster, mesh, "x"))
     assert combined_collective_time("send_recv", nbytes, cluster, mesh, "x") == pytest.approx(
         collective_time("send_recv", nbytes, cluster, mesh, "x"))
+
+
+def test_combined_collective_on_a_runtime_that_pays_per_operand():
+    """`combined_operand_latency` s: each merged collective pays s + (1 - s) · its bucket
+    share of its latency; at 1 (XLA:CPU, whose tuple all-reduce rendezvouses once per
+    operand) exactly what it pays alone. By hand on cpu-local-measured, 8 devices."""
+    from autopar.cost import COMBINE_THRESHOLD_BYTES, combined_collective_time
+
+    base = Cluster.from_profile("cpu-local-measured")
+    mesh = LogicalMesh.create((8,), axis_names=("x",))
+    link = base.intra_link(8)
+    nbytes = 64 * 1024
+    wire = 2 * 7 / 8 * nbytes / link.bandwidth
+    for share in (0.0, 0.5, 1.0):
+        cluster = dataclasses.replace(base, combined_operand_latency=share)
+        paid = share + (1 - share) * nbytes / COMBINE_THRESHOLD_BYTES
+        assert combined_collective_time("all_reduce", nbytes, cluster, mesh, "x") == (
+            pytest.approx(wire + paid * 14 * link.latency))
+    per_operand = dataclasses.replace(base, combined_operand_latency=1.0)
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert combined_collective_time(kind, nbytes, per_operand, mesh, "x") == pytest.approx(
+            collective_time(kind, nbytes, per_operand, mesh, "x"))
+    with pytest.raises(ValueError, match=r"combined_operand_latency must be in \[0, 1\]"):
+        dataclasses.replace(base, combined_operand_latency=1.5)
+    # The measured profile keeps its figure through JSON; the GPU profiles leave it out.
+    assert base.combined_operand_latency > 0.5
+    assert Cluster.from_json(base.to_json()).combined_operand_latency == (
+        base.combined_operand_latency)
+    assert "combined_operand_latency" not in Cluster.from_profile("dgx-h100").to_json()
 
 
 def test_combined_bucket_count_by_hand():

@@ -63,7 +63,11 @@ def test_quick_profile_contents(quick_profile, devices):
     assert set(data["intra_host_by_group"]) == {"2", str(len(devices))}
     # the update of donated state, timed in place, besides the fresh-output bandwidth
     assert data["inplace_bandwidth"] > 0 and data["hbm_bandwidth"] > 0
+    # each operand of a merged collective: its share of a latency, measured (XLA:CPU pays
+    # about a whole one; the figure depends on the machine, so only its range here)
+    assert 0 <= data.get("combined_operand_latency", 0.0) <= 1
     cluster = Cluster.from_profile(path)
+    assert cluster.combined_operand_latency == data.get("combined_operand_latency", 0.0)
     assert cluster.write_bandwidth(True) == data["inplace_bandwidth"]
     assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
 
@@ -88,6 +92,7 @@ def test_progress_is_one_line_per_group(quick_profile):
         COLLECTIVE_KINDS)
     assert sum("matmul" in line for line in lines) == 2
     assert sum("memory bandwidth" in line for line in lines) == 2  # fresh and in place
+    assert sum(line.split("] ")[1].startswith("combined ") for line in lines) == 2
     assert all(line.startswith("[autopar profile] ") for line in lines)
 
 

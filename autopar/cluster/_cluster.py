@@ -110,6 +110,15 @@ class Cluster:
       buffer. None: `hbm_bandwidth` (the rate with a fresh output buffer). On CPU a fresh
       buffer pays first-touch page faults, so the two differ (2.27 against 8.4 GB/s on the
       2-core VM of `cpu-local-measured`). See `write_bandwidth`.
+    - `combined_operand_latency`: the share of its own latency that each operand of a
+      combined collective still pays, in [0, 1]. 0 (the default): XLA's combiner merges
+      independent collectives of a kind into one that pays the latency once (XLA:GPU
+      issues the merged operands as one NCCL group). 1: every operand pays a collective's
+      latency, as XLA:CPU's in-process collectives do (a tuple all-reduce rendezvouses
+      once per operand, and its all-gathers are not merged: a 32-operand all-reduce over
+      8 CPU devices took 236 us more per operand than a one-operand one). `autopar
+      profile` measures it (`measure_combined_latency`); see
+      `autopar.cost.combined_collective_time`.
 
     **Example:**
     ```python
@@ -136,6 +145,7 @@ class Cluster:
     dispatch_overhead: float = 0.0
     intra_host_by_group: tuple[tuple[int, Link], ...] | None = None
     inplace_bandwidth: float | None = None
+    combined_operand_latency: float = 0.0
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -242,6 +252,8 @@ class Cluster:
             optional["dispatch_overhead"] = self.dispatch_overhead
         if self.inplace_bandwidth is not None:
             optional["inplace_bandwidth"] = self.inplace_bandwidth
+        if self.combined_operand_latency:
+            optional["combined_operand_latency"] = self.combined_operand_latency
         if self.intra_host_by_group is not None:
             optional["intra_host_by_group"] = {
                 str(n): link.to_json() for n, link in self.intra_host_by_group
@@ -445,6 +457,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             if "intra_host_by_group" in data else None,
             inplace_bandwidth=read.number("inplace_bandwidth")
             if "inplace_bandwidth" in data else None,
+            combined_operand_latency=read.number("combined_operand_latency")
+            if "combined_operand_latency" in data else 0.0,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -539,6 +553,8 @@ _FIELD_HELP = {
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
     "inplace_bandwidth": "a number: memory bandwidth in bytes/s of updates written in place",
+    "combined_operand_latency": "a number in [0, 1]: the share of its latency each operand "
+    "of a combined collective pays",
     "intra_host_by_group": 'an object of links by group size, e.g. {"2": {"bandwidth": '
     'bytes/s per device, "latency": seconds}, "4": {...}}',
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
@@ -578,6 +594,10 @@ def _check_cluster(cluster: Cluster) -> None:
         )
     if not 0 <= cluster.overlap <= 1:
         problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")
+    if not 0 <= cluster.combined_operand_latency <= 1:
+        problems.append(
+            f"combined_operand_latency must be in [0, 1], got {cluster.combined_operand_latency!r}"
+        )
     nics = cluster.nics_per_host
     if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
         problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")

@@ -105,6 +105,11 @@ def combined_collective_time(
     less than one latency per group short when the last bucket is partly full. Kinds
     outside `COMBINED_KINDS` (send_recv, all_to_all) are charged as `collective_time`.
 
+    A runtime whose merged collective still pays per operand (XLA:CPU, whose tuple
+    all-reduce rendezvouses once per operand) sets `Cluster.combined_operand_latency`
+    s: each collective then pays ``s + (1 − s) · min(1, nbytes / threshold)`` of its
+    latency, all of it at s = 1.
+
     **Example:** 50 gradient all-reduces of 64 KiB over 8 devices with 12 us latency: one
     bucket, so their latency is ``50 · 64 KiB / 30 MiB · 14 · 12 us`` ≈ 18 us instead of
     ``50 · 14 · 12 us`` = 8.4 ms; the bandwidth part is unchanged.
@@ -119,7 +124,8 @@ def combined_collective_time(
     alpha_beta_terms(kind, nbytes, n)  # checks the arguments
     if n == 1:
         return 0.0
-    share = min(1.0, nbytes / threshold)
+    amortised = cluster.combined_operand_latency
+    share = amortised + (1.0 - amortised) * min(1.0, nbytes / threshold)
     return max(_group_time(kind, nbytes, cluster, group, share) for group in mesh.groups(axes))
 
 

@@ -169,6 +169,7 @@ def measure_profile(
     hbm = measure_bandwidth(mine, options, log)
     inplace = measure_bandwidth(mine, options, log, in_place=True)
     dispatch = measure_dispatch(mine, options, log)
+    combined = measure_combined_latency(mine, options, log)
     intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
     inter = []
     if len(hosts) >= 2:  # one device per host: the inter-host level (best effort)
@@ -193,6 +194,7 @@ def measure_profile(
         inter_host=inter_link,
         dispatch_overhead=dispatch,
         intra_host_by_group=by_group,
+        combined_operand_latency=combined,
     )
     for level, link in (("intra_host", intra_link), ("inter_host", inter_link),
                         *((f"intra_host, groups of {n}", link) for n, link in by_group or ())):
@@ -355,6 +357,59 @@ def measure_dispatch(
     seconds = _median_seconds(fn, (x,), repeats, num_devices=1)  # one host thread's work
     log(f"dispatch of a trivial program on {len(devices)} devices: {seconds * 1e6:.1f} us")
     return seconds
+
+
+# Operands of the merged and chained programs of `measure_combined_latency`, and the bytes
+# per device of each: small, so that each collective's time is its latency.
+COMBINE_PROBE_OPERANDS = 16
+COMBINE_PROBE_BYTES = 1 * KiB
+
+
+def measure_combined_latency(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> float:
+    """The share of a collective's latency that each operand of a merged one still pays
+    (`Cluster.combined_operand_latency`).
+
+    For all-reduce and all-gather over all `devices`, three programs of small collectives
+    (`COMBINE_PROBE_BYTES` per device): one collective; k = `COMBINE_PROBE_OPERANDS`
+    independent ones, which XLA's combiner may merge; k chained ones (each reads the last
+    one's result), which it cannot. The share is what each extra independent collective
+    costs over what each extra chained one costs, ``(merged - one) / (chained - one)``,
+    clipped to [0, 1]; the figure is the mean over the two kinds. About 1 on XLA:CPU (its
+    tuple all-reduce rendezvouses once per operand, its all-gathers are not merged).
+    """
+    mesh = Mesh(np.array(devices), (AXIS,))
+    spec = PartitionSpec(AXIS)
+    n, k = len(devices), COMBINE_PROBE_OPERANDS
+    elements = max(n, COMBINE_PROBE_BYTES // jnp.dtype(COLLECTIVE_DTYPE).itemsize // n * n)
+    shares = []
+    for kind in ("all_reduce", "all_gather"):
+        local_shape, collective = _collective_body(kind, elements, n)
+
+        def merged(x, count, collective=collective):
+            # Different inputs, so that XLA neither shares nor chains them.
+            results = [collective(x + i) for i in range(count)]
+            return sum(r.sum() for r in results) + x
+
+        def chained(x, collective=collective, local=local_shape[0]):
+            for _ in range(k):
+                x = collective(x)[:local] + 1  # each reads the last one's result
+            return x
+
+        x = _filled((n * local_shape[0],), COLLECTIVE_DTYPE, mesh)
+        times = [
+            _median_seconds(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec,
+                                          check_vma=False), (x,), options)
+            for fn in (partial(merged, count=1), partial(merged, count=k), chained)
+        ]
+        one, many, chain = times
+        share = (many - one) / (chain - one) if chain > one else 1.0
+        shares.append(min(1.0, max(0.0, share)))
+        log(f"combined {kind} over {n} devices: one {one * 1e6:.0f} us, {k} independent "
+            f"{many * 1e6:.0f} us, {k} chained {chain * 1e6:.0f} us: each operand of a "
+            f"merged one pays {shares[-1]:.2f} of a collective's latency")
+    return round(sum(shares) / len(shares), 3)
 
 
 def _collective_body(kind: CollectiveKind, elements: int, n: int):
