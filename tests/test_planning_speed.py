@@ -156,6 +156,42 @@ def test_search_reports_its_parts():
     assert f"planning work: layer ILPs solved {solved}," in text
 
 
+def test_a_fixed_microbatch_count_traces_the_step_once(monkeypatch):
+    """A pipeline search of a fixed count traces one microbatch of a step with its own
+    layer marks, once (not the whole step too), and finds the plan the search from the
+    whole step's trace finds; the batch rows still count whole (a count that does not
+    divide them is refused as before)."""
+    from autopar.search import _api, _pipeline
+
+    opt = optax.adamw(LR)
+    step = gpt.make_train_step(GPT, opt)
+    args = (gpt.abstract_state(GPT, opt), gpt.abstract_batch(GPT, 16))
+    cluster = autopar.Cluster.from_profile("cpu-local")
+    shapes = []
+    for module in (_api, _pipeline):
+        traced = module.trace
+
+        def spy(fn, *a, traced=traced, **k):
+            graph = traced(fn, *a, **k)
+            shapes.append(graph.vars[graph.invars[-1]].shape)
+            return graph
+
+        monkeypatch.setattr(module, "trace", spy)
+    once = autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)
+    assert shapes == [(8, GPT.seq_len)]  # one trace, of one 8-row microbatch
+    monkeypatch.setattr(_api, "_search_graph", lambda fn, a, c, o: (
+        _api.trace(fn, *a, batch_argnums=o.batch_argnums), 1))
+    shapes.clear()
+    both = autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)
+    assert shapes == [(16, GPT.seq_len), (8, GPT.seq_len)]  # as before: whole, then one
+    assert once.predicted_step_time == both.predicted_step_time
+    assert [(s.layers, s.mesh.shape, s.sharding.var_specs) for s in once.stages] == [
+        (s.layers, s.mesh.shape, s.sharding.var_specs) for s in both.stages]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="not divisible by num_microbatches=3"):
+        autopar.plan(step, *args, cluster=cluster, num_microbatches=3, cache=False)
+
+
 class _FakeTable:
     """A layer cost table of made-up numbers with the real table's properties: a leaner
     level holds less and is no faster; recompute keeps fewer activations and is slower.

@@ -57,7 +57,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     """
     timings: dict[str, float] = {}
     with phase("trace", timings):
-        graph = trace(fn, *args, batch_argnums=options.batch_argnums)
+        graph, microbatches = _search_graph(fn, args, cluster, options)
     if cache is None:
         cache = PlanCache(version=code_version())
     key = None
@@ -69,13 +69,34 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
         cached = cache.get(key)
         if cached is not None:
             log.info("plan cache hit: %s", cache.path(key))
-            return cached, graph_for_plan(fn, args, cached, options, graph)
+            full = graph if microbatches == 1 else None
+            return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings):
-        result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings))
+        result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
+                                        microbatches)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
     if cache and key is not None:
         cache.put(key, result)
     return result, run_graph
+
+
+def _search_graph(fn, args, cluster, options: PlanOptions) -> tuple[OpGraph, int]:
+    """The graph a search starts from, and how many of it make the step: the whole step
+    (1), or, for a pipeline search of a fixed count m > 1 on several devices, one
+    microbatch (m), which is the graph that search plans: the step is then traced once
+    rather than at the whole batch and again per microbatch (half of the demo's tracing).
+    Where the batch does not split into m, the whole step, whose search says so."""
+    count = options.num_microbatches
+    if (options.method == "auto" and isinstance(count, int) and count > 1
+            and cluster.num_devices > 1):
+        try:
+            mb_args = microbatch_args(args, options.batch_argnums, count)
+        except ValueError:
+            mb_args = None
+        if mb_args is not None:
+            with auto_layers(None):
+                return trace(fn, *mb_args, batch_argnums=options.batch_argnums), count
+    return trace(fn, *args, batch_argnums=options.batch_argnums), 1
 
 
 def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) -> OpGraph:

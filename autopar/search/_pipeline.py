@@ -77,9 +77,21 @@ class _Candidate:
     latency: float = 0.0  # predicted seconds per step under `schedule`
 
 
-def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict):
-    """The plan for `fn(*args)` and the graph it runs (see the module docstring)."""
+def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict,
+                graph_microbatches: int = 1):
+    """The plan for `fn(*args)` and the graph it runs (see the module docstring).
+
+    `graph_microbatches`: `graph` is one of that many microbatches of the step rather
+    than the whole step (a search of that fixed count traced it so; `autopar.search._api`).
+    """
     options.check_cluster(cluster)
+    if graph_microbatches > 1 and (options.method != "auto" or cluster.num_devices == 1
+                                   or options.num_microbatches != graph_microbatches):
+        raise ValueError(
+            f"search_plan got one microbatch of {graph_microbatches} but plans "
+            f"method={options.method!r}, num_microbatches={options.num_microbatches!r} on "
+            f"{cluster.num_devices} device(s); trace the whole step for it"
+        )
     if options.method != "auto":
         return _one_mesh(graph, cluster, options, timings), graph
     has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
@@ -101,13 +113,19 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     stack = None if has_marks else layer_scan(graph)
     scan_length = None if stack is None else stack.params["length"]
     num_auto_layers = None if has_marks or stack is not None else options.num_layers
+    rows = batch_size(graph)
+    pretraced = {}
+    if graph_microbatches > 1:
+        rows = None if rows is None else rows * graph_microbatches
+        if has_marks:  # traced as `_trace_microbatch` would (the model's own marks)
+            pretraced[graph_microbatches] = graph
     try:
-        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
-                                    num_auto_layers, timings, scan_length)
+        candidates = _stage_choices(fn, args, cluster, options, rows, num_auto_layers,
+                                    timings, scan_length, pretraced)
     except _NotALayerStack:  # the scan is not in the loss function: layers cut as usual
         scan_length, num_auto_layers = None, options.num_layers
-        candidates = _stage_choices(fn, args, cluster, options, batch_size(graph),
-                                    num_auto_layers, timings)
+        candidates = _stage_choices(fn, args, cluster, options, rows, num_auto_layers,
+                                    timings)
     scan_ranges = ()
     if scan_length is None:
         best = _pick(candidates)
@@ -316,7 +334,7 @@ def _remat_by_layer(choice) -> dict[int, str]:
 
 
 def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
-                   scan_length=None):
+                   scan_length=None, pretraced=None):
     """The stage DP's choice for each microbatch count that has a plan; raises the last
     count's error when none has.
 
@@ -328,7 +346,10 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
     layouts would match or beat. Whichever count `_pick` then takes is searched again on
     its own table less the priced costs before it is kept: a plan of priced layouts is
     never the answer. (What this can miss: a count whose own layouts would beat the
-    winner though its priced ones did not.)"""
+    winner though its priced ones did not.)
+
+    `pretraced`: microbatch graphs already traced, by count, as `_trace_microbatch`
+    traces them."""
     submeshes = None
     if options.submeshes is not None:
         submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
@@ -351,7 +372,8 @@ def _stage_choices(fn, args, cluster, options, rows, num_auto_layers, timings,
                 "cut into pipeline stages; use schedule='1f1b', 'zero_bubble' or 'auto'"
             )
 
-    traced: dict[int, tuple] = {}  # count -> (its graph, layers, layer cost table)
+    # count -> (its graph, layers, layer cost table)
+    traced: dict[int, tuple] = {m: (g, None, None) for m, g in (pretraced or {}).items()}
 
     def search(num_micro: int, reference, keep_layouts: bool):
         """(the count's candidates, its layer cost table or None); a count without a plan
