@@ -383,3 +383,37 @@ def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
     assert kept.var_specs[3:40:3] == fresh[3:40:3]
     with pytest.raises(IndexError):
         kept.var_specs[len(fresh)]
+
+
+def test_a_search_hands_the_frozen_heap_back(monkeypatch):
+    """The search leaves pre-existing objects out of the collector's scans while it runs
+    and hands them back after, also when it fails; a caller's own freeze stays as it was."""
+    import gc
+
+    from autopar.search import _api
+
+    seen = []
+    search_plan = _api.search_plan
+
+    def spy(*a, **k):
+        seen.append(gc.get_freeze_count() > 0)
+        return search_plan(*a, **k)
+
+    monkeypatch.setattr(_api, "search_plan", spy)
+    opt = optax.adamw(LR)
+    step = gpt.make_train_step(GPT, opt)
+    args = (gpt.abstract_state(GPT, opt), gpt.abstract_batch(GPT, 16))
+    cluster = autopar.Cluster.from_profile("cpu-local")
+    assert gc.get_freeze_count() == 0
+    autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)
+    assert seen == [True] and gc.get_freeze_count() == 0
+    with pytest.raises(ValueError):
+        autopar.plan(step, *args, cluster=cluster, num_microbatches=2, num_stages=9,
+                     cache=False)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's
+    try:
+        autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)
+        assert gc.get_freeze_count() > 0  # not handed back by the search
+    finally:
+        gc.unfreeze()

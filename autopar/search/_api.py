@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,13 +73,32 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             log.info("plan cache hit: %s", cache.path(key))
             full = graph if microbatches == 1 else None
             return cached, graph_for_plan(fn, args, cached, options, full)
-    with phase("search", timings):
+    with phase("search", timings), _heap_frozen():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
                                         microbatches)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
     if cache and key is not None:
         cache.put(key, result)
     return result, run_graph
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """Leave the objects that exist before a search (JAX's, the caller's, the traced graph)
+    out of the garbage collector's scans while it runs (`gc.freeze`), and hand them back
+    after (`gc.unfreeze`). The search allocates millions of small objects, so the
+    collector runs full collections during it, and each would walk that whole heap again:
+    the demo's search took 2.4-2.7 s frozen against 2.7-3.2 s. Objects the search makes
+    are collected as usual. Where the caller has frozen objects of its own (before a
+    fork, say), or turned the collector off, nothing is changed."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _search_graph(fn, args, cluster, options: PlanOptions) -> tuple[OpGraph, int]:
