@@ -17,7 +17,7 @@ from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
 from autopar.search._microbatch import microbatch_args
 from autopar.search._options import PlanOptions, options_from, resolve_cluster, takes_plan_options
-from autopar.search._pipeline import search_plan
+from autopar.search._pipeline import _trace_microbatch, search_plan
 
 log = logging.getLogger("autopar")
 
@@ -111,12 +111,11 @@ def _search_graph(fn, args, cluster, options: PlanOptions) -> tuple[OpGraph, int
     if (options.method == "auto" and isinstance(count, int) and count > 1
             and cluster.num_devices > 1):
         try:
-            mb_args = microbatch_args(args, options.batch_argnums, count)
+            microbatch_args(args, options.batch_argnums, count)
         except ValueError:
-            mb_args = None
-        if mb_args is not None:
-            with auto_layers(None):
-                return trace(fn, *mb_args, batch_argnums=options.batch_argnums), count
+            pass  # the batch does not split: the whole step's search reports it
+        else:
+            return _trace_microbatch(fn, args, options, count, None), count
     return trace(fn, *args, batch_argnums=options.batch_argnums), 1
 
 

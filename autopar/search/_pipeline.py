@@ -117,7 +117,7 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     pretraced = {}
     if graph_microbatches > 1:
         rows = None if rows is None else rows * graph_microbatches
-        if has_marks:  # traced as `_trace_microbatch` would (the model's own marks)
+        if has_marks:  # `_trace_microbatch`'s graph (no automatic marks), as it is
             pretraced[graph_microbatches] = graph
     try:
         candidates = _stage_choices(fn, args, cluster, options, rows, num_auto_layers,
