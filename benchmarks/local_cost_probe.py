@@ -19,9 +19,26 @@ Two measurements on the 8 virtual CPU devices:
    8 devices at a quarter of a core each, so twice the predicted seconds).
 4. **One device on one core.** The step jitted on one CPU device, the process pinned to
    one core (`taskset -c 0`, a child process), for 1, 2, 4 and 8 sequences.
+5. **Per-kernel overhead.** A chain of K small matmul + tanh pairs (8 x 8 and 64 x 64 per
+   device) on 1, 4 and 8 devices at once, K = 1 and 256: what each extra kernel adds in
+   wall and CPU microseconds (a fixed cost per XLA:CPU kernel would make small
+   microbatches dear; it is well under a microsecond).
+6. **Collectives between compute.** On each group size (all groups at once), a program of
+   16 blocks of 4 chained 128 x 128 matmul + tanh per device, with and without a small
+   all-reduce (or all-gather) after each block that the next block reads: what one
+   collective in the middle of a step costs, against the profile's latency (fitted on
+   collectives alone).
+7. **A pipelined step's timeline.** ``auto 2 stages`` run with its timeline recorded
+   (`record_timeline`: each task blocks until done): every task's start and end, the
+   medians per stage and kind against the stage's predicted seconds per microbatch, and
+   the unrecorded step's median.
+
+The tasks of (2) are timed with and without their gradient accumulation (the version that
+adds into the running sums against the first microbatch's, which starts them): what
+accumulating a microbatch's gradients costs.
 
 Usage: ``python benchmarks/local_cost_probe.py [--skip-collectives] [--skip-tasks]
-[--skip-step]``
+[--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]``
 """
 
 from __future__ import annotations
@@ -46,14 +63,14 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 ELEMENTS = 256  # float32 per device: a latency-bound collective
 
 
-def _median_call(fn, args, repeats: int = 51) -> float:
+def _median_call(fn, args, repeats: int = 51, clock=time.perf_counter) -> float:
     for _ in range(3):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -97,7 +114,9 @@ def pipeline_tasks() -> None:
 
     def spy(self, phase, stage, values, step_values, sums, running=None):
         def keep(fn, args):
-            captured.setdefault((phase, stage), (fn, list(args)))
+            adds = fn is self.tasks[(phase, stage)].fn_sum
+            if (phase, stage, adds) not in captured:  # copies: the sums are donated
+                captured[(phase, stage, adds)] = (fn, [jnp.copy(x) for x in args])
         return run_task(self, phase, stage, values, step_values, sums, keep)
 
     PipelineExecutable._run_task = spy
@@ -107,20 +126,111 @@ def pipeline_tasks() -> None:
         PipelineExecutable._run_task = run_task
     print(f"plan: {[(s.layers, s.mesh.shape) for s in p.stages]}, "
           f"{p.num_microbatches} microbatches, predicted {p.predicted_step_time * 1e3:.1f} ms")
-    print("| stage | task | wall ms | CPU ms | stage compute predicted per microbatch ms |")
-    print("|---|---|---|---|---|")
-    for (phase, stage), (fn, args) in sorted(captured.items(), key=lambda kv: kv[0][::-1]):
-        jax.block_until_ready(fn(*args))
+    print("| stage | task | gradients | wall ms | CPU ms | stage compute predicted per "
+          "microbatch ms |")
+    print("|---|---|---|---|---|---|")
+    for (phase, stage, adds), (fn, args) in sorted(captured.items(),
+                                                    key=lambda kv: (kv[0][1], kv[0][0])):
         walls, cpus = [], []
-        for _ in range(15):
+        for k in range(18):
+            fresh = [jnp.copy(x) for x in args] if adds else args  # donated sums
+            jax.block_until_ready(fresh)
             wall, cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*args))
-            walls.append(time.perf_counter() - wall)
-            cpus.append(time.process_time() - cpu)
+            jax.block_until_ready(fn(*fresh))
+            if k >= 3:
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
         predicted = p.stages[stage].sharding.cost.compute
-        print(f"| {stage} | {phase} | {statistics.median(walls) * 1e3:.2f} | "
+        kind = "added to the sums" if adds else ("start the sums" if phase == "backward"
+                                                  else "-")
+        print(f"| {stage} | {phase} | {kind} | {statistics.median(walls) * 1e3:.2f} | "
               f"{statistics.median(cpus) * 1e3:.2f} | {predicted * 1e3:.2f} (forward and "
               f"backward) |", flush=True)
+
+
+def kernel_overhead() -> None:
+    print("| matmul | devices | each extra kernel, wall us | CPU us | CPU us per device |")
+    print("|---|---|---|---|---|")
+    for n in (8, 64):
+        for count in (1, 4, 8):
+            mesh = Mesh(np.array(jax.devices()[:count]), ("x",))
+            w = jnp.full((n, n), 0.01)
+            seconds = {}
+            for k in (1, 256):
+                def chain(x, k=k, w=w):
+                    for _ in range(k):
+                        x = jnp.tanh(x @ w)
+                    return x
+
+                fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+                x = jax.device_put(jnp.ones((count * n, n)), NamedSharding(mesh, P("x")))
+                seconds[k] = (_median_call(fn, (x,), 31),
+                              _median_call(fn, (x,), 31, clock=time.process_time))
+            kernels = 2 * 255  # a dot and a tanh per link
+            wall = (seconds[256][0] - seconds[1][0]) / kernels
+            cpu = (seconds[256][1] - seconds[1][1]) / kernels
+            print(f"| {n} x {n} | {count} | {wall * 1e6:.2f} | {cpu * 1e6:.2f} | "
+                  f"{cpu / count * 1e6:.2f} |", flush=True)
+
+
+def collectives_between_compute() -> None:
+    devices = np.array(jax.devices())
+    w = jnp.full((128, 128), 0.001)
+    print("| group | kind | compute only ms | with 16 between ms | each us |")
+    print("|---|---|---|---|---|")
+    for n in (2, 4, 8):
+        mesh = Mesh(devices.reshape(len(devices) // n, n), ("g", "x"))
+        spec = P(("g", "x"))
+        x = jax.device_put(jnp.ones((len(devices) * 128, 128)), NamedSharding(mesh, spec))
+        for kind in ("all_reduce", "all_gather"):
+            seconds = {}
+            for between in (False, True):
+                def body(x, between=between, kind=kind, w=w):
+                    for _ in range(16):
+                        for _ in range(4):
+                            x = jnp.tanh(x @ w)
+                        if between:
+                            part = (lax.psum(x[:8], "x") if kind == "all_reduce"
+                                    else lax.all_gather(x[:8], "x", tiled=True))
+                            x = x + part.sum() * 1e-3
+                    return x
+
+                fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                           check_vma=False))
+                seconds[between] = _median_call(fn, (x,), 21)
+            each = (seconds[True] - seconds[False]) / 16
+            print(f"| {n} | {kind} | {seconds[False] * 1e3:.2f} | {seconds[True] * 1e3:.2f} | "
+                  f"{each * 1e6:.0f} |", flush=True)
+
+
+def pipeline_timeline() -> None:
+    from bench_local import _cluster, _gpt_arrays, _Timer, local_plans
+
+    step, state, batch = _gpt_arrays("small-test", 16)
+    p = local_plans(step, (state, batch), _cluster("cpu-local-measured"))["auto 2 stages"]()
+    timer = _Timer(step, state, batch, p)
+    unrecorded = timer.time_steps(10)
+    (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
+    jax.block_until_ready(timer.state)
+    (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
+    jax.block_until_ready(timer.state)
+    print(f"auto 2 stages: predicted {p.predicted_step_time * 1e3:.1f} ms, unrecorded step "
+          f"{unrecorded * 1e3:.1f} ms (median of 10), recorded step ends at "
+          f"{timeline[-1].end * 1e3:.1f} ms")
+    print("| stage | task | microbatch | start ms | end ms |")
+    print("|---|---|---|---|---|")
+    by_kind: dict = {}
+    for r in timeline:
+        by_kind.setdefault((r.stage, r.kind), []).append(r.end - r.start)
+        print(f"| {r.stage} | {r.kind} | {r.microbatch} | {r.start * 1e3:.2f} | "
+              f"{r.end * 1e3:.2f} |")
+    for s, stage in enumerate(p.stages):
+        times = {kind: statistics.median(t) * 1e3 for (k, kind), t in by_kind.items() if k == s}
+        print(f"stage {s}: " + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in times.items())
+              + f"; predicted {stage.time_per_microbatch * 1e3:.2f} ms per microbatch (compute "
+              f"{stage.sharding.cost.compute * 1e3:.2f}, collectives "
+              f"{stage.sharding.cost.communication * 1e3:.2f}, resharding "
+              f"{stage.sharding.cost.resharding * 1e3:.2f})", flush=True)
 
 
 def step_without_collectives() -> None:
@@ -181,6 +291,9 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-collectives", action="store_true")
     parser.add_argument("--skip-tasks", action="store_true")
     parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--skip-between", action="store_true")
+    parser.add_argument("--skip-timeline", action="store_true")
     parser.add_argument("--one-device", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_device:
@@ -193,6 +306,12 @@ def main(argv=None) -> None:
     if not args.skip_step:
         step_without_collectives()
         one_device_on_one_core()
+    if not args.skip_kernels:
+        kernel_overhead()
+    if not args.skip_between:
+        collectives_between_compute()
+    if not args.skip_timeline:
+        pipeline_timeline()
 
 
 if __name__ == "__main__":
