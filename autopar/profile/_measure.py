@@ -68,8 +68,8 @@ class ProfileOptions:
     - `repeats`, `warmup`: timed and untimed calls per compiled function.
     - `matmul_sizes`: square matmul sizes per device on CPU (times
       `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak, and the
-      others give `gemm_efficiency` (small sizes are timed chained in one program,
-      `measure_matmul`).
+      others give `gemm_efficiency` (small sizes are timed as several independent
+      matmuls in one program, `measure_matmul`).
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
     - `dispatch_repeats`: timed calls of the trivial program that measures
       `Cluster.dispatch_overhead` (`measure_dispatch`).
@@ -287,10 +287,14 @@ def measure_matmul(
 ) -> dict[int, float]:
     """FLOP/s per device of square matmuls run on all `devices` at once, by size.
 
-    Each program chains ``r`` matmuls of its size (``y = y @ a`` in a loop), r chosen so
-    that every program does about the work of one matmul of the largest size: a small
-    matmul then costs what it does inside a step, not the launch of a program of its own
-    (on 8 CPU devices a launch is ~0.15 ms, a whole 128 x 128 matmul ~0.2 ms).
+    Each program runs ``r`` independent matmuls of its size, each on operands of its own,
+    r chosen so that every program does about the work of one matmul of the largest size
+    (at most `MAX_MATMULS_PER_PROGRAM`): a small matmul then costs what it does inside a
+    step, not the launch of a program of its own (on 8 CPU devices a launch is ~0.15 ms, a
+    whole 128 x 128 matmul ~0.35 ms), and it reads operands that the matmul before it did
+    not just touch, as a step's matmuls read their weights. (Chaining ``y = y @ a`` instead
+    keeps both operands in cache: on 8 virtual devices of a 2-core AMD EPYC, 128 x 128 ran
+    at 24.3 GFLOP/s per device chained and at 11.9 independent, 64 x 64 at 19 and 7.1.)
     """
     mesh = Mesh(np.array(devices), (AXIS,))
     spec = PartitionSpec(AXIS)
@@ -298,23 +302,28 @@ def measure_matmul(
     sizes = [scale * size for size in options.matmul_sizes]
     by_size = {}
     for size in sizes:
-        repeats = max(1, round((max(sizes) / size) ** 3))
-        fn = jax.shard_map(partial(_chained_matmuls, repeats=repeats), mesh=mesh,
-                           in_specs=(spec, spec), out_specs=spec)
-        a = _filled((len(devices) * size, size), dtype, mesh)
-        by_size[size] = 2 * size**3 * repeats / _median_seconds(fn, (a, a), options)
+        count = max(1, min(MAX_MATMULS_PER_PROGRAM, round((max(sizes) / size) ** 3)))
+        fn = jax.shard_map(partial(_independent_matmuls, count=count), mesh=mesh,
+                           in_specs=(spec,) * (2 * count), out_specs=(spec,) * count)
+        operands = tuple(_filled((len(devices) * size, size), dtype, mesh)
+                         for _ in range(2 * count))
+        by_size[size] = 2 * size**3 * count / _median_seconds(fn, operands, options)
+        del operands
     best = max(by_size, key=by_size.get)
     log(f"matmul {dtype:<9} on {len(devices)} devices: {by_size[best] / 1e9:.2f} GFLOP/s "
         f"per device (best at {best}x{best}, sizes {list(by_size)})")
     return by_size
 
 
-def _chained_matmuls(y: jax.Array, a: jax.Array, repeats: int) -> jax.Array:
-    """``y @ a`` applied `repeats` times (``a`` all ones over its size keeps y at ones)."""
-    a = a / a.shape[0]
-    if repeats == 1:
-        return y @ a
-    return lax.fori_loop(0, repeats, lambda _, y: y @ a, y)
+# Independent matmuls per program of `measure_matmul` at most: enough that a program's
+# launch is a few percent of its time at the smallest size, few enough to compile fast
+# and hold the operands (64 pairs of 256 x 256 float32: 32 MiB per device).
+MAX_MATMULS_PER_PROGRAM = 64
+
+
+def _independent_matmuls(*operands: jax.Array, count: int) -> tuple[jax.Array, ...]:
+    """``operands[2i] @ operands[2i + 1]`` for i < `count`: none reads another's result."""
+    return tuple(operands[2 * i] @ operands[2 * i + 1] for i in range(count))
 
 
 def measure_bandwidth(
