@@ -144,7 +144,7 @@ def copy_to_devices(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     staging = _staging(x.sharding, sharding)
     TRANSFER_PATHS["device_to_device"] += 1
     if staging is not None:
-        staged = _reshard(x, staging)
+        staged = x if x.sharding.is_equivalent_to(staging, x.ndim) else _reshard(x, staging)
         blocks = {s.device: s.data for s in staged.addressable_shards}
         sources = staging.mesh.devices[0].flat  # the first copy of the target's blocks
         targets = sharding.mesh.devices.flat
