@@ -72,6 +72,23 @@ def test_quick_profile_contents(quick_profile, devices):
     assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
 
 
+def test_small_matmuls_are_timed_independent_not_chained():
+    """A program of `measure_matmul` has `count` dots, each on two operands of its own
+    (a chain ``y = y @ a`` keeps both operands in cache and overstates a step's rate)."""
+    import jax
+    import jax.numpy as jnp
+
+    from autopar.profile._measure import MAX_MATMULS_PER_PROGRAM, _independent_matmuls
+
+    operands = [jax.ShapeDtypeStruct((8, 8), jnp.float32)] * 6
+    jaxpr = jax.make_jaxpr(lambda *xs: _independent_matmuls(*xs, count=3))(*operands).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3
+    read = [v for e in dots for v in e.invars]
+    assert len(set(read)) == 6 and set(read) <= set(jaxpr.invars)
+    assert 1 < MAX_MATMULS_PER_PROGRAM <= 256
+
+
 def test_collectives_in_concurrent_groups_and_cpu_clock(devices):
     """`group_size` splits the devices into groups that run the collective at once; the
     cpu-per-core clock gives positive seconds; bad options say what is wrong."""
