@@ -7,6 +7,8 @@
 
 Each finished row is stored in benchmarks/results.json at once and the markdown is
 rewritten from it, so an interrupted run keeps what it finished and later runs add rows.
+A run writing elsewhere (``--out O.md``) stores its rows beside it (``O.json``) unless
+``--results`` says where, so that a quick check leaves the page's results alone.
 """
 
 from __future__ import annotations
@@ -215,9 +217,16 @@ def parse_args(argv=None):
                         "`autopar profile --clock cpu-per-core`)")
     parser.add_argument("--profile", default="cpu-local",
                         help="cost profile of the local predictions (name or JSON path)")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=None,
+                        help="where rows are stored and merged (default: "
+                        "benchmarks/results.json when writing docs/benchmarks.md, else "
+                        "the --out path with the suffix .json)")
     parser.add_argument("--out", type=Path, default=OUTPUT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.results is None:
+        args.results = (RESULTS if args.out.resolve() == OUTPUT.resolve()
+                        else args.out.with_suffix(".json"))
+    return args
 
 
 def main(argv=None) -> None:

@@ -140,3 +140,13 @@ def test_llama_rows_scan_their_layers_on_h100_and_render_apart(tmp_path):
     gpt_table, llama_table = text.split("## Llama (scanned layers)")
     assert row.key not in gpt_table and f"| {row.key} | 8 |" in llama_table
     assert "Rows not run yet: gpt-1.3B@8." in gpt_table
+
+
+def test_a_run_written_elsewhere_keeps_its_results_beside_it(tmp_path):
+    """`--out O.md` stores the run's rows in O.json, not in the page's results.json."""
+    args = run_benchmarks.parse_args(["--local-only", "--out", str(tmp_path / "o.md")])
+    assert args.results == tmp_path / "o.json"
+    assert run_benchmarks.parse_args([]).results == run_benchmarks.RESULTS
+    given = run_benchmarks.parse_args(["--out", str(tmp_path / "o.md"),
+                                       "--results", str(tmp_path / "r.json")])
+    assert given.results == tmp_path / "r.json"
