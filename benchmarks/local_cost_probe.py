@@ -101,14 +101,20 @@ def merged_collectives() -> None:
                   f"{seconds[2] * 1e6:.0f} | {extra * 1e6:.0f} | {hlo_ops} (of 32) |", flush=True)
 
 
-def pipeline_tasks() -> None:
+def _auto_two_stages():
+    """GPT `small-test` (batch 16) planned on `cpu-local-measured` as the local check's
+    ``auto 2 stages``: (the plan, a `_Timer` of it, compiled and warmed up)."""
     from bench_local import _cluster, _gpt_arrays, _Timer, local_plans
-
-    from autopar.runtime import PipelineExecutable
 
     step, state, batch = _gpt_arrays("small-test", 16)
     p = local_plans(step, (state, batch), _cluster("cpu-local-measured"))["auto 2 stages"]()
-    timer = _Timer(step, state, batch, p)
+    return p, _Timer(step, state, batch, p)
+
+
+def pipeline_tasks() -> None:
+    from autopar.runtime import PipelineExecutable
+
+    p, timer = _auto_two_stages()
     captured = {}
     run_task = PipelineExecutable._run_task
 
@@ -204,16 +210,11 @@ def collectives_between_compute() -> None:
 
 
 def pipeline_timeline() -> None:
-    from bench_local import _cluster, _gpt_arrays, _Timer, local_plans
-
-    step, state, batch = _gpt_arrays("small-test", 16)
-    p = local_plans(step, (state, batch), _cluster("cpu-local-measured"))["auto 2 stages"]()
-    timer = _Timer(step, state, batch, p)
+    p, timer = _auto_two_stages()
     unrecorded = timer.time_steps(10)
-    (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
-    jax.block_until_ready(timer.state)
-    (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
-    jax.block_until_ready(timer.state)
+    for _ in range(2):  # the first recorded step warms up the recording path; keep the second
+        (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
+        jax.block_until_ready(timer.state)
     print(f"auto 2 stages: predicted {p.predicted_step_time * 1e3:.1f} ms, unrecorded step "
           f"{unrecorded * 1e3:.1f} ms (median of 10), recorded step ends at "
           f"{timeline[-1].end * 1e3:.1f} ms")
