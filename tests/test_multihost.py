@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,12 +47,33 @@ STOP_BOUND_SECONDS = 60
 
 
 @pytest.fixture(scope="module")
-def multihost_run(tmp_path_factory):
-    """Run the worker under the `autopar launch` command line; the output folder."""
-    return _launch(tmp_path_factory.mktemp("multihost"), (*MODES, "checkpoint"))
+def started_run(tmp_path_factory):
+    """The worker under the `autopar launch` command line, started and left running
+    (`reference_losses` are computed here meanwhile: the worker's two processes, which
+    wait on each other, keep about one of the two cores busy); (the output folder, the
+    launcher). Stopped if still running when the module ends."""
+    out = tmp_path_factory.mktemp("multihost")
+    launcher = _start(out, (*MODES, "checkpoint"))
+    yield out, launcher
+    _stop(launcher)
+
+
+@pytest.fixture(scope="module")
+def multihost_run(started_run):
+    """The worker's run, finished; the output folder."""
+    out, launcher = started_run
+    return _finish(out, launcher)
 
 
 def _launch(out: Path, modes, timeout: float = 1200) -> Path:
+    launcher = _start(out, modes)
+    try:
+        return _finish(out, launcher, timeout)
+    finally:
+        _stop(launcher)
+
+
+def _start(out: Path, modes) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "autopar.app.cli", "launch", "-n", str(NUM_PROCESSES),
         "--devices-per-process", str(DEVICES_PER_PROCESS), "--log-dir", str(out), "--",
@@ -59,11 +81,30 @@ def _launch(out: Path, modes, timeout: float = 1200) -> Path:
     ]
     # No on-disk plan cache: every process must derive its plan itself for the test.
     env = {**os.environ, "AUTOPAR_PLAN_CACHE": "0"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    # Its output to a file, not a pipe nobody reads while it runs; a session of its own,
+    # so that `_stop` reaches the workers too.
+    with open(out / "launch.log", "w") as log:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(out: Path, launcher: subprocess.Popen, timeout: float = 1200) -> Path:
+    """Wait for `launcher` (`_start`) to finish; it must succeed. The output folder."""
+    try:
+        code = launcher.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _stop(launcher)
+        raise
     logs = "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("process_*.log")))
-    assert done.returncode == 0, f"launch failed: {done.stderr}\n{logs}"
+    assert code == 0, f"launch failed: {(out / 'launch.log').read_text()}\n{logs}"
     return out
+
+
+def _stop(launcher: subprocess.Popen) -> None:
+    """Kill the launcher and its workers (its process group) if it still runs."""
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def _results(out: Path, mode: str) -> list[dict]:
@@ -72,8 +113,9 @@ def _results(out: Path, mode: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference_losses():
-    """Losses on one device and with the same plan options on 8 devices in this process."""
+def reference_losses(started_run):
+    """Losses on one device and with the same plan options on 8 devices in this process
+    (while the worker runs: `started_run`)."""
     optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
     step = gpt.make_train_step(GPT, optimizer)
     state = gpt.init_state(GPT, optimizer, jax.random.key(0))
@@ -90,7 +132,8 @@ def reference_losses():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_losses_match_one_process(multihost_run, reference_losses, mode):
+def test_losses_match_one_process(reference_losses, multihost_run, mode):
+    # (reference_losses first: computed while the worker runs, then multihost_run waits)
     single, eight = reference_losses
     for result in _results(multihost_run, mode):
         assert len(result["losses"]) == 3
