@@ -84,7 +84,11 @@ def _stage_run(num_stages: int, num_microbatches: int):
         spec = choice.stage_plans[stage].var_specs[v] or replicated(len(graph.vars[v].shape))
         mesh = executable.meshes[stage]
         args.append(jax.device_put(x, NamedSharding(mesh, to_partition_spec(spec))))
-    executable(args)  # compile
+    # Compile the task programs the recorded step runs (and XLA's memory analysis of each),
+    # so that the recorded step compiles nothing: a step recorded as well (a plain call of
+    # a one-stage plan would run, and compile, its fused program instead, which the
+    # recorded step does not use).
+    executable(args, record_memory=True)
     gc.collect()
     executable(args, record_memory=True)
     results = []
