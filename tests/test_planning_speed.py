@@ -27,9 +27,11 @@ def _tiny_gpt_graph():
     return graph, assign_layers(graph), tied_state(graph, (0,))
 
 
-def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8)):
-    """The stage choice on one host's submeshes of `devices` GPUs each, and its table;
-    undoes `monkeypatch` after."""
+def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8),
+            logical_shapes=None):
+    """The stage choice on one host's submeshes of `devices` GPUs each (on
+    `logical_shapes`, default every shape of each), and its table; undoes `monkeypatch`
+    after."""
     from autopar.inter import _planner
     from autopar.intra._options import ShardOptions
 
@@ -41,6 +43,7 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8
     choice = _planner.choose_stages(
         graph, layers, cluster, 4, "1f1b", options, tied, table=table,
         submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
+        logical_shapes=logical_shapes,
     )
     monkeypatch.undo()
     return choice, table
