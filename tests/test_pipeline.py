@@ -185,7 +185,9 @@ def test_layer_footprint_is_what_the_stage_memory_counts(levels, monkeypatch):
         assert at_fastest == pytest.approx(held(fastest), rel=1e-9)
         assert 0 < least < at_fastest
         if levels == "limit":
-            level = 5
+            # Level 6 (30% of the way from the least footprint): on (2, 4) the limited
+            # MIPs of level 5 took 27 s for these three layers, level 6's 9 s.
+            level = 6
             lean = table.cost(layer, (2, 4), level)
             assert held(lean) <= least + LEVEL_FRACTIONS[level] * (at_fastest - least)
             assert lean.latency >= fastest.latency
