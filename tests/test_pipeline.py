@@ -23,16 +23,29 @@ def _cluster():
     return autopar.Cluster.from_profile("cpu-local")
 
 
-def _run(module, cfg, optimizer, batch_size, atol, **pipeline):
+def _run(module, cfg, optimizer, batch_size, atol, reference=None, **pipeline):
+    """3 steps under `autoparallel(**pipeline)` from the state of key 0 on the batch of key
+    1 give one device's losses and state (`reference`: one device's 3 steps, when the
+    caller has them already)."""
     state = module.init_state(cfg, optimizer, jax.random.key(0))
     batch = module.make_batch(cfg, batch_size, jax.random.key(1))
     step = module.make_train_step(cfg, optimizer)
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch)
+    ref_losses, ref_state = reference or run_steps(jax.jit(step), state, batch)
     par = autopar.autoparallel(step, cluster=_cluster(), donate_argnums=(), **pipeline)
     losses, par_state = run_steps(par, state, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(par_state, ref_state, atol)
     return par
+
+
+@pytest.fixture(scope="module")
+def gpt_sgd_reference():
+    """`_run`'s reference for the tiny GPT with SGD on batch 8, computed once for the
+    pipelined plans below (the same state, batch and steps each time)."""
+    optimizer = optax.sgd(LR)
+    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(GPT, 8, jax.random.key(1))
+    return run_steps(jax.jit(gpt.make_train_step(GPT, optimizer)), state, batch)
 
 
 @pytest.mark.parametrize(
@@ -45,9 +58,10 @@ def _run(module, cfg, optimizer, batch_size, atol, **pipeline):
         (2, "gpipe", 1, [(1, 4)], [(4,)]),
     ],
 )
-def test_gpt_pipeline_sgd(num_stages, schedule, num_microbatches, submeshes, logical_shapes):
+def test_gpt_pipeline_sgd(num_stages, schedule, num_microbatches, submeshes, logical_shapes,
+                          gpt_sgd_reference):
     par = _run(
-        gpt, GPT, optax.sgd(LR), 8, 1e-5,
+        gpt, GPT, optax.sgd(LR), 8, 1e-5, reference=gpt_sgd_reference,
         num_stages=num_stages, schedule=schedule, num_microbatches=num_microbatches,
         submeshes=submeshes, logical_shapes=logical_shapes,
     )
