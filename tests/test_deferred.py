@@ -35,14 +35,27 @@ def _gpt_graph(batch_size=8):
     return trace(step, *args, batch_argnums=(1,))
 
 
-def _matches_one_device(**pipeline):
-    """The tiny GPT with SGD, 2 steps on batch 128 under `autoparallel(**pipeline)`: losses
-    and parameters equal one device's; returns the autoparallel step."""
+def _sgd_run():
     optimizer = optax.sgd(0.1)
     step = gpt.make_train_step(GPT, optimizer)
     state = gpt.init_state(GPT, optimizer, jax.random.key(0))
     batch = gpt.make_batch(GPT, 128, jax.random.key(1))
-    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
+    return step, state, batch
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """One device's 2 steps of `_matches_one_device`'s run: (losses, state)."""
+    step, state, batch = _sgd_run()
+    return run_steps(jax.jit(step), state, batch, num_steps=2)
+
+
+def _matches_one_device(reference, **pipeline):
+    """The tiny GPT with SGD, 2 steps on batch 128 under `autoparallel(**pipeline)`: losses
+    and parameters equal one device's (`reference`, the `one_device` fixture); returns the
+    autoparallel step."""
+    step, state, batch = _sgd_run()
+    ref_losses, ref_state = reference
     par = autopar.autoparallel(
         step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), **pipeline
     )
@@ -160,10 +173,11 @@ def _compiled_collectives(executable, compiled, stacked):
     return count_collectives(compiled.fn.lower(*args).compile().as_text())
 
 
-def test_data_parallel_pipeline_reduces_gradients_once_per_step():
+def test_data_parallel_pipeline_reduces_gradients_once_per_step(one_device):
     """One stage of data parallelism over 4 microbatches: the backward segment keeps the
     weight gradients unreduced; the update reduces them; results match one device."""
-    par = _matches_one_device(num_stages=1, num_microbatches=4, logical_shapes=[(8,)])
+    par = _matches_one_device(one_device, num_stages=1, num_microbatches=4,
+                              logical_shapes=[(8,)])
 
     executable = par.pipeline
     (stacked,) = executable.stacked
@@ -232,7 +246,7 @@ def test_accumulated_gradients_count_in_stage_memory():
     assert in_flight_microbatches("1f1b", 1, 4) == 1
 
 
-def test_shared_embedding_gradient_is_summed_once_per_step():
+def test_shared_embedding_gradient_is_summed_once_per_step(one_device):
     """The tied embedding's two contributions (the lookup in the first layer, the logits in
     the head) are accumulated on their own stages and added in the update; the head's is
     reduced on its stage before it moves. Two stages, 4 microbatches: matches one device."""
@@ -248,7 +262,8 @@ def test_shared_embedding_gradient_is_summed_once_per_step():
     assert moved[0].outputs[0] not in accumulated
 
     par = _matches_one_device(
-        num_stages=2, num_microbatches=4, submeshes=[(1, 4)], logical_shapes=[(4,)]
+        one_device, num_stages=2, num_microbatches=4, submeshes=[(1, 4)],
+        logical_shapes=[(4,)],
     )
     handoff = [set(h) for h in par.pipeline.handoff]
     assert handoff[0] == set() and len(handoff[1]) == 1
