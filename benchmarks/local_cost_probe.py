@@ -28,17 +28,36 @@ Two measurements on the 8 virtual CPU devices:
    all-reduce (or all-gather) after each block that the next block reads: what one
    collective in the middle of a step costs, against the profile's latency (fitted on
    collectives alone).
-7. **A pipelined step's timeline.** ``auto 2 stages`` run with its timeline recorded
-   (`record_timeline`: each task blocks until done): every task's start and end, the
-   medians per stage and kind against the stage's predicted seconds per microbatch, and
-   the unrecorded step's median.
+7. **A pipelined step's timeline.** ``auto 2 stages`` (or each ``--timeline-plan``) run
+   with its timeline recorded (`record_timeline`: each task blocks until done): every
+   task's start and end, the medians per stage and kind against the stage's predicted
+   seconds per microbatch, and the unrecorded step's median.
+
+8. **CPU per step against the predicted work.** All 12 local plans (3 interleaved rounds
+   of 6 steps): wall time and this process's CPU seconds over the cores per step, against
+   the plan's predicted work (per device group, its devices times its microbatches times
+   its stage's predicted seconds, summed over the stages and divided by the 8 devices:
+   what the step would take if no device ever waited); the pipelined plans once more with
+   every task waited for before the next is launched (nothing overlaps). On this host the
+   8 devices share the cores, so a plan's CPU over the cores is the time its work takes
+   when the cores are always busy.
+
+9. **Matmuls by shape and operand layout.** The local GPT's matmul shapes (M x K times
+   K x N per device, 1 to 8 sequences of 64 tokens per device, tensor-parallel splits,
+   the attention's K = 32) and square ones, on all 8 devices at once, each program
+   several independent matmuls on operands of their own (as `autopar profile` times
+   them), by CPU seconds over the cores: plain (``a @ b``), with the left operand stored
+   transposed (``a.T @ b``, a weight gradient's ``x.T @ dy``) and with the right one
+   stored transposed (``a @ b.T``, an input gradient's ``dy @ w.T``), against the
+   profile's `gemm_efficiency` at the same FLOPs.
 
 The tasks of (2) are timed with and without their gradient accumulation (the version that
 adds into the running sums against the first microbatch's, which starts them): what
 accumulating a microbatch's gradients costs.
 
 Usage: ``python benchmarks/local_cost_probe.py [--skip-collectives] [--skip-tasks]
-[--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]``
+[--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]
+[--timeline-plan NAME ...] [--skip-work] [--skip-shapes]``
 """
 
 from __future__ import annotations
@@ -101,20 +120,20 @@ def merged_collectives() -> None:
                   f"{seconds[2] * 1e6:.0f} | {extra * 1e6:.0f} | {hlo_ops} (of 32) |", flush=True)
 
 
-def _auto_two_stages():
+def _local_plan(name: str = "auto 2 stages"):
     """GPT `small-test` (batch 16) planned on `cpu-local-measured` as the local check's
-    ``auto 2 stages``: (the plan, a `_Timer` of it, compiled and warmed up)."""
+    plan `name`: (the plan, a `_Timer` of it, compiled and warmed up)."""
     from bench_local import _cluster, _gpt_arrays, _Timer, local_plans
 
     step, state, batch = _gpt_arrays("small-test", 16)
-    p = local_plans(step, (state, batch), _cluster("cpu-local-measured"))["auto 2 stages"]()
+    p = local_plans(step, (state, batch), _cluster("cpu-local-measured"))[name]()
     return p, _Timer(step, state, batch, p)
 
 
 def pipeline_tasks() -> None:
     from autopar.runtime import PipelineExecutable
 
-    p, timer = _auto_two_stages()
+    p, timer = _local_plan()
     captured = {}
     run_task = PipelineExecutable._run_task
 
@@ -209,13 +228,13 @@ def collectives_between_compute() -> None:
                   f"{each * 1e6:.0f} |", flush=True)
 
 
-def pipeline_timeline() -> None:
-    p, timer = _auto_two_stages()
+def pipeline_timeline(name: str = "auto 2 stages") -> None:
+    p, timer = _local_plan(name)
     unrecorded = timer.time_steps(10)
     for _ in range(2):  # the first recorded step warms up the recording path; keep the second
         (timer.state, _), timeline = timer.run.record_timeline(timer.state, timer.batch)
         jax.block_until_ready(timer.state)
-    print(f"auto 2 stages: predicted {p.predicted_step_time * 1e3:.1f} ms, unrecorded step "
+    print(f"{name}: predicted {p.predicted_step_time * 1e3:.1f} ms, unrecorded step "
           f"{unrecorded * 1e3:.1f} ms (median of 10), recorded step ends at "
           f"{timeline[-1].end * 1e3:.1f} ms")
     print("| stage | task | microbatch | start ms | end ms |")
@@ -232,6 +251,105 @@ def pipeline_timeline() -> None:
               f"{stage.sharding.cost.compute * 1e3:.2f}, collectives "
               f"{stage.sharding.cost.communication * 1e3:.2f}, resharding "
               f"{stage.sharding.cost.resharding * 1e3:.2f})", flush=True)
+
+
+def cpu_against_work() -> None:
+    from bench_local import LOCAL_DEVICES, _cluster, _gpt_arrays, _Timer, local_plans
+
+    from autopar.profile._measure import usable_cores
+    from autopar.runtime import PipelineExecutable
+
+    step, state, batch = _gpt_arrays("small-test", 16)
+    makers = local_plans(step, (state, batch), _cluster("cpu-local-measured"))
+    timers = {name: _Timer(step, state, batch, make()) for name, make in makers.items()}
+    run_task = PipelineExecutable._run_task
+
+    def waited(self, *args, **kwargs):
+        return jax.block_until_ready(run_task(self, *args, **kwargs))
+
+    cores = usable_cores()
+    times: dict = {}
+    try:
+        for _ in range(3):
+            for serial in (False, True):
+                PipelineExecutable._run_task = waited if serial else run_task
+                for name, timer in timers.items():
+                    if serial and timer.run._last.plan.num_stages == 1:
+                        continue
+                    for _ in range(6):
+                        wall, cpu = time.perf_counter(), time.process_time()
+                        timer._step()
+                        times.setdefault((name, serial), []).append(
+                            (time.perf_counter() - wall, (time.process_time() - cpu) / cores))
+    finally:
+        PipelineExecutable._run_task = run_task
+    print("| plan | tasks | predicted ms | predicted work ms | wall ms | CPU / cores ms | "
+          "CPU / cores / work |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, serial), rows in times.items():
+        p = timers[name].run._last.plan
+        work = sum(len(s.sharding.mesh.device_ids) * p.num_microbatches * s.time_per_microbatch
+                   for s in p.stages) / LOCAL_DEVICES
+        wall = statistics.median(r[0] for r in rows)
+        cpu = statistics.median(r[1] for r in rows)
+        print(f"| {name} | {'one at a time' if serial else 'as run'} | "
+              f"{p.predicted_step_time * 1e3:.1f} | {work * 1e3:.1f} | {wall * 1e3:.1f} | "
+              f"{cpu * 1e3:.1f} | {cpu / work:.2f} |", flush=True)
+
+
+# (M, K, N) per device: the local GPT's matmuls at 1, 2, 4 and 8 sequences of 64 tokens
+# per device (K x N: the QKV, output, MLP-up and MLP-down weights, whole or split 4 ways)
+# and square sizes.
+MATMUL_SHAPES = (
+    (64, 128, 384), (64, 128, 128), (64, 128, 512), (64, 512, 128), (128, 128, 384),
+    (128, 128, 512), (128, 512, 128), (256, 128, 512), (512, 128, 128), (512, 128, 96),
+    (512, 32, 128), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 512),
+)
+
+
+def matmul_shapes() -> None:
+    from autopar.cluster import Cluster
+    from autopar.cost._compute import gemm_efficiency
+    from autopar.profile._measure import usable_cores
+
+    cluster = Cluster.from_profile("cpu-local-measured")
+    peak = cluster.flops("float32")
+    devices = np.array(jax.devices())
+    mesh = Mesh(devices, ("x",))
+    spec = NamedSharding(mesh, P("x"))
+    cores = usable_cores()
+
+    def clock() -> float:
+        return time.process_time() / cores
+
+    layouts = {"a @ b": lambda a, b: a @ b, "a.T @ b": lambda a, b: a.T @ b,
+               "a @ b.T": lambda a, b: a @ b.T}
+    print("| M x K x N | profile's efficiency | " + " | ".join(layouts) + " |")
+    print("|---|---|" + "---|" * len(layouts))
+    for m, k, n in MATMUL_SHAPES:
+        flops = 2 * m * k * n
+        count = max(1, min(64, round(2 * 512**3 / flops)))
+        cells = []
+        for layout, product in layouts.items():
+            a_shape = (k, m) if layout == "a.T @ b" else (m, k)
+            b_shape = (n, k) if layout == "a @ b.T" else (k, n)
+
+            def body(*ops, product=product, count=count):
+                return tuple(product(ops[2 * i], ops[2 * i + 1]) for i in range(count))
+
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * (2 * count),
+                                       out_specs=(P("x"),) * count))
+            ops = []
+            for _ in range(count):
+                ops.append(jax.device_put(jnp.full((len(devices) * a_shape[0], a_shape[1]),
+                                                   0.01), spec))
+                ops.append(jax.device_put(jnp.full((len(devices) * b_shape[0], b_shape[1]),
+                                                   0.01), spec))
+            seconds = _median_call(fn, ops, 15, clock=clock)
+            cells.append(f"{flops * count / seconds / peak:.3f}")
+            del ops
+        print(f"| {m} x {k} x {n} | {gemm_efficiency(cluster, flops):.3f} | "
+              + " | ".join(cells) + " |", flush=True)
 
 
 def step_without_collectives() -> None:
@@ -295,6 +413,11 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-between", action="store_true")
     parser.add_argument("--skip-timeline", action="store_true")
+    parser.add_argument("--timeline-plan", action="append",
+                        help="a pipelined local plan whose timeline to record (repeatable; "
+                        "default: auto 2 stages)")
+    parser.add_argument("--skip-work", action="store_true")
+    parser.add_argument("--skip-shapes", action="store_true")
     parser.add_argument("--one-device", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_device:
@@ -312,7 +435,12 @@ def main(argv=None) -> None:
     if not args.skip_between:
         collectives_between_compute()
     if not args.skip_timeline:
-        pipeline_timeline()
+        for name in args.timeline_plan or ["auto 2 stages"]:
+            pipeline_timeline(name)
+    if not args.skip_work:
+        cpu_against_work()
+    if not args.skip_shapes:
+        matmul_shapes()
 
 
 if __name__ == "__main__":
