@@ -51,13 +51,20 @@ Two measurements on the 8 virtual CPU devices:
    stored transposed (``a @ b.T``, an input gradient's ``dy @ w.T``), against the
    profile's `gemm_efficiency` at the same FLOPs.
 
+10. **Each pipelined task's thunks.** For each stage's forward and backward of
+   ``--op-profile NAME`` (a pipelined local plan), run alone 10 times under
+   `jax.profiler.trace`: its CPU per call, and the time its HLO instructions take summed
+   over the device threads, by kind; how much of the compute is copies and transposes
+   (`LAYOUT_THUNKS`), and how much the collectives take (waits for the other devices
+   included).
+
 The tasks of (2) are timed with and without their gradient accumulation (the version that
 adds into the running sums against the first microbatch's, which starts them): what
 accumulating a microbatch's gradients costs.
 
 Usage: ``python benchmarks/local_cost_probe.py [--skip-collectives] [--skip-tasks]
 [--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]
-[--timeline-plan NAME ...] [--skip-work] [--skip-shapes]``
+[--timeline-plan NAME ...] [--skip-work] [--skip-shapes] [--op-profile NAME ...]``
 """
 
 from __future__ import annotations
@@ -130,10 +137,11 @@ def _local_plan(name: str = "auto 2 stages"):
     return p, _Timer(step, state, batch, p)
 
 
-def pipeline_tasks() -> None:
+def _captured_tasks(timer) -> dict:
+    """Every task of one step of `timer`'s pipelined plan, with a copy of its arguments:
+    ``{(phase, stage, adds to the sums): (program, arguments)}``."""
     from autopar.runtime import PipelineExecutable
 
-    p, timer = _local_plan()
     captured = {}
     run_task = PipelineExecutable._run_task
 
@@ -149,6 +157,12 @@ def pipeline_tasks() -> None:
         timer._step()
     finally:
         PipelineExecutable._run_task = run_task
+    return captured
+
+
+def pipeline_tasks() -> None:
+    p, timer = _local_plan()
+    captured = _captured_tasks(timer)
     print(f"plan: {[(s.layers, s.mesh.shape) for s in p.stages]}, "
           f"{p.num_microbatches} microbatches, predicted {p.predicted_step_time * 1e3:.1f} ms")
     print("| stage | task | gradients | wall ms | CPU ms | stage compute predicted per "
@@ -297,6 +311,57 @@ def cpu_against_work() -> None:
               f"{cpu * 1e3:.1f} | {cpu / work:.2f} |", flush=True)
 
 
+# Thunks that only move or transpose data (XLA:CPU's names for them in a task's HLO).
+LAYOUT_THUNKS = ("wrapped_copy", "bitcast_transpose_fusion", "transpose_copy_fusion",
+                 "copy_bitcast_fusion", "bitcast_copy_fusion")
+
+
+def task_op_profiles(name: str) -> None:
+    import glob
+    import gzip
+    import json
+    import re
+    import tempfile
+    from collections import defaultdict
+
+    p, timer = _local_plan(name)
+    calls = 10
+    for (phase, stage, adds), (fn, args) in sorted(_captured_tasks(timer).items(),
+                                                    key=lambda kv: (kv[0][1], kv[0][0])):
+        if adds:
+            continue  # the version that adds into the running sums donates them
+        text = fn.lower(*args).compile().as_text()
+        entry = text[text.index("ENTRY"):]
+        names = set(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = ", entry, re.M))
+        _median_call(fn, args, 3)
+        start = time.process_time()
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+        cpu = (time.process_time() - start) / calls
+        with tempfile.TemporaryDirectory() as folder:
+            with jax.profiler.trace(folder, create_perfetto_trace=True):
+                for _ in range(calls):
+                    jax.block_until_ready(fn(*args))
+            trace = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[0]
+            with gzip.open(trace) as handle:
+                events = json.load(handle)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        by_kind: dict = defaultdict(float)
+        for e in events:
+            if e.get("ph") == "X" and e.get("name") in names:
+                by_kind[re.sub(r"[._]\d+$", "", e["name"])] += e["dur"] * 1e-3 / calls
+        collective = sum(ms for kind, ms in by_kind.items()
+                         if kind.startswith(("all-", "reduce-scatter", "collective-")))
+        compute = sum(by_kind.values()) - collective
+        layout = sum(by_kind.get(kind, 0.0) for kind in LAYOUT_THUNKS)
+        top = ", ".join(f"{kind} {ms:.2f}" for kind, ms in
+                        sorted(by_kind.items(), key=lambda kv: -kv[1])[:6])
+        print(f"{name}, stage {stage} {phase}: CPU {cpu * 1e3:.2f} ms per call; thunks over "
+              f"the devices {compute:.2f} ms of compute, {layout:.2f} ms of it copies and "
+              f"transposes ({layout / compute:.0%}), {collective:.2f} ms in collectives "
+              f"(waits included); largest: {top}", flush=True)
+
+
 # (M, K, N) per device: the local GPT's matmuls at 1, 2, 4 and 8 sequences of 64 tokens
 # per device (K x N: the QKV, output, MLP-up and MLP-down weights, whole or split 4 ways)
 # and square sizes.
@@ -418,6 +483,9 @@ def main(argv=None) -> None:
                         "default: auto 2 stages)")
     parser.add_argument("--skip-work", action="store_true")
     parser.add_argument("--skip-shapes", action="store_true")
+    parser.add_argument("--op-profile", action="append", default=[],
+                        help="a pipelined local plan whose tasks to profile op by op "
+                        "(repeatable; default: none)")
     parser.add_argument("--one-device", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_device:
@@ -441,6 +509,8 @@ def main(argv=None) -> None:
         cpu_against_work()
     if not args.skip_shapes:
         matmul_shapes()
+    for name in args.op_profile:
+        task_op_profiles(name)
 
 
 if __name__ == "__main__":
