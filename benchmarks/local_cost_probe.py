@@ -268,9 +268,15 @@ def pipeline_timeline(name: str = "auto 2 stages") -> None:
 
 
 def cpu_against_work() -> None:
-    from bench_local import LOCAL_DEVICES, _cluster, _gpt_arrays, _Timer, local_plans
+    from bench_local import (
+        LOCAL_DEVICES,
+        _cluster,
+        _cpu_per_core,
+        _gpt_arrays,
+        _Timer,
+        local_plans,
+    )
 
-    from autopar.profile._measure import usable_cores
     from autopar.runtime import PipelineExecutable
 
     step, state, batch = _gpt_arrays("small-test", 16)
@@ -281,7 +287,6 @@ def cpu_against_work() -> None:
     def waited(self, *args, **kwargs):
         return jax.block_until_ready(run_task(self, *args, **kwargs))
 
-    cores = usable_cores()
     times: dict = {}
     try:
         for _ in range(3):
@@ -291,10 +296,10 @@ def cpu_against_work() -> None:
                     if serial and timer.run._last.plan.num_stages == 1:
                         continue
                     for _ in range(6):
-                        wall, cpu = time.perf_counter(), time.process_time()
+                        wall, cpu = time.perf_counter(), _cpu_per_core()
                         timer._step()
                         times.setdefault((name, serial), []).append(
-                            (time.perf_counter() - wall, (time.process_time() - cpu) / cores))
+                            (time.perf_counter() - wall, _cpu_per_core() - cpu))
     finally:
         PipelineExecutable._run_task = run_task
     print("| plan | tasks | predicted ms | predicted work ms | wall ms | CPU / cores ms | "
@@ -373,20 +378,16 @@ MATMUL_SHAPES = (
 
 
 def matmul_shapes() -> None:
+    from bench_local import _cpu_per_core
+
     from autopar.cluster import Cluster
     from autopar.cost._compute import gemm_efficiency
-    from autopar.profile._measure import usable_cores
 
     cluster = Cluster.from_profile("cpu-local-measured")
     peak = cluster.flops("float32")
     devices = np.array(jax.devices())
     mesh = Mesh(devices, ("x",))
     spec = NamedSharding(mesh, P("x"))
-    cores = usable_cores()
-
-    def clock() -> float:
-        return time.process_time() / cores
-
     layouts = {"a @ b": lambda a, b: a @ b, "a.T @ b": lambda a, b: a.T @ b,
                "a @ b.T": lambda a, b: a @ b.T}
     print("| M x K x N | profile's efficiency | " + " | ".join(layouts) + " |")
@@ -410,7 +411,7 @@ def matmul_shapes() -> None:
                                                    0.01), spec))
                 ops.append(jax.device_put(jnp.full((len(devices) * b_shape[0], b_shape[1]),
                                                    0.01), spec))
-            seconds = _median_call(fn, ops, 15, clock=clock)
+            seconds = _median_call(fn, ops, 15, clock=_cpu_per_core)
             cells.append(f"{flops * count / seconds / peak:.3f}")
             del ops
         print(f"| {m} x {k} x {n} | {gemm_efficiency(cluster, flops):.3f} | "
