@@ -536,7 +536,7 @@ def test_combined_collective_pays_its_share_of_one_latency():
     # As XLA:GPU's combiner: one latency per merged collective (the profile's own
     # `combined_operand_latency` is XLA:CPU's, which pays per operand: the next test).
     cluster = dataclasses.replace(Cluster.from_profile("cpu-local-measured"),
-                                  combined_operand_latency=0.0)
+                                  combined_operand_latency=0.0, collective_latency_by_group=None)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
     link = cluster.intra_link(8)
     nbytes = 64 * 1024
@@ -560,7 +560,7 @@ def test_combined_collective_on_a_runtime_that_pays_per_operand():
     operand) exactly what it pays alone. By hand on cpu-local-measured, 8 devices."""
     from autopar.cost import COMBINE_THRESHOLD_BYTES, combined_collective_time
 
-    base = Cluster.from_profile("cpu-local-measured")
+    base = replace_ring(Cluster.from_profile("cpu-local-measured"))
     mesh = LogicalMesh.create((8,), axis_names=("x",))
     link = base.intra_link(8)
     nbytes = 64 * 1024
@@ -581,6 +581,44 @@ def test_combined_collective_on_a_runtime_that_pays_per_operand():
     assert Cluster.from_json(base.to_json()).combined_operand_latency == (
         base.combined_operand_latency)
     assert "combined_operand_latency" not in Cluster.from_profile("dgx-h100").to_json()
+
+
+def test_collective_latency_measured_inside_programs_replaces_ring_steps():
+    """With `collective_latency_by_group`, a collective inside a host pays the measured
+    latency of its group size once, plus its bytes on the wire (ring volume over the
+    link's bandwidth); a merged operand its `combined_operand_latency` share of it. By
+    hand, 8 devices, 64 KiB."""
+    from autopar.cost import combined_collective_time
+
+    base = replace_ring(Cluster.from_profile("cpu-local-measured"))
+    table = ((2, 60e-6), (4, 130e-6), (8, 275e-6))
+    cluster = dataclasses.replace(base, collective_latency_by_group=table)
+    nbytes = 64 * 1024
+    for n, latency in table:
+        mesh = LogicalMesh.create((8 // n, n), axis_names=("g", "x"))
+        link = cluster.intra_link(n)
+        for kind, wire in (("all_reduce", 2 * (n - 1) / n * nbytes),
+                           ("all_gather", (n - 1) / n * nbytes)):
+            assert collective_time(kind, nbytes, cluster, mesh, "x") == pytest.approx(
+                latency + wire / link.bandwidth)
+    mesh = LogicalMesh.create((8,), axis_names=("x",))
+    half = dataclasses.replace(cluster, combined_operand_latency=0.5)
+    wire = 2 * 7 / 8 * nbytes / cluster.intra_link(8).bandwidth
+    assert combined_collective_time("all_reduce", nbytes, half, mesh, "x") == pytest.approx(
+        0.5 * 275e-6 + 0.5 * nbytes / (30 * 2**20) * 275e-6 + wire)
+    # the nearest measured group in log2; JSON keeps the table; bad tables are refused
+    assert dataclasses.replace(cluster, collective_latency_by_group=((2, 1e-4), (8, 3e-4))
+                               ).collective_latency(4) == 3e-4
+    assert Cluster.from_json(cluster.to_json()).collective_latency_by_group == table
+    with pytest.raises(ValueError, match="collective_latency_by_group needs distinct group"):
+        dataclasses.replace(cluster, collective_latency_by_group=((1, 1e-4),))
+    # without the table (the GPU profiles): ring steps times the link's latency
+    assert base.collective_latency(8) is None
+
+
+def replace_ring(cluster: Cluster) -> Cluster:
+    """`cluster` charging every collective its ring steps' latencies."""
+    return dataclasses.replace(cluster, collective_latency_by_group=None)
 
 
 def test_combined_bucket_count_by_hand():

@@ -36,7 +36,9 @@ def quick_profile(tmp_path_factory):
 
 def test_quick_profile_predicts_unseen_all_reduce(quick_profile, devices):
     path, _ = quick_profile
-    cluster = Cluster.from_profile(path)
+    # A collective timed alone, back to back: the ring's per-step latencies predict it,
+    # not what one adds between a program's kernels (`collective_latency_by_group`).
+    cluster = replace(Cluster.from_profile(path), collective_latency_by_group=None)
     assert cluster.num_hosts == 1 and cluster.devices_per_host == len(devices)
     assert UNSEEN_SIZE not in QUICK.message_sizes
     fresh = time_collective("all_reduce", UNSEEN_SIZE, devices, replace(QUICK, repeats=9))
@@ -70,6 +72,18 @@ def test_quick_profile_contents(quick_profile, devices):
     assert cluster.combined_operand_latency == data.get("combined_operand_latency", 0.0)
     assert cluster.write_bandwidth(True) == data["inplace_bandwidth"]
     assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
+    # XLA:CPU's layout copies: a rate per size read, both QUICK sizes; and what a collective
+    # adds between a program's kernels, per group size measured
+    assert [size for size, _ in data["transpose_bandwidth"]] == [float(s) for s in
+                                                                 QUICK.transpose_sizes]
+    assert all(rate > 0 for _, rate in data["transpose_bandwidth"])
+    assert set(data["collective_latency_by_group"]) == {"2", str(len(devices))}
+    assert cluster.collective_latency(8) == data["collective_latency_by_group"]["8"] >= 0
+    # the device threads share this machine's cores where they outnumber them; each task
+    # of a pipeline costs the host more than a trivial call's launch
+    from autopar.profile._measure import usable_cores
+    assert data.get("host_cores") == (usable_cores() if usable_cores() < len(devices) else None)
+    assert data["dispatch_overhead"] > 0 and data["measured"]["trivial_call_dispatch"] > 0
 
 
 def test_small_matmuls_are_timed_independent_not_chained():
@@ -110,6 +124,8 @@ def test_progress_is_one_line_per_group(quick_profile):
     assert sum("matmul" in line for line in lines) == 2
     assert sum("memory bandwidth" in line for line in lines) == 2  # fresh and in place
     assert sum(line.split("] ")[1].startswith("combined ") for line in lines) == 2
+    # the pipeline runtime's host time per task: what the profile's dispatch_overhead is
+    assert sum("pipeline task on the host: " in line for line in lines) == 1
     assert all(line.startswith("[autopar profile] ") for line in lines)
 
 

@@ -120,6 +120,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     options = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock)
     result = measure_profile(options, devices=_devices(args.devices))
+    result = _with_task_overhead(result)
     result.save(out)
     cluster = result.cluster
     print(
@@ -134,6 +135,21 @@ def _run_profile(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _with_task_overhead(result):
+    """`result` with `dispatch_overhead` the pipeline runtime's host time per task, measured
+    through it (`measure_task_overhead`); the trivial call's figure stays in `measured`.
+    Unchanged where the probe does not run (one device, several processes)."""
+    from autopar.app._task_overhead import measure_task_overhead
+    from autopar.profile._measure import ProfileResult, _log_to_stderr
+
+    seconds = measure_task_overhead(result.cluster, _log_to_stderr)
+    if seconds is None:
+        return result
+    cluster = dataclasses.replace(result.cluster, dispatch_overhead=seconds)
+    measured = {**result.measured, "trivial_call_dispatch": result.cluster.dispatch_overhead}
+    return ProfileResult(cluster, result.note, measured)
 
 
 def _devices(per_process: int | None) -> list:

@@ -97,7 +97,9 @@ class Cluster:
       like any fusion's results.
     - `dispatch_overhead`: seconds the host spends launching one program (one pipeline
       task: a stage's forward or backward of one microbatch, its update), whatever its
-      size; `autopar profile` times a trivial jitted call on the devices.
+      size; `autopar profile` runs a small two-stage pipeline through the runtime and
+      takes its host thread time per task (`autopar.app._task_overhead`; a trivial
+      jitted call alone, the figure it took before, costs a fraction of that).
       `autopar.cost.stage_dispatch_time` charges it per task. 0 (the default): free.
     - `intra_host_by_group`: optional ``((group size, Link), ...)``: the intra-host link
       fitted per group size from collectives timed with every device of the host busy,
@@ -119,6 +121,28 @@ class Cluster:
       8 CPU devices took 236 us more per operand than a one-operand one). `autopar
       profile` measures it (`measure_combined_latency`); see
       `autopar.cost.combined_collective_time`.
+    - `transpose_bandwidth`: optional ``((bytes read per device, bytes/s), ...)`` by
+      increasing size: the rate (bytes read plus written per second per device, every
+      device of the host at once) of a loop that reads its inputs in another memory order
+      than it writes (a transposing copy). XLA:CPU makes such copies of the operands its
+      matmul kernels take in another order (`autopar.graph.layout_copies`), and they slow
+      down as their strided reads outgrow the caches; `autopar profile` measures them on
+      CPU (`measure_transpose`). None (GPU profiles): layout copies cost nothing extra. See
+      `autopar.cost.layout_copy_time`.
+    - `collective_latency_by_group`: optional ``((group size, seconds), ...)``: what one
+      collective over a group of that many devices of a host adds to a program whose next
+      kernel reads its result, whatever its kind, every group of the host at once
+      (`autopar profile` measures it between blocks of compute,
+      `measure_collective_latency`). With it a collective inside a host pays this latency
+      in place of its ring steps times the link's latency (XLA:CPU's in-process
+      collectives meet once per collective; see `collective_latency`). None: ring steps.
+
+    - `host_cores`: optional number of CPU cores all devices of a host share (XLA:CPU's
+      virtual devices run one thread each on the process's cores); the per-device figures
+      of such a profile are each device's share with every device of the host busy, and a
+      pipeline's devices that run while others idle go faster
+      (`autopar.cost.simulate_shared`). `autopar profile` sets it on CPU when the devices
+      outnumber the cores. None: every device computes on its own (GPUs).
 
     **Example:**
     ```python
@@ -146,6 +170,9 @@ class Cluster:
     intra_host_by_group: tuple[tuple[int, Link], ...] | None = None
     inplace_bandwidth: float | None = None
     combined_operand_latency: float = 0.0
+    transpose_bandwidth: tuple[tuple[float, float], ...] | None = None
+    collective_latency_by_group: tuple[tuple[int, float], ...] | None = None
+    host_cores: int | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -157,6 +184,12 @@ class Cluster:
         if self.gemm_efficiency is not None:
             table = tuple((float(size), float(eff)) for size, eff in self.gemm_efficiency)
             object.__setattr__(self, "gemm_efficiency", table)
+        if self.collective_latency_by_group is not None:
+            table = tuple(sorted((int(n), float(t)) for n, t in self.collective_latency_by_group))
+            object.__setattr__(self, "collective_latency_by_group", table)
+        if self.transpose_bandwidth is not None:
+            table = tuple((float(size), float(rate)) for size, rate in self.transpose_bandwidth)
+            object.__setattr__(self, "transpose_bandwidth", table)
         _check_cluster(self)
 
     def __hash__(self) -> int:
@@ -215,6 +248,17 @@ class Cluster:
         _, link = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
         return link
 
+    def collective_latency(self, group_size: int) -> float | None:
+        """Seconds one collective over `group_size` devices of a host adds inside a
+        program (`collective_latency_by_group`, the entry of the measured group size
+        nearest in log2, a tie to the larger, as `intra_link`); None without the table."""
+        table = self.collective_latency_by_group
+        if not table or group_size < 2:
+            return None
+        target = np.log2(group_size)
+        _, seconds = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
+        return seconds
+
     def write_bandwidth(self, in_place: bool = False) -> float:
         """Device memory bandwidth (bytes/s) of work writing fresh buffers, or, with
         `in_place`, writing over its donated inputs (`inplace_bandwidth` when the profile
@@ -254,6 +298,14 @@ class Cluster:
             optional["inplace_bandwidth"] = self.inplace_bandwidth
         if self.combined_operand_latency:
             optional["combined_operand_latency"] = self.combined_operand_latency
+        if self.host_cores is not None:
+            optional["host_cores"] = self.host_cores
+        if self.collective_latency_by_group is not None:
+            optional["collective_latency_by_group"] = {
+                str(n): t for n, t in self.collective_latency_by_group
+            }
+        if self.transpose_bandwidth is not None:
+            optional["transpose_bandwidth"] = [list(point) for point in self.transpose_bandwidth]
         if self.intra_host_by_group is not None:
             optional["intra_host_by_group"] = {
                 str(n): link.to_json() for n, link in self.intra_host_by_group
@@ -459,6 +511,12 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             if "inplace_bandwidth" in data else None,
             combined_operand_latency=read.number("combined_operand_latency")
             if "combined_operand_latency" in data else 0.0,
+            transpose_bandwidth=_read_table(read, "transpose_bandwidth")
+            if "transpose_bandwidth" in data else None,
+            collective_latency_by_group=_read_numbers_by_group(
+                read, "collective_latency_by_group")
+            if "collective_latency_by_group" in data else None,
+            host_cores=read.field("host_cores", int) if "host_cores" in data else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -476,9 +534,20 @@ def _read_bool(data: dict, name: str) -> bool:
 def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
     rows = read.field(name, list)
     if not all(isinstance(r, list) and len(r) == 2 for r in rows):
-        read.fail(name, f"must be a list of [size, fraction] pairs ({_FIELD_HELP[name]})")
+        read.fail(name, f"must be a list of pairs ({_FIELD_HELP[name]})")
     return tuple((read.number(f"{name}.{i}", r[0]), read.number(f"{name}.{i}", r[1]))
                  for i, r in enumerate(rows))
+
+
+def _read_numbers_by_group(read, name: str) -> tuple[tuple[int, float], ...]:
+    table = read.field(name, dict)
+    entries = []
+    for key, value in table.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+            read.fail(name, f"must have group sizes >= 2 as keys ({_FIELD_HELP[name]}), got "
+                            f"{key!r}")
+        entries.append((int(key), read.number(f"{name}.{key}", value)))
+    return tuple(entries)
 
 
 def _read_links_by_group(read, name: str) -> tuple[tuple[int, Link], ...]:
@@ -559,6 +628,11 @@ _FIELD_HELP = {
     'bytes/s per device, "latency": seconds}, "4": {...}}',
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
+    "host_cores": "an integer: CPU cores the devices of a host share (CPU devices)",
+    "collective_latency_by_group": 'an object of seconds by group size, e.g. {"2": 6e-05, '
+    '"8": 0.000275}',
+    "transpose_bandwidth": "a list of [bytes read per device, bytes/s] pairs, sizes "
+    "increasing: the rate of a transposing copy",
 }
 
 
@@ -587,6 +661,25 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
         if not all(0 < eff <= 1 for _, eff in table):
             problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
+    cores = cluster.host_cores
+    if cores is not None and (not isinstance(cores, (int, np.integer)) or cores < 1):
+        problems.append(f"host_cores must be an integer >= 1 or None, got {cores!r}")
+    latency = cluster.collective_latency_by_group
+    if latency is not None:
+        sizes = [n for n, _ in latency]
+        if not latency or sizes[0] < 2 or len(set(sizes)) != len(sizes):
+            problems.append(
+                f"collective_latency_by_group needs distinct group sizes >= 2, got {sizes}")
+        if not all(np.isfinite(t) and t >= 0 for _, t in latency):
+            problems.append(
+                f"collective_latency_by_group seconds must be finite and >= 0, got {latency}")
+    table = cluster.transpose_bandwidth
+    if table is not None:
+        sizes = [size for size, _ in table]
+        if not table or sizes != sorted(set(sizes)) or sizes[0] <= 0:
+            problems.append(f"transpose_bandwidth sizes must be > 0 and increasing, got {sizes}")
+        if not all(np.isfinite(rate) and rate > 0 for _, rate in table):
+            problems.append(f"transpose_bandwidth rates must be finite and > 0, got {table}")
     if not (np.isfinite(cluster.dispatch_overhead) and cluster.dispatch_overhead >= 0):
         problems.append(
             f"dispatch_overhead must be a finite number of seconds >= 0, got "

@@ -21,7 +21,9 @@ from autopar.cost._compute import (
     bytes_per_device,
     compute_time,
     gemm_efficiency,
+    layout_copy_time,
     rate_dtype,
+    transpose_bandwidth,
 )
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
@@ -92,6 +94,8 @@ __all__ = [
     "fit_link",
     "hideable_weight",
     "gemm_efficiency",
+    "layout_copy_time",
     "link_for",
     "transfer_time",
+    "transpose_bandwidth",
 ]

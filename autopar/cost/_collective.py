@@ -52,7 +52,10 @@ def collective_time(
     on its own rail); 0 when n == 1. A group on one host is a ring over
     ``cluster.intra_link(n)`` (`intra_host`, or the link measured for groups of that size
     when the profile has `intra_host_by_group`):
-    ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`). A group with
+    ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`); on a profile
+    that measured what a collective adds inside a program
+    (`Cluster.collective_latency_by_group`), that latency once in place of the ring
+    steps' (XLA:CPU's in-process collectives meet once per collective). A group with
     g > 1 devices on each of k > 1 hosts runs the two-level algorithm
     (`hierarchical_terms`): rings inside the hosts over ``intra_link(g)``, rings across hosts
     over each device's rail (`Cluster.network_link`). One device per host, or uneven
@@ -154,8 +157,12 @@ def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group,
     per_host = Counter(cluster.host_of(d) for d in group)
     counts = set(per_host.values())
     if len(per_host) == 1:
-        terms = _scaled(alpha_beta_terms(kind, nbytes, len(group)), latency_share)
-        return terms.seconds(cluster.intra_link(len(group)))
+        terms = alpha_beta_terms(kind, nbytes, len(group))
+        measured = cluster.collective_latency(len(group))
+        if measured is not None:  # what one collective adds inside a program, measured
+            link = cluster.intra_link(len(group))
+            return latency_share * measured + terms.wire_bytes / link.bandwidth
+        return _scaled(terms, latency_share).seconds(cluster.intra_link(len(group)))
     if len(counts) == 1 and (g := counts.pop()) > 1:
         two = hierarchical_terms(kind, nbytes, g, len(per_host))
         two = TwoLevelTerms(_scaled(two.intra, latency_share), _scaled(two.inter, latency_share))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
 from autopar.cost._memory import stage_memory_parts
-from autopar.cost._schedule import simulate
+from autopar.cost._schedule import simulate, simulate_shared
 
 # A stage's time per microbatch split into its forward F, input-gradient backward B and
 # weight-gradient backward W, when the plan gives no split of its own (`Plan.phase_shares`,
@@ -161,7 +161,9 @@ def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
 
 def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches: int,
                         schedule: Schedule = "1f1b", num_device_groups: int | None = None,
-                        phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES) -> float:
+                        phase_shares: Sequence[float] = DEFAULT_PHASE_SHARES,
+                        group_devices: Sequence[int] | None = None,
+                        returned_bytes: Sequence[float] | None = None) -> float:
     """Seconds per step of a plan whose stages, in order, take `stage_times` per microbatch
     before launching their programs: each stage also pays `stage_dispatch_time` for
     `schedule` (zero bubble launches 3 tasks per microbatch, the others 2), stage s runs
@@ -169,6 +171,17 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
     1F1B has p groups of v stages each), and `pipeline_latency` takes the groups' times.
     `Plan.predicted_step_time` and the planner's schedule choice both call this, so a
     schedule is chosen by the time its plan then predicts.
+
+    On a profile of XLA:CPU devices two more things hold, given the pipeline's
+    `group_devices` (devices per stage) and `returned_bytes` (per stage, the weight
+    gradients' bytes per device its backward returns):
+
+    - each backward task of a pipeline of several stages pays `returned_gradient_time`
+      (the profile has `transpose_bandwidth`);
+    - the devices share the host's `host_cores` (fewer than its devices): the step is
+      `autopar.cost.simulate_shared`'s processor-sharing simulation of the schedule, the
+      host's launches on the same cores (GPipe and 1F1B with one stage per device group;
+      other schedules keep the formula above).
 
     **Example:** two stages of 1 s, 4 microbatches, 1F1B, no dispatch cost: ``5.0``.
     """
@@ -178,12 +191,69 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
             f"{len(stage_times)} stage(s) do not fill {groups} device group(s) evenly; "
             "give a stage time per stage, the stages a multiple of the groups"
         )
+    shares = _check_shares(phase_shares)
+    forward = [t * shares[0] for t in stage_times]
+    if returned_bytes is not None and len(stage_times) > 1:
+        stage_times = [t + returned_gradient_time(b, cluster)
+                       for t, b in zip(stage_times, returned_bytes)]
+        shares = _with_forward(shares, sum(forward), sum(stage_times))
+    cores = _field(cluster, "host_cores")
+    per_host = int(_field(cluster, "devices_per_host") or 1)
+    if (cores and cores < per_host and _field(cluster, "num_hosts") == 1
+            and group_devices is not None and len(stage_times) > 1
+            and groups == len(stage_times) and schedule in ("gpipe", "1f1b")):
+        host = (_dispatch_overhead(cluster) * len(stage_times)
+                * tasks_per_step(len(stage_times), num_microbatches, schedule))
+        return simulate_shared(forward, [t - f for t, f in zip(stage_times, forward)],
+                               num_microbatches, group_devices, cores, per_host, schedule,
+                               host_work=host)
     dispatch = stage_dispatch_time(cluster, len(stage_times), num_microbatches, schedule)
     per_group = [0.0] * groups  # interleaved: a device group runs all its chunks
     for s, t in enumerate(stage_times):
         per_group[s % groups] += t + dispatch
     return pipeline_latency(per_group, num_microbatches, schedule,
-                            len(stage_times) // groups, phase_shares)
+                            len(stage_times) // groups, shares)
+
+
+def returned_gradient_time(nbytes: float, cluster) -> float:
+    """Seconds a pipeline's backward task pays, per microbatch, to return the `nbytes`
+    per device of weight gradients (its running sums) on XLA:CPU (a profile with
+    `transpose_bandwidth`): its dots compute each weight gradient transposed (``A.T @ B``
+    as ``(B.T @ A).T``, which one program hands its optimizer update as it is), and a
+    program's result must be row-major, so every one passes a transposing fusion and a
+    copy (``bitcast_transpose_fusion`` and ``wrapped_copy`` after each ``ynn_fusion`` in
+    the backward HLO of the local GPT's pipelined stages): `layout_copy_time` plus
+    ``2 · nbytes`` at `hbm_bandwidth`. 0 on other profiles (cuBLAS writes either order).
+    """
+    if _field(cluster, "transpose_bandwidth") is None or nbytes <= 0:
+        return 0.0
+    from autopar.cost._compute import layout_copy_time
+
+    if isinstance(cluster, dict):
+        from autopar.cluster._cluster import Cluster
+
+        cluster = Cluster.from_json(cluster)
+    return layout_copy_time(nbytes, cluster) + 2 * nbytes / cluster.hbm_bandwidth
+
+
+def _field(cluster, name: str):
+    """A `Cluster`'s field, or the same key of its JSON (what a `Plan` keeps)."""
+    if isinstance(cluster, dict):
+        return cluster.get(name)
+    return getattr(cluster, name, None)
+
+
+def _with_forward(shares: tuple[float, float, float], forward: float,
+                  total: float) -> tuple[float, float, float]:
+    """`shares` once the stages' time has grown to `total` with the forward's seconds
+    unchanged (the backward returns the gradients): the rest split as before."""
+    if total <= 0:
+        return shares
+    f = forward / total
+    rest = shares[1] + shares[2]
+    if rest <= 0:
+        return f, 1.0 - f, 0.0
+    return f, (1.0 - f) * shares[1] / rest, (1.0 - f) * shares[2] / rest
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int, schedule: Schedule = "1f1b",

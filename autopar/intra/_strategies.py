@@ -21,9 +21,10 @@ from autopar.cost import (
     collective_time,
     combined_collective_time,
     compute_time,
+    layout_copy_time,
     rate_dtype,
 )
-from autopar.graph import Node, OpGraph, Role, fusion_kind, fusion_traffic
+from autopar.graph import Node, OpGraph, Role, fusion_kind, fusion_traffic, layout_copies
 from autopar.intra._control_flow import STACK
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
@@ -212,9 +213,10 @@ def node_strategies(
                               getattr(ctx.cluster, "fused_attention", False))
         matmul = node.primitive in MATMUL_PRIMITIVES
         in_place = node.id in ctx.in_place and graph.nodes[node.id] is node
-        work = (node.flops / parallelism, accessed, dtype, matmul, in_place)
+        layout = _layout_seconds(node, graph, in_specs, ctx)
+        work = (node.flops / parallelism, accessed, dtype, matmul, in_place, layout)
         compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place)
+                               in_place=in_place) + layout
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -297,18 +299,18 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
     # size 4 on (2, 4), with only x of size 2 unused, reduce-scatters (on XLA:CPU an
     # all-reduce and a local slice).
     on_spare = bool(spare) and mesh.axis_size(spare) % split == 0
-    flops, accessed, dtype, matmul, in_place = work
+    flops, accessed, dtype, matmul, in_place, layout = work
     if on_spare:
         reduce = (
             Collective("all_reduce", tuple(axes), full_bytes / split, combined=combined),
             Collective("send_recv", (*axes, *spare), full_bytes / split),
         )
         compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place)
+                               in_place=in_place) + layout
     else:
         reduce = (Collective("reduce_scatter", tuple(axes), full_bytes, combined=combined),)
         compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place)
+                               in_place=in_place) + layout
     comm = sum(_collective_seconds(c, ctx) for c in reduce)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
@@ -398,7 +400,7 @@ def follow_strategies(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,
             in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
-        )
+        ) + _layout_seconds(node, graph, in_specs, ctx)
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
         )
@@ -423,6 +425,24 @@ def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMes
             or graph.nodes[node.id] is not node:
         return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph
     return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
+
+
+def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:
+    """Seconds the node's layout copies add on `ctx.cluster` (`autopar.graph.layout_copies`
+    priced by `autopar.cost.layout_copy_time`; 0 on a profile without
+    `transpose_bandwidth`, and for a node of another graph)."""
+    if getattr(ctx.cluster, "transpose_bandwidth", None) is None or \
+            len(graph.nodes) <= node.id or graph.nodes[node.id] is not node:
+        return 0.0
+    total = 0.0
+    for copy in layout_copies(graph, node):
+        spec = in_specs[copy.operand]
+        if spec is None:  # a constant
+            continue
+        var = graph.vars[node.inputs[copy.operand]]
+        nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
+        total += layout_copy_time(nbytes, ctx.cluster, copy.fan_in, copy.fused)
+    return total
 
 
 def _rate_dtype(node: Node, in_vars, out_vars) -> str:

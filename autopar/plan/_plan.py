@@ -179,11 +179,17 @@ class Plan:
         every runtime: one stage accumulating B microbatches takes B times its cost, a
         pipeline Alpa's latency. Each stage also pays for launching its programs
         (`autopar.cost.stage_dispatch_time`, the profile's `dispatch_overhead` per task).
+        On XLA:CPU profiles, a pipeline's backward tasks also pay for returning their
+        weight gradients, and the devices share the host's cores
+        (`autopar.cost.pipelined_step_time`).
         """
         return pipelined_step_time(
             [stage.time_per_microbatch for stage in self.stages], self.cluster,
             self.num_microbatches, self.schedule, self.num_device_groups,
             self.phase_shares or DEFAULT_PHASE_SHARES,
+            group_devices=[len(stage.mesh.device_ids) for stage in self.stages],
+            returned_bytes=[stage.memory_parts.gradients if stage.memory_parts else 0.0
+                            for stage in self.stages],
         )
 
     @property

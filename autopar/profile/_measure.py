@@ -71,6 +71,8 @@ class ProfileOptions:
       others give `gemm_efficiency` (small sizes are timed as several independent
       matmuls in one program, `measure_matmul`).
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
+    - `transpose_sizes`: bytes per device read by the transposing copies of
+      `measure_transpose` (CPU only; empty: not measured).
     - `dispatch_repeats`: timed calls of the trivial program that measures
       `Cluster.dispatch_overhead` (`measure_dispatch`).
     - `concurrent_groups`: time a collective over n devices on all N devices at once, in
@@ -92,6 +94,7 @@ class ProfileOptions:
     matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
     bandwidth_bytes: int = 16 * MiB
     dispatch_repeats: int = 201
+    transpose_sizes: tuple[int, ...] = tuple(2**k * 256 * KiB for k in range(6))
     concurrent_groups: bool = True
     clock: Literal["wall", "cpu-per-core"] = "wall"
 
@@ -109,6 +112,7 @@ QUICK = ProfileOptions(
     matmul_sizes=(256, 512),
     bandwidth_bytes=8 * MiB,
     dispatch_repeats=51,
+    transpose_sizes=(512 * KiB, 2 * MiB),
 )
 
 
@@ -170,6 +174,8 @@ def measure_profile(
     inplace = measure_bandwidth(mine, options, log, in_place=True)
     dispatch = measure_dispatch(mine, options, log)
     combined = measure_combined_latency(mine, options, log)
+    transpose = measure_transpose(mine, options, log)
+    latency = measure_collective_latency(mine, options, log) if len(mine) >= 2 else None
     intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
     inter = []
     if len(hosts) >= 2:  # one device per host: the inter-host level (best effort)
@@ -195,6 +201,9 @@ def measure_profile(
         dispatch_overhead=dispatch,
         intra_host_by_group=by_group,
         combined_operand_latency=combined,
+        transpose_bandwidth=transpose,
+        collective_latency_by_group=latency,
+        host_cores=_shared_cores(mine),
     )
     for level, link in (("intra_host", intra_link), ("inter_host", inter_link),
                         *((f"intra_host, groups of {n}", link) for n, link in by_group or ())):
@@ -352,13 +361,124 @@ def measure_bandwidth(
     return bandwidth
 
 
+# Blocks of compute in the programs of `measure_collective_latency`, and what each holds:
+# light blocks, many of them, so that the collectives are a large part of the program and
+# stand out of its noise (with 24 blocks of 4 matmuls of 128 x 128 the three runs of a
+# group of 4 gave 1-64 us; with these, 110-134 us).
+LATENCY_PROBE_BLOCKS = 64
+LATENCY_PROBE_MATMULS = 2
+LATENCY_PROBE_SIZE = 64
+
+
+def measure_collective_latency(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> tuple[tuple[int, float], ...] | None:
+    """What a small collective adds to a program whose next compute reads its result, by
+    group size (`Cluster.collective_latency_by_group`); None for fewer than 2 devices.
+
+    For each group size n of `options.device_counts` (all `devices` at once, in groups of
+    n): a program of `LATENCY_PROBE_BLOCKS` blocks of compute (`LATENCY_PROBE_MATMULS`
+    chained ``tanh(x @ w)`` on 64 x 64 per device), each followed by an all-reduce or
+    an all-gather of 8 rows that the next block reads, against the same blocks without
+    them: the difference per collective, the mean of the two kinds, at least 0. This is
+    the collective as a step runs it, between its kernels, the devices' threads arriving
+    at it together. On 8 virtual CPU devices of a 2-core AMD EPYC, three runs: 58-78 /
+    110-134 / 181-216 us per collective in groups of 2 / 4 / 8, where the per-step
+    latencies fitted on collectives timed alone (`measure_collectives`: 146 / 57 / 28 us)
+    charged an all-reduce 292 / 342 / 389 us and an all-gather 146 / 171 / 195 us.
+    """
+    if len(devices) < 2:
+        return None
+    size, blocks = LATENCY_PROBE_SIZE, LATENCY_PROBE_BLOCKS
+    w = jnp.full((size, size), 1e-3, jnp.float32)
+    entries = []
+    for n in _device_counts(options.device_counts, len(devices)):
+        if len(devices) % n:
+            continue
+        mesh = Mesh(np.array(devices).reshape(len(devices) // n, n), (GROUPS, AXIS))
+        spec = PartitionSpec((GROUPS, AXIS))
+        x = _filled((len(devices) * size, size), jnp.float32, mesh)
+        costs = []
+        for kind in ("all_reduce", "all_gather"):
+            seconds = []
+            for between in (False, True):
+                def body(x, between=between, kind=kind):
+                    for _ in range(blocks):
+                        for _ in range(LATENCY_PROBE_MATMULS):
+                            x = jnp.tanh(x @ w)
+                        if between:
+                            part = (lax.psum(x[:8], AXIS) if kind == "all_reduce"
+                                    else lax.all_gather(x[:8], AXIS, tiled=True))
+                            x = x + part.sum() * 1e-3
+                    return x
+
+                fn = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                                   check_vma=False)
+                seconds.append(_median_seconds(fn, (x,), options))
+            costs.append(max(0.0, (seconds[1] - seconds[0]) / blocks))
+        entries.append((n, sum(costs) / len(costs)))
+        log(f"collective between compute in groups of {n}: all-reduce "
+            f"{costs[0] * 1e6:.0f} us, all-gather {costs[1] * 1e6:.0f} us")
+    return tuple(entries) or None
+
+
+# Inputs the loop of `measure_transpose` sums and writes transposed: a fused copy reads
+# several (the residual stream's gradient in a GPT's backward sums about a dozen).
+TRANSPOSE_PROBE_INPUTS = 8
+TRANSPOSE_PROBE_COLUMNS = 128
+
+
+def measure_transpose(
+    devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> tuple[tuple[float, float], ...] | None:
+    """The rate of a transposing copy by the bytes its loop reads per device
+    (`Cluster.transpose_bandwidth`), on all `devices` at once; None off CPU.
+
+    For each size in `options.transpose_sizes`: `TRANSPOSE_PROBE_INPUTS` inputs of
+    [rows, `TRANSPOSE_PROBE_COLUMNS`] float32 per device, together that many bytes, summed
+    (each scaled) and written transposed, [columns, rows]: one loop fusion that reads its
+    inputs in strides, as XLA:CPU's copies of dot operands do
+    (`autopar.graph.layout_copies`). The rate is (bytes read + written) / time. On 8
+    virtual devices of a 2-core AMD EPYC it fell from 1.8 GB/s per device at 256 KiB to
+    0.75 GB/s at 8 MiB, where the same sum written as is moved 1.7-6 GB/s.
+    """
+    if devices[0].platform != "cpu" or not options.transpose_sizes:
+        return None
+    mesh = Mesh(np.array(devices), (AXIS,))
+    k, columns = TRANSPOSE_PROBE_INPUTS, TRANSPOSE_PROBE_COLUMNS
+    itemsize = jnp.dtype(jnp.float32).itemsize
+
+    def transposed_sum(*xs):
+        total = xs[0]
+        for i, x in enumerate(xs[1:]):
+            total = total + x * (i + 2)
+        return total.T
+
+    fn = jax.shard_map(transposed_sum, mesh=mesh, in_specs=(PartitionSpec(AXIS),) * k,
+                       out_specs=PartitionSpec(None, AXIS))
+    table = []
+    for nbytes in options.transpose_sizes:
+        rows = max(1, nbytes // (k * columns * itemsize))
+        xs = tuple(_filled((len(devices) * rows, columns), jnp.float32, mesh)
+                   for _ in range(k))
+        read = k * rows * columns * itemsize
+        seconds = _median_seconds(fn, xs, options)
+        table.append((float(read), (read + read / k) / seconds))
+        del xs
+    log(f"transposing copy on {len(devices)} devices: "
+        + ", ".join(f"{_size_str(size)} read {rate / 1e9:.2f} GB/s" for size, rate in table)
+        + " per device")
+    return tuple(table)
+
+
 def measure_dispatch(
     devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
 ) -> float:
     """Seconds to launch one program on `devices` and see it finish: the median over
     `options.dispatch_repeats` calls of a trivial jitted program (``x + 1`` on one element
-    per device), which costs nothing but its launch. What every pipeline task pays on top
-    of its work (`Cluster.dispatch_overhead`)."""
+    per device), which costs nothing but its launch: `Cluster.dispatch_overhead` when
+    the pipeline runtime's own cost per task cannot be measured (`autopar profile` takes
+    that one, `autopar.app._task_overhead`, where it can)."""
     mesh = Mesh(np.array(devices), (AXIS,))
     fn = jax.jit(lambda x: x + 1)
     x = _filled((len(devices),), jnp.float32, mesh)
@@ -476,6 +596,13 @@ def _median_seconds(
         jax.block_until_ready(call())
         times.append((clock() - start) / parallelism)
     return statistics.median(times)
+
+
+def _shared_cores(devices: Sequence) -> int | None:
+    """`Cluster.host_cores`: on CPU, the cores this process's device threads share when
+    they outnumber them; else None (every accelerator computes on its own)."""
+    cores = usable_cores()
+    return cores if devices[0].platform == "cpu" and cores < len(devices) else None
 
 
 def usable_cores() -> int:

@@ -551,13 +551,17 @@ def _schedule_for(choice: PipelineChoice, num_micro: int, options, cluster,
     "auto" weighs interleaving too, as candidates of their own (`_interleaved_candidates`)."""
     times = _stage_times(choice) if times is None else times
     shares = phase_shares(choice, cluster)
+    shape = {"group_devices": [len(sp.mesh.device_ids) for sp in choice.stage_plans],
+             "returned_bytes": [c.memory_parts.gradients if c.memory_parts else 0.0
+                                for c in choice.dp.stage_costs]}
     if options.schedule == "interleaved_1f1b":
         groups = len(times) // options.virtual_stages
         return "interleaved_1f1b", pipelined_step_time(
-            times, cluster, num_micro, "interleaved_1f1b", groups, shares
+            times, cluster, num_micro, "interleaved_1f1b", groups, shares, **shape
         )
     names = ("1f1b", "zero_bubble") if options.schedule == "auto" else (options.schedule,)
-    predicted = [(pipelined_step_time(times, cluster, num_micro, n, phase_shares=shares), n)
+    predicted = [(pipelined_step_time(times, cluster, num_micro, n, phase_shares=shares,
+                                      **shape), n)
                  for n in reversed(names)]
     if len(predicted) > 1 and len(times) > 1:
         log.info("%d microbatch(es), %d stage(s): %s predicted (F/B/W shares %s)", num_micro,

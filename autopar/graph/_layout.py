@@ -1,0 +1,207 @@
+"""Layout copies: where XLA:CPU copies a tensor into another memory order, and how many
+bytes the loop that makes the copy reads.
+
+In: an `OpGraph` and one of its nodes. Out: `layout_copies`, the node's operands that the
+backend copies transposed (`LayoutCopy`: which operand, and how many bytes the copying
+loop reads per byte of that operand).
+
+XLA:CPU runs dots on YNNPACK/XNNPACK GEMM kernels that take each operand in one memory
+order: batch dimensions leading (in the same order in both operands), then for the left
+operand its free dimensions and then its contracting ones, and for the right operand its
+contracting and free dimensions in either order. An operand in another order is copied
+into that order first, and the copy is fused into the loop that makes the operand: seen
+in the optimized HLO of single dots (`tests/test_layout_copies.py` checks the rule against
+it) and of the local GPT's steps, as ``copy_bitcast_fusion`` / ``transpose_copy_fusion``
+before each ``ynn_fusion``: the weight gradient ``dot_general(dy, x)`` contracting the
+batch and sequence dimensions copies its left operand, the attention's products, whose
+batch dimensions (batch, heads) are not leading, copy both. A dot of two rank-2 operands
+without batch dimensions runs on Eigen's GEMM, which reads either operand transposed: no
+copy. A `transpose` that moves a dimension of size > 1 is such a copy too, unless it
+transposes a dot's result that nothing else reads: the dot writes it in that order
+(``A.T @ B = (B.T @ A).T``; the weight gradients' transposes of a one-program step).
+
+The copy reads its input in strides: one element per cache line and stream, so it moves
+bytes far slower than a straight elementwise loop once its inputs outgrow the caches
+(`autopar.cost.layout_copy_time` prices it by the profile's measured
+`Cluster.transpose_bandwidth`). When the copied operand is made by an elementwise fusion
+(the residual stream's gradient: a sum of a dozen terms of the later layers' backward),
+the copy runs inside that fusion, which then reads all of its inputs in that order:
+`LayoutCopy.fan_in` is the fusion's input bytes per byte of the operand. An operand that
+elementwise loops read too is made once per reader, as is for them and transposed for the
+dot, XLA duplicating only cheap elementwise work: the layer norm's gradient is recomputed
+in the copy's loop from a dozen inputs (``copy_bitcast_fusion.19 = f32[128,64]
+fusion(%ynn_fusion.43, %ynn_fusion.44, ..., %bitcast_rsqrt_fusion.3, ...)``), its divide
+and square root made once before. An operand that another dot reads too is written as is
+for that dot, and the copy reads it alone: the GELU's gradient, read by both of the
+first MLP matmul's gradient dots (``copy_bitcast_fusion.20 = f32[512,64]
+fusion(%multiply_add_fusion.1)``).
+
+GPUs have no such copies (cuBLAS takes transposed operands; XLA:GPU's transposes are
+tiled through shared memory), so a profile without `transpose_bandwidth` charges nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind, fusion_traffic
+from autopar.graph._opgraph import Node, OpGraph, Role, dtype_itemsize
+
+
+@dataclass(frozen=True)
+class LayoutCopy:
+    """Operand `operand` of a node is copied into another memory order; the loop that
+    copies it reads `fan_in` bytes per byte of the operand (1: the operand alone; more
+    when the copy runs inside the elementwise fusion that makes the operand), and
+    `fused` says whether it does."""
+
+    operand: int
+    fan_in: float = 1.0
+    fused: bool = False
+
+
+def layout_copies(graph: OpGraph, node: Node) -> tuple[LayoutCopy, ...]:
+    """The operands of `node` that XLA:CPU copies into another memory order (module
+    docstring), with the bytes their copying loops read. Empty for nodes that copy
+    nothing. Cached per graph.
+
+    **Example:** the weight gradient ``dot_general(dy [b, s, o], x [b, s, h])``
+    contracting (b, s) copies `dy` (its contracting dimensions lead): one `LayoutCopy`
+    for operand 0.
+    """
+    cache = _CACHE.setdefault(graph, {})
+    key = (node.id, len(graph.nodes))
+    if key not in cache:
+        cache[key] = tuple(
+            _with_fan_in(graph, node, i) for i in _copied_operands(graph, node)
+        )
+    return cache[key]
+
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _copied_operands(graph: OpGraph, node: Node) -> tuple[int, ...]:
+    shapes = [graph.vars[v].shape for v in node.inputs]
+    if node.primitive == "transpose":
+        perm = tuple(node.params["permutation"])
+        if _in_order([d for d in perm if shapes[0][d] != 1]):
+            return ()  # moves only dimensions of size 1: a bitcast
+        producer = _producer(graph, node.inputs[0])
+        if (producer is not None and fusion_kind(producer.primitive) == "matmul"
+                and len(_consumers(graph)[node.inputs[0]]) == 1):
+            return ()  # the dot writes its result in that order (operands swapped)
+        return (0,)
+    if node.primitive != "dot_general":
+        return ()
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    lhs, rhs = shapes
+    if not lb and len(lhs) == 2 and len(rhs) == 2:
+        return ()  # Eigen's GEMM: either operand may be transposed
+    lhs_free = tuple(d for d in range(len(lhs)) if d not in lc + lb)
+    rhs_free = tuple(d for d in range(len(rhs)) if d not in rc + rb)
+    copied = []
+    if not _in_order(_nontrivial(lb + lhs_free + lc, lhs)):
+        copied.append(0)
+    if not (_in_order(_nontrivial(rb + rc + rhs_free, rhs))
+            or _in_order(_nontrivial(rb + rhs_free + rc, rhs))):
+        copied.append(1)
+    return tuple(copied)
+
+
+def _nontrivial(order: Sequence[int], shape: Sequence[int]) -> list[int]:
+    """`order` without the dimensions of size 1 (moving them is a bitcast)."""
+    return [d for d in order if shape[d] != 1]
+
+
+def _in_order(dims: Sequence[int]) -> bool:
+    return all(a < b for a, b in zip(dims, dims[1:]))
+
+
+def _with_fan_in(graph: OpGraph, node: Node, operand: int) -> LayoutCopy:
+    """The copy of `operand`, with the bytes its loop reads: the inputs of the elementwise
+    fusion that makes the operand, when the copy runs inside it."""
+    var = node.inputs[operand]
+    nbytes = _global_bytes(graph, var)
+    producer = _producer(graph, var)
+    if (producer is None or nbytes <= 0 or fusion_kind(producer.primitive) != "elementwise"
+            or graph.vars[var].role is Role.CONST or var in graph.outvars):
+        return LayoutCopy(operand)
+    others = [graph_node for c in _consumers(graph)[var] if c != node.id
+              for graph_node in (_node(graph, c),)]
+    shared = bool(others)
+    if shared and (producer.primitive in EXPENSIVE_ELEMENTWISE or any(
+            fusion_kind(o.primitive) not in ("elementwise", "reduce") for o in others)):
+        return LayoutCopy(operand)  # written as is by its maker, then copied alone
+    read = _fusion_reads(graph, producer, fusion_traffic(graph), shared)
+    return LayoutCopy(operand, max(1.0, read / nbytes), True)
+
+
+def _fusion_reads(graph: OpGraph, producer: Node, traffic, shared: bool) -> float:
+    """Bytes the elementwise fusion ending at `producer` reads from device memory: walks
+    back over its fused operands (those `fusion_traffic` says it does not read from
+    memory), counting each input read from memory once. For an operand that others read
+    too (`shared`), XLA recomputes only the cheap part of the chain inside the copy's loop
+    (it does not duplicate an `EXPENSIVE_ELEMENTWISE` op into a second fusion; the GELU's
+    gradient, with its tanh, is written once and copied by a loop of its own): an
+    expensive producer's result counts as read from memory."""
+    seen_nodes, seen_vars, total = set(), set(), 0.0
+
+    def read(v: int) -> float:
+        if v in seen_vars or graph.vars[v].role is Role.CONST:
+            return 0.0
+        seen_vars.add(v)
+        return _global_bytes(graph, v)
+
+    stack = [producer]
+    while stack:
+        n = stack.pop()
+        if n.id in seen_nodes:
+            continue
+        seen_nodes.add(n.id)
+        for v, from_memory in zip(n.inputs, traffic.reads.get(n.id, ())):
+            p = None if from_memory else _producer(graph, v)
+            if p is None or (shared and p.primitive in EXPENSIVE_ELEMENTWISE):
+                total += read(v)
+            else:
+                stack.append(p)
+    return total
+
+
+def _consumers(graph: OpGraph) -> list[list[int]]:
+    cached = _CONSUMERS.get(graph)
+    if cached is None or cached[0] != len(graph.nodes):
+        cached = (len(graph.nodes), graph.consumers())
+        _CONSUMERS[graph] = cached
+    return cached[1]
+
+
+_CONSUMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _node(graph: OpGraph, node_id: int) -> Node:
+    node = graph.nodes[node_id]
+    assert node.id == node_id, f"node ids of {graph!r} are not their positions"
+    return node
+
+
+def _producer(graph: OpGraph, var: int) -> Node | None:
+    """The node of `graph` that makes `var` (a sub-graph's `Var.producer` may name a node
+    of the graph it was cut from, so the nodes' outputs decide)."""
+    cached = _PRODUCERS.get(graph)
+    if cached is None or cached[0] != len(graph.nodes):
+        cached = (len(graph.nodes), {v: n for n in graph.nodes for v in n.outputs})
+        _PRODUCERS[graph] = cached
+    return cached[1].get(var)
+
+
+_PRODUCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _global_bytes(graph: OpGraph, var: int) -> float:
+    v = graph.vars[var]
+    return float(math.prod(v.shape) * dtype_itemsize(str(v.dtype)))
