@@ -58,13 +58,20 @@ Two measurements on the 8 virtual CPU devices:
    (`LAYOUT_THUNKS`), and how much the collectives take (waits for the other devices
    included).
 
+11. **A one-program step's layout copies.** ``--step-profile NAME`` (a one-stage local
+   plan): 5 whole steps under `jax.profiler.trace`, the thunks' time per device and step,
+   the copies and transposes apart, against what the cost model charges the step's layout
+   copies (`autopar.graph.layout_copies` on the plan's layouts, `layout_copy_time` on
+   `cpu-local-measured`).
+
 The tasks of (2) are timed with and without their gradient accumulation (the version that
 adds into the running sums against the first microbatch's, which starts them): what
 accumulating a microbatch's gradients costs.
 
 Usage: ``python benchmarks/local_cost_probe.py [--skip-collectives] [--skip-tasks]
 [--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]
-[--timeline-plan NAME ...] [--skip-work] [--skip-shapes] [--op-profile NAME ...]``
+[--timeline-plan NAME ...] [--skip-work] [--skip-shapes] [--op-profile NAME ...]
+[--step-profile NAME ...]``
 """
 
 from __future__ import annotations
@@ -367,6 +374,83 @@ def task_op_profiles(name: str) -> None:
               f"(waits included); largest: {top}", flush=True)
 
 
+def step_layout_copies(name: str) -> None:
+    """A one-stage local plan's step profiled whole (5 steps under `jax.profiler.trace`):
+    its HLO thunks' time per device and step by kind, the copies and transposes
+    (`LAYOUT_THUNKS`) apart, against what the cost model charges the step's layout copies
+    (`autopar.graph.layout_copies` priced by `layout_copy_time` on the plan's chosen
+    layouts)."""
+    import glob
+    import gzip
+    import json
+    import re
+    import tempfile
+    from collections import defaultdict
+
+    from bench_local import LOCAL_DEVICES, _cluster
+
+    from autopar.cost import bytes_per_device, layout_copy_time
+    from autopar.graph import layout_copies
+    from autopar.runtime import PipelineExecutable
+
+    made = []
+    init = PipelineExecutable.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    PipelineExecutable.__init__ = keep
+    try:
+        p, timer = _local_plan(name)
+    finally:
+        PipelineExecutable.__init__ = init
+    if p.num_stages != 1:
+        raise SystemExit(f"--step-profile takes a one-stage plan; {name!r} has {p.num_stages}")
+    if made:  # the pipeline runtime's one-program step: its stage graph
+        graph, sharding = made[-1].partition.stage_graphs[0], made[-1].stage_plans[0]
+    else:
+        from bench_local import _gpt_arrays
+
+        from autopar.graph import trace
+
+        graph, sharding = trace(*_gpt_arrays("small-test", 16)), p.stages[0].sharding
+    cluster = _cluster("cpu-local-measured")
+    modelled = 0.0
+    for node in graph.nodes:
+        for copy in layout_copies(graph, node):
+            v = node.inputs[copy.operand]
+            spec = sharding.var_specs[v]
+            if spec is not None:
+                var = graph.vars[v]
+                nbytes = bytes_per_device(var.shape, var.dtype, spec, sharding.mesh)
+                modelled += layout_copy_time(nbytes, cluster, copy.fan_in, copy.fused)
+    for _ in range(3):
+        timer._step()
+    calls = 5
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                timer._step()
+        trace_file = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[0]
+        with gzip.open(trace_file) as handle:
+            events = json.load(handle)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    by_kind: dict = defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and re.fullmatch(r"[a-z][\w-]*(\.\d+)?", e.get("name", "")) \
+                and re.search(r"fusion|copy|transpose|all-|dot|reduce|scatter|gather", e["name"]):
+            by_kind[re.sub(r"[._]\d+$", "", e["name"])] += e["dur"] * 1e-3 / calls / LOCAL_DEVICES
+    collective = sum(ms for kind, ms in by_kind.items()
+                     if kind.startswith(("all-", "reduce-scatter", "collective-")))
+    compute = sum(by_kind.values()) - collective
+    layout = sum(by_kind.get(kind, 0.0) for kind in LAYOUT_THUNKS)
+    print(f"{name}: per device and step, thunks {compute:.1f} ms of compute, {layout:.2f} ms "
+          f"of it copies and transposes ({layout / compute:.0%}), {collective:.1f} ms in "
+          f"collectives (waits included); the model's layout copies {modelled * 1e3:.2f} ms",
+          flush=True)
+
+
 # (M, K, N) per device: the local GPT's matmuls at 1, 2, 4 and 8 sequences of 64 tokens
 # per device (K x N: the QKV, output, MLP-up and MLP-down weights, whole or split 4 ways)
 # and square sizes.
@@ -487,6 +571,9 @@ def main(argv=None) -> None:
     parser.add_argument("--op-profile", action="append", default=[],
                         help="a pipelined local plan whose tasks to profile op by op "
                         "(repeatable; default: none)")
+    parser.add_argument("--step-profile", action="append", default=[],
+                        help="a one-stage local plan whose whole step to profile, its copies "
+                        "and transposes against the model's layout copies (repeatable)")
     parser.add_argument("--one-device", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_device:
@@ -512,6 +599,8 @@ def main(argv=None) -> None:
         matmul_shapes()
     for name in args.op_profile:
         task_op_profiles(name)
+    for name in args.step_profile:
+        step_layout_copies(name)
 
 
 if __name__ == "__main__":
