@@ -10,7 +10,7 @@ order: batch dimensions leading (in the same order in both operands), then for t
 operand its free dimensions and then its contracting ones, and for the right operand its
 contracting and free dimensions in either order. An operand in another order is copied
 into that order first, and the copy is fused into the loop that makes the operand: seen
-in the optimized HLO of single dots (`tests/test_layout_copies.py` checks the rule against
+in the optimized HLO of single dots (`tests/test_xla_cpu_costs.py` checks the rule against
 it) and of the local GPT's steps, as ``copy_bitcast_fusion`` / ``transpose_copy_fusion``
 before each ``ynn_fusion``: the weight gradient ``dot_general(dy, x)`` contracting the
 batch and sequence dimensions copies its left operand, the attention's products, whose
@@ -23,18 +23,16 @@ transposes a dot's result that nothing else reads: the dot writes it in that ord
 The copy reads its input in strides: one element per cache line and stream, so it moves
 bytes far slower than a straight elementwise loop once its inputs outgrow the caches
 (`autopar.cost.layout_copy_time` prices it by the profile's measured
-`Cluster.transpose_bandwidth`). When the copied operand is made by an elementwise fusion
-(the residual stream's gradient: a sum of a dozen terms of the later layers' backward),
-the copy runs inside that fusion, which then reads all of its inputs in that order:
-`LayoutCopy.fan_in` is the fusion's input bytes per byte of the operand. An operand that
-elementwise loops read too is made once per reader, as is for them and transposed for the
-dot, XLA duplicating only cheap elementwise work: the layer norm's gradient is recomputed
-in the copy's loop from a dozen inputs (``copy_bitcast_fusion.19 = f32[128,64]
-fusion(%ynn_fusion.43, %ynn_fusion.44, ..., %bitcast_rsqrt_fusion.3, ...)``), its divide
-and square root made once before. An operand that another dot reads too is written as is
-for that dot, and the copy reads it alone: the GELU's gradient, read by both of the
-first MLP matmul's gradient dots (``copy_bitcast_fusion.20 = f32[512,64]
-fusion(%multiply_add_fusion.1)``).
+`Cluster.transpose_bandwidth`). When the operand is made by an elementwise fusion that
+no other dot or kernel reads, the copy runs inside that fusion (XLA duplicates cheap
+elementwise work into each reader's loop, but not an `EXPENSIVE_ELEMENTWISE` op), which
+then reads its inputs in strides: `LayoutCopy.fan_in` is the fusion's input bytes per
+byte of the operand (the backward HLO of the local GPT's pipelined stages computes a
+layer norm's gradient from a dozen inputs inside such a copy, ``copy_bitcast_fusion.19 =
+f32[128,64] fusion(%ynn_fusion.43, %ynn_fusion.44, ..., %bitcast_rsqrt_fusion.3, ...)``).
+An operand that another dot reads as well is written as is for that dot, and the copy
+reads it alone: the GELU's gradient, read by both gradient dots of the first MLP matmul
+(``copy_bitcast_fusion.20 = f32[512,64] fusion(%multiply_add_fusion.1)``).
 
 GPUs have no such copies (cuBLAS takes transposed operands; XLA:GPU's transposes are
 tiled through shared memory), so a profile without `transpose_bandwidth` charges nothing.
@@ -131,8 +129,7 @@ def _with_fan_in(graph: OpGraph, node: Node, operand: int) -> LayoutCopy:
     if (producer is None or nbytes <= 0 or fusion_kind(producer.primitive) != "elementwise"
             or graph.vars[var].role is Role.CONST or var in graph.outvars):
         return LayoutCopy(operand)
-    others = [graph_node for c in _consumers(graph)[var] if c != node.id
-              for graph_node in (_node(graph, c),)]
+    others = [_node(graph, c) for c in _consumers(graph)[var] if c != node.id]
     shared = bool(others)
     if shared and (producer.primitive in EXPENSIVE_ELEMENTWISE or any(
             fusion_kind(o.primitive) not in ("elementwise", "reduce") for o in others)):
@@ -184,9 +181,14 @@ _CONSUMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _node(graph: OpGraph, node_id: int) -> Node:
-    node = graph.nodes[node_id]
-    assert node.id == node_id, f"node ids of {graph!r} are not their positions"
-    return node
+    cached = _BY_ID.get(graph)
+    if cached is None or cached[0] != len(graph.nodes):
+        cached = (len(graph.nodes), {n.id: n for n in graph.nodes})
+        _BY_ID[graph] = cached
+    return cached[1][node_id]
+
+
+_BY_ID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _producer(graph: OpGraph, var: int) -> Node | None:
