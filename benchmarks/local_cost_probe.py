@@ -328,12 +328,25 @@ LAYOUT_THUNKS = ("wrapped_copy", "bitcast_transpose_fusion", "transpose_copy_fus
                  "copy_bitcast_fusion", "bitcast_copy_fusion")
 
 
-def task_op_profiles(name: str) -> None:
+def _traced_events(call, calls: int) -> list:
+    """The events of a `jax.profiler` trace of `calls` calls of `call()`."""
     import glob
     import gzip
     import json
-    import re
     import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                call()
+        trace = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[0]
+        with gzip.open(trace) as handle:
+            events = json.load(handle)
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def task_op_profiles(name: str) -> None:
+    import re
     from collections import defaultdict
 
     p, timer = _local_plan(name)
@@ -350,14 +363,8 @@ def task_op_profiles(name: str) -> None:
         for _ in range(calls):
             jax.block_until_ready(fn(*args))
         cpu = (time.process_time() - start) / calls
-        with tempfile.TemporaryDirectory() as folder:
-            with jax.profiler.trace(folder, create_perfetto_trace=True):
-                for _ in range(calls):
-                    jax.block_until_ready(fn(*args))
-            trace = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[0]
-            with gzip.open(trace) as handle:
-                events = json.load(handle)
-        events = events["traceEvents"] if isinstance(events, dict) else events
+        events = _traced_events(lambda fn=fn, args=args: jax.block_until_ready(fn(*args)),
+                                calls)
         by_kind: dict = defaultdict(float)
         for e in events:
             if e.get("ph") == "X" and e.get("name") in names:
@@ -380,11 +387,7 @@ def step_layout_copies(name: str) -> None:
     (`LAYOUT_THUNKS`) apart, against what the cost model charges the step's layout copies
     (`autopar.graph.layout_copies` priced by `layout_copy_time` on the plan's chosen
     layouts)."""
-    import glob
-    import gzip
-    import json
     import re
-    import tempfile
     from collections import defaultdict
 
     from bench_local import LOCAL_DEVICES, _cluster
@@ -428,14 +431,7 @@ def step_layout_copies(name: str) -> None:
     for _ in range(3):
         timer._step()
     calls = 5
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            for _ in range(calls):
-                timer._step()
-        trace_file = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[0]
-        with gzip.open(trace_file) as handle:
-            events = json.load(handle)
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events = _traced_events(timer._step, calls)
     by_kind: dict = defaultdict(float)
     for e in events:
         if e.get("ph") == "X" and re.fullmatch(r"[a-z][\w-]*(\.\d+)?", e.get("name", "")) \

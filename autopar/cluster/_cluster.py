@@ -505,7 +505,7 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             fused_attention=_read_bool(data, "fused_attention"),
             dispatch_overhead=read.number("dispatch_overhead")
             if "dispatch_overhead" in data else 0.0,
-            intra_host_by_group=_read_links_by_group(read, "intra_host_by_group")
+            intra_host_by_group=_read_by_group(read, "intra_host_by_group", read.link)
             if "intra_host_by_group" in data else None,
             inplace_bandwidth=read.number("inplace_bandwidth")
             if "inplace_bandwidth" in data else None,
@@ -513,8 +513,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             if "combined_operand_latency" in data else 0.0,
             transpose_bandwidth=_read_table(read, "transpose_bandwidth")
             if "transpose_bandwidth" in data else None,
-            collective_latency_by_group=_read_numbers_by_group(
-                read, "collective_latency_by_group")
+            collective_latency_by_group=_read_by_group(
+                read, "collective_latency_by_group", read.number)
             if "collective_latency_by_group" in data else None,
             host_cores=read.field("host_cores", int) if "host_cores" in data else None,
         )
@@ -539,25 +539,16 @@ def _read_table(read, name: str) -> tuple[tuple[float, float], ...]:
                  for i, r in enumerate(rows))
 
 
-def _read_numbers_by_group(read, name: str) -> tuple[tuple[int, float], ...]:
+def _read_by_group(read, name: str, read_value) -> tuple[tuple[int, Any], ...]:
+    """A table keyed by group size (strings >= 2), each value read by
+    ``read_value(dotted name, value)``."""
     table = read.field(name, dict)
     entries = []
     for key, value in table.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
             read.fail(name, f"must have group sizes >= 2 as keys ({_FIELD_HELP[name]}), got "
                             f"{key!r}")
-        entries.append((int(key), read.number(f"{name}.{key}", value)))
-    return tuple(entries)
-
-
-def _read_links_by_group(read, name: str) -> tuple[tuple[int, Link], ...]:
-    table = read.field(name, dict)
-    entries = []
-    for key, value in table.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
-            read.fail(name, f"must have group sizes >= 2 as keys ({_FIELD_HELP[name]}), got "
-                            f"{key!r}")
-        entries.append((int(key), read.link(f"{name}.{key}", value)))
+        entries.append((int(key), read_value(f"{name}.{key}", value)))
     return tuple(entries)
 
 

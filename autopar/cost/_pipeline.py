@@ -127,9 +127,7 @@ def stage_dispatch_time(cluster, num_stages: int, num_microbatches: int,
 
 def _dispatch_overhead(cluster) -> float:
     """A `Cluster`'s `dispatch_overhead`, or the same key of its JSON (what a `Plan` keeps)."""
-    if isinstance(cluster, dict):
-        return float(cluster.get("dispatch_overhead", 0.0))
-    return float(getattr(cluster, "dispatch_overhead", 0.0))
+    return float(_field(cluster, "dispatch_overhead") or 0.0)
 
 
 def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
