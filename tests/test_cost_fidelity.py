@@ -184,6 +184,58 @@ def test_profiler_fits_the_table_from_its_matmul_sizes():
     assert _gemm_table({"float32": {256: 1e9}}) is None
 
 
+def _k_grid(small: float, large: float):
+    """A `gemm_shapes` grid over sizes 64 and 4096 whose fraction depends on K only."""
+    return tuple((m, n, k, small if k == 64 else large)
+                 for m in (64, 4096) for n in (64, 4096) for k in (64, 4096))
+
+
+def test_gemm_efficiency_by_shape_from_the_profile_grid(a100):
+    from autopar.cost import shape_efficiency
+
+    table = _k_grid(0.2, 0.8)
+    assert shape_efficiency(table, (4096, 4096, 64)) == pytest.approx(0.2)
+    assert shape_efficiency(table, (4096, 4096, 512)) == pytest.approx(0.5)  # halfway in log
+    assert shape_efficiency(table, (10**6, 8, 10**6)) == pytest.approx(0.8)  # clamped
+    shaped = dataclasses.replace(a100, gemm_shapes=table)
+    # a 4096 x 4096 x 64 GEMM: by size (1024) 0.45 on dgx-a100-80g, by shape 0.2
+    flops = 2 * 4096 * 4096 * 64
+    assert gemm_efficiency(shaped, flops) == pytest.approx(0.45)  # shape unknown
+    assert gemm_efficiency(shaped, flops, (4096, 4096, 64)) == pytest.approx(0.2)
+    assert Cluster.from_json(shaped.to_json()) == shaped
+
+
+def test_dot_strategies_use_their_shape_per_device(a100):
+    """The planner prices a dot by its (M, N, K) per device: x[4096, 64] @ w[64, 4096]
+    on one device runs at the grid's K=64 fraction; batch dimensions count in M."""
+    shaped = dataclasses.replace(a100, gemm_shapes=_k_grid(0.2, 0.8))
+    bf16 = jnp.bfloat16
+    graph = trace(lambda x, w: x @ w, jax.ShapeDtypeStruct((4096, 64), bf16),
+                  jax.ShapeDtypeStruct((64, 4096), bf16))
+    (dot,) = _dots(graph)
+    flops = 2 * 4096 * 4096 * 64
+    # compute-bound: 2.1 GFLOP at 0.2 of 312 TFLOP/s is 34 us, its 33 MiB of bytes 17 us
+    assert _replicated(graph, dot, shaped).compute_cost == pytest.approx(
+        flops / (312e12 * 0.2))
+    graph = trace(lambda x, w: jnp.einsum("bmk,bkn->bmn", x, w),
+                  jax.ShapeDtypeStruct((16, 256, 4096), bf16),
+                  jax.ShapeDtypeStruct((16, 4096, 4096), bf16))
+    (dot,) = _dots(graph)  # M = 16 x 256 = 4096, N = K = 4096: the grid's 0.8
+    assert _replicated(graph, dot, shaped).compute_cost == pytest.approx(
+        2 * 16 * 256 * 4096 * 4096 / (312e12 * 0.8))
+
+
+def test_gemm_shapes_must_be_a_full_grid(a100):
+    table = [list(row) for row in _k_grid(0.2, 0.8)]
+    with pytest.raises(ValueError, match="gemm_shapes must hold every combination"):
+        Cluster.from_json({**a100.to_json(), "gemm_shapes": table[:-1]})
+    table[0][3] = 1.5
+    with pytest.raises(ValueError, match=r"gemm_shapes fractions must be in \(0, 1\]"):
+        Cluster.from_json({**a100.to_json(), "gemm_shapes": table})
+    with pytest.raises(ValueError, match="rows of 4 numbers"):
+        Cluster.from_json({**a100.to_json(), "gemm_shapes": [[64, 64, 0.5]]})
+
+
 # ---- 4. fusion-aware compute ---------------------------------------------------------------
 
 
@@ -251,6 +303,42 @@ def test_fusion_kinds_registry():
     assert fusion_kind("reduce_sum") == "reduce"
     assert fusion_kind("scan") == "kernel"
     assert fusion_kind("some_new_elementwise_op") == "elementwise"  # the default
+
+
+def test_kernel_roots_count_the_kernels_xla_runs():
+    from autopar.graph import kernel_roots
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    b = jax.ShapeDtypeStruct((32,), jnp.float32)
+    # bias add and tanh run in the dot's epilogue: one kernel, rooted at the tanh
+    graph = trace(lambda x, w, b: jnp.tanh(x @ w + b), x, w, b)
+    assert [graph.nodes[i].primitive for i in kernel_roots(graph)] == ["tanh"]
+    # two chained dots: two kernels
+    graph = trace(lambda x, w: (x @ w) @ w, x, w)
+    assert len(kernel_roots(graph)) == 2
+    # an elementwise chain into a reduction: one input fusion
+    graph = trace(lambda x: jnp.sum(jnp.exp(x) * 2.0), x, batch_argnums=())
+    assert len(kernel_roots(graph)) == 1
+
+
+def test_kernel_overhead_charged_once_per_kernel(a100):
+    from autopar.cost import kernel_launch_time
+    from autopar.graph import kernel_roots
+
+    cluster = dataclasses.replace(a100, kernel_overhead=5e-6)
+    assert kernel_launch_time(cluster, 2000) == pytest.approx(0.01)
+    assert kernel_launch_time(a100, 2000) == 0.0  # built-in profiles: not measured
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    graph = trace(lambda x, w: jnp.tanh((x @ w) @ w), x, w)
+    roots = kernel_roots(graph)
+    extra = [_replicated(graph, n, cluster).compute_cost
+             - _replicated(graph, n, a100).compute_cost
+             for n in graph.nodes]
+    assert sum(extra) == pytest.approx(len(roots) * 5e-6)
+    assert all(e == pytest.approx(5e-6 if n.id in roots else 0.0)
+               for n, e in zip(graph.nodes, extra))
 
 
 def test_exposed_time_by_hand():
@@ -538,7 +626,7 @@ def test_combined_collective_pays_its_share_of_one_latency():
     cluster = dataclasses.replace(Cluster.from_profile("cpu-local-measured"),
                                   combined_operand_latency=0.0, collective_latency_by_group=None)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
-    link = cluster.intra_link(8)
+    link = cluster.intra_link(8, "all_reduce")  # the profile's all-reduce bandwidth
     nbytes = 64 * 1024
     wire = 2 * 7 / 8 * nbytes / link.bandwidth
     alone = collective_time("all_reduce", nbytes, cluster, mesh, "x")
@@ -562,7 +650,7 @@ def test_combined_collective_on_a_runtime_that_pays_per_operand():
 
     base = replace_ring(Cluster.from_profile("cpu-local-measured"))
     mesh = LogicalMesh.create((8,), axis_names=("x",))
-    link = base.intra_link(8)
+    link = base.intra_link(8, "all_reduce")
     nbytes = 64 * 1024
     wire = 2 * 7 / 8 * nbytes / link.bandwidth
     for share in (0.0, 0.5, 1.0):
@@ -596,14 +684,14 @@ def test_collective_latency_measured_inside_programs_replaces_ring_steps():
     nbytes = 64 * 1024
     for n, latency in table:
         mesh = LogicalMesh.create((8 // n, n), axis_names=("g", "x"))
-        link = cluster.intra_link(n)
         for kind, wire in (("all_reduce", 2 * (n - 1) / n * nbytes),
                            ("all_gather", (n - 1) / n * nbytes)):
+            link = cluster.intra_link(n, kind)
             assert collective_time(kind, nbytes, cluster, mesh, "x") == pytest.approx(
                 latency + wire / link.bandwidth)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
     half = dataclasses.replace(cluster, combined_operand_latency=0.5)
-    wire = 2 * 7 / 8 * nbytes / cluster.intra_link(8).bandwidth
+    wire = 2 * 7 / 8 * nbytes / cluster.intra_link(8, "all_reduce").bandwidth
     assert combined_collective_time("all_reduce", nbytes, half, mesh, "x") == pytest.approx(
         0.5 * 275e-6 + 0.5 * nbytes / (30 * 2**20) * 275e-6 + wire)
     # the nearest measured group in log2; JSON keeps the table; bad tables are refused
@@ -739,3 +827,50 @@ def test_data_parallel_gradient_reductions_are_one_all_reduce_per_bucket():
     buckets = sum(combined_bucket_count(sizes) for sizes in combined.values())
     assert sum(len(s) for s in combined.values()) >= 6  # one per weight, and the loss
     assert buckets + alone == hlo["all_reduce"][0]
+
+
+def test_each_collective_kind_at_its_measured_bandwidth():
+    """`collective_bandwidth_by_kind` scales the intra-host link's bandwidth per kind: an
+    all-to-all at 0.25 moves its wire bytes 4 times slower, its latency unchanged. By hand,
+    a group of 4 of 8 devices, 1 MiB."""
+    a100 = Cluster.from_profile("dgx-a100-80g")
+    cluster = dataclasses.replace(a100, collective_bandwidth_by_kind=(("all_to_all", 0.25),))
+    mesh = LogicalMesh.create((2, 4), axis_names=("g", "x"))
+    nbytes = 2**20
+    link = a100.intra_link(4)
+    wire = 3 / 4 * nbytes  # an all-to-all sends (n-1)/n of its bytes
+    plain = collective_time("all_to_all", nbytes, a100, mesh, "x")
+    slow = collective_time("all_to_all", nbytes, cluster, mesh, "x")
+    assert slow - plain == pytest.approx(wire / (0.25 * link.bandwidth) - wire / link.bandwidth)
+    # other kinds, and a profile without the table, unchanged
+    assert collective_time("all_reduce", nbytes, cluster, mesh, "x") == pytest.approx(
+        collective_time("all_reduce", nbytes, a100, mesh, "x"))
+    assert a100.kind_bandwidth_scale("all_to_all") == 1.0
+    from autopar.cluster._cluster import COLLECTIVE_KIND_NAMES
+    from autopar.cost import COLLECTIVE_KINDS
+
+    assert set(COLLECTIVE_KIND_NAMES) == set(COLLECTIVE_KINDS)
+    assert Cluster.from_json(cluster.to_json()) == cluster
+    with pytest.raises(ValueError, match="unknown kind"):
+        Cluster.from_json({**a100.to_json(), "collective_bandwidth_by_kind": {"alltoall": 0.3}})
+    with pytest.raises(ValueError, match="factors must be finite and > 0"):
+        dataclasses.replace(a100, collective_bandwidth_by_kind=(("all_to_all", 0.0),))
+
+
+def test_profiler_fits_each_kind_against_the_common_fit():
+    from autopar.cost import CollectiveSample
+    from autopar.profile._measure import _kind_scales
+
+    # all-reduce samples at 2 GB/s, all-to-all ones at 0.5 GB/s, 20 us latency per step
+    samples = []
+    for kind, bandwidth in (("all_reduce", 2e9), ("all_to_all", 0.5e9)):
+        link = dataclasses.replace(Cluster.from_profile("cpu-local").intra_host,
+                                   bandwidth=bandwidth, latency=20e-6)
+        for nbytes in (2**14, 2**18, 2**22):
+            probe = CollectiveSample(kind, 4, float(nbytes), 1.0)
+            samples.append(CollectiveSample(kind, 4, float(nbytes), probe.predicted(link)))
+    common = dataclasses.replace(Cluster.from_profile("cpu-local").intra_host, bandwidth=1e9)
+    scales = dict(_kind_scales(samples, common))
+    assert scales["all_reduce"] == pytest.approx(2.0, rel=1e-3)
+    assert scales["all_to_all"] == pytest.approx(0.5, rel=1e-3)
+    assert "send_recv" not in scales  # no samples of it

@@ -143,7 +143,7 @@ def test_cli_reports_user_errors(monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["profile", "--devices", "1", "--out", str(tmp_path / "one.json")])
     assert exit_info.value.code == 2
-    assert "profiling needs >= 2 devices" in capsys.readouterr().err
+    assert "profiling CPU devices needs >= 2 of them" in capsys.readouterr().err
     assert not (tmp_path / "one.json").exists()
 
 
@@ -199,3 +199,34 @@ def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
     assert (cluster.num_hosts, cluster.devices_per_host) == (2, 2)
     assert "inter_host" in data[0]["measured"]
     assert "one device on each of 2 hosts" in data[0]["note"]
+
+
+def test_one_accelerator_profile_takes_its_links_from_the_built_in_profile(monkeypatch):
+    """The one-device path `autopar profile --devices 1` takes on a GPU, run on one CPU
+    device made to pass for an accelerator, with its probes shrunk: no collectives, links
+    from the built-in profile of the kind, the accelerator probes in `measured`, and
+    `kernel_overhead` and `gemm_shapes` set."""
+    import jax
+
+    from autopar.profile import _accelerator, _measure
+
+    monkeypatch.setattr(_measure, "_on_cpu", lambda devices: False)
+    monkeypatch.setattr(_measure, "ACCELERATOR_MATMUL_SCALE", 1)
+    monkeypatch.setattr(_measure, "ACCELERATOR_BANDWIDTH_SCALE", 1)
+    monkeypatch.setattr(_measure, "ACCELERATOR_GEMM_SCALE", 1)
+    monkeypatch.setattr(_accelerator, "BANDWIDTH_SIZES", (2**20,))
+    monkeypatch.setattr(_accelerator, "FUSED_ROWS", 64)
+    monkeypatch.setattr(_accelerator, "FUSED_HIDDEN", 128)
+    monkeypatch.setattr(_accelerator, "KERNEL_CHAIN", 8)
+    lines = []
+    small = replace(QUICK, gemm_sizes=(32, 64), matmul_sizes=(64, 128), repeats=2,
+                    bandwidth_bytes=2**20, dispatch_repeats=5)
+    result = _measure.measure_profile(small, devices=jax.devices()[:1], log=lines.append)
+    cluster, base = result.cluster, Cluster.from_profile("cpu-local")  # "cpu": no GPU kind
+    assert (cluster.num_hosts, cluster.devices_per_host) == (1, 1)
+    assert (cluster.intra_host, cluster.inter_host) == (base.intra_host, base.inter_host)
+    assert "one device" in result.note and "'cpu-local'" in result.note
+    assert cluster.kernel_overhead > 0 and len(cluster.gemm_shapes) == 8
+    assert {"kernel_floor", "bandwidth_by_size", "fused_throughput"} <= set(result.measured)
+    assert not any("intra-host" in line for line in lines)  # no collective was timed
+    assert Cluster.from_json(cluster.to_json()) == cluster

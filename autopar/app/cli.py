@@ -95,6 +95,12 @@ def _add_profile(subparsers) -> None:
         "cores a program keeps busy: on a machine shared with other jobs, the time with the "
         "machine to yourself",
     )
+    parser.add_argument(
+        "--gemm-shapes",
+        action="store_true",
+        help="on CPU, also time GEMMs by shape (a 16..1024 grid of M, N, K; about 80 s); "
+        "accelerators always do",
+    )
     group = parser.add_argument_group(
         "several hosts",
         "run the same command on every host (or process) to also measure the inter-host "
@@ -118,7 +124,8 @@ def _run_profile(args: argparse.Namespace) -> int:
 
     out = args.out or local_profile_path()
     start = time.perf_counter()
-    options = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock)
+    options = dataclasses.replace(QUICK if args.quick else FULL, clock=args.clock,
+                                  gemm_shapes_on_cpu=args.gemm_shapes)
     result = measure_profile(options, devices=_devices(args.devices))
     result = _with_task_overhead(result)
     result.save(out)

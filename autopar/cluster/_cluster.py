@@ -33,9 +33,16 @@ PROFILE_DIR_NAME = "cost_profiles"
 DEFAULT_PROFILE_BY_DEVICE_KIND = {
     "A100": "dgx-a100-80g",
     "H100": "dgx-h100",
+    # A DGX H200 has a DGX H100's NVLink and network, with more and faster memory.
+    "H200": "dgx-h100",
     "V100": "p3.16xlarge-v100",
 }
 FALLBACK_LOCAL_PROFILE = "cpu-local"
+
+# The collective kinds a profile may name (`collective_bandwidth_by_kind`): the cost model's
+# `autopar.cost.COLLECTIVE_KINDS`, which sits above this module (tests/test_cost_fidelity.py
+# checks that the two agree).
+COLLECTIVE_KIND_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 # JSON keys a profile may carry besides the `Cluster` fields: free text, per-field sources,
 # and the raw data of a measured profile. They are documentation; loading ignores them.
@@ -143,6 +150,24 @@ class Cluster:
       pipeline's devices that run while others idle go faster
       (`autopar.cost.simulate_shared`). `autopar profile` sets it on CPU when the devices
       outnumber the cores. None: every device computes on its own (GPUs).
+    - `gemm_shapes`: optional ``((M, N, K, fraction of peak), ...)``: GEMMs timed by shape
+      per device (batch dimensions counted in M), every combination of a few sizes of each
+      (a full grid; `autopar profile` measures it, `measure_gemm_shapes`). The cost model
+      interpolates it in log(M), log(N), log(K) for a dot of known shape
+      (`autopar.cost.gemm_efficiency`), in place of `gemm_efficiency`, which still prices
+      GEMMs of unknown shape (convolutions). None: `gemm_efficiency` for every GEMM.
+    - `collective_bandwidth_by_kind`: optional ``((kind, factor), ...)``: each collective
+      kind's bandwidth inside a host relative to the intra-host link, the alpha-beta fit of
+      that kind's samples alone over the fit of all kinds (`autopar profile` fits both from
+      the same collectives). XLA:CPU's all-to-all moves a byte 3-4 times slower than its
+      all-reduce (`cpu-local-measured`: 0.275 against 1.13). `intra_link` applies it.
+      None: every kind at the link's bandwidth.
+    - `kernel_overhead`: seconds each kernel of a program costs besides its work: its
+      launch and the gap before the next one, what a chain of tiny dependent kernels takes
+      per kernel (`autopar profile` measures it on accelerators,
+      `autopar.profile._accelerator.measure_kernel_floor`). The cost model adds it once
+      per kernel, as `autopar.graph.fusion_traffic` groups a program's operators into
+      kernels. 0 (the default): kernels cost only their work.
 
     **Example:**
     ```python
@@ -173,6 +198,9 @@ class Cluster:
     transpose_bandwidth: tuple[tuple[float, float], ...] | None = None
     collective_latency_by_group: tuple[tuple[int, float], ...] | None = None
     host_cores: int | None = None
+    kernel_overhead: float = 0.0
+    gemm_shapes: tuple[tuple[float, float, float, float], ...] | None = None
+    collective_bandwidth_by_kind: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -190,6 +218,13 @@ class Cluster:
         if self.transpose_bandwidth is not None:
             table = tuple((float(size), float(rate)) for size, rate in self.transpose_bandwidth)
             object.__setattr__(self, "transpose_bandwidth", table)
+        if self.gemm_shapes is not None:
+            table = tuple(sorted(tuple(float(x) for x in row) for row in self.gemm_shapes))
+            object.__setattr__(self, "gemm_shapes", table)
+        if self.collective_bandwidth_by_kind is not None:
+            scales = dict(self.collective_bandwidth_by_kind)
+            table = tuple(sorted((str(kind), float(scale)) for kind, scale in scales.items()))
+            object.__setattr__(self, "collective_bandwidth_by_kind", table)
         _check_cluster(self)
 
     def __hash__(self) -> int:
@@ -231,22 +266,34 @@ class Cluster:
         peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
         return peak * self.matmul_efficiency
 
-    def intra_link(self, group_size: int) -> Link:
+    def intra_link(self, group_size: int, kind: str | None = None) -> Link:
         """The link a collective over `group_size` devices of one host runs over.
 
         With `intra_host_by_group`: the entry of the measured group size nearest to
         `group_size` in log2 (a tie goes to the larger), so that a pair of devices pays what
         pairs paid when the profile timed every pair of the host at once. Without it:
-        `intra_host`.
+        `intra_host`. With the collective's `kind` and a profile with
+        `collective_bandwidth_by_kind`, its bandwidth times that kind's factor.
 
         **Example:** measured for groups of 2, 4 and 8: a group of 3 gets the entry of 4.
         """
         table = self.intra_host_by_group
         if not table or group_size < 2:
-            return self.intra_host
-        target = np.log2(group_size)
-        _, link = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
-        return link
+            link = self.intra_host
+        else:
+            target = np.log2(group_size)
+            _, link = min(table,
+                          key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
+        scale = self.kind_bandwidth_scale(kind)
+        return link if scale == 1.0 else Link(link.bandwidth * scale, link.latency)
+
+    def kind_bandwidth_scale(self, kind: str | None) -> float:
+        """The factor `collective_bandwidth_by_kind` gives collective `kind` inside a host;
+        1 without the table, for a kind it does not list, or for None."""
+        for name, scale in self.collective_bandwidth_by_kind or ():
+            if name == kind:
+                return scale
+        return 1.0
 
     def collective_latency(self, group_size: int) -> float | None:
         """Seconds one collective over `group_size` devices of a host adds inside a
@@ -300,6 +347,12 @@ class Cluster:
             optional["combined_operand_latency"] = self.combined_operand_latency
         if self.host_cores is not None:
             optional["host_cores"] = self.host_cores
+        if self.kernel_overhead:
+            optional["kernel_overhead"] = self.kernel_overhead
+        if self.gemm_shapes is not None:
+            optional["gemm_shapes"] = [list(row) for row in self.gemm_shapes]
+        if self.collective_bandwidth_by_kind is not None:
+            optional["collective_bandwidth_by_kind"] = dict(self.collective_bandwidth_by_kind)
         if self.collective_latency_by_group is not None:
             optional["collective_latency_by_group"] = {
                 str(n): t for n, t in self.collective_latency_by_group
@@ -517,11 +570,66 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
                 read, "collective_latency_by_group", read.number)
             if "collective_latency_by_group" in data else None,
             host_cores=read.field("host_cores", int) if "host_cores" in data else None,
+            kernel_overhead=read.number("kernel_overhead") if "kernel_overhead" in data
+            else 0.0,
+            gemm_shapes=_read_rows(read, "gemm_shapes", 4) if "gemm_shapes" in data else None,
+            collective_bandwidth_by_kind=tuple(
+                (kind, read.number(f"collective_bandwidth_by_kind.{kind}", scale))
+                for kind, scale in read.field("collective_bandwidth_by_kind", dict).items())
+            if "collective_bandwidth_by_kind" in data else None,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
             raise
         raise ValueError(f"cost profile {source}: {e}. Schema: cost_profiles/README.md") from None
+
+
+def _read_rows(read, name: str, width: int) -> tuple[tuple[float, ...], ...]:
+    """A list of rows of `width` numbers (`Cluster.gemm_shapes`)."""
+    rows = read.field(name, list)
+    if not all(isinstance(r, list) and len(r) == width for r in rows):
+        read.fail(name, f"must be a list of rows of {width} numbers")
+    return tuple(tuple(read.number(f"{name}.{i}", x) for x in row)
+                 for i, row in enumerate(rows))
+
+
+def _kind_scale_problems(table) -> list[str]:
+    """What is wrong with `collective_bandwidth_by_kind`: an unknown kind, or a factor
+    that is not a finite number > 0."""
+    if table is None:
+        return []
+    problems = []
+    unknown = [kind for kind, _ in table if kind not in COLLECTIVE_KIND_NAMES]
+    if unknown:
+        problems.append(f"collective_bandwidth_by_kind has unknown kind(s) {unknown}; the "
+                        f"kinds are {list(COLLECTIVE_KIND_NAMES)}")
+    if not all(np.isfinite(scale) and scale > 0 for _, scale in table):
+        problems.append(f"collective_bandwidth_by_kind factors must be finite and > 0, got "
+                        f"{dict(table)}")
+    return problems
+
+
+def _gemm_shape_problems(table) -> list[str]:
+    """What is wrong with a `gemm_shapes` table: not a full grid of positive sizes, or a
+    fraction outside (0, 1]."""
+    if table is None:
+        return []
+    if not table:
+        return ["gemm_shapes must hold at least one row (or be left out)"]
+    problems = []
+    axes = [sorted({row[i] for row in table}) for i in range(3)]
+    if any(a[0] <= 0 for a in axes):
+        problems.append(f"gemm_shapes sizes must be > 0, got M {axes[0]}, N {axes[1]}, "
+                        f"K {axes[2]}")
+    if len({row[:3] for row in table}) != len(table) or \
+            len(table) != len(axes[0]) * len(axes[1]) * len(axes[2]):
+        problems.append(
+            f"gemm_shapes must hold every combination of its sizes once (M {axes[0]}, "
+            f"N {axes[1]}, K {axes[2]}: {len(axes[0]) * len(axes[1]) * len(axes[2])} rows), "
+            f"got {len(table)} rows")
+    if not all(0 < row[3] <= 1 for row in table):
+        problems.append("gemm_shapes fractions must be in (0, 1]")
+    return problems
 
 
 def _read_bool(data: dict, name: str) -> bool:
@@ -620,6 +728,11 @@ _FIELD_HELP = {
     "gemm_efficiency": "a list of [size, fraction of peak] pairs, sizes increasing, "
     "size = (M*N*K)**(1/3) per device, fractions in (0, 1]",
     "host_cores": "an integer: CPU cores the devices of a host share (CPU devices)",
+    "kernel_overhead": "a number: seconds each kernel costs besides its work (launch, gap)",
+    "collective_bandwidth_by_kind": 'an object of factors by collective kind, e.g. '
+    '{"all_reduce": 1.1, "all_to_all": 0.3}',
+    "gemm_shapes": "a list of [M, N, K, fraction of peak] rows, every combination of the "
+    "M, N and K sizes present (a full grid), fractions in (0, 1]",
     "collective_latency_by_group": 'an object of seconds by group size, e.g. {"2": 6e-05, '
     '"8": 0.000275}',
     "transpose_bandwidth": "a list of [bytes read per device, bytes/s] pairs, sizes "
@@ -652,6 +765,8 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
         if not all(0 < eff <= 1 for _, eff in table):
             problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
+    problems += _gemm_shape_problems(cluster.gemm_shapes)
+    problems += _kind_scale_problems(cluster.collective_bandwidth_by_kind)
     cores = cluster.host_cores
     if cores is not None and (not isinstance(cores, (int, np.integer)) or cores < 1):
         problems.append(f"host_cores must be an integer >= 1 or None, got {cores!r}")
@@ -675,6 +790,11 @@ def _check_cluster(cluster: Cluster) -> None:
         problems.append(
             f"dispatch_overhead must be a finite number of seconds >= 0, got "
             f"{cluster.dispatch_overhead!r}"
+        )
+    if not (np.isfinite(cluster.kernel_overhead) and cluster.kernel_overhead >= 0):
+        problems.append(
+            f"kernel_overhead must be a finite number of seconds >= 0, got "
+            f"{cluster.kernel_overhead!r}"
         )
     if not 0 <= cluster.overlap <= 1:
         problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")

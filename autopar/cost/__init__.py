@@ -21,8 +21,10 @@ from autopar.cost._compute import (
     bytes_per_device,
     compute_time,
     gemm_efficiency,
+    kernel_launch_time,
     layout_copy_time,
     rate_dtype,
+    shape_efficiency,
     transpose_bandwidth,
 )
 from autopar.cost._fit import CollectiveSample, fit_link
@@ -94,8 +96,10 @@ __all__ = [
     "fit_link",
     "hideable_weight",
     "gemm_efficiency",
+    "kernel_launch_time",
     "layout_copy_time",
     "link_for",
     "transfer_time",
+    "shape_efficiency",
     "transpose_bandwidth",
 ]

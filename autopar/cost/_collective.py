@@ -50,8 +50,9 @@ def collective_time(
 
     **Returns:** the slowest group's time (all groups run at once, every device of a host
     on its own rail); 0 when n == 1. A group on one host is a ring over
-    ``cluster.intra_link(n)`` (`intra_host`, or the link measured for groups of that size
-    when the profile has `intra_host_by_group`):
+    ``cluster.intra_link(n, kind)`` (`intra_host`, or the link measured for groups of that
+    size when the profile has `intra_host_by_group`; its bandwidth scaled by the kind's
+    measured factor, `collective_bandwidth_by_kind`):
     ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`); on a profile
     that measured what a collective adds inside a program
     (`Cluster.collective_latency_by_group`), that latency once in place of the ring
@@ -160,13 +161,13 @@ def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group,
         terms = alpha_beta_terms(kind, nbytes, len(group))
         measured = cluster.collective_latency(len(group))
         if measured is not None:  # what one collective adds inside a program, measured
-            link = cluster.intra_link(len(group))
+            link = cluster.intra_link(len(group), kind)
             return latency_share * measured + terms.wire_bytes / link.bandwidth
-        return _scaled(terms, latency_share).seconds(cluster.intra_link(len(group)))
+        return _scaled(terms, latency_share).seconds(cluster.intra_link(len(group), kind))
     if len(counts) == 1 and (g := counts.pop()) > 1:
         two = hierarchical_terms(kind, nbytes, g, len(per_host))
         two = TwoLevelTerms(_scaled(two.intra, latency_share), _scaled(two.inter, latency_share))
-        return two.seconds(cluster.intra_link(g), cluster.network_link())
+        return two.seconds(cluster.intra_link(g, kind), cluster.network_link())
     terms = _scaled(alpha_beta_terms(kind, nbytes, len(group)), latency_share)
     return terms.seconds(cluster.network_link())
 

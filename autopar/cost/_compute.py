@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,7 @@ def compute_time(
     *,
     matmul: bool = False,
     in_place: bool = False,
+    gemm_shape: tuple[float, float, float] | None = None,
 ) -> float:
     """Seconds for an operator on one device, by the roofline model.
 
@@ -36,6 +38,8 @@ def compute_time(
       comes from `gemm_efficiency` by its size; else `matmul_efficiency`.
     - `in_place`: the operator writes its results over donated inputs (the optimizer
       update of a step's state), so its bytes move at `Cluster.write_bandwidth(True)`.
+    - `gemm_shape`: for a matmul, its (M, N, K) per device (batch dimensions in M), which
+      `gemm_efficiency` looks up in the profile's `gemm_shapes` where it has them.
 
     **Returns:** ``max(flops / (peak[dtype] · efficiency), bytes / bandwidth)``, the
     bandwidth `hbm_bandwidth` (or the in-place one).
@@ -49,12 +53,17 @@ def compute_time(
         return bytes_accessed / bandwidth
     rate = cluster.flops(dtype)
     if matmul:
-        rate *= gemm_efficiency(cluster, flops) / cluster.matmul_efficiency
+        rate *= gemm_efficiency(cluster, flops, gemm_shape) / cluster.matmul_efficiency
     return max(flops / rate, bytes_accessed / bandwidth)
 
 
-def gemm_efficiency(cluster: Cluster, flops: float) -> float:
+def gemm_efficiency(cluster: Cluster, flops: float,
+                    shape: tuple[float, float, float] | None = None) -> float:
     """The fraction of peak a GEMM of `flops` FLOPs per device achieves on `cluster`.
+
+    With its `shape`, (M, N, K) per device, on a profile with `gemm_shapes` (GEMMs timed by
+    shape, a full grid): that table interpolated linearly in (log M, log N, log K) and held
+    constant beyond its ends (`shape_efficiency`). Otherwise, by its size:
 
     Its size is the geometric mean of its dimensions, ``(M·N·K)**(1/3) = (flops / 2)**(1/3)``
     (batch dimensions count in M); the profile's `gemm_efficiency` table is interpolated
@@ -67,12 +76,55 @@ def gemm_efficiency(cluster: Cluster, flops: float) -> float:
     **Example:** on dgx-a100-80g, 8192³ gives the table's last point (0.82), 1024³ about
     0.45.
     """
+    if shape is not None and getattr(cluster, "gemm_shapes", None) and flops > 0:
+        return shape_efficiency(cluster.gemm_shapes, shape)
     table = cluster.gemm_efficiency
     if not table or flops <= 0:
         return cluster.matmul_efficiency
     size = (flops / 2) ** (1 / 3)
     sizes = np.log([s for s, _ in table])
     return float(np.interp(np.log(size), sizes, [e for _, e in table]))
+
+
+def shape_efficiency(table: Sequence[Sequence[float]], shape: Sequence[float]) -> float:
+    """A `Cluster.gemm_shapes` table, ``((M, N, K, fraction), ...)`` on a full grid, at
+    `shape` (M, N, K): trilinear interpolation in the logarithms of the sizes, each
+    coordinate clamped to the grid's range.
+
+    **Example:** on a grid of sizes 64 and 256 in each dimension, (128, 64, 64) lies
+    halfway (in log) between (64, 64, 64) and (256, 64, 64): the mean of their fractions.
+    """
+    if not isinstance(table, tuple) or not all(isinstance(row, tuple) for row in table):
+        table = tuple(tuple(row) for row in table)
+    grid, axes = _shape_grid(table)
+    weights = []  # per dimension: (index, weight) of the grid points around the query
+    for axis, size in zip(axes, shape):
+        logs = np.log(axis)
+        x = float(np.clip(np.log(max(float(size), 1e-30)), logs[0], logs[-1]))
+        hi = int(np.searchsorted(logs, x)) if len(logs) > 1 else 0
+        if hi == 0:
+            weights.append(((0, 1.0),))
+            continue
+        lo = hi - 1
+        t = (x - logs[lo]) / (logs[hi] - logs[lo])
+        weights.append(((lo, 1.0 - t), (hi, t)))
+    return float(sum(wm * wn * wk * grid[im, jn, kk]
+                     for im, wm in weights[0] for jn, wn in weights[1]
+                     for kk, wk in weights[2]))
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_grid(table: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, list[list[float]]]:
+    """`shape_efficiency`'s table as an array indexed by the (M, N, K) positions on its
+    axes, and the axes' sorted sizes."""
+    axes = [sorted({row[i] for row in table}) for i in range(3)]
+    grid = np.full([len(a) for a in axes], np.nan)
+    for m, n, k, fraction in table:
+        grid[axes[0].index(m), axes[1].index(n), axes[2].index(k)] = fraction
+    if np.isnan(grid).any():
+        raise ValueError(f"gemm_shapes is not a full grid of M {axes[0]}, N {axes[1]}, "
+                         f"K {axes[2]}")
+    return grid, axes
 
 
 def transpose_bandwidth(cluster: Cluster, bytes_read: float) -> float:
@@ -117,6 +169,22 @@ def layout_copy_time(nbytes: float, cluster: Cluster, fan_in: float = 1.0,
     if fused:
         seconds -= moved / cluster.hbm_bandwidth
     return max(0.0, seconds)
+
+
+def kernel_launch_time(cluster: Cluster, kernels: float) -> float:
+    """Seconds `kernels` kernels cost besides their work on `cluster`: each its launch and
+    the gap before the next, ``kernels · kernel_overhead`` (0 on a profile without it).
+
+    A GPU runs a step's kernels one after another from one stream; a kernel that does next
+    to nothing still takes a few microseconds (`autopar profile` times chains of tiny
+    dependent kernels, `autopar.profile._accelerator.measure_kernel_floor`). A step of a
+    24-layer GPT launches a few thousand, so at 3 us each this is several milliseconds.
+
+    **Example:** 2000 kernels at ``kernel_overhead = 3e-6``: 6 ms.
+    """
+    if kernels < 0:
+        raise ValueError(f"kernel_launch_time needs kernels >= 0, got {kernels}")
+    return kernels * cluster.kernel_overhead
 
 
 # Primitives that run on the matrix units: their rate is set by the operand dtypes.

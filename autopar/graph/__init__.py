@@ -10,6 +10,7 @@ from autopar.graph._fusion import (
     attention_core,
     fusion_kind,
     fusion_traffic,
+    kernel_roots,
     register_fusion,
     stored_residuals,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "abstract_args",
     "fusion_kind",
     "fusion_traffic",
+    "kernel_roots",
     "attention_core",
     "grad",
     "layer_boundary",

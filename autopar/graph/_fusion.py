@@ -148,6 +148,51 @@ def fusion_traffic(graph: OpGraph, fused_attention: bool = False) -> FusionTraff
     return traffic
 
 
+def kernel_roots(graph: OpGraph, fused_attention: bool = False) -> frozenset[int]:
+    """Node ids that each stand for one kernel of `graph`: per group of nodes that
+    `fusion_traffic` runs in one kernel, the last one in program order.
+
+    Nodes are grouped by the values that pass between them inside a kernel (read by a
+    consumer, but not from device memory); a group of scan markers only (``"boundary"``)
+    launches nothing. A cheap producer fused into two consumers' kernels joins them in one
+    group, so a step's count is a slight undercount. With `fused_attention`, the
+    `attention_core` values, which no kernel writes, join the attention's nodes into one.
+
+    **Example:** ``tanh(x @ w + b)`` is one kernel (the bias add and tanh run in the dot's
+    epilogue), rooted at the tanh; ``(x @ w) @ v`` is two.
+    """
+    cached = _ROOTS.get(graph, {}).get(fused_attention)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    traffic = fusion_traffic(graph, fused_attention)
+    producer_of = {v: node.id for node in graph.nodes for v in node.outputs}
+    parent = {node.id: node.id for node in graph.nodes}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for node in graph.nodes:
+        for v, from_memory in zip(node.inputs, traffic.reads[node.id]):
+            producer = producer_of.get(v)
+            if producer is not None and not from_memory:
+                parent[find(producer)] = find(node.id)
+    groups: dict[int, list] = {}
+    for node in graph.nodes:
+        groups.setdefault(find(node.id), []).append(node)
+    roots = frozenset(
+        max(n.id for n in members) for members in groups.values()
+        if any(fusion_kind(n.primitive) != "boundary" for n in members)
+    )
+    _ROOTS.setdefault(graph, {})[fused_attention] = (len(graph.nodes), roots)
+    return roots
+
+
+_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _without(traffic: FusionTraffic, graph: OpGraph, core: frozenset[int]) -> FusionTraffic:
     """`traffic` with no read or write of the variables in `core`."""
     if not core:

@@ -21,10 +21,19 @@ from autopar.cost import (
     collective_time,
     combined_collective_time,
     compute_time,
+    kernel_launch_time,
     layout_copy_time,
     rate_dtype,
 )
-from autopar.graph import Node, OpGraph, Role, fusion_kind, fusion_traffic, layout_copies
+from autopar.graph import (
+    Node,
+    OpGraph,
+    Role,
+    fusion_kind,
+    fusion_traffic,
+    kernel_roots,
+    layout_copies,
+)
 from autopar.intra._control_flow import STACK
 from autopar.intra._registry import signature_of
 from autopar.intra._rules import OpInfo
@@ -213,10 +222,11 @@ def node_strategies(
                               getattr(ctx.cluster, "fused_attention", False))
         matmul = node.primitive in MATMUL_PRIMITIVES
         in_place = node.id in ctx.in_place and graph.nodes[node.id] is node
-        layout = _layout_seconds(node, graph, in_specs, ctx)
-        work = (node.flops / parallelism, accessed, dtype, matmul, in_place, layout)
+        extra = _extra_seconds(node, graph, in_specs, ctx)
+        shape = _gemm_shape(node, in_vars, in_specs, mesh)
+        work = (node.flops / parallelism, accessed, dtype, matmul, in_place, extra, shape)
         compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place) + layout
+                               in_place=in_place, gemm_shape=shape) + extra
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -281,8 +291,9 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
     """The strategy that leaves the summed result split over the reduced `axes`.
 
     `work` is (FLOPs per device, bytes accessed per device, dtype, is a matmul, writes in
-    place) of the node when it computes the whole partial result; `combined`: its
-    reduction merges with the step's other independent ones (`step_effects`).
+    place, `_extra_seconds`, GEMM shape or None) of the node when it computes the whole
+    partial result; `combined`: its reduction merges with the step's other independent
+    ones (`step_effects`).
     """
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
@@ -299,18 +310,20 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
     # size 4 on (2, 4), with only x of size 2 unused, reduce-scatters (on XLA:CPU an
     # all-reduce and a local slice).
     on_spare = bool(spare) and mesh.axis_size(spare) % split == 0
-    flops, accessed, dtype, matmul, in_place, layout = work
+    flops, accessed, dtype, matmul, in_place, extra, shape = work
     if on_spare:
         reduce = (
             Collective("all_reduce", tuple(axes), full_bytes / split, combined=combined),
             Collective("send_recv", (*axes, *spare), full_bytes / split),
         )
+        # each device computes 1/split of the result's rows (or columns)
+        shape = None if shape is None else (max(1.0, shape[0] / split), *shape[1:])
         compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place) + layout
+                               in_place=in_place, gemm_shape=shape) + extra
     else:
         reduce = (Collective("reduce_scatter", tuple(axes), full_bytes, combined=combined),)
         compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place) + layout
+                               in_place=in_place, gemm_shape=shape) + extra
     comm = sum(_collective_seconds(c, ctx) for c in reduce)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
@@ -400,7 +413,7 @@ def follow_strategies(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,
             in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
-        ) + _layout_seconds(node, graph, in_specs, ctx)
+        ) + _extra_seconds(node, graph, in_specs, ctx)
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
         )
@@ -425,6 +438,44 @@ def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMes
             or graph.nodes[node.id] is not node:
         return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph
     return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
+
+
+def _gemm_shape(node: Node, in_vars, in_specs, mesh: LogicalMesh
+                ) -> tuple[float, float, float] | None:
+    """A dot's (M, N, K) per device under `in_specs` (batch dimensions counted in M; a
+    constant operand whole), for `autopar.cost.gemm_efficiency`; None for other nodes."""
+    if node.primitive != "dot_general" or len(in_vars) < 2:
+        return None
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = node.params["dimension_numbers"]
+
+    def local(var, spec):
+        if spec is None:
+            return tuple(var.shape)
+        return tuple(math.ceil(size / mesh.axis_size(axes)) if axes else size
+                     for size, axes in zip(var.shape, spec))
+
+    lhs, rhs = local(in_vars[0], in_specs[0]), local(in_vars[1], in_specs[1])
+    k = math.prod(lhs[d] for d in lhs_contract)
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lhs_contract)
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rhs_contract + rhs_batch)
+    return float(m), float(n), float(k)
+
+
+def _extra_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:
+    """What a node costs besides its roofline: its layout copies (`_layout_seconds`) and,
+    for the node that stands for a kernel (`autopar.graph.kernel_roots`), the profile's
+    `kernel_overhead` (`autopar.cost.kernel_launch_time`)."""
+    return _layout_seconds(node, graph, in_specs, ctx) + _kernel_seconds(node, graph, ctx)
+
+
+def _kernel_seconds(node: Node, graph: OpGraph, ctx: CostContext) -> float:
+    """`kernel_launch_time` of one kernel if `node` is a kernel root of `graph`, else 0
+    (and 0 for a node of another graph, or on a profile without `kernel_overhead`)."""
+    if not getattr(ctx.cluster, "kernel_overhead", 0.0) or len(graph.nodes) <= node.id \
+            or graph.nodes[node.id] is not node:
+        return 0.0
+    roots = kernel_roots(graph, getattr(ctx.cluster, "fused_attention", False))
+    return kernel_launch_time(ctx.cluster, 1) if node.id in roots else 0.0
 
 
 def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:

@@ -51,6 +51,12 @@ MATMUL_DTYPES = ("float32", "bfloat16")
 # GPUs and TPUs reach their peak only on far larger matrices than CPUs (4096 and up), so on
 # an accelerator the `ProfileOptions.matmul_sizes` are scaled by this factor.
 ACCELERATOR_MATMUL_SCALE = 8
+# GEMM grids likewise, from (16, 64, 256, 1024) on CPU to (256, ..., 16384): a layer's
+# matmuls on one GPU, tokens of a microbatch by hidden, FFN and vocabulary widths, and the
+# attention's head dimension.
+ACCELERATOR_GEMM_SCALE = 16
+# Likewise the bytes of the bandwidth probe (16 MiB on CPU would sit in a H100's 50 MB L2).
+ACCELERATOR_BANDWIDTH_SCALE = 64
 
 CLOCKS = ("wall", "cpu-per-core")
 
@@ -70,6 +76,14 @@ class ProfileOptions:
       `ACCELERATOR_MATMUL_SCALE` on accelerators); the fastest counts as peak, and the
       others give `gemm_efficiency` (small sizes are timed as several independent
       matmuls in one program, `measure_matmul`).
+    - `gemm_sizes`: the sizes of M, N and K per device whose every combination
+      `measure_gemm_shapes` times on accelerators (times `ACCELERATOR_GEMM_SCALE`, in
+      bfloat16), and on CPU (in the first of `MATMUL_DTYPES`) with `gemm_shapes_on_cpu`:
+      the profile's `gemm_shapes` (empty: not measured).
+    - `gemm_shapes_on_cpu`: also time the grid on CPU (``autopar profile --gemm-shapes``;
+      80 s on 8 virtual devices of a 2-core VM). Off by default: there its smallest
+      shapes are mostly a program launch, and three runs differed by 20-30% per shape,
+      more than the shape effects it showed at the local GPT's shapes (session 22).
     - `bandwidth_bytes`: bytes per device of the elementwise op that measures bandwidth.
     - `transpose_sizes`: bytes per device read by the transposing copies of
       `measure_transpose` (CPU only; empty: not measured).
@@ -92,6 +106,8 @@ class ProfileOptions:
     repeats: int = 7
     warmup: int = 2
     matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024)
+    gemm_sizes: tuple[int, ...] = (16, 64, 256, 1024)
+    gemm_shapes_on_cpu: bool = False
     bandwidth_bytes: int = 16 * MiB
     dispatch_repeats: int = 201
     transpose_sizes: tuple[int, ...] = tuple(2**k * 256 * KiB for k in range(6))
@@ -110,6 +126,7 @@ QUICK = ProfileOptions(
     repeats=5,
     warmup=1,
     matmul_sizes=(256, 512),
+    gemm_sizes=(64, 256),
     bandwidth_bytes=8 * MiB,
     dispatch_repeats=51,
     transpose_sizes=(512 * KiB, 2 * MiB),
@@ -149,6 +166,12 @@ def measure_profile(
     then all of them together (one device per process) for the inter-host level, and every
     process returns the figures of process 0, so that all derive the same plans.
 
+    One accelerator alone (``autopar profile --devices 1`` on a GPU) has nothing to
+    communicate with: its links are the built-in profile's for its device kind (the
+    `note` says so), and it also measures what `autopar.profile._accelerator` times (the
+    smallest kernel's cost, memory bandwidth by size, fused throughput) and GEMMs by shape.
+    CPU devices need at least two.
+
     **Arguments:**
     - `options`: `FULL` (default, under 2 minutes on 8 virtual CPU devices), `QUICK`, or
       your own `ProfileOptions`.
@@ -163,17 +186,24 @@ def measure_profile(
     devices = list(devices) if devices is not None else local_devices()
     hosts = sorted({d.process_index for d in devices})
     mine = [d for d in devices if d.process_index == jax.process_index()]
-    if len(mine) < 2 and len(hosts) < 2:
+    alone = len(mine) < 2 and len(hosts) < 2
+    accelerator = not _on_cpu(mine)
+    if alone and not accelerator:
         raise ValueError(
-            f"profiling needs >= 2 devices (or >= 2 processes), got {len(mine)}; run "
-            "`autopar profile --devices 8`, or on CPU set "
+            f"profiling CPU devices needs >= 2 of them (or >= 2 processes), got {len(mine)}; "
+            "run `autopar profile --devices 8`, or set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax"
         )
+    if accelerator:  # its L2 cache holds what a CPU's memory bandwidth probe moves
+        options = dataclasses.replace(
+            options, bandwidth_bytes=options.bandwidth_bytes * ACCELERATOR_BANDWIDTH_SCALE)
     flops = {dtype: measure_matmul(dtype, mine, options, log) for dtype in MATMUL_DTYPES}
+    gemm_dtype = "bfloat16" if accelerator else MATMUL_DTYPES[0]
+    shapes = measure_gemm_shapes(gemm_dtype, mine, options, log)
     hbm = measure_bandwidth(mine, options, log)
     inplace = measure_bandwidth(mine, options, log, in_place=True)
     dispatch = measure_dispatch(mine, options, log)
-    combined = measure_combined_latency(mine, options, log)
+    combined = measure_combined_latency(mine, options, log) if not alone else 0.0
     transpose = measure_transpose(mine, options, log)
     latency = measure_collective_latency(mine, options, log) if len(mine) >= 2 else None
     intra = measure_collectives(mine, options, log, "intra-host") if len(mine) >= 2 else []
@@ -182,9 +212,17 @@ def measure_profile(
         leaders = [next(d for d in devices if d.process_index == h) for h in hosts]
         across = dataclasses.replace(options, device_counts=(len(leaders),))
         inter = measure_collectives(leaders, across, log, "inter-host")
-    intra_link = fit_link(intra or inter)
-    inter_link = fit_link(inter) if inter else intra_link
-    by_group = _fit_by_group(intra)
+    extra = _accelerator_figures(mine, options, log) if accelerator else {}
+    if alone:  # nothing to communicate with: the links of the built-in profile of its kind
+        base = _base_profile(mine[0].device_kind)
+        intra_link, inter_link, by_group = base.intra_host, base.inter_host, None
+        log(f"one device: links taken from the built-in profile {base.name!r}, not measured")
+    else:
+        base = None
+        intra_link = fit_link(intra or inter)
+        inter_link = fit_link(inter) if inter else intra_link
+        by_group = _fit_by_group(intra)
+    by_kind = _kind_scales(intra, intra_link) if intra else None
     cluster = Cluster(
         name="local-measured",
         num_hosts=len(hosts),
@@ -194,6 +232,8 @@ def measure_profile(
         peak_flops={dtype: max(by_size.values()) for dtype, by_size in flops.items()},
         matmul_efficiency=1.0,
         gemm_efficiency=_gemm_table(flops),
+        gemm_shapes=_shape_table(shapes, max(flops[gemm_dtype].values())),
+        collective_bandwidth_by_kind=by_kind,
         hbm_bandwidth=hbm,
         inplace_bandwidth=inplace,
         intra_host=intra_link,
@@ -204,18 +244,23 @@ def measure_profile(
         transpose_bandwidth=transpose,
         collective_latency_by_group=latency,
         host_cores=_shared_cores(mine),
+        nics_per_host=base.nics_per_host if base else None,
+        kernel_overhead=extra.get("kernel_overhead", 0.0),
     )
     for level, link in (("intra_host", intra_link), ("inter_host", inter_link),
                         *((f"intra_host, groups of {n}", link) for n, link in by_group or ())):
         log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
             f"bandwidth {link.bandwidth / 1e9:.3f} GB/s per device")
     measured = {"seconds": round(time.perf_counter() - start, 2),
-                "matmul_flops_per_device": flops}
+                "matmul_flops_per_device": flops, **extra.get("measured", {})}
+    if shapes:
+        measured[f"gemm_shapes_{gemm_dtype}"] = [[*shape, rate] for shape, rate in shapes.items()]
     for level, samples, link in (("intra_host", intra, intra_link),
                                  ("inter_host", inter, inter_link)):
         if samples:
             measured[level] = _samples_json(samples, link)
-    result = ProfileResult(cluster, _note(len(hosts), bool(inter)), measured)
+    note = _note(len(hosts), bool(inter)) if base is None else _note_alone(base)
+    result = ProfileResult(cluster, note, measured)
     return ProfileResult.from_json(_from_process_zero(result.to_json()))
 
 
@@ -231,6 +276,21 @@ def _fit_by_group(samples: Sequence[CollectiveSample]) -> tuple[tuple[int, Link]
     return tuple(fits) or None
 
 
+def _kind_scales(samples: Sequence[CollectiveSample], link: Link
+                 ) -> tuple[tuple[str, float], ...] | None:
+    """`Cluster.collective_bandwidth_by_kind`: per collective kind, the bandwidth of the
+    alpha-beta fit of its samples alone over `link`'s (the fit of all of them); a kind
+    too noisy to fit is left out; None without one fit."""
+    scales = []
+    for kind in COLLECTIVE_KINDS:
+        try:
+            fit = fit_link([s for s in samples if s.kind == kind])
+        except ValueError:
+            continue
+        scales.append((kind, round(fit.bandwidth / link.bandwidth, 3)))
+    return tuple(scales) or None
+
+
 def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float], ...] | None:
     """The measured fraction of the best rate by matmul size, averaged over dtypes: the
     profile's `gemm_efficiency` (None with fewer than two sizes)."""
@@ -242,6 +302,69 @@ def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float]
         for n in sizes
     ]
     return tuple((float(n), round(f, 3)) for n, f in zip(sizes, fractions))
+
+
+def _shape_table(rates: dict[tuple[int, int, int], float], peak: float):
+    """The profile's `gemm_shapes`, ``((M, N, K, fraction of peak), ...)``, from measured
+    rates by shape (fractions capped at 1: a shape may beat the best square); None when
+    nothing was measured."""
+    if not rates:
+        return None
+    return tuple((float(m), float(n), float(k), round(min(1.0, rate / peak), 4))
+                 for (m, n, k), rate in sorted(rates.items()))
+
+
+# Independent GEMMs per program of `measure_gemm_shapes` at most: its 64 programs compile
+# in about a second each on 8 CPU devices (with 64 GEMMs, 3.4 s: 218 s per grid).
+MAX_GEMMS_PER_SHAPE = 16
+
+
+def measure_gemm_shapes(
+    dtype: str, devices: Sequence, options: ProfileOptions, log: Callable[[str], None]
+) -> dict[tuple[int, int, int], float]:
+    """FLOP/s per device of GEMMs of every (M, N, K) per device from `options.gemm_sizes`
+    (scaled by `ACCELERATOR_GEMM_SCALE` on accelerators), on all `devices` at once, as
+    `measure_matmul` times squares: each program runs r independent GEMMs of its shape on
+    operands of their own, r chosen so that it does about the work of one square matmul
+    of half the largest `matmul_sizes` (at most `MAX_GEMMS_PER_SHAPE`: the smallest
+    shapes' programs are then mostly their launch, as they are wherever they run alone).
+
+    A step's GEMMs are rarely square: tensor parallelism splits N or K, attention contracts
+    over the head dimension, and on a CPU a GEMM with K = 32 ran at half the rate of a
+    square one of the same FLOPs (512 x 32 x 128 at 0.25-0.29 of peak against 0.52 for
+    its size). The profile keeps the table (`Cluster.gemm_shapes`) and the cost model
+    interpolates it by shape (`autopar.cost.gemm_efficiency`).
+    """
+    if not options.gemm_sizes or (_on_cpu(devices) and not options.gemm_shapes_on_cpu):
+        return {}
+    mesh = Mesh(np.array(devices), (AXIS,))
+    spec = PartitionSpec(AXIS)
+    accelerator = not _on_cpu(devices)
+    scale = ACCELERATOR_GEMM_SCALE if accelerator else 1
+    sizes = [scale * size for size in options.gemm_sizes]
+    work = 2.0 * ((ACCELERATOR_MATMUL_SCALE if accelerator else 1)
+                  * max(options.matmul_sizes) // 2) ** 3
+    rates = {}
+    start = time.perf_counter()
+    for m in sizes:
+        for n in sizes:
+            for k in sizes:
+                flops = 2.0 * m * n * k
+                count = max(1, min(MAX_GEMMS_PER_SHAPE, round(work / flops)))
+                fn = jax.shard_map(partial(_independent_matmuls, count=count), mesh=mesh,
+                                   in_specs=(spec,) * (2 * count), out_specs=(spec,) * count)
+                operands = []
+                for _ in range(count):
+                    operands += [_filled((len(devices) * m, k), dtype, mesh),
+                                 _filled((len(devices) * k, n), dtype, mesh)]
+                rates[(m, n, k)] = flops * count / _median_seconds(fn, tuple(operands), options)
+                del operands
+    best = max(rates, key=rates.get)
+    worst = min(rates, key=rates.get)
+    log(f"GEMM shapes ({dtype}, {len(rates)} of M x N x K in {sizes}) on {len(devices)} "
+        f"devices: {rates[worst] / 1e9:.2f} GFLOP/s per device at {worst} to "
+        f"{rates[best] / 1e9:.2f} at {best} ({time.perf_counter() - start:.1f} s)")
+    return rates
 
 
 def measure_collectives(
@@ -307,7 +430,7 @@ def measure_matmul(
     """
     mesh = Mesh(np.array(devices), (AXIS,))
     spec = PartitionSpec(AXIS)
-    scale = 1 if devices[0].platform == "cpu" else ACCELERATOR_MATMUL_SCALE
+    scale = 1 if _on_cpu(devices) else ACCELERATOR_MATMUL_SCALE
     sizes = [scale * size for size in options.matmul_sizes]
     by_size = {}
     for size in sizes:
@@ -442,7 +565,7 @@ def measure_transpose(
     virtual devices of a 2-core AMD EPYC it fell from 1.8 GB/s per device at 256 KiB to
     0.75 GB/s at 8 MiB, where the same sum written as is moved 1.7-6 GB/s.
     """
-    if devices[0].platform != "cpu" or not options.transpose_sizes:
+    if not _on_cpu(devices) or not options.transpose_sizes:
         return None
     mesh = Mesh(np.array(devices), (AXIS,))
     k, columns = TRANSPOSE_PROBE_INPUTS, TRANSPOSE_PROBE_COLUMNS
@@ -602,7 +725,7 @@ def _shared_cores(devices: Sequence) -> int | None:
     """`Cluster.host_cores`: on CPU, the cores this process's device threads share when
     they outnumber them; else None (every accelerator computes on its own)."""
     cores = usable_cores()
-    return cores if devices[0].platform == "cpu" and cores < len(devices) else None
+    return cores if _on_cpu(devices) and cores < len(devices) else None
 
 
 def usable_cores() -> int:
@@ -644,6 +767,45 @@ def _note(num_hosts: int, measured_inter: bool) -> str:
         "One process: only the intra-host level could be measured, so inter_host is a copy "
         "of intra_host."
     )
+
+
+def _on_cpu(devices: Sequence) -> bool:
+    """Whether `devices` are CPU devices (XLA:CPU's virtual devices), not accelerators."""
+    return devices[0].platform == "cpu"
+
+
+def _note_alone(base: Cluster) -> str:
+    return (
+        "Measured by `autopar profile` on one device. peak_flops are the fastest measured "
+        "matmuls, so matmul_efficiency is 1. With nothing to communicate with, intra_host, "
+        f"inter_host and nics_per_host are the built-in profile {base.name!r}'s, not measured."
+    )
+
+
+def _base_profile(device_kind: str) -> Cluster:
+    """The built-in profile for `device_kind` (`DEFAULT_PROFILE_BY_DEVICE_KIND`), else
+    the fallback one: where a one-device profile takes its links from."""
+    from autopar.cluster._cluster import DEFAULT_PROFILE_BY_DEVICE_KIND, FALLBACK_LOCAL_PROFILE
+
+    matches = [n for k, n in DEFAULT_PROFILE_BY_DEVICE_KIND.items() if k in device_kind]
+    return Cluster.from_profile(matches[0] if matches else FALLBACK_LOCAL_PROFILE)
+
+
+def _accelerator_figures(devices: Sequence, options: ProfileOptions,
+                         log: Callable[[str], None]) -> dict:
+    """The one-device measurements of `autopar.profile._accelerator`: the profile's
+    `kernel_overhead` and, under ``"measured"``, the raw tables."""
+    from autopar.profile import _accelerator as probes
+
+    floor = probes.measure_kernel_floor(devices, options, log)
+    return {
+        "kernel_overhead": round(min(floor.values()), 9),
+        "measured": {
+            "kernel_floor": floor,
+            "bandwidth_by_size": probes.measure_bandwidth_by_size(devices, options, log),
+            "fused_throughput": probes.measure_fused_throughput(devices, options, log),
+        },
+    }
 
 
 def _from_process_zero(data: dict) -> dict:
