@@ -445,6 +445,8 @@ def step_layout_copies(name: str) -> None:
           f"of it copies and transposes ({layout / compute:.0%}), {collective:.1f} ms in "
           f"collectives (waits included); the model's layout copies {modelled * 1e3:.2f} ms",
           flush=True)
+    top = sorted(by_kind.items(), key=lambda kv: -kv[1])[:12]
+    print("    largest: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in top), flush=True)
 
 
 # (M, K, N) per device: the local GPT's matmuls at 1, 2, 4 and 8 sequences of 64 tokens

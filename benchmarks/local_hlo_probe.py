@@ -7,7 +7,9 @@ and prints, per plan, the predicted step time, the collectives the cost model ch
 in XLA's optimized HLO of the step; with ``--time``, the CPU time per step over the cores
 (3 interleaved rounds of 5 steps, medians).
 
-Usage: ``python benchmarks/local_hlo_probe.py [--time]``
+Usage: ``python benchmarks/local_hlo_probe.py [--time] [--plan NAME ...] [--shapes]``
+(``--plan``: other local plans, one-stage ones; ``--shapes``: also each collective's
+result shape in the HLO).
 """
 
 from __future__ import annotations
@@ -33,11 +35,15 @@ COLLECTIVES = r"(all-reduce|reduce-scatter|all-gather|all-to-all|collective-perm
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--time", action="store_true", help="also time the steps")
+    parser.add_argument("--plan", action="append", default=None,
+                        help=f"a one-stage local plan to probe (repeatable; default: {PLANS})")
+    parser.add_argument("--shapes", action="store_true",
+                        help="print each collective's result shape and count")
     args = parser.parse_args()
     step, state, batch = _gpt_arrays("small-test", 16)
     makers = local_plans(step, (state, batch), _cluster("cpu-local-measured"))
     timers = {}
-    for name in PLANS:
+    for name in args.plan or PLANS:
         p = makers[name]()
         timer = _Timer(step, state, batch, p, _cpu_per_core)
         timers[name] = (p, timer)
@@ -49,6 +55,10 @@ def main() -> None:
                  for kind, (n, nbytes) in p.stages[0].sharding.cost.collectives.items()}
         print(f"{name}: predicted {p.predicted_step_time * 1e3:.2f} ms; model {model}; "
               f"HLO {dict(found)}", flush=True)
+        if args.shapes:
+            shapes = Counter(re.findall(r"= (\S+) " + COLLECTIVES, hlo))
+            for (shape, kind), count in sorted(shapes.items(), key=lambda kv: kv[0][1]):
+                print(f"    {kind} {shape} x{count}")
     if args.time:
         for _ in range(3):
             for _, timer in timers.values():
