@@ -166,8 +166,9 @@ class Cluster:
       launch and the gap before the next one, what a chain of tiny dependent kernels takes
       per kernel (`autopar profile` measures it on accelerators,
       `autopar.profile._accelerator.measure_kernel_floor`). The cost model adds it once
-      per kernel, as `autopar.graph.fusion_traffic` groups a program's operators into
-      kernels. 0 (the default): kernels cost only their work.
+      per kernel, the kernels being the groups `autopar.graph.kernel_roots` makes of a
+      program's operators by its fusion model. 0 (the default): kernels cost only their
+      work.
 
     **Example:**
     ```python
