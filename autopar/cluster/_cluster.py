@@ -494,6 +494,12 @@ def _local_base_profile(device_kind: str) -> Cluster:
             f"Run `autopar profile --out {path}` to measure this machine.",
             stacklevel=3,
         )
+    return builtin_profile_for(device_kind)
+
+
+def builtin_profile_for(device_kind: str) -> Cluster:
+    """The built-in profile for a JAX `device_kind` (`DEFAULT_PROFILE_BY_DEVICE_KIND`, by
+    substring), else `FALLBACK_LOCAL_PROFILE`."""
     matches = [n for k, n in DEFAULT_PROFILE_BY_DEVICE_KIND.items() if k in device_kind]
     return Cluster.from_profile(matches[0] if matches else FALLBACK_LOCAL_PROFILE)
 

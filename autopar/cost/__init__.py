@@ -25,6 +25,7 @@ from autopar.cost._compute import (
     layout_copy_time,
     rate_dtype,
     shape_efficiency,
+    shard_shape,
     transpose_bandwidth,
 )
 from autopar.cost._fit import CollectiveSample, fit_link
@@ -101,5 +102,6 @@ __all__ = [
     "link_for",
     "transfer_time",
     "shape_efficiency",
+    "shard_shape",
     "transpose_bandwidth",
 ]

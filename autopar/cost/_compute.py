@@ -273,8 +273,13 @@ def _bytes_per_device(shape, dtype, spec: Spec, mesh: LogicalMesh) -> float:
             f"spec {spec} must use each axis of the mesh {mesh.axis_names} at most once; "
             f"unknown: {unknown}, used: {used}"
         )
-    shard = [math.ceil(size / mesh.axis_size(dim)) for size, dim in zip(shape, spec)]
-    return float(math.prod(shard) * _itemsize(dtype))
+    return float(math.prod(shard_shape(shape, spec, mesh)) * _itemsize(dtype))
+
+
+def shard_shape(shape: Sequence[int], spec: Spec, mesh: LogicalMesh) -> tuple[int, ...]:
+    """The largest shard's shape of a tensor of `shape` split by `spec` on `mesh`: each
+    dimension over the product of its axes' sizes, rounded up (XLA pads an uneven split)."""
+    return tuple(math.ceil(size / mesh.axis_size(axes)) for size, axes in zip(shape, spec))
 
 
 def _itemsize(dtype: Any) -> int:

@@ -24,6 +24,7 @@ from autopar.cost import (
     kernel_launch_time,
     layout_copy_time,
     rate_dtype,
+    shard_shape,
 )
 from autopar.graph import (
     Node,
@@ -449,10 +450,7 @@ def _gemm_shape(node: Node, in_vars, in_specs, mesh: LogicalMesh
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = node.params["dimension_numbers"]
 
     def local(var, spec):
-        if spec is None:
-            return tuple(var.shape)
-        return tuple(math.ceil(size / mesh.axis_size(axes)) if axes else size
-                     for size, axes in zip(var.shape, spec))
+        return tuple(var.shape) if spec is None else shard_shape(var.shape, spec, mesh)
 
     lhs, rhs = local(in_vars[0], in_specs[0]), local(in_vars[1], in_specs[1])
     k = math.prod(lhs[d] for d in lhs_contract)

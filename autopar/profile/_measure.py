@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.cluster._cluster import Cluster, Link, local_devices
+from autopar.cluster._cluster import Cluster, Link, builtin_profile_for, local_devices
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import COLLECTIVE_KINDS, CollectiveKind
 
@@ -214,7 +214,7 @@ def measure_profile(
         inter = measure_collectives(leaders, across, log, "inter-host")
     extra = _accelerator_figures(mine, options, log) if accelerator else {}
     if alone:  # nothing to communicate with: the links of the built-in profile of its kind
-        base = _base_profile(mine[0].device_kind)
+        base = builtin_profile_for(mine[0].device_kind)
         intra_link, inter_link, by_group = base.intra_host, base.inter_host, None
         log(f"one device: links taken from the built-in profile {base.name!r}, not measured")
     else:
@@ -780,15 +780,6 @@ def _note_alone(base: Cluster) -> str:
         "matmuls, so matmul_efficiency is 1. With nothing to communicate with, intra_host, "
         f"inter_host and nics_per_host are the built-in profile {base.name!r}'s, not measured."
     )
-
-
-def _base_profile(device_kind: str) -> Cluster:
-    """The built-in profile for `device_kind` (`DEFAULT_PROFILE_BY_DEVICE_KIND`), else
-    the fallback one: where a one-device profile takes its links from."""
-    from autopar.cluster._cluster import DEFAULT_PROFILE_BY_DEVICE_KIND, FALLBACK_LOCAL_PROFILE
-
-    matches = [n for k, n in DEFAULT_PROFILE_BY_DEVICE_KIND.items() if k in device_kind]
-    return Cluster.from_profile(matches[0] if matches else FALLBACK_LOCAL_PROFILE)
 
 
 def _accelerator_figures(devices: Sequence, options: ProfileOptions,
