@@ -17,6 +17,7 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.cost import (
     bubble_fraction,
+    host_work_per_step,
     pipeline_latency,
     stage_dispatch_time,
     tasks_per_step,
@@ -66,6 +67,13 @@ def test_dispatch_time_by_hand():
     assert stage_dispatch_time(dataclasses.replace(free, dispatch_overhead=0.0), 2, 4) == 0
     with pytest.raises(ValueError, match="dispatch_overhead must be"):
         dataclasses.replace(free, dispatch_overhead=-1.0)
+    with pytest.raises(ValueError, match="task_device_overhead must be a finite number"):
+        dataclasses.replace(free, task_device_overhead=float("nan"))
+    # the device threads' CPU per task survives the JSON a plan keeps, and is read from it
+    busy = dataclasses.replace(free, task_device_overhead=2e-4)
+    assert Cluster.from_json(busy.to_json()).task_device_overhead == 2e-4
+    assert host_work_per_step(busy.to_json(), [4, 4], 4) == pytest.approx(
+        host_work_per_step(busy, [4, 4], 4)) == pytest.approx(2 * 9 * (LAUNCH + 8e-4))
 
 
 def test_pipeline_latency_by_hand():

@@ -84,6 +84,8 @@ def test_quick_profile_contents(quick_profile, devices):
     from autopar.profile._measure import usable_cores
     assert data.get("host_cores") == (usable_cores() if usable_cores() < len(devices) else None)
     assert data["dispatch_overhead"] > 0 and data["measured"]["trivial_call_dispatch"] > 0
+    # and its device threads' CPU besides the tasks' work (absent when nothing was left)
+    assert cluster.task_device_overhead == data.get("task_device_overhead", 0.0) >= 0
 
 
 def test_small_matmuls_are_timed_independent_not_chained():
@@ -124,8 +126,10 @@ def test_progress_is_one_line_per_group(quick_profile):
     assert sum("matmul" in line for line in lines) == 2
     assert sum("memory bandwidth" in line for line in lines) == 2  # fresh and in place
     assert sum(line.split("] ")[1].startswith("combined ") for line in lines) == 2
-    # the pipeline runtime's host time per task: what the profile's dispatch_overhead is
-    assert sum("pipeline task on the host: " in line for line in lines) == 1
+    # the pipeline runtime's host time per task: what the profile's dispatch_overhead is,
+    # with the device threads' CPU per task (its task_device_overhead)
+    task_lines = [line for line in lines if "pipeline task on the host: " in line]
+    assert len(task_lines) == 1 and "on each device's thread besides its work: " in task_lines[0]
     assert all(line.startswith("[autopar profile] ") for line in lines)
 
 

@@ -154,11 +154,12 @@ def test_shared_cores_simulation_by_hand():
 
 
 def test_pipelined_step_time_on_shared_cores_and_with_returned_gradients(cpu):
-    from autopar.cost import pipelined_step_time
+    from autopar.cost import host_work_per_step, pipelined_step_time
     from autopar.cost._pipeline import returned_gradient_time
     from autopar.cost._schedule import simulate_shared
 
-    shared = dataclasses.replace(cpu, host_cores=2, dispatch_overhead=1e-3)
+    shared = dataclasses.replace(cpu, host_cores=2, dispatch_overhead=1e-3,
+                                 task_device_overhead=2e-4)
     shares = (0.4, 0.3, 0.3)
     times, grads = [0.02, 0.03], [MiB, 2 * MiB]
     extra = [returned_gradient_time(b, shared) for b in grads]
@@ -167,7 +168,12 @@ def test_pipelined_step_time_on_shared_cores_and_with_returned_gradients(cpu):
     assert returned_gradient_time(MiB, Cluster.from_profile("dgx-h100")) == 0.0
     forward = [t * 0.4 for t in times]
     backward = [t * 0.6 + e for t, e in zip(times, extra)]
-    host = 1e-3 * 2 * 9  # 9 tasks per stage: 4 forwards, 4 backwards, the update
+    # 9 tasks per stage (4 forwards, 4 backwards, the update), each 1 ms of the host
+    # thread and 0.2 ms of each of its 4 devices' threads
+    host = 2 * 9 * (1e-3 + 4 * 2e-4)
+    assert host_work_per_step(shared, [4, 4], 4) == pytest.approx(host)
+    assert host_work_per_step(dataclasses.replace(shared, task_device_overhead=0.0),
+                              [4, 4], 4) == pytest.approx(1e-3 * 2 * 9)
     expected = simulate_shared(forward, backward, 4, [4, 4], 2, 8, host_work=host)
     assert pipelined_step_time(times, shared, 4, phase_shares=shares, group_devices=[4, 4],
                                returned_bytes=grads) == pytest.approx(expected)

@@ -1,18 +1,28 @@
-"""The host's cost of one pipeline task, measured through the pipeline runtime.
+"""What one pipeline task costs besides its work, measured through the pipeline runtime.
 
-In: a measured `Cluster` (`autopar profile`'s) and this process's devices. Out: seconds
-of the host thread per task (`Cluster.dispatch_overhead`), from a small two-stage
-pipelined step run by `autoparallel`: what the runtime does per task (its argument
-lookups and placement checks, the moves between the stages' devices, the jitted calls'
-dispatch) on this machine. A trivial jitted call alone takes a fraction of it (on 8
-virtual CPU devices of a 2-core AMD EPYC: about 0.2 ms against 1.2-1.6 ms of host time per
-task of the local GPT's pipelines).
+In: a measured `Cluster` (`autopar profile`'s) and this process's devices. Out: a
+`TaskOverhead` from a small two-stage pipelined step run by `autoparallel`:
+
+- `host`: seconds of the host thread per task (`Cluster.dispatch_overhead`): what the
+  runtime does per task (its argument lookups and placement checks, the moves between the
+  stages' devices, the jitted calls' dispatch) on this machine. A trivial jitted call
+  alone takes a fraction of it (on 8 virtual CPU devices of a 2-core AMD EPYC: about
+  0.2 ms against 1.2-1.6 ms of host time per task of the local GPT's pipelines).
+- `device`: CPU seconds per task and device spent outside the host thread and outside
+  the tasks' work (`Cluster.task_device_overhead`): the process's CPU per step less the
+  host thread's and less the work the cost model predicts for the tasks, over the step's
+  tasks times their devices. On XLA:CPU that is the launch on each device's thread, its
+  buffers' allocation and release, and the thread pool's search for work once a task is
+  done (in a `perf` profile of the local GPT's 4-stage pipeline pinned to one core,
+  Eigen's `GlobalSteal`/`PopBack` and `malloc` take about 25 ms more per step than in the
+  one-program data-parallel step's; session 23, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +40,22 @@ PROBE_MICROBATCHES = 4
 PROBE_STEPS = 6
 
 
-def measure_task_overhead(cluster, log: Callable[[str], None]) -> float | None:
-    """Seconds of host thread time (`time.thread_time`) per pipeline task on `cluster`'s
-    devices: the median over `PROBE_STEPS` steps of a two-stage pipeline (1F1B,
-    `PROBE_MICROBATCHES` microbatches, `tasks_per_step` tasks per stage), each step's
-    host time over its tasks. None with fewer than 2 devices or several processes (each
+@dataclass(frozen=True)
+class TaskOverhead:
+    """Seconds per pipeline task besides its work: of the host thread (`host`), and of
+    CPU on each of the task's devices' threads (`device`)."""
+
+    host: float
+    device: float
+
+
+def measure_task_overhead(cluster, log: Callable[[str], None]) -> TaskOverhead | None:
+    """A pipeline task's overhead on `cluster`'s devices, over `PROBE_STEPS` steps of a
+    two-stage pipeline (1F1B, `PROBE_MICROBATCHES` microbatches, `tasks_per_step` tasks
+    per stage): the median of each step's host thread time (`time.thread_time`) over its
+    tasks, and the median of each step's process CPU (`time.process_time`) less that host
+    time and less the tasks' predicted work (`predicted_work`), over its tasks times
+    their devices (at least 0). None with fewer than 2 devices or several processes (each
     process would dispatch only its own stage's tasks)."""
     from autopar.app._autoparallel import autoparallel
     from autopar.graph import layer_boundary, value_and_grad
@@ -77,13 +98,31 @@ def measure_task_overhead(cluster, log: Callable[[str], None]) -> float | None:
     for _ in range(2):  # compiles, then warms up
         state, metrics = run(state, batch)
         jax.block_until_ready((state, metrics))
-    per_task = []
+    work = predicted_work(plan, cluster)
+    host, device = [], []
     for _ in range(PROBE_STEPS):
-        start = time.thread_time()
+        thread, process = time.thread_time(), time.process_time()
         state, metrics = run(state, batch)
         jax.block_until_ready((state, metrics))
-        per_task.append((time.thread_time() - start) / tasks)
-    seconds = sorted(per_task)[len(per_task) // 2]
-    log(f"pipeline task on the host: {seconds * 1e6:.0f} us of host thread time per task "
-        f"(two stages of {devices // 2} devices each; {tasks} tasks per step)")
-    return seconds
+        thread, process = time.thread_time() - thread, time.process_time() - process
+        host.append(thread / tasks)
+        device.append(max(0.0, process - thread - work) / (tasks * (devices // 2)))
+    result = TaskOverhead(sorted(host)[len(host) // 2], sorted(device)[len(device) // 2])
+    log(f"pipeline task on the host: {result.host * 1e6:.0f} us of host thread time per task "
+        f"(two stages of {devices // 2} devices each; {tasks} tasks per step); on each "
+        f"device's thread besides its work: {result.device * 1e6:.0f} us of CPU")
+    return result
+
+
+def predicted_work(plan, cluster) -> float:
+    """CPU seconds per step the cost model predicts for `plan`'s tasks' work: each stage's
+    seconds per microbatch (`PredictedCost.total` and its recompute, once-per-step parts
+    included) times the
+    microbatches and its devices, at the share of a core each device gets while all run
+    (``host_cores / devices_per_host``, the rate the profile's figures were measured at;
+    one core per device where they do not share)."""
+    share = 1.0
+    if cluster.host_cores and cluster.host_cores < cluster.devices_per_host:
+        share = cluster.host_cores / cluster.devices_per_host
+    return sum((stage.sharding.cost.total + stage.recompute_time) * plan.num_microbatches
+               * stage.mesh.num_devices * share for stage in plan.stages)

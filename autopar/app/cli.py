@@ -145,16 +145,18 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _with_task_overhead(result):
-    """`result` with `dispatch_overhead` the pipeline runtime's host time per task, measured
-    through it (`measure_task_overhead`); the trivial call's figure stays in `measured`.
+    """`result` with `dispatch_overhead` the pipeline runtime's host time per task and
+    `task_device_overhead` its device threads' CPU per task and device, measured through
+    it (`measure_task_overhead`); the trivial call's figure stays in `measured`.
     Unchanged where the probe does not run (one device, several processes)."""
     from autopar.app._task_overhead import measure_task_overhead
     from autopar.profile._measure import ProfileResult, _log_to_stderr
 
-    seconds = measure_task_overhead(result.cluster, _log_to_stderr)
-    if seconds is None:
+    overhead = measure_task_overhead(result.cluster, _log_to_stderr)
+    if overhead is None:
         return result
-    cluster = dataclasses.replace(result.cluster, dispatch_overhead=seconds)
+    cluster = dataclasses.replace(result.cluster, dispatch_overhead=overhead.host,
+                                  task_device_overhead=overhead.device)
     measured = {**result.measured, "trivial_call_dispatch": result.cluster.dispatch_overhead}
     return ProfileResult(cluster, result.note, measured)
 

@@ -108,6 +108,13 @@ class Cluster:
       takes its host thread time per task (`autopar.app._task_overhead`; a trivial
       jitted call alone, the figure it took before, costs a fraction of that).
       `autopar.cost.stage_dispatch_time` charges it per task. 0 (the default): free.
+    - `task_device_overhead`: CPU seconds each device's thread spends per task besides the
+      task's work (XLA:CPU's launch on the device thread, its buffers' allocation and
+      release, the thread pool's search for more work once the task is done): measured by
+      the same pipeline probe, the process's CPU per task less the host thread's and the
+      tasks' predicted work, per device. On devices that share a host's cores
+      (`host_cores`) it is work on those cores: `autopar.cost.pipelined_step_time` adds
+      it to the host's work. 0 (the default; GPU profiles): free.
     - `intra_host_by_group`: optional ``((group size, Link), ...)``: the intra-host link
       fitted per group size from collectives timed with every device of the host busy,
       in devices_per_host / size groups running at once (as a sharded step runs them;
@@ -193,6 +200,7 @@ class Cluster:
     overlap: float = 0.0
     fused_attention: bool = False
     dispatch_overhead: float = 0.0
+    task_device_overhead: float = 0.0
     intra_host_by_group: tuple[tuple[int, Link], ...] | None = None
     inplace_bandwidth: float | None = None
     combined_operand_latency: float = 0.0
@@ -342,6 +350,8 @@ class Cluster:
             optional["fused_attention"] = True
         if self.dispatch_overhead:
             optional["dispatch_overhead"] = self.dispatch_overhead
+        if self.task_device_overhead:
+            optional["task_device_overhead"] = self.task_device_overhead
         if self.inplace_bandwidth is not None:
             optional["inplace_bandwidth"] = self.inplace_bandwidth
         if self.combined_operand_latency:
@@ -565,6 +575,8 @@ def _parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
             fused_attention=_read_bool(data, "fused_attention"),
             dispatch_overhead=read.number("dispatch_overhead")
             if "dispatch_overhead" in data else 0.0,
+            task_device_overhead=read.number("task_device_overhead")
+            if "task_device_overhead" in data else 0.0,
             intra_host_by_group=_read_by_group(read, "intra_host_by_group", read.link)
             if "intra_host_by_group" in data else None,
             inplace_bandwidth=read.number("inplace_bandwidth")
@@ -727,6 +739,8 @@ _FIELD_HELP = {
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
+    "task_device_overhead": "a number: CPU seconds per device each task costs its device "
+    "thread besides its work (CPU devices sharing cores)",
     "inplace_bandwidth": "a number: memory bandwidth in bytes/s of updates written in place",
     "combined_operand_latency": "a number in [0, 1]: the share of its latency each operand "
     "of a combined collective pays",
@@ -797,6 +811,11 @@ def _check_cluster(cluster: Cluster) -> None:
         problems.append(
             f"dispatch_overhead must be a finite number of seconds >= 0, got "
             f"{cluster.dispatch_overhead!r}"
+        )
+    if not (np.isfinite(cluster.task_device_overhead) and cluster.task_device_overhead >= 0):
+        problems.append(
+            f"task_device_overhead must be a finite number of seconds >= 0, got "
+            f"{cluster.task_device_overhead!r}"
         )
     if not (np.isfinite(cluster.kernel_overhead) and cluster.kernel_overhead >= 0):
         problems.append(

@@ -179,7 +179,9 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
     - the devices share the host's `host_cores` (fewer than its devices): the step is
       `autopar.cost.simulate_shared`'s processor-sharing simulation of the schedule, the
       host's launches on the same cores (GPipe and 1F1B with one stage per device group;
-      other schedules keep the formula above).
+      other schedules keep the formula above): per task the host thread's
+      `dispatch_overhead` and, on each of the task's devices, the device thread's
+      `task_device_overhead` (`host_work_per_step`).
 
     **Example:** two stages of 1 s, 4 microbatches, 1F1B, no dispatch cost: ``5.0``.
     """
@@ -200,8 +202,7 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
     if (cores and cores < per_host and _field(cluster, "num_hosts") == 1
             and group_devices is not None and len(stage_times) > 1
             and groups == len(stage_times) and schedule in ("gpipe", "1f1b")):
-        host = (_dispatch_overhead(cluster) * len(stage_times)
-                * tasks_per_step(len(stage_times), num_microbatches, schedule))
+        host = host_work_per_step(cluster, group_devices, num_microbatches, schedule)
         return simulate_shared(forward, [t - f for t, f in zip(stage_times, forward)],
                                num_microbatches, group_devices, cores, per_host, schedule,
                                host_work=host)
@@ -211,6 +212,22 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
         per_group[s % groups] += t + dispatch
     return pipeline_latency(per_group, num_microbatches, schedule,
                             len(stage_times) // groups, shares)
+
+
+def host_work_per_step(cluster, group_devices: Sequence[int], num_microbatches: int,
+                       schedule: Schedule = "1f1b") -> float:
+    """CPU seconds per step a pipeline's tasks cost besides their work, on a host whose
+    devices share its cores: each stage launches `tasks_per_step` tasks, each costing the
+    host thread `dispatch_overhead` and each of the stage's `group_devices` its device
+    thread's `task_device_overhead` (XLA:CPU's launch and buffers on that thread, and its
+    thread pool's search for more work when the task ends).
+
+    **Example:** 2 stages of 4 devices, 4 microbatches, 1F1B (9 tasks per stage), 1 ms per
+    launch and 0.2 ms per device and task: ``2 * 9 * (1e-3 + 4 * 2e-4)`` = 32.4 ms.
+    """
+    tasks = tasks_per_step(len(group_devices), num_microbatches, schedule)
+    device = float(_field(cluster, "task_device_overhead") or 0.0)
+    return tasks * sum(_dispatch_overhead(cluster) + device * d for d in group_devices)
 
 
 def returned_gradient_time(nbytes: float, cluster) -> float:
