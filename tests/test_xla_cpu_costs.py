@@ -110,25 +110,48 @@ def test_weight_gradient_dot_pays_its_copy_in_the_ilp(cpu):
 
 
 def test_copy_runs_inside_the_elementwise_fusion_that_makes_its_operand():
-    """A copied operand made by a chain of elementwise ops read by the dot alone: the
-    copy's loop reads the chain's inputs (fan-in 3: a, b and c, each the operand's size);
-    read by another dot too, it is written as is and copied alone."""
+    """A copied operand made by elementwise ops: the copy's loop recomputes it from the
+    values written to memory, which XLA:CPU duplicates into it even where other dots read
+    the operand or the values on the way; an expensive op (tanh) is written instead of
+    duplicated once its chain is read elsewhere. The model's fan-in (here every input has
+    the operand's size, so it counts them) equals the operands of XLA's copy fusion."""
     a = b = c = jnp.ones((2, 64, 128))
-    w = jnp.ones((2, 64, 384))
+    w, v = jnp.ones((2, 64, 384)), jnp.ones((128, 384))
 
-    def alone(a, b, c, w):
-        return jnp.einsum("bsh,bso->ho", a * b + c, w)
+    def weight_grad(g):
+        return jnp.einsum("bsh,bso->ho", g, w)  # copies g: its contracting dims lead
 
-    def shared(a, b, c, w):
+    def alone(a, b, c):
+        return weight_grad(a * b + c)
+
+    def shared(a, b, c):  # another dot reads g: recomputed in the copy all the same
         g = a * b + c
-        return jnp.einsum("bsh,bso->ho", g, w), jnp.einsum("bsh,ho->bso", g, jnp.ones((128, 384)))
+        return weight_grad(g), g @ v
 
-    for fn, expected in ((alone, (3.0, True)), (shared, (1.0, False))):
-        graph = trace(fn, a, b, c, w)
-        dot = next(n for n in graph.nodes if n.primitive == "dot_general"
-                   and layout_copies(graph, n))
-        (copy,) = layout_copies(graph, dot)
-        assert (copy.fan_in, copy.fused) == expected, fn.__name__
+    def chained(a, b, c):  # g2's copy recomputes g1 too, though dots read g1
+        g1 = a * b + c
+        g2 = g1 * c + a
+        return weight_grad(g1), g1 @ v, weight_grad(g2), g2 @ v
+
+    def tanh_alone(a, b, c):  # read by the copy alone: the tanh runs inside it
+        return weight_grad(jnp.tanh(a * b) * b + c)
+
+    def tanh_shared(a, b, c):  # duplicated into two loops: the tanh is written once
+        g = jnp.tanh(a) * b + c
+        h = g * c + a
+        return weight_grad(h), h @ v, g @ v
+
+    for fn, inputs in ((alone, 3), (shared, 3), (chained, 3), (tanh_alone, 3),
+                       (tanh_shared, 4)):
+        graph = trace(fn, a, b, c)
+        copies = [copy for n in graph.nodes if n.primitive == "dot_general"
+                  for copy in layout_copies(graph, n)]
+        assert copies and all(copy.fused for copy in copies), fn.__name__
+        assert max(copy.fan_in for copy in copies) == pytest.approx(inputs), fn.__name__
+        hlo = jax.jit(fn).lower(a, b, c).compile().as_text()
+        fusions = re.findall(r"= f32\[128,128\]\S* fusion\((.*?)\), kind=kLoop", hlo)
+        copy_inputs = [len(args.split(",")) for args in fusions]
+        assert max(copy_inputs) == inputs, (fn.__name__, fusions)
 
 
 # ---- devices sharing the host's cores; the gradients a pipeline's backward returns ------

@@ -23,16 +23,23 @@ transposes a dot's result that nothing else reads: the dot writes it in that ord
 The copy reads its input in strides: one element per cache line and stream, so it moves
 bytes far slower than a straight elementwise loop once its inputs outgrow the caches
 (`autopar.cost.layout_copy_time` prices it by the profile's measured
-`Cluster.transpose_bandwidth`). When the operand is made by an elementwise fusion that
-no other dot or kernel reads, the copy runs inside that fusion (XLA duplicates cheap
-elementwise work into each reader's loop, but not an `EXPENSIVE_ELEMENTWISE` op), which
-then reads its inputs in strides: `LayoutCopy.fan_in` is the fusion's input bytes per
-byte of the operand (the backward HLO of the local GPT's pipelined stages computes a
-layer norm's gradient from a dozen inputs inside such a copy, ``copy_bitcast_fusion.19 =
-f32[128,64] fusion(%ynn_fusion.43, %ynn_fusion.44, ..., %bitcast_rsqrt_fusion.3, ...)``).
-An operand that another dot reads as well is written as is for that dot, and the copy
-reads it alone: the GELU's gradient, read by both gradient dots of the first MLP matmul
-(``copy_bitcast_fusion.20 = f32[512,64] fusion(%multiply_add_fusion.1)``).
+`Cluster.transpose_bandwidth`). When the operand is made by elementwise ops, the copy runs
+inside the loop that makes it, and XLA:CPU duplicates cheap elementwise work into every
+loop that reads it rather than writing it once: the copy's loop recomputes the operand
+from the last values that are written to memory (results of dots, reductions and other
+kernels, the step's inputs), however many other fusions or dots read the operand or the
+values on the way. So it reads all of those in strides: `LayoutCopy.fan_in` is their
+bytes per byte of the operand. An `EXPENSIVE_ELEMENTWISE` op is not duplicated: once
+the chain from it to the copy is read elsewhere too, its result is written and read
+from memory (XLA's ``multiply_tanh_fusion`` before a GELU gradient's copy); read by the
+copy alone, it runs inside the copy's loop. On a residual stream this makes the copies
+grow with depth: in the optimized HLO of the local GPT's step, the copy of each
+layer's residual gradient for its weight gradient (``copy_bitcast_fusion``, f32[128,
+256] per device under Megatron dp4 tp2) reads 18, 27, 36, ... 77 inputs, every layer's
+dot results from the top down, and in a `perf` profile of that step pinned to one core
+those copies took 22.6% of its CPU (Megatron dp8's, 4.3%; session 23,
+docs/benchmarks.md). `tests/test_xla_cpu_costs.py` checks the count against XLA's on
+small chains.
 
 GPUs have no such copies (cuBLAS takes transposed operands; XLA:GPU's transposes are
 tiled through shared memory), so a profile without `transpose_bandwidth` charges nothing.
@@ -45,7 +52,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind, fusion_traffic
+from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind
 from autopar.graph._opgraph import Node, OpGraph, Role, dtype_itemsize
 
 
@@ -121,51 +128,52 @@ def _in_order(dims: Sequence[int]) -> bool:
 
 
 def _with_fan_in(graph: OpGraph, node: Node, operand: int) -> LayoutCopy:
-    """The copy of `operand`, with the bytes its loop reads: the inputs of the elementwise
-    fusion that makes the operand, when the copy runs inside it."""
+    """The copy of `operand`, with the bytes its loop reads: the written inputs of the
+    elementwise ops that make the operand, which the copy's loop recomputes (module
+    docstring), when it runs inside them."""
     var = node.inputs[operand]
     nbytes = _global_bytes(graph, var)
     producer = _producer(graph, var)
     if (producer is None or nbytes <= 0 or fusion_kind(producer.primitive) != "elementwise"
             or graph.vars[var].role is Role.CONST or var in graph.outvars):
         return LayoutCopy(operand)
-    others = [_node(graph, c) for c in _consumers(graph)[var] if c != node.id]
-    shared = bool(others)
-    if shared and (producer.primitive in EXPENSIVE_ELEMENTWISE or any(
-            fusion_kind(o.primitive) not in ("elementwise", "reduce") for o in others)):
-        return LayoutCopy(operand)  # written as is by its maker, then copied alone
-    read = _fusion_reads(graph, producer, fusion_traffic(graph), shared)
+    shared = len(_consumers(graph)[var]) > 1
+    if shared and producer.primitive in EXPENSIVE_ELEMENTWISE:
+        return LayoutCopy(operand)  # written by its maker, then copied alone
+    read = _recomputed_reads(graph, producer, shared)
     return LayoutCopy(operand, max(1.0, read / nbytes), True)
 
 
-def _fusion_reads(graph: OpGraph, producer: Node, traffic, shared: bool) -> float:
-    """Bytes the elementwise fusion ending at `producer` reads from device memory: walks
-    back over its fused operands (those `fusion_traffic` says it does not read from
-    memory), counting each input read from memory once. For an operand that others read
-    too (`shared`), XLA recomputes only the cheap part of the chain inside the copy's loop
-    (it does not duplicate an `EXPENSIVE_ELEMENTWISE` op into a second fusion; the GELU's
-    gradient, with its tanh, is written once and copied by a loop of its own): an
-    expensive producer's result counts as read from memory."""
-    seen_nodes, seen_vars, total = set(), set(), 0.0
-
-    def read(v: int) -> float:
-        if v in seen_vars or graph.vars[v].role is Role.CONST:
-            return 0.0
-        seen_vars.add(v)
-        return _global_bytes(graph, v)
-
-    stack = [producer]
+def _recomputed_reads(graph: OpGraph, producer: Node, shared: bool) -> float:
+    """Bytes a loop that recomputes `producer`'s result reads from memory: walks back over
+    elementwise producers, duplicating cheap ones, to the values that are written (the
+    results of other kinds of nodes, the graph's inputs and outputs, constants aside) and
+    counts each once. An `EXPENSIVE_ELEMENTWISE` producer is walked over only while every
+    value between it and the loop is read by the next op alone (`shared` is False for
+    the result itself); otherwise its result is written, and read."""
+    consumers = _consumers(graph)
+    seen_vars: set[int] = set()
+    seen_nodes: set[tuple[int, bool]] = set()
+    total = 0.0
+    stack = [(producer, shared)]
     while stack:
-        n = stack.pop()
-        if n.id in seen_nodes:
+        n, duplicated = stack.pop()
+        if (n.id, duplicated) in seen_nodes:
             continue
-        seen_nodes.add(n.id)
-        for v, from_memory in zip(n.inputs, traffic.reads.get(n.id, ())):
-            p = None if from_memory else _producer(graph, v)
-            if p is None or (shared and p.primitive in EXPENSIVE_ELEMENTWISE):
-                total += read(v)
+        seen_nodes.add((n.id, duplicated))
+        for v in n.inputs:
+            var = graph.vars[v]
+            if var.role is Role.CONST:
+                continue
+            p = _producer(graph, v)
+            on_path = duplicated or len(consumers[v]) > 1
+            if (p is None or fusion_kind(p.primitive) != "elementwise" or v in graph.outvars
+                    or (on_path and p.primitive in EXPENSIVE_ELEMENTWISE)):
+                if v not in seen_vars:
+                    seen_vars.add(v)
+                    total += _global_bytes(graph, v)
             else:
-                stack.append(p)
+                stack.append((p, on_path))
     return total
 
 

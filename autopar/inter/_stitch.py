@@ -3,7 +3,8 @@
 The intra-op ILP is solved per layer (identical layers once per mesh); a stage's plan is
 the union of its layers' plans on the same logical mesh. Where a layer expects a value in
 another layout than the layer that produced it (a layer edge, or a parameter shared by two
-layers), the consumer's operand is resharded, and its cost is added.
+layers), the consumer's operand is resharded, and its cost is added. So are the bytes a
+layout copy reads across a layer edge (`_copies_across_layers`), which no layer's ILP saw.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.graph import OpGraph, Role
+from autopar.cost import bytes_per_device, layout_copy_time
+from autopar.graph import OpGraph, Role, layout_copies
 from autopar.intra._reshard import reshard_collectives, reshard_time
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 
@@ -99,6 +101,8 @@ def stitch(
     for k, part in enumerate(layer_parts):
         _place_layers(found, k, part, stage_graph, stage_index, mesh,
                       handed_on[k] if k < len(handed_on) else ())
+    found.compute += _copies_across_layers(found, stage_graph, stage_index, layer_parts, mesh,
+                                           cluster, dict(weights or {}))
     cache: dict = {}
     operand_specs = _edge_resharding(found, stage_graph, mesh, cluster, dict(weights or {}), cache)
     overrides = _tie_overrides(found, stage_graph, layer_parts, tied, mesh, cluster,
@@ -156,6 +160,44 @@ def _place_layers(found: _Stitched, k, part, stage_graph, stage_index, mesh, han
     for kind, (n, nbytes) in cost.collectives.items():
         found.add_collective(kind, n, nbytes)
     found.warnings.extend(w for w in plan.warnings if w not in found.warnings)
+
+
+def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_parts, mesh,
+                          cluster, weights) -> float:
+    """Seconds the stage's layout copies cost beyond what its layers' ILPs charged them.
+
+    XLA:CPU recomputes a copied operand's elementwise ops inside the copy, back to values
+    written to memory (`autopar.graph.layout_copies`); on a residual stream those reach
+    back over layer edges (each layer's copy of the residual gradient reads every later
+    layer's dot results). A layer's ILP sees its own graph, which starts at the layer's
+    inputs, so its copies' fan-in stops there: each copy is priced again on the stage
+    graph, at the layout the layer's plan takes the operand in, and the difference added
+    (`weights` per stage node, as for the resharding). 0 on a profile without
+    `transpose_bandwidth`, where copies cost nothing."""
+    if getattr(cluster, "transpose_bandwidth", None) is None:
+        return 0.0
+    stage_nodes = {n.id: n for n in stage_graph.nodes}
+    extra = 0.0
+    for layer_graph, layer_index, _, _ in layer_parts:
+        layer_nodes = {n.id: n for n in layer_graph.nodes}
+        for full, sub in layer_index.items():
+            node = stage_nodes[stage_index[full]]
+            copies = layout_copies(stage_graph, node)
+            if not copies:
+                continue
+            paid = {c.operand: c for c in layout_copies(layer_graph, layer_nodes[sub])}
+            for copy in copies:
+                spec = found.expected.get((node.id, copy.operand))
+                before = paid.get(copy.operand)
+                if spec is None or (before is not None and before.fan_in == copy.fan_in):
+                    continue
+                var = stage_graph.vars[node.inputs[copy.operand]]
+                nbytes = bytes_per_device(var.shape, var.dtype, spec, mesh)
+                seconds = layout_copy_time(nbytes, cluster, copy.fan_in, copy.fused)
+                if before is not None:
+                    seconds -= layout_copy_time(nbytes, cluster, before.fan_in, before.fused)
+                extra += weights.get(node.id, 1.0) * seconds
+    return extra
 
 
 def _edge_resharding(found: _Stitched, stage_graph, mesh, cluster, weights, cache) -> list:
