@@ -80,9 +80,9 @@ def probe(name: str, seconds: float) -> None:
             subprocess.run(["perf", "record", "-q", "-F", "1999", "-p", str(proc.pid), "-o",
                             data, "--", "sleep", str(seconds)], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,dso"],
+            script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym,dso"],
                                     check=True, capture_output=True, text=True).stdout
-            samples = [line.split(None, 1) for line in script.splitlines() if line.strip()]
+            samples = [_sample(line) for line in script.splitlines() if line.strip()]
             kernels = _attribute(proc.pid, samples, dump)
         finally:
             proc.kill()
@@ -92,12 +92,19 @@ def probe(name: str, seconds: float) -> None:
     _report(name, samples, kernels, statistics.median(steps) * 1e3)
 
 
+def _sample(line: str) -> tuple[str, str, str]:
+    """(address, symbol, library) of a ``perf script -F ip,sym,dso`` line."""
+    ip, _, rest = line.strip().partition(" ")
+    symbol, _, dso = rest.rpartition(" (")
+    return ip, symbol.strip(), dso.rstrip(")")
+
+
 def _attribute(pid: int, samples, dump: str) -> collections.Counter:
     """Samples per XLA kernel, for the samples in run-time compiled code: the 32 bytes at
     each sampled address matched (12-16 byte windows) against the dumped object files."""
-    objects = {re.sub(r".*obj-file\.", "", f).replace("_kernel_module.o", ""):
-               open(f, "rb").read() for f in glob.glob(os.path.join(dump, "*.o"))}
-    jit = collections.Counter(ip for ip, *dso in samples if dso and _is_jit(dso[0]))
+    objects = {_kernel_name(f): open(f, "rb").read()
+               for f in glob.glob(os.path.join(dump, "*.o"))}
+    jit = collections.Counter(ip for ip, _, dso in samples if _is_jit(dso))
     found: collections.Counter = collections.Counter()
     with open(f"/proc/{pid}/mem", "rb") as memory:
         for ip, count in jit.items():
@@ -111,6 +118,15 @@ def _attribute(pid: int, samples, dump: str) -> collections.Counter:
             for kernel in names or ["(unmatched)"]:
                 found[kernel] += count / max(1, len(names))
     return found
+
+
+def _kernel_name(path: str) -> str:
+    """A dumped kernel's fusion name, from its object file's name
+    (``...obj-file.copy_bitcast_fusion.32_kernel_module.o`` or
+    ``...obj-file.__compute_module_copy_add_fusion.3.o``)."""
+    name = re.sub(r".*obj-file\.", "", os.path.basename(path))
+    name = re.sub(r"^__compute_module_", "", name)
+    return re.sub(r"(_kernel_module)?\.o$", "", name)
 
 
 def _match(code: bytes, objects: dict[str, bytes]) -> list[str]:
@@ -128,22 +144,29 @@ def _is_jit(dso: str) -> bool:
 
 def _report(name: str, samples, kernels: collections.Counter, step_ms: float) -> None:
     total = len(samples)
+
+    def line(count: float, what: str) -> str:
+        return f"{100 * count / total:5.1f}%  {count / total * step_ms:6.1f} ms  {what}"
+
     libraries = collections.Counter(
-        "run-time compiled (XLA kernels)" if _is_jit(d[0]) else os.path.basename(
-            d[0].strip("()")) for _, *d in samples if d)
+        "run-time compiled (XLA kernels)" if _is_jit(dso) else os.path.basename(dso)
+        for _, _, dso in samples)
     print(f"{name}: {step_ms:.1f} ms of CPU per step on one core, {total} samples")
     for library, count in libraries.most_common(6):
-        print(f"  {100 * count / total:5.1f}%  {count / total * step_ms:6.1f} ms  {library}")
+        print("  " + line(count, library))
+    symbols = collections.Counter(symbol[:60] for _, symbol, dso in samples if not _is_jit(dso))
+    print("  largest symbols outside XLA's kernels:")
+    for symbol, count in symbols.most_common(8):
+        print("    " + line(count, symbol))
     kinds: collections.Counter = collections.Counter()
     for kernel, count in kernels.items():
-        kinds[re.sub(r"[._]\d+$", "", kernel.replace("__compute_module_", "")
-                     .replace(".o", ""))] += count
+        kinds[re.sub(r"[._]\d+$", "", kernel)] += count
     print("  XLA kernels by kind:")
     for kind, count in kinds.most_common(8):
-        print(f"    {100 * count / total:5.1f}%  {count / total * step_ms:6.1f} ms  {kind}")
+        print("    " + line(count, kind))
     print("  largest kernels:")
     for kernel, count in kernels.most_common(6):
-        print(f"    {100 * count / total:5.1f}%  {count / total * step_ms:6.1f} ms  {kernel}")
+        print("    " + line(count, kernel))
 
 
 def main() -> None:

@@ -189,7 +189,7 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
             for copy in copies:
                 spec = found.expected.get((node.id, copy.operand))
                 before = paid.get(copy.operand)
-                if spec is None or (before is not None and before.fan_in == copy.fan_in):
+                if spec is None or before == copy:
                     continue
                 var = stage_graph.vars[node.inputs[copy.operand]]
                 nbytes = bytes_per_device(var.shape, var.dtype, spec, mesh)
