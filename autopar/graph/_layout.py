@@ -188,17 +188,6 @@ def _consumers(graph: OpGraph) -> list[list[int]]:
 _CONSUMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _node(graph: OpGraph, node_id: int) -> Node:
-    cached = _BY_ID.get(graph)
-    if cached is None or cached[0] != len(graph.nodes):
-        cached = (len(graph.nodes), {n.id: n for n in graph.nodes})
-        _BY_ID[graph] = cached
-    return cached[1][node_id]
-
-
-_BY_ID: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _producer(graph: OpGraph, var: int) -> Node | None:
     """The node of `graph` that makes `var` (a sub-graph's `Var.producer` may name a node
     of the graph it was cut from, so the nodes' outputs decide)."""
