@@ -65,7 +65,8 @@ def measure_task_overhead(cluster, log: Callable[[str], None]) -> TaskOverhead |
     if devices < 2 or devices % 2 or jax.process_count() > 1:
         log(f"pipeline task on the host: not measured ({devices} device(s), "
             f"{jax.process_count()} process(es); it needs an even number >= 2 in one "
-            "process); dispatch_overhead stays the trivial call's launch time")
+            "process); dispatch_overhead stays the trivial call's launch time and "
+            "task_device_overhead 0")
         return None
 
     def loss(params, batch):

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.cost import bytes_per_device, layout_copy_time
 from autopar.graph import OpGraph, Role, layout_copies
 from autopar.intra._reshard import reshard_collectives, reshard_time
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
+from autopar.intra._strategies import CostContext, _layout_seconds
 
 
 def canonical_vars(graph: OpGraph) -> list[int]:
@@ -170,33 +170,26 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
     written to memory (`autopar.graph.layout_copies`); on a residual stream those reach
     back over layer edges (each layer's copy of the residual gradient reads every later
     layer's dot results). A layer's ILP sees its own graph, which starts at the layer's
-    inputs, so its copies' fan-in stops there: each copy is priced again on the stage
-    graph, at the layout the layer's plan takes the operand in, and the difference added
-    (`weights` per stage node, as for the resharding). 0 on a profile without
-    `transpose_bandwidth`, where copies cost nothing."""
+    inputs, so its copies' fan-in stops there: each node's copies are priced on both
+    graphs by the ILP's own function (`_layout_seconds`), at the layouts the layer's plan
+    takes the operands in, and the difference added (`weights` per stage node, as for the
+    resharding). 0 on a profile without `transpose_bandwidth`, where copies cost
+    nothing."""
     if getattr(cluster, "transpose_bandwidth", None) is None:
         return 0.0
+    ctx = CostContext(cluster, mesh)
     stage_nodes = {n.id: n for n in stage_graph.nodes}
     extra = 0.0
     for layer_graph, layer_index, _, _ in layer_parts:
         layer_nodes = {n.id: n for n in layer_graph.nodes}
         for full, sub in layer_index.items():
             node = stage_nodes[stage_index[full]]
-            copies = layout_copies(stage_graph, node)
-            if not copies:
+            if not layout_copies(stage_graph, node):
                 continue
-            paid = {c.operand: c for c in layout_copies(layer_graph, layer_nodes[sub])}
-            for copy in copies:
-                spec = found.expected.get((node.id, copy.operand))
-                before = paid.get(copy.operand)
-                if spec is None or before == copy:
-                    continue
-                var = stage_graph.vars[node.inputs[copy.operand]]
-                nbytes = bytes_per_device(var.shape, var.dtype, spec, mesh)
-                seconds = layout_copy_time(nbytes, cluster, copy.fan_in, copy.fused)
-                if before is not None:
-                    seconds -= layout_copy_time(nbytes, cluster, before.fan_in, before.fused)
-                extra += weights.get(node.id, 1.0) * seconds
+            specs = [found.expected.get((node.id, p)) for p in range(len(node.inputs))]
+            extra += weights.get(node.id, 1.0) * (
+                _layout_seconds(node, stage_graph, specs, ctx)
+                - _layout_seconds(layer_nodes[sub], layer_graph, specs, ctx))
     return extra
 
 
