@@ -35,29 +35,39 @@ from autopar.cost._formulas import (
     CollectiveKind,
     alpha_beta_terms,
 )
-from autopar.cost._memory import MEMORY_PARTS, StageMemory, stage_memory_parts
+from autopar.cost._layer_cost import LayerCost
+from autopar.cost._memory import (
+    MEMORY_PARTS,
+    StageMemory,
+    gradient_bytes,
+    sharded_bytes,
+    stage_memory,
+    stage_memory_parts,
+)
 from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
     DEFAULT_PHASE_SHARES,
-    LayerCost,
     boundary_transfer_time,
     bubble_fraction,
     bubble_scale,
+    crossing_bytes,
     host_work_per_step,
     in_flight_microbatches,
     memory_budget,
     pipeline_latency,
     pipelined_step_time,
     stage_dispatch_time,
-    stage_memory,
     tasks_per_step,
 )
 from autopar.cost._remat import (
     full_recompute_cost,
     fused_rerun_seconds,
+    planned_rerun_seconds,
     recompute_seconds,
     recomputed_layer_cost,
+    scan_rerun_seconds,
     selective_recompute_cost,
+    stage_recompute_seconds,
 )
 
 __all__ = [
@@ -71,6 +81,7 @@ __all__ = [
     "boundary_transfer_time",
     "bubble_fraction",
     "bubble_scale",
+    "crossing_bytes",
     "in_flight_microbatches",
     "memory_budget",
     "pipeline_latency",
@@ -85,9 +96,14 @@ __all__ = [
     "tasks_per_step",
     "full_recompute_cost",
     "fused_rerun_seconds",
+    "gradient_bytes",
+    "planned_rerun_seconds",
     "recompute_seconds",
     "recomputed_layer_cost",
+    "scan_rerun_seconds",
     "selective_recompute_cost",
+    "sharded_bytes",
+    "stage_recompute_seconds",
     "AlphaBetaTerms",
     "CollectiveKind",
     "CollectiveSample",

@@ -6,19 +6,46 @@ microbatches its schedule keeps in flight (`in_flight_microbatches`). Out: `Stag
 the predicted peak split into the parts the runtime measures the same way
 (`autopar.runtime._memory`), so that a prediction and a measurement compare part by part.
 `stage_memory` (the figure the stage DP checks against the budget) is its `total`.
+A layer's own parts (`LayerCost.state_memory`, `gradient_memory`, `activation_memory`)
+are the bytes per device of its tensors as its plan splits them (`sharded_bytes`,
+`gradient_bytes`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from autopar.cost._pipeline import LayerCost
+from autopar.cost._compute import bytes_per_device
+from autopar.cost._layer_cost import LayerCost
 
 MEMORY_PARTS = ("state", "gradients", "activations", "working")
+
+# A tensor as its plan holds it: (shape, dtype, spec on the plan's logical mesh).
+Tensor = tuple
+
+
+def sharded_bytes(tensors: Iterable[Tensor], mesh) -> float:
+    """Bytes per device of `tensors`, each (shape, dtype, spec) split over `mesh` as its
+    spec says (`bytes_per_device`): a layer's parameters and optimizer state
+    (`LayerCost.state_memory`), or what its forward keeps for its backward for one
+    microbatch (`LayerCost.activation_memory`).
+
+    **Example:** a (1024, 4096) float32 weight split 4 ways on a (2, 4) mesh and its
+    replicated (4096,) bias: 4 MiB + 16 KiB per device.
+    """
+    return sum(bytes_per_device(shape, dtype, spec, mesh) for shape, dtype, spec in tensors)
+
+
+def gradient_bytes(tensors: Iterable[Tensor], mesh) -> float:
+    """Bytes per device of a layer's gradients as they are accumulated over microbatches
+    (`LayerCost.gradient_memory`): each (shape, dtype, spec) at the spec of its running
+    sum (a deferred reduction's unreduced partial sum is whole on the summed axes)."""
+    total = 0.0
+    for shape, dtype, spec in tensors:
+        total += bytes_per_device(shape, dtype, spec, mesh)
+    return total
 
 
 @dataclass(frozen=True)
@@ -82,3 +109,10 @@ def stage_memory_parts(costs: Sequence[LayerCost], in_flight: float,
         working=max((c.transient_memory for c in costs), default=0.0),
         in_flight=float(in_flight),
     )
+
+
+def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
+    """Bytes per device of a stage of these layers: the state and accumulated gradients of
+    every layer, the kept activations of every microbatch in flight, and the working memory
+    of the one layer running at a time (the total of `autopar.cost.stage_memory_parts`)."""
+    return stage_memory_parts(costs, in_flight).total

@@ -11,12 +11,10 @@ benchmarks all call these, so every prediction of a pipeline uses the same formu
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
-from autopar.cost._memory import stage_memory_parts
 from autopar.cost._schedule import simulate, simulate_shared
 
 # A stage's time per microbatch split into its forward F, input-gradient backward B and
@@ -319,6 +317,22 @@ def in_flight_microbatches(schedule: Schedule, num_microbatches: int, stages_fro
     return min(m * v, chunks) / v
 
 
+def crossing_bytes(reads: Iterable[tuple[int, int, int]], nbytes: Mapping[int, float],
+                   num_layers: int) -> list[float]:
+    """Per layer k (0..`num_layers`), bytes of the forward values made in layers before k
+    and read in layer k or later: what a stage starting at layer k receives per microbatch
+    (its gradients go back the same size). `reads`: (value, layer that makes it, layer
+    that reads it), one per forward read; `nbytes`: each value's whole size.
+
+    **Example:** a value made in layer 0 and read in layer 2 crosses into layers 1 and 2.
+    """
+    crossing: list[set[int]] = [set() for _ in range(num_layers + 1)]
+    for v, made, read in reads:
+        for b in range(made + 1, read + 1):
+            crossing[b].add(v)
+    return [float(sum(nbytes[v] for v in vs)) for vs in crossing]
+
+
 def boundary_transfer_time(num_bytes: float, cluster, num_devices: int) -> float:
     """Seconds per microbatch a stage boundary costs the stage after it: the activations
     crossing it (`num_bytes`, the whole values) forward and their gradients back, each a
@@ -341,34 +355,6 @@ def boundary_transfer_time(num_bytes: float, cluster, num_devices: int) -> float
     before = range(total - 2 * num_devices, total - num_devices)
     after = range(total - num_devices, total)
     return 2 * transfer_time(num_bytes, cluster, before, after)
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """What one layer costs on one stage mesh, per microbatch: the numbers the stage DP
-    adds up (`stage_memory`, `pipeline_latency`)."""
-
-    latency: float  # predicted seconds per microbatch (forward + backward + its update)
-    memory: float  # bytes per device at the layer's peak (state + live activations)
-    activation_memory: float  # bytes per device kept from forward to backward
-    state_memory: float = 0.0  # parameters and optimizer state, bytes per device
-    # The layer's gradients, summed over microbatches until the update (deferred ones
-    # unreduced, so at their per-device partial-sum size), bytes per device.
-    gradient_memory: float = 0.0
-
-    @property
-    def transient_memory(self) -> float:
-        """Working memory beyond state and kept activations, needed one layer at a time."""
-        return max(
-            0.0, self.memory - self.state_memory - self.activation_memory - self.gradient_memory
-        )
-
-
-def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
-    """Bytes per device of a stage of these layers: the state and accumulated gradients of
-    every layer, the kept activations of every microbatch in flight, and the working memory
-    of the one layer running at a time (the total of `autopar.cost.stage_memory_parts`)."""
-    return stage_memory_parts(costs, in_flight).total
 
 
 def memory_budget(cluster, requested: float | None = None) -> float:

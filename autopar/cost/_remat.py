@@ -14,17 +14,64 @@ Models", sections 4-5; REFERENCES.md.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import replace
 
 from autopar.cost._compute import compute_time
-from autopar.cost._pipeline import LayerCost
+from autopar.cost._layer_cost import LayerCost
 
 
 def recompute_seconds(work: Iterable[tuple[float, float, str]], cluster) -> float:
     """Predicted seconds to rerun forward nodes, each given as (FLOPs per device, bytes
     accessed per device, dtype): the sum of their roofline times (`compute_time`)."""
     return sum(compute_time(flops, nbytes, cluster, dtype) for flops, nbytes, dtype in work)
+
+
+def scan_rerun_seconds(body_work: Iterable[tuple[float, float, str]], length: int,
+                       held_bytes: Iterable[float], whole_bytes: Iterable[float],
+                       cluster) -> float:
+    """Predicted seconds to rerun a scan's forward: its body's nodes, each given as (FLOPs,
+    bytes crossing its fusion's boundary, dtype) of one iteration, `length` times, at the
+    share of the work one device does, taken as the share of the scan's results a device
+    holds (`held_bytes` per device over `whole_bytes`, the results' whole sizes; 1 when
+    they have none), each node's roofline time (`recompute_seconds`). A rerun body's
+    tensor-parallel collectives are not counted.
+
+    **Example:** a body of one 1 GFLOP node run 12 times, its results split 4 ways: the
+    roofline time of 12 * 1e9 / 4 FLOPs (and bytes likewise).
+    """
+    whole = math.fsum(whole_bytes)
+    share = math.fsum(held_bytes) / whole if whole > 0 else 1.0
+    scale = length * share
+    return recompute_seconds(
+        [(flops * scale, hbm * scale, dtype) for flops, hbm, dtype in body_work], cluster
+    )
+
+
+def planned_rerun_seconds(node_terms: Iterable[tuple[float, Iterable[float]]]) -> float:
+    """Predicted seconds to rerun forward nodes exactly as their plan runs them, each node
+    given as (its chosen strategy's seconds: compute and its own collectives, the seconds
+    of each operand resharding the plan does before it): their sum, in that order. A
+    recompute reruns the forward as planned (Megatron-LM reissues the tensor-parallel
+    collectives too; Korthikanti et al. 2022, section 5)."""
+    seconds = 0.0
+    for strategy_seconds, reshard_seconds in node_terms:
+        seconds += strategy_seconds
+        for reshard in reshard_seconds:
+            seconds += reshard
+    return seconds
+
+
+def stage_recompute_seconds(layers: Iterable[tuple[float, float, float]]) -> float:
+    """Seconds per microbatch a stage's recompute adds, each layer given as (its latency
+    with its remat choice, its latency without, the seconds of the fused rerun its
+    backward does whatever the choice): the sum of (with - without + fused).
+
+    **Example:** layers of 10 ms becoming 13 ms with full recompute, each with a 0.1 ms
+    fused rerun: 3.1 ms per layer.
+    """
+    return math.fsum(with_remat - without + fused for with_remat, without, fused in layers)
 
 
 def fused_rerun_seconds(work: Iterable[tuple[float, str]], cluster) -> float:
