@@ -531,7 +531,7 @@ def test_recompute_of_a_row_parallel_dot_costs_its_forward_per_device(a100):
     all 8 devices at the bf16 GEMM rate, plus its all-reduce. (Dividing by the output's
     split alone, 2, would charge 4x the FLOPs.)"""
     from autopar.cluster import replicated
-    from autopar.inter._planner import rerun_seconds
+    from autopar.inter._layer_pricing import rerun_seconds
     from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
 
     def f(x, w):

@@ -210,8 +210,8 @@ def test_accumulated_gradients_count_in_stage_memory():
     """With data parallelism every device accumulates whole gradients (unreduced partial
     sums): a layer's gradient memory is the bytes of its gradients, and a stage's memory is
     state + gradients + in-flight activations + one layer's working memory."""
-    from autopar.cost import stage_memory
-    from autopar.inter._planner import LayerCost, LayerCostTable, in_flight_microbatches
+    from autopar.cost import LayerCost, in_flight_microbatches, stage_memory
+    from autopar.inter._layer_table import LayerCostTable
 
     graph = _gpt_graph(batch_size=64)
     layers = assign_layers(graph)

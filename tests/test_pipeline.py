@@ -176,12 +176,13 @@ def test_layer_footprint_is_what_the_stage_memory_counts(levels, monkeypatch):
     activations of every microbatch in flight. Priced levels are ever leaner and never
     faster, down to about the least footprint; a limited level stays under its limit."""
     from autopar.graph import tied_state
-    from autopar.inter import _planner
-    from autopar.inter._planner import LEVEL_FRACTIONS, NUM_LEVELS, LayerCostTable
+    from autopar.inter import _levels
+    from autopar.inter._layer_table import LayerCostTable
+    from autopar.inter._levels import LEVEL_FRACTIONS, NUM_LEVELS
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
-    monkeypatch.setattr(_planner, "LEVELS", levels)
+    monkeypatch.setattr(_levels, "LEVELS", levels)
     opt = optax.adamw(LR)
     graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
@@ -218,7 +219,7 @@ def test_layer_that_cannot_get_leaner_keeps_its_plan():
     the peak memory allows) gives the layer's leanest feasible plan, never None: one such
     layer must not keep the rest of its stage from getting leaner."""
     from autopar.graph import tied_state
-    from autopar.inter._planner import LayerCostTable
+    from autopar.inter._layer_table import LayerCostTable
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
@@ -245,7 +246,7 @@ def test_stage_of_identical_layers_costs_the_sum_of_its_layers():
     was fixed, the stitched stage of the tiny GPT's middle blocks cost 5.5% more."""
     from autopar.cluster import LogicalMesh
     from autopar.graph import tied_state
-    from autopar.inter._planner import LayerCostTable
+    from autopar.inter._layer_table import LayerCostTable
     from autopar.inter.passes._layers import assign_layers
     from autopar.inter.passes._partition import partition
     from autopar.intra._options import ShardOptions
@@ -274,7 +275,7 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     the budget: the stage DP takes leaner layer plans (a lower memory level) instead of
     giving up, and the stage then fits."""
     from autopar.graph import tied_state
-    from autopar.inter._planner import choose_stages
+    from autopar.inter._choose import choose_stages
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 

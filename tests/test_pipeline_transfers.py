@@ -113,7 +113,7 @@ def test_boundary_bytes_are_the_activations_crossing_each_cut():
     parameter or batch input counts (they are not made by the forward)."""
     from autopar.graph import trace
     from autopar.inter import assign_layers
-    from autopar.inter._planner import boundary_bytes
+    from autopar.inter._layer_pricing import boundary_bytes
     from examples import mlp
 
     cfg = mlp.MLPConfig(in_dim=16, hidden=32, out_dim=8, num_layers=4, layer_markers=True)

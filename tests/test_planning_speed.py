@@ -32,15 +32,15 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8
     """The stage choice on one host's submeshes of `devices` GPUs each (on
     `logical_shapes`, default every shape of each), and its table; undoes `monkeypatch`
     after."""
-    from autopar.inter import _planner
+    from autopar.inter import _stage_fit, choose_stages, layer_cost_table
     from autopar.intra._options import ShardOptions
 
     if not prune:  # no shape or level is known to lose: every one is solved
-        monkeypatch.setattr(_planner, "_lower_bound", lambda *args: -math.inf)
+        monkeypatch.setattr(_stage_fit, "_lower_bound", lambda *args: -math.inf)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
     options = ShardOptions(memory_budget=budget)
-    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
-    choice = _planner.choose_stages(
+    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
+    choice = choose_stages(
         graph, layers, cluster, 4, "1f1b", options, tied, table=table,
         submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
         logical_shapes=logical_shapes,
@@ -75,16 +75,16 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
 
 def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None,
                   logical_shapes=None):
-    from autopar.inter import _planner
+    from autopar.inter import _stage_costs, choose_stages, layer_cost_table
     from autopar.intra._options import ShardOptions
 
-    monkeypatch.setattr(_planner, "PRUNE_BY_BOUND", prune)
+    monkeypatch.setattr(_stage_costs, "PRUNE_BY_BOUND", prune)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
     options = ShardOptions(memory_budget=budget)
     if table is None:
-        table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
-    choice = _planner.choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
-                                    table=table, logical_shapes=logical_shapes)
+        table = layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
+    choice = choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
+                           table=table, logical_shapes=logical_shapes)
     monkeypatch.undo()
     return choice, table
 
@@ -103,10 +103,10 @@ def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
     meshes (the layer ILPs shared: the same costs in both), and asks the DP's cost
     function about fewer shapes. (The extended test below: 2-D meshes too, under a
     tight budget.)"""
-    from autopar.inter import _planner
+    from autopar.inter import _stage_fit
 
     graph, layers, tied = _tiny_gpt_graph()
-    original = _planner._fitting_level
+    original = _stage_fit._fitting_level
     asked = {True: 0, False: 0}
     choices, table = {}, None
     for prune in (False, True):
@@ -114,7 +114,7 @@ def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
             asked[prune] += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(_planner, "_fitting_level", counted)
+        monkeypatch.setattr(_stage_fit, "_fitting_level", counted)
         choices[prune], table = _bound_search(graph, layers, tied, None, monkeypatch,
                                               prune=prune, table=table,
                                               logical_shapes=[(1,), (2,), (4,), (8,)])
@@ -252,7 +252,7 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
     fewer of the leaner levels (the ILPs that cost most)."""
     import numpy as np
 
-    from autopar.inter import SubmeshShape, _planner
+    from autopar.inter import SubmeshShape, _stage_costs, _stage_fit
 
     rng = np.random.default_rng(seed)
     shapes = [(8,), (2, 4), (4, 2)]
@@ -260,10 +260,10 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
     budget = float(rng.uniform(8, 20))
     for prune in (True, False):
         if not prune:
-            monkeypatch.setattr(_planner, "_lower_bound", lambda *args: -math.inf)
+            monkeypatch.setattr(_stage_fit, "_lower_bound", lambda *args: -math.inf)
         table = _FakeTable(np.random.default_rng(seed), 6, shapes)
-        stage_cost = _planner._StageCosts(table, [SubmeshShape(1, 8)], shapes, "1f1b", 4,
-                                          budget, "auto")
+        stage_cost = _stage_costs._StageCosts(table, [SubmeshShape(1, 8)], shapes, "1f1b",
+                                              4, budget, "auto")
         answers.append([stage_cost(a, b, 0, p) for a in range(6) for b in range(a + 1, 7)
                         for p in (1, 2, 4)])
         solved.append(table.solved)
@@ -281,7 +281,7 @@ def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
     budgets that need leaner levels, and asks for fewer leaner levels."""
     import numpy as np
 
-    from autopar.inter import _planner, plan_stages, submesh_shapes
+    from autopar.inter import _stage_costs, plan_stages, submesh_shapes
     from autopar.inter._submesh import logical_mesh_shapes
 
     rng = np.random.default_rng(seed)
@@ -292,10 +292,10 @@ def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
     for prune in (True, False):
         table = _FakeTable(np.random.default_rng(seed), 8, shapes)
         table.cluster = SimpleNamespace(num_devices=8)
-        inner = _planner._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto")
+        inner = _stage_costs._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto")
         if prune:
-            inner.work = _planner._least_work(table, submeshes, None)
-            _planner._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
+            inner.work = _stage_costs._least_work(table, submeshes, None)
+            _stage_costs._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
             assert math.isfinite(inner.bound)
         plan = plan_stages(8, 2, 4, inner, 4, submeshes=submeshes,
                            num_positions=inner.num_positions)
@@ -328,12 +328,12 @@ def test_ranges_of_equal_content_share_their_fits():
     same order, with the same state shared at the same places (the tied embedding: only
     ranges holding both its readers); `choose_remat` and `_lower_bound` computed once per
     key give what each range computes on its own, under a budget that needs recompute."""
-    from autopar.inter import _planner
+    from autopar.inter import _stage_fit, layer_cost_table
     from autopar.intra._options import ShardOptions
 
     graph, layers, tied = _tiny_gpt_graph()
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
     n = layers.num_layers
     ranges = [range(a, b) for a in range(n) for b in range(a + 1, n + 1)]
     for r in ranges:
@@ -344,40 +344,41 @@ def test_ranges_of_equal_content_share_their_fits():
             assert (table.range_key(r) == table.range_key(q)) == expected, (r, q)
     assert table.range_key([0, 2]) is None  # not contiguous: not shared
     shape = (2, 4)
-    full = _planner.choose_remat(table, range(n), shape, 0, 4, math.inf)
+    full = _stage_fit.choose_remat(table, range(n), shape, 0, 4, math.inf)
     budget = 0.8 * full.memory
     table.range_cache.clear()
     for r in ranges:
         for in_flight in (1, 3):
-            cached = _planner.choose_remat(table, r, shape, 0, in_flight, budget)
-            alone = _planner._choose_remat(table, r, shape, 0, in_flight, budget)
+            cached = _stage_fit.choose_remat(table, r, shape, 0, in_flight, budget)
+            alone = _stage_fit._choose_remat(table, r, shape, 0, in_flight, budget)
             assert cached == alone, (r, in_flight)
-        assert (_planner._lower_bound(table, r, shape, 0)
-                == _planner._layers_lower_bound(table, r, shape, 0))
+        assert (_stage_fit._lower_bound(table, r, shape, 0)
+                == _stage_fit._layers_lower_bound(table, r, shape, 0))
     assert len({key[1] for key in table.range_cache}) < len(ranges)  # some were shared
     assert any(f.remat != ("none",) * len(f.remat) for f in table.range_cache.values()
-               if isinstance(f, _planner._Fit))
+               if isinstance(f, _stage_fit._Fit))
 
 
 def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
     """The table keeps each layer plan's specs only for the variables its layer graph
     touches (`_CompactSpecs`); they read as the full tuple `plan_on_mesh` returns:
     indexing (negative too), slicing, iteration, length, equality."""
-    from autopar.inter import _planner
-    from autopar.inter._planner import _CompactSpecs
+    from autopar.inter import layer_cost_table
+    from autopar.inter._compact_specs import _CompactSpecs
+    from autopar.inter._layer_graphs import _tied_in
     from autopar.intra import plan_on_mesh
     from autopar.intra._options import ShardOptions
 
     graph, layers, tied = _tiny_gpt_graph()
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    table = _planner.layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
     layer, shape = 1, (2, 2)
     kept = table.plan(layer, shape)
     assert isinstance(kept.var_specs, _CompactSpecs)
     sub = table.per_layer.stage_graphs[layer]
     fresh = plan_on_mesh(
         sub, cluster, autopar.LogicalMesh.create(shape), ShardOptions(),
-        _planner._tied_in(sub, tied) + table.chain_ties(layer), weights=table.weights[layer],
+        _tied_in(sub, tied) + table.chain_ties(layer), weights=table.weights[layer],
     ).var_specs
     assert isinstance(fresh, tuple) and len(kept.var_specs) == len(fresh) == len(sub.vars)
     assert kept.var_specs == fresh and tuple(kept.var_specs) == fresh

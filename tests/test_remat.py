@@ -34,7 +34,7 @@ from autopar.cost import (
 )
 from autopar.graph import Role, trace
 from autopar.inter import LayerCostTable, assign_layers, partition, with_remat
-from autopar.inter._planner import choose_remat
+from autopar.inter._stage_fit import choose_remat
 from autopar.inter.passes import attention_core, recompute
 from autopar.intra._options import ShardOptions
 from autopar.manual import MegatronConfig

@@ -112,18 +112,18 @@ def test_a_table_with_a_reference_prices_instead_of_solving():
     each a feasible plan's cost, no less than its own ILP's and equal where both choose
     alike. What the reference has not solved it solves itself (as much work, and exact).
     Once it forgets the priced costs, it answers as a table of its own."""
-    from autopar.inter import _planner
+    from autopar.inter import layer_cost_table
     from autopar.intra._options import ShardOptions
 
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
     options = ShardOptions()
     whole, whole_layers, whole_tied = _layer_graphs(16)
     half, layers, tied = _layer_graphs(8)
-    reference = _planner.layer_cost_table(whole, whole_layers, cluster, 1, "1f1b", options,
-                                          whole_tied, keep_layouts=True)
-    shared = _planner.layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied,
-                                       reference=reference)
-    own = _planner.layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied)
+    reference = layer_cost_table(whole, whole_layers, cluster, 1, "1f1b", options,
+                                 whole_tied, keep_layouts=True)
+    shared = layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied,
+                              reference=reference)
+    own = layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied)
     shapes = [(2,), (2, 4), (8,)]
     for layer in range(layers.num_layers):
         for shape in shapes:

@@ -484,7 +484,7 @@ def _plan_both_ways(cfg, cluster, batch_size, num_microbatches, monkeypatch):
     import optax
 
     import autopar
-    from autopar.inter import _planner
+    from autopar.inter import _stage_costs
     from examples import gpt
 
     optimizer = optax.adamw(1e-3)
@@ -492,7 +492,7 @@ def _plan_both_ways(cfg, cluster, batch_size, num_microbatches, monkeypatch):
     args = gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, batch_size)
     plans = []
     for every in (False, True):
-        monkeypatch.setattr(_planner, "logical_mesh_shapes",
+        monkeypatch.setattr(_stage_costs, "logical_mesh_shapes",
                             functools.partial(logical_mesh_shapes, every=every))
         plans.append(autopar.plan(step, *args, cluster=cluster, cache=False,
                                   num_microbatches=num_microbatches))

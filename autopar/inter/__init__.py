@@ -9,21 +9,28 @@ of microbatches, the schedule and the single-mesh planner's options. Out: a
   gradient reductions);
 - `_submesh`: the submesh shapes a stage may take and how they pack onto hosts;
 - `_stage_dp`: Alpa's dynamic program over layer ranges x submeshes;
-- `_planner`: layer costs from the intra-op ILPs (`LayerCostTable`), memory levels, and
-  `choose_stages`, which runs the DP and plans each chosen stage;
+- `_layer_table`: layer costs from the intra-op ILPs (`LayerCostTable`), each layer
+  structure solved once per mesh (`_layer_graphs`: its fingerprint; `_ilp_driver`: the
+  ILPs solved side by side; `_compact_specs`: the plans kept small; `_repricing`: costs
+  found on another microbatch count's layouts);
+- `_layer_pricing`: a layer's plan handed to `autopar.cost`'s formulas (bytes by part,
+  recompute seconds, the bytes a stage boundary moves);
+- `_levels`: memory levels, leaner layer plans for stages that do not fit;
+- `_range_cache`: figures shared by layer ranges of equal content;
+- `_stage_fit`: a stage's layers at the fastest level and remat choice that fit;
+- `_stage_costs`: the stage DP's cost callback, pruned by a plan known to exist;
+- `_choose`: `choose_stages`, which runs the DP and plans each chosen stage;
 - `_stitch`: one `ShardingPlan` for a stage from its layers' plans.
 """
 
-from autopar.inter._planner import (
-    LEVEL_FRACTIONS,
-    LEVEL_PRICES,
+from autopar.inter._choose import (
     PLANNING_PHASES,
-    LayerCostTable,
     PipelineChoice,
     choose_stages,
-    layer_cost_table,
     plan_chosen_stages,
 )
+from autopar.inter._layer_table import LayerCostTable, layer_cost_table
+from autopar.inter._levels import LEVEL_FRACTIONS, LEVEL_PRICES
 from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
 from autopar.inter._stitch import stitch
 from autopar.inter._submesh import (

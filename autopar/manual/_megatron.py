@@ -271,7 +271,9 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     """
     from autopar.cost import boundary_transfer_time, in_flight_microbatches, memory_budget
     from autopar.inter import LayerCostTable, assign_layers, partition
-    from autopar.inter._planner import boundary_bytes, choose_remat, recompute_time
+    from autopar.inter._choose import recompute_time
+    from autopar.inter._layer_pricing import boundary_bytes
+    from autopar.inter._stage_fit import choose_remat
 
     layers = assign_layers(graph)
     # Interleaved: pp·v chunks of layers, chunk s on the devices of stage s mod pp.

@@ -1,0 +1,277 @@
+"""Choosing stages: the stage DP over layer costs, then each chosen stage's plan.
+
+In: a train step traced at microbatch size (with `layer_boundary` marks), its layers, a
+cluster, the number of microbatches, the schedule and the single-mesh planner's options.
+Out: `PipelineChoice`, the chosen stages (layer ranges on submeshes with logical mesh
+shapes, memory levels and remat choices) and each stage's `ShardingPlan`.
+
+Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
+(`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
+layers' plans (`_stage_plans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from autopar.cluster._mesh import LogicalMesh
+from autopar.cost import (
+    boundary_transfer_time,
+    memory_budget,
+    stage_dispatch_time,
+    stage_recompute_seconds,
+)
+from autopar.graph import OpGraph
+from autopar.inter import _stage_costs
+from autopar.inter._layer_pricing import boundary_bytes
+from autopar.inter._layer_table import LayerCostTable, layer_cost_table
+from autopar.inter._stage_costs import (
+    _bound_by_even_plans,
+    _least_work,
+    _Restricted,
+    _StageCosts,
+)
+from autopar.inter._stage_dp import StagePlan, plan_stages
+from autopar.inter._submesh import SubmeshShape, submesh_shapes
+from autopar.inter.passes._layers import LayerAssignment
+from autopar.inter.passes._partition import Partition, partition
+from autopar.intra._options import ShardOptions
+from autopar.intra._sharding_plan import ShardingPlan
+
+log = logging.getLogger("autopar")
+
+
+@dataclass(frozen=True)
+class PipelineChoice:
+    """The stage DP's answer and every stage's plan."""
+
+    stage_layers: tuple[tuple[int, int], ...]
+    submeshes: tuple[SubmeshShape, ...]
+    device_ids: tuple[tuple[int, ...], ...]
+    logical_shapes: tuple[tuple[int, ...], ...]
+    latency: float
+    stage_plans: tuple[ShardingPlan, ...]
+    partition: Partition
+    dp: StagePlan
+    num_layer_ilps: int
+    # Per stage, per layer of the stage: its `Remat` choice; and per stage the seconds per
+    # microbatch the recompute adds (part of `latency`, not of the stage plans' costs).
+    stage_remat: tuple[tuple[str, ...], ...] = ()
+    stage_recompute: tuple[float, ...] = ()
+    # Per stage: seconds per microbatch of the transfer into it (`boundary_transfer_time`,
+    # part of `latency` as the stage DP charges it; 0 for the first stage).
+    stage_transfer: tuple[float, ...] = ()
+    # Per stage: seconds per microbatch of launching its programs (`stage_dispatch_time`,
+    # part of `latency` as the stage DP charges it).
+    stage_dispatch: tuple[float, ...] = ()
+    # Wall seconds of the search's parts (`PLANNING_PHASES`) and the layer cost look-ups
+    # answered without a solve; not part of the choice's identity.
+    timings: dict = field(default_factory=dict, compare=False)
+
+
+# The parts of `choose_stages`, as `PipelineChoice.timings` names them: layers cut out as
+# graphs of their own; the layer ILPs built and solved; the stage DP less the ILPs it
+# asked for; the chosen stages' plans stitched from their layers' plans.
+PLANNING_PHASES = ("layer clustering", "layer ILPs", "stage DP", "stage plans")
+
+
+def choose_stages(
+    graph: OpGraph,
+    layers: LayerAssignment,
+    cluster,
+    num_microbatches: int,
+    schedule: str,
+    options: ShardOptions,
+    tied: Sequence[tuple[int, int]],
+    *,
+    num_stages: int | None = None,
+    submeshes: Sequence[SubmeshShape] | None = None,
+    logical_shapes: Sequence[tuple[int, ...]] | None = None,
+    allowed=None,
+    range_shapes=None,
+    remat: str = "auto",
+    table: LayerCostTable | None = None,
+) -> PipelineChoice:
+    """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
+
+    Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
+    (`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
+    layers' plans (`_stage_plans`). `allowed(start, end) -> bool`, when given, rules out
+    the stages whose layer range it rejects (e.g. uneven slices of a scanned stack);
+    `range_shapes(start, end)`, when given, names the only logical mesh shapes a stage of
+    those layers may take (None: any). `table`: the layer costs of an earlier call with
+    the same arguments (`layer_cost_table`), so that a re-run with other restrictions
+    solves no layer ILP twice.
+    """
+    budget = memory_budget(cluster, options.memory_budget)
+    start_time = time.perf_counter()
+    if table is None:
+        table = layer_cost_table(
+            graph, layers, cluster, num_microbatches, schedule, options, tied
+        )
+    before = (table.num_ilps, table.ilp_seconds, table.num_hits, table.num_priced)
+    clustering = time.perf_counter() - start_time
+    all_submeshes = list(submeshes) if submeshes else submesh_shapes(
+        cluster.num_hosts, cluster.devices_per_host
+    )
+    crossing = boundary_bytes(graph, layers)
+    stage_cost = inner = _StageCosts(
+        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
+        crossing,
+    )
+    restricted = allowed is not None or range_shapes is not None
+    if restricted:
+        stage_cost = _Restricted(stage_cost, allowed, range_shapes)
+    start_time = time.perf_counter()
+    if _stage_costs.PRUNE_BY_BOUND:
+        _bound_search(inner, stage_cost, table, layers.num_layers, cluster, all_submeshes,
+                      logical_shapes, num_stages, restricted)
+    dp = plan_stages(
+        layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
+        num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
+        memory_budget=budget, num_positions=stage_cost.num_positions,
+    )
+    dp_seconds = time.perf_counter() - start_time
+    _log_dp(table, dp, dp_seconds)
+    ilp_seconds = table.ilp_seconds
+    start_time = time.perf_counter()
+    stage_layers = tuple((s, e) for s, e, _ in dp.stages)
+    part = partition(graph, layers, list(stage_layers))
+    stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
+    stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
+    # This call's share (a table handed in has the ILPs of earlier calls in its counts).
+    ilps_before, ilp_seconds_before, hits_before, priced_before = before
+    timings = dict(zip(PLANNING_PHASES, (
+        clustering, table.ilp_seconds - ilp_seconds_before,
+        dp_seconds - (ilp_seconds - ilp_seconds_before), stitching,
+    )))
+    timings.update({"layer ILPs solved": table.num_ilps - ilps_before,
+                    "layer costs reused": table.num_hits - hits_before,
+                    "layer costs priced": table.num_priced - priced_before})
+    return _pipeline_choice(table, dp, stage_layers, all_submeshes, stage_plans, part,
+                            crossing, num_microbatches, schedule,
+                            num_layer_ilps=table.num_ilps - ilps_before, timings=timings)
+
+
+def _bound_search(inner: _StageCosts, stage_cost, table: LayerCostTable, num_layers: int,
+                  cluster, submeshes, logical_shapes, num_stages: int | None,
+                  restricted: bool) -> None:
+    """A plan that exists bounds the answer: stages that cannot be part of a plan as fast
+    are not costed at their leaner levels (`_StageCosts.bound`)."""
+    if not restricted:
+        inner.work = _least_work(table, submeshes, logical_shapes)
+    _bound_by_even_plans(
+        inner, stage_cost, num_layers, cluster.num_hosts, cluster.devices_per_host,
+        submeshes, num_stages,
+    )
+    log.info("stage DP: an even plan bounds the search at %.6g s (%d layer ILPs so far)",
+             inner.bound, table.num_ilps)
+
+
+def _log_dp(table: LayerCostTable, dp: StagePlan, dp_seconds: float) -> None:
+    log.info(
+        "stage DP: %d stage(s), %.4g s predicted, %d layer ILPs (%.2f s), %d cost look-ups "
+        "answered from the table, %.2f s",
+        len(dp.stages), dp.latency, table.num_ilps, table.ilp_seconds, table.num_hits,
+        dp_seconds,
+    )
+    if table.reference is not None:
+        log.info("stage DP: %d layer costs priced on the layouts of the %d-microbatch "
+                 "search", table.num_priced, table.reference.num_microbatches)
+
+
+def _pipeline_choice(table: LayerCostTable, dp: StagePlan, stage_layers, submeshes,
+                     stage_plans, part, crossing, num_microbatches: int, schedule: str, *,
+                     num_layer_ilps: int, timings: dict) -> PipelineChoice:
+    """The DP's answer with each stage's plan, and what the DP charged each stage besides
+    its plan: recompute, the transfer into it, launching its programs."""
+    return PipelineChoice(
+        stage_layers=stage_layers,
+        submeshes=tuple(submeshes[i] for _, _, i in dp.stages),
+        device_ids=tuple(dp.device_ids),
+        logical_shapes=tuple(c.detail[0] for c in dp.stage_costs),
+        latency=dp.latency,
+        stage_plans=stage_plans,
+        partition=part,
+        dp=dp,
+        num_layer_ilps=num_layer_ilps,
+        timings=timings,
+        stage_remat=tuple(c.detail[2] for c in dp.stage_costs),
+        stage_recompute=tuple(
+            recompute_time(table, range(*layers_), c.detail)
+            for layers_, c in zip(stage_layers, dp.stage_costs)
+        ),
+        stage_transfer=tuple(
+            boundary_transfer_time(crossing[start], table.cluster,
+                                   submeshes[i].num_devices) if start > 0 else 0.0
+            for start, _, i in dp.stages
+        ),
+        stage_dispatch=tuple(
+            stage_dispatch_time(table.cluster, len(dp.stages), num_microbatches, schedule)
+            for _ in dp.stages
+        ),
+    )
+
+
+def recompute_time(table: LayerCostTable, layer_range, detail) -> float:
+    """Seconds per microbatch the stage's recompute adds (`detail`: shape, level, remat;
+    `stage_recompute_seconds`), the fused rerun every layer's backward does included
+    (`LayerCostTable.fused_seconds`: in the layer costs, not in the stitched stage plan's
+    cost)."""
+    shape, level, remats = detail
+    return stage_recompute_seconds(
+        (table.remat_cost(k, shape, level, r).latency, table.cost(k, shape, level).latency,
+         table.fused_seconds(k, shape, level))
+        for k, r in zip(layer_range, remats)
+    )
+
+
+def plan_chosen_stages(
+    graph: OpGraph,
+    layers: LayerAssignment,
+    cluster,
+    num_microbatches: int,
+    schedule: str,
+    options: ShardOptions,
+    tied: Sequence[tuple[int, int]],
+    stage_layers: Sequence[tuple[int, int]],
+    chosen: PipelineChoice,
+    *,
+    stage_remat: Sequence[tuple[str, ...]] | None = None,
+) -> PipelineChoice:
+    """`chosen` (the DP's answer on another tracing of the same step) re-planned on
+    `graph`, whose layers `stage_layers` are those of `chosen`'s stages: the same
+    submeshes, logical mesh shapes and memory levels, each stage's plan stitched from
+    `graph`'s layers (a scanned stack traced as one sub-scan per stage,
+    `autopar.inter.passes.scan_layers`). `stage_remat`: per stage, per layer of `graph`,
+    its remat choice (default: `chosen`'s); the recompute it adds is priced on `graph` (a
+    sub-scan whose body is checkpointed has it in its own cost already)."""
+    table = layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    stage_layers = tuple(tuple(r) for r in stage_layers)
+    part = partition(graph, layers, list(stage_layers))
+    plans = _stage_plans(table, graph, part, chosen.dp, stage_layers, tied)
+    changes = {}
+    if stage_remat is not None:
+        stage_remat = tuple(tuple(r) for r in stage_remat)
+        changes = dict(stage_remat=stage_remat, stage_recompute=tuple(
+            recompute_time(table, range(*layer_range), (c.detail[0], c.detail[1], remats))
+            for layer_range, c, remats in zip(stage_layers, chosen.dp.stage_costs, stage_remat)
+        ))
+    return dataclasses.replace(
+        chosen, stage_layers=stage_layers, stage_plans=plans, partition=part,
+        num_layer_ilps=chosen.num_layer_ilps + table.num_ilps, **changes,
+    )
+
+
+def _stage_plans(table: LayerCostTable, graph, part, dp, stage_layers, tied) -> tuple:
+    """Each chosen stage's plan, stitched from its layers' plans on its mesh."""
+    plans = []
+    for s, (ids, cost) in enumerate(zip(dp.device_ids, dp.stage_costs)):
+        shape, level, _ = cost.detail
+        mesh = LogicalMesh.create(shape, ids)
+        plans.append(table.stage_plan(graph, part, s, stage_layers[s], shape, mesh, tied, level))
+    return tuple(plans)

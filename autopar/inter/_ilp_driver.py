@@ -1,0 +1,73 @@
+"""Layer ILPs solved side by side: generators that yield ILPs, driven to their ends.
+
+In: generators (`LayerCostTable._level_steps`) that yield each `PreparedILP` they need
+solved and are sent its solution (or the exception its solve raised). Out: what each
+generator returns, in order. With a solver pool (`autopar.intra._pool`) every generator's
+next ILP is in flight at once; without one, each is solved here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from autopar.intra._ilp import MemoryBudgetError, solve
+from autopar.intra._planner import PreparedILP
+from autopar.intra._pool import WorkerDied
+
+log = logging.getLogger("autopar")
+
+
+def drive(all_steps: list, pool) -> list:
+    """Run the generators `all_steps` to their ends, solving the ILPs they yield (in
+    `pool` when given: every generator's next ILP is in flight at once); their results in
+    order."""
+    results: list = [None] * len(all_steps)
+    # Each ILP goes to the pool as soon as it is built, so that building the next
+    # overlaps solving this one.
+    handles = {}
+    for i, steps in enumerate(all_steps):
+        _advance(i, steps, None, handles, results, pool)
+    while handles:
+        asked, handles = handles, {}
+        for i, handle in asked.items():
+            _advance(i, all_steps[i], _outcome(handle), handles, results, pool)
+    return results
+
+
+def _advance(i: int, steps, outcome, handles: dict, results: list, pool) -> None:
+    """Send `outcome` (a solution or the exception its solve raised) into generator
+    `i`: its next ILP is started (`handles[i]`), or its result goes to `results`."""
+    try:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, MemoryBudgetError):
+            prepared = steps.throw(outcome)
+        else:
+            prepared = steps.send(outcome)
+    except StopIteration as stop:
+        results[i] = stop.value
+        return
+    handles[i] = _start_solve(prepared, pool)
+
+
+def _start_solve(prepared: PreparedILP, pool) -> tuple:
+    """(prepared, its solve's future in `pool`, or None: solved by `_outcome`)."""
+    if pool is None or pool.broken:
+        return prepared, None
+    try:
+        return prepared, pool.submit(prepared.problem, **prepared.solve_args)
+    except OSError as err:  # no worker could start (then the pool is broken)
+        log.warning("the sharding ILP pool failed (%s): solving here instead", err)
+        return prepared, None
+
+
+def _outcome(handle: tuple):
+    """The solution of a `_start_solve` handle, or the exception its solve raised."""
+    prepared, future = handle
+    try:
+        if future is not None:
+            try:
+                return future.result()
+            except WorkerDied as err:
+                log.warning("%s: solving its ILP here instead", err)
+        return solve(prepared.problem, **prepared.solve_args)
+    except Exception as err:
+        return err
