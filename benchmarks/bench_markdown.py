@@ -31,7 +31,7 @@ SHORTFALL_CAUSES = {
     "gpt": """- GPT (bar 0.97): where autopar falls short or finds no plan, memory is the limit.
   Kept activations per layer and microbatch shrink below one full split only by
   recompute, and the leaner layer plans the stage DP takes under memory pressure come
-  in steps (`LEVEL_PRICES` in `autopar/inter/_planner.py`: points of the
+  in steps (`LEVEL_PRICES` in `autopar/inter/_levels.py`: points of the
   latency/footprint hull), not exactly at the memory a stage has. Resharding where the
   embedding and head layers meet the blocks (about 1% at 13B) is added when a stage is
   stitched; the stage DP does not see it.""",

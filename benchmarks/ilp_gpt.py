@@ -26,7 +26,8 @@ from autopar.graph import (
     tied_state,  # noqa: E402
     trace,  # noqa: E402
 )
-from autopar.inter._planner import LayerCostTable, _tied_in  # noqa: E402
+from autopar.inter._layer_graphs import _tied_in  # noqa: E402
+from autopar.inter._layer_table import LayerCostTable  # noqa: E402
 from autopar.inter.passes._layers import assign_layers  # noqa: E402
 from autopar.intra import ShardOptions, plan_on_mesh  # noqa: E402
 from examples import gpt  # noqa: E402

@@ -61,18 +61,18 @@ def main(row: str) -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(ROOT))
     import autopar
-    from autopar.inter import _planner
+    from autopar.inter import _choose, _stage_costs
     from autopar.intra import _planner as intra_planner
     from benchmarks.planning_time import _row_args
 
-    plan_stages = _planner.plan_stages
+    plan_stages = _choose.plan_stages
 
     def measured(*args, **kwargs):
         print(f"before the stage DP: {_resident()}", flush=True)
         result = plan_stages(*args, **kwargs)
         print(f"after the stage DP: {_resident()}", flush=True)
         cost = args[3]
-        inner = cost.stage_cost if isinstance(cost, _planner._Restricted) else cost
+        inner = cost.stage_cost if isinstance(cost, _stage_costs._Restricted) else cost
         table, seen = inner.table, set()
         mb = 2**20
         print(f"  layer graphs: {_deep_size(table.per_layer, seen) / mb:,.0f} MB")
@@ -90,7 +90,7 @@ def main(row: str) -> None:
               f"{_deep_size(built, seen) / mb:,.0f} MB with what they reach", flush=True)
         return result
 
-    _planner.plan_stages = measured
+    _choose.plan_stages = measured
     step, args, cluster, micro = _row_args(row)
     start = time.perf_counter()
     plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False)

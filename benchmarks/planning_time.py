@@ -126,22 +126,22 @@ class _Clock:
 
 def _instrument(clock: _Clock) -> None:
     """Time the search's phases by wrapping the functions that do them."""
-    from autopar.inter import _planner as inter_planner
+    from autopar.inter import _choose, _layer_table
     from autopar.search import _api, _pipeline
 
     _api.trace = clock.wrap("trace", _api.trace)
     _pipeline._trace_microbatch = clock.wrap("trace", _pipeline._trace_microbatch)
     _pipeline.assign_layers = clock.wrap("layer clustering", _pipeline.assign_layers)
-    table = inter_planner.LayerCostTable
+    table = _layer_table.LayerCostTable
     table.__init__ = clock.wrap("layer clustering", table.__init__)
     # The ILPs are built, solved (here or in the solver pool) and read back in `_drive`;
     # one `prepare_on_mesh` per ILP.
     table._drive = clock.wrap("layer ILPs", table._drive)
-    inter_planner.prepare_on_mesh = clock.wrap(
-        "layer ILPs", inter_planner.prepare_on_mesh, count="ilps"
+    _layer_table.prepare_on_mesh = clock.wrap(
+        "layer ILPs", _layer_table.prepare_on_mesh, count="ilps"
     )
-    inter_planner.plan_stages = clock.wrap("stage DP", inter_planner.plan_stages)
-    inter_planner._stage_plans = clock.wrap("lowering", inter_planner._stage_plans)
+    _choose.plan_stages = clock.wrap("stage DP", _choose.plan_stages)
+    _choose._stage_plans = clock.wrap("lowering", _choose._stage_plans)
     _pipeline._pipeline_plan = clock.wrap("lowering", _pipeline._pipeline_plan)
     cost = table.cost
 
@@ -185,9 +185,9 @@ def child(row: str, out: Path) -> None:
 
     _instrument(clock)
     if os.environ.get(NO_BOUND_ENV):
-        from autopar.inter import _planner as inter_planner
+        from autopar.inter import _stage_costs
 
-        inter_planner.PRUNE_BY_BOUND = False
+        _stage_costs.PRUNE_BY_BOUND = False
     if os.environ.get(NO_SHARE_ENV):
         from autopar.search import _pipeline
 
@@ -315,7 +315,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--no-bound", action="store_true",
                         help="switch off the stage DP's pruning by a known plan "
-                        "(`autopar.inter._planner.PRUNE_BY_BOUND`), to compare plans")
+                        "(`autopar.inter._stage_costs.PRUNE_BY_BOUND`), to compare plans")
     parser.add_argument("--microbatches", help="plan every row with this microbatch count "
                         "instead of its own, or 'auto' (the search tries several counts)")
     parser.add_argument("--no-share", action="store_true",

@@ -65,14 +65,15 @@ def child(row: str, every: bool, schedule: str = "1f1b") -> dict:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(ROOT))
     import autopar
-    from autopar.inter import _planner, _submesh
+    from autopar.inter import _layer_table, _stage_costs, _submesh
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_large import model_step
 
     if every:
-        _planner.logical_mesh_shapes = functools.partial(_submesh.logical_mesh_shapes, every=True)
+        _stage_costs.logical_mesh_shapes = functools.partial(_submesh.logical_mesh_shapes,
+                                                             every=True)
     solved = [0]
-    table = _planner.LayerCostTable
+    table = _layer_table.LayerCostTable
     original = table._solve_steps  # one call per layer ILP
 
     def counted(self, *args, **kwargs):
