@@ -119,7 +119,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     use_virtual_cpu_devices(args.devices or DEFAULT_CPU_DEVICES)
     if args.coordinator:
         _initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    from autopar.cluster._cluster import local_profile_path
+    from autopar.cluster._profiles import local_profile_path
     from autopar.profile._measure import FULL, QUICK, measure_profile
 
     out = args.out or local_profile_path()

@@ -6,15 +6,9 @@ Measuring the local devices into a profile is `autopar.profile` (after `cost`, w
 formulas it fits).
 """
 
-from autopar.cluster._cluster import (
-    Cluster,
-    Link,
-    available_profiles,
-    local_devices,
-    local_profile_path,
-    profile_dirs,
-)
+from autopar.cluster._cluster import Cluster, Link, local_devices
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_str, to_partition_spec
+from autopar.cluster._profiles import available_profiles, local_profile_path, profile_dirs
 
 __all__ = [
     "Cluster",

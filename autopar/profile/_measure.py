@@ -39,7 +39,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.cluster._cluster import Cluster, Link, builtin_profile_for, local_devices
+from autopar.cluster._cluster import Cluster, Link, local_devices
+from autopar.cluster._profiles import builtin_profile_for
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import COLLECTIVE_KINDS, CollectiveKind
 
