@@ -61,7 +61,7 @@ def level_steps(table, layer: int, shape, level: int):
     if LEVELS == "price":
         price = LEVEL_PRICES[level] * fastest.cost.total / (at_fastest - least)
         solved = yield from table._solve_steps(layer, shape, footprint_budget=None,
-                                              price=price)
+                                               price=price)
         if solved[0] is not None and solved[1][0].cost.memory_per_device > peak:
             # Leaner for the run but not at its peak: solve again under that peak
             # (memory rows: a MIP, for the few layers where it binds).
@@ -71,7 +71,7 @@ def level_steps(table, layer: int, shape, level: int):
     else:
         budget = least + (at_fastest - least) * LEVEL_FRACTIONS[level]
         solved = yield from table._solve_steps(layer, shape, footprint_budget=budget,
-                                              peak_budget=peak)
+                                               peak_budget=peak)
     if solved[0] is None:
         # The least footprint is a lower bound the peak memory may not allow: this
         # layer stays at its leanest feasible plan.
