@@ -142,7 +142,8 @@ def _instrument(clock: _Clock) -> None:
     )
     _choose.plan_stages = clock.wrap("stage DP", _choose.plan_stages)
     _choose._stage_plans = clock.wrap("lowering", _choose._stage_plans)
-    _pipeline._pipeline_plan = clock.wrap("lowering", _pipeline._pipeline_plan)
+    search = _pipeline._PipelineSearch
+    search.plan_of = clock.wrap("lowering", search.plan_of)
     cost = table.cost
 
     def counted(self, layer, shape, level=0):
@@ -188,17 +189,14 @@ def child(row: str, out: Path) -> None:
         from autopar.inter import _stage_costs
 
         _stage_costs.PRUNE_BY_BOUND = False
-    if os.environ.get(NO_SHARE_ENV):
-        from autopar.search import _pipeline
-
-        _pipeline.SHARE_LAYOUTS = False
     step, args, cluster, micro = _row_args(row)
     if os.environ.get(MICROBATCHES_ENV):
         given = os.environ[MICROBATCHES_ENV]
         micro = given if given == "auto" else int(given)
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
     with show_progress():
-        plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False)
+        plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False,
+                            share_layouts=not os.environ.get(NO_SHARE_ENV))
     # The solver pool's workers are children: once they have ended, their CPU seconds
     # count in the totals (`_cpu`) and their largest resident set is known.
     from autopar.intra import _pool
@@ -321,7 +319,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-share", action="store_true",
                         help="with several microbatch counts, search each in full instead of "
                         "pricing one count's layer layouts for the others "
-                        "(`autopar.search._pipeline.SHARE_LAYOUTS`), to compare plans")
+                        "(`PlanOptions.share_layouts`), to compare plans")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)

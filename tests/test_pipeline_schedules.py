@@ -268,7 +268,10 @@ def test_auto_schedule_weighs_interleaving_by_predicted_time():
     from autopar.graph import trace
     from autopar.search._microbatch import batch_size
     from autopar.search._options import PlanOptions
-    from autopar.search._pipeline import _pick, _stage_choices, _stage_times, phase_shares
+    from autopar.search._pipeline import _stage_choices
+    from autopar.search._schedules import phase_shares
+    from autopar.search._schedules import pick as _pick
+    from autopar.search._schedules import stage_times as _stage_times
 
     big = mlp.MLPConfig(in_dim=16384, hidden=16384, out_dim=16384, num_layers=8,
                         layer_markers=True)

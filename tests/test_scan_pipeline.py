@@ -26,7 +26,8 @@ from autopar.inter.passes import per_iteration
 from autopar.inter.passes._scan_layers import check_ranges
 from autopar.intra import ShardOptions
 from autopar.search import PlanOptions, graph_for_plan
-from autopar.search._pipeline import _Candidate, _even_shares, _regroup
+from autopar.search._stack import even_shares as _even_shares
+from autopar.search._stack import stack_ranges
 from examples import gpt, llama
 
 CPU = autopar.Cluster.from_profile("cpu-local")
@@ -242,21 +243,20 @@ def _cut(name, lengths, shapes, first=1):
     return _FakeChoice(tuple(layers), tuple(shapes), {"layer ILPs solved": 1}, name)
 
 
-def test_a_cut_mixing_piece_lengths_is_redone_with_one_length(monkeypatch):
+def test_a_cut_mixing_piece_lengths_is_redone_with_one_length():
     """The DP allows each stage's share of the stack on its own, so it may mix lengths
     (llama-70B on 32 H100s: 10/10/20/20/20 of 80 iterations); the search re-runs it with
     each of those lengths as the only share and keeps the fastest that plans."""
-    from autopar.search import _pipeline
+    from autopar.search import _stack
 
     assert _even_shares(80, 8, share=20)(1, 21) and not _even_shares(80, 8, share=20)(1, 11)
     mixed = _FakeChoice(((0, 11), (11, 21), (21, 41), (41, 61), (61, 82)), ((8,),) * 5,
                         {"layer ILPs solved": 5})
-    assert _pipeline._piece_lengths(mixed, 80) == {10, 20}
+    assert _stack.piece_lengths(mixed, 80) == {10, 20}
     tens = _cut("tens", [10] * 8, [(4,)] * 8)
     twenties = _cut("twenties", [20] * 4, [(8,)] * 4)
     latency = {"tens": 2.0, "twenties": 3.0}
-    monkeypatch.setattr(_pipeline, "_schedule_for",
-                        lambda choice, *a, **k: ("1f1b", latency[choice.name]))
+    latency_of = lambda choice: latency[choice.name]  # noqa: E731
     asked = []
 
     def rerun(*, allowed, range_shapes):
@@ -265,29 +265,26 @@ def test_a_cut_mixing_piece_lengths_is_redone_with_one_length(monkeypatch):
         asked.append(share)
         return tens if share == 10 else twenties
 
-    options = SimpleNamespace(num_stages=None)
-    cluster = SimpleNamespace(num_devices=32)
-    kept = _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun)
+    kept = _stack.one_layout(mixed, 80, 32, 4, rerun, latency_of)
     assert kept.name == "tens" and asked == [10, 20]
     assert kept.timings["layer ILPs solved"] == 5 + 1 + 1  # every run's search counted
     latency["tens"] = 4.0
-    assert _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun).name == "twenties"
+    assert _stack.one_layout(mixed, 80, 32, 4, rerun, latency_of).name == "twenties"
     # A uniform cut is kept as it is.
-    assert _pipeline._one_layout(tens, 80, options, cluster, 4, rerun) is tens
+    assert _stack.one_layout(tens, 80, 32, 4, rerun, latency_of) is tens
 
 
-def test_a_cut_mixing_mesh_shapes_is_redone_with_one_shape(monkeypatch):
+def test_a_cut_mixing_mesh_shapes_is_redone_with_one_shape():
     """llama-70B on 32 H100s: four stages of 20 iterations on logical meshes (2, 4) and
     (4, 2); a stacked leaf held in pieces needs one shape, so the DP is re-run with each
     as the only shape of the stages holding the stack (the others keep any shape)."""
-    from autopar.search import _pipeline
+    from autopar.search import _stack
 
     mixed = _cut("mixed", [20] * 4, [(2, 4), (4, 2), (2, 4), (4, 2)])
     fixed = {(2, 4): _cut("24", [20] * 4, [(2, 4)] * 4),
              (4, 2): _cut("42", [20] * 4, [(4, 2)] * 4)}
     latency = {"24": 5.0, "42": 4.0}
-    monkeypatch.setattr(_pipeline, "_schedule_for",
-                        lambda choice, *a, **k: ("1f1b", latency[choice.name]))
+    latency_of = lambda choice: latency[choice.name]  # noqa: E731
     asked = []
 
     def rerun(*, allowed, range_shapes):
@@ -298,24 +295,21 @@ def test_a_cut_mixing_mesh_shapes_is_redone_with_one_shape(monkeypatch):
         asked.append(shape)
         return fixed[shape]
 
-    options = SimpleNamespace(num_stages=None)
-    cluster = SimpleNamespace(num_devices=32)
-    assert _pipeline._one_layout(mixed, 80, options, cluster, 4, rerun).name == "42"
+    assert _stack.one_layout(mixed, 80, 32, 4, rerun, latency_of).name == "42"
     assert asked == [(2, 4), (4, 2)]
 
     def nothing_fits(*, allowed, range_shapes):
         raise ValueError("no stage fits")
 
     with pytest.raises(ValueError, match="no stage fits"):
-        _pipeline._one_layout(mixed, 80, options, cluster, 4, nothing_fits)
+        _stack.one_layout(mixed, 80, 32, 4, nothing_fits, latency_of)
 
 
 def test_pieces_of_different_lengths_are_refused_with_the_fix():
     # Should the DP mix shares (2 + 4 of 6 layers), the search says what to pass instead.
     choice = SimpleNamespace(stage_layers=((0, 3), (3, 8)), logical_shapes=((2, 2), (2, 2)))
-    best = _Candidate(choice, None, 1)
     with pytest.raises(ValueError, match="pass num_stages= a divisor of 6"):
-        _regroup(best, None, (), CPU, None, 6)
+        stack_ranges(choice, 6)
 
 
 @pytest.mark.extended  # minutes of ILPs; the fixed two-stage plan test is default

@@ -149,24 +149,21 @@ def test_a_table_with_a_reference_prices_instead_of_solving():
     assert shared.num_ilps == own.num_ilps
 
 
-def test_auto_microbatches_keeps_the_plan_and_solves_fewer_ilps(monkeypatch):
+def test_auto_microbatches_keeps_the_plan_and_solves_fewer_ilps():
     """`num_microbatches="auto"` plans the tiny GPT (batch 32: 1, 16 and 32 microbatches)
     on one dgx-a100-80g host (1-D meshes) with and without sharing layouts: the same plan,
     from fewer layer ILPs. (With the 2-D meshes too: twice the time, 54 ILPs instead of
     27, for the same plan and the same 3 costs priced from shared layouts; shared layouts
     priced on a 2-D mesh: test_a_table_with_a_reference_prices_instead_of_solving.)"""
-    from autopar.search import _pipeline
-
     opt = optax.adamw(LR)
     args = (gpt.abstract_state(GPT, opt), gpt.abstract_batch(GPT, 32))
     plans = {}
     for share in (False, True):
-        monkeypatch.setattr(_pipeline, "SHARE_LAYOUTS", share)
         plans[share] = autopar.plan(
             gpt.make_train_step(GPT, opt), *args,
             cluster=autopar.Cluster.from_profile("dgx-a100-80g"), num_microbatches="auto",
             submeshes=[(1, 2), (1, 4), (1, 8)], logical_shapes=[(2,), (4,), (8,)],
-            cache=False,
+            share_layouts=share, cache=False,
         )
     shared, full = plans[True], plans[False]
     assert shared.num_microbatches == full.num_microbatches

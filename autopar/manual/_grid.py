@@ -104,15 +104,13 @@ def megatron_grid_search(
     cluster = resolve_cluster(cluster)
     batch_argnums = tuple(batch_argnums)
     _check_values(microbatch_sizes, pp_values, virtual_stages, recompute, microbatch_counts)
-    graphs = {} if traces is None else traces  # by microbatch count
-    if 1 not in graphs:
-        graphs[1] = trace(step_fn, *abstract_args, batch_argnums=batch_argnums)
-    graph = graphs[1]
-    batch_size = _batch_size(graph)
+    graphs = _Traces(step_fn, abstract_args, batch_argnums,
+                     {} if traces is None else traces)
+    graph = graphs(1)
     candidates = megatron_candidates(
         cluster.num_devices,
         cluster.devices_per_host,
-        batch_size,
+        _batch_size(graph),
         num_layers=_num_layers(graph) if num_layers is None else num_layers,
         num_heads=num_heads,
         microbatch_sizes=microbatch_sizes,
@@ -122,57 +120,17 @@ def megatron_grid_search(
         virtual_stages=virtual_stages,
         microbatch_counts=microbatch_counts,
     )
-    marked = any(n.primitive == "layer_boundary" for n in graph.nodes)
     results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
     to_cost = [c for c, reason in candidates if not reason]
-    solve_cache: dict = {}  # layer ILPs shared by configurations with the same problem
-
-    def graph_for(m: int) -> OpGraph:
-        if m not in graphs:
-            args = microbatch_args(abstract_args, batch_argnums, m)
-            graphs[m] = trace(step_fn, *args, batch_argnums=batch_argnums)
-        return graphs[m]
-
+    coster = _Coster(graphs, cluster, recompute, donate_argnums, memory_budget,
+                     marked=any(n.primitive == "layer_boundary" for n in graph.nodes),
+                     results=results)
     best: Plan | None = None
-    start = time.perf_counter()
-    fits_with: dict[MegatronConfig, int] = {}  # pp = 1 configuration -> microbatches
     for index, config in enumerate(to_cost):
-        accumulation = replace(config, num_microbatches=1)
-        if config.pp == 1 and accumulation in fits_with:
-            results.append((config, f"{NOT_NEEDED}: fits with {fits_with[accumulation]} "
-                                    "microbatch(es) (accumulation only adds time)"))
-            continue
-        for r, remat in enumerate(recompute):
-            candidate = replace(config, recompute=remat)
-            if remat != "none" and not marked:
-                results.append((candidate, f"{PRUNED}: recompute runs per layer and the step "
-                                           "has no autopar.layer_boundary marks"))
-                continue
-            try:
-                plan = megatron_plan_for_graph(
-                    graph_for(candidate.num_microbatches), cluster, candidate,
-                    donate_argnums=donate_argnums, memory_budget=memory_budget,
-                    solve_cache=solve_cache,
-                )
-            except ValueError as err:  # MemoryBudgetError is a ValueError
-                results.append((candidate, f"{type(err).__name__}: {err}"))
-                log.info("grid %d/%d %s: %s (%.0f s)", index + 1, len(to_cost),
-                         candidate.name, type(err).__name__, time.perf_counter() - start)
-                if _out_of_memory(err):
-                    continue
-                break
-            results.append((candidate, plan.predicted_step_time))
-            log.info("grid %d/%d %s: predicted %.4g s (%.0f s)", index + 1, len(to_cost),
-                     candidate.name, plan.predicted_step_time, time.perf_counter() - start)
-            if best is None or plan.predicted_step_time < best.predicted_step_time:
-                best = plan
-            if config.pp == 1:
-                fits_with[accumulation] = config.num_microbatches
-            for later in recompute[r + 1:]:
-                results.append((replace(config, recompute=later),
-                                f"{NOT_NEEDED}: fits with recompute={remat} "
-                                "(recompute only adds time)"))
-            break
+        plan = coster.cost(config, f"grid {index + 1}/{len(to_cost)}")
+        if plan is not None and (best is None
+                                 or plan.predicted_step_time < best.predicted_step_time):
+            best = plan
     if best is None:
         reasons = "\n".join(f"  {c.name}: {outcome}" for c, outcome in results)
         raise ValueError(
@@ -181,6 +139,78 @@ def megatron_grid_search(
             "Use more devices or memory, or other pp_values / microbatch_sizes."
         )
     return best, results
+
+
+class _Traces:
+    """The step traced at each microbatch count's microbatch size, once per count (read
+    from and filled into `graphs`)."""
+
+    def __init__(self, step_fn, abstract_args, batch_argnums, graphs: dict[int, OpGraph]):
+        self.step_fn, self.abstract_args, self.batch_argnums = (
+            step_fn, abstract_args, batch_argnums)
+        self.graphs = graphs
+
+    def __call__(self, num_microbatches: int) -> OpGraph:
+        if num_microbatches not in self.graphs:
+            args = (self.abstract_args if num_microbatches == 1 else
+                    microbatch_args(self.abstract_args, self.batch_argnums, num_microbatches))
+            self.graphs[num_microbatches] = trace(self.step_fn, *args,
+                                                  batch_argnums=self.batch_argnums)
+        return self.graphs[num_microbatches]
+
+
+class _Coster:
+    """Costs the grid's configurations one at a time, each with the recompute values in
+    order until one fits, appending every outcome to `results`; remembers which pp = 1
+    configurations fit with how many microbatches (more only add time)."""
+
+    def __init__(self, graphs: _Traces, cluster, recompute, donate_argnums, memory_budget,
+                 *, marked: bool, results: list[GridResult]):
+        self.graphs, self.cluster, self.recompute = graphs, cluster, recompute
+        self.donate_argnums, self.memory_budget = donate_argnums, memory_budget
+        self.marked, self.results = marked, results
+        self.solve_cache: dict = {}  # layer ILPs shared by configurations with one problem
+        self.fits_with: dict[MegatronConfig, int] = {}  # pp = 1 configuration -> microbatches
+        self.start = time.perf_counter()
+
+    def cost(self, config: MegatronConfig, progress: str) -> Plan | None:
+        """The plan of `config` with the first recompute value that fits, or None."""
+        accumulation = replace(config, num_microbatches=1)
+        if config.pp == 1 and accumulation in self.fits_with:
+            self.results.append((config, f"{NOT_NEEDED}: fits with "
+                                         f"{self.fits_with[accumulation]} microbatch(es) "
+                                         "(accumulation only adds time)"))
+            return None
+        for r, remat in enumerate(self.recompute):
+            candidate = replace(config, recompute=remat)
+            if remat != "none" and not self.marked:
+                self.results.append((candidate, f"{PRUNED}: recompute runs per layer and the "
+                                                "step has no autopar.layer_boundary marks"))
+                continue
+            try:
+                plan = megatron_plan_for_graph(
+                    self.graphs(candidate.num_microbatches), self.cluster, candidate,
+                    donate_argnums=self.donate_argnums, memory_budget=self.memory_budget,
+                    solve_cache=self.solve_cache,
+                )
+            except ValueError as err:  # MemoryBudgetError is a ValueError
+                self.results.append((candidate, f"{type(err).__name__}: {err}"))
+                log.info("%s %s: %s (%.0f s)", progress, candidate.name, type(err).__name__,
+                         time.perf_counter() - self.start)
+                if _out_of_memory(err):
+                    continue
+                return None
+            self.results.append((candidate, plan.predicted_step_time))
+            log.info("%s %s: predicted %.4g s (%.0f s)", progress, candidate.name,
+                     plan.predicted_step_time, time.perf_counter() - self.start)
+            if config.pp == 1:
+                self.fits_with[accumulation] = config.num_microbatches
+            for later in self.recompute[r + 1:]:
+                self.results.append((replace(config, recompute=later),
+                                     f"{NOT_NEEDED}: fits with recompute={remat} "
+                                     "(recompute only adds time)"))
+            return plan
+        return None
 
 
 def megatron_candidates(
@@ -232,21 +262,30 @@ def megatron_candidates(
                     continue
                 for m in _microbatch_counts(dp, batch_size, microbatch_sizes,
                                             microbatch_counts):
-                    reason = _microbatch_rule(pp, v, m)
-                    for sp in dict.fromkeys(sequence_parallel):
-                        if sp and tp == 1:
-                            continue
-                        for zero1 in dict.fromkeys(distributed_optimizer):
-                            config = replace(
-                                base, sequence_parallel=sp, distributed_optimizer=zero1,
-                                num_microbatches=m, virtual_stages=v,
-                                schedule="interleaved_1f1b" if v > 1 else base.schedule,
-                            )
-                            out.append((config, f"{PRUNED}: {reason}" if reason else ""))
-                            if reason:
-                                break
-                        if reason:
-                            break
+                    out += _with_options(base, v, m, sequence_parallel,
+                                         distributed_optimizer)
+    return out
+
+
+def _with_options(base: MegatronConfig, v: int, m: int, sequence_parallel,
+                  distributed_optimizer) -> list[tuple[MegatronConfig, str]]:
+    """`base` with v virtual stages and m microbatches, once per sequence-parallel and
+    distributed-optimizer choice, each with the rule it breaks (a broken microbatch rule
+    reported once, on the first)."""
+    reason = _microbatch_rule(base.pp, v, m)
+    out = []
+    for sp in dict.fromkeys(sequence_parallel):
+        if sp and base.tp == 1:
+            continue
+        for zero1 in dict.fromkeys(distributed_optimizer):
+            config = replace(
+                base, sequence_parallel=sp, distributed_optimizer=zero1,
+                num_microbatches=m, virtual_stages=v,
+                schedule="interleaved_1f1b" if v > 1 else base.schedule,
+            )
+            out.append((config, f"{PRUNED}: {reason}" if reason else ""))
+            if reason:
+                return out
     return out
 
 

@@ -2,7 +2,9 @@
 
 - `_options`: `PlanOptions`, every option declared once with its default and check;
 - `_api`: `plan()` (a dry run) and `search()` (trace, cache, search), `graph_for_plan`;
-- `_pipeline`: method "auto": microbatch counts x the stage DP (`autopar.inter`);
+- `_pipeline`: method "auto": one search's flow, microbatch counts x the stage DP
+  (`autopar.inter`); `_schedules`: the schedule a choice runs and interleaving;
+  `_stack`: a scanned layer stack's cuts;
 - `_single_mesh`: operator parallelism on one mesh (`autopar.intra`);
 - `_microbatch`: the batch's size and arguments cut to one microbatch;
 - `_cache`: plans on disk, keyed by program, cluster, options and autopar's code.

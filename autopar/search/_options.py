@@ -63,6 +63,12 @@ class PlanOptions:
     - `remat`: what layers recompute in their backward (method "auto"): "auto" (the stage
       DP chooses per layer, recomputing only where a stage would not fit otherwise),
       "none", "selective" (the attention core) or "full" (all but the layer input).
+
+    How the pipeline search saves work (method "auto"; each off finds the same plan, or
+    one no slower, at more planning time; they exist to compare):
+    - `share_layouts`: with several microbatch counts, solve the layer ILPs of one count
+      and price its layouts for the others (the count kept is searched again on its own
+      layouts); False searches every count in full.
     """
 
     method: Method = "auto"
@@ -80,6 +86,7 @@ class PlanOptions:
     logical_shapes: tuple[tuple[int, ...], ...] | None = None
     num_layers: int = 8
     remat: RematOption = "auto"
+    share_layouts: bool = True
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
