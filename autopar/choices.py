@@ -41,6 +41,11 @@ RematOption = Literal["auto", "none", "selective", "full"]
 """The user's remat option: one `Remat` for every layer, or "auto" to let the planner choose
 per layer."""
 
+MemoryLevels = Literal["price", "limit"]
+"""How the stage DP makes a stage's layer plans leaner when their fastest plans do not fit
+together: "price" puts a price on each layer's footprint (one unconstrained solve per
+level); "limit" bounds it with a row (any point of the trade-off, each a harder MIP)."""
+
 SolverName = Literal["auto", "highs", "cbc"]
 """The MILP solver of the sharding ILP; "auto" is HiGHS when highspy is installed."""
 
@@ -52,6 +57,7 @@ RUNTIMES: tuple[str, ...] = get_args(Runtime)
 SOLVERS: tuple[str, ...] = get_args(SolverName)
 REMATS: tuple[str, ...] = get_args(Remat)
 REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
+MEMORY_LEVELS: tuple[str, ...] = get_args(MemoryLevels)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

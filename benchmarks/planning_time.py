@@ -185,10 +185,6 @@ def child(row: str, out: Path) -> None:
     from autopar._progress import show_progress
 
     _instrument(clock)
-    if os.environ.get(NO_BOUND_ENV):
-        from autopar.inter import _stage_costs
-
-        _stage_costs.PRUNE_BY_BOUND = False
     step, args, cluster, micro = _row_args(row)
     if os.environ.get(MICROBATCHES_ENV):
         given = os.environ[MICROBATCHES_ENV]
@@ -196,7 +192,8 @@ def child(row: str, out: Path) -> None:
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
     with show_progress():
         plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False,
-                            share_layouts=not os.environ.get(NO_SHARE_ENV))
+                            share_layouts=not os.environ.get(NO_SHARE_ENV),
+                            prune_by_bound=not os.environ.get(NO_BOUND_ENV))
     # The solver pool's workers are children: once they have ended, their CPU seconds
     # count in the totals (`_cpu`) and their largest resident set is known.
     from autopar.intra import _pool
@@ -313,7 +310,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--no-bound", action="store_true",
                         help="switch off the stage DP's pruning by a known plan "
-                        "(`autopar.inter._stage_costs.PRUNE_BY_BOUND`), to compare plans")
+                        "(`PlanOptions.prune_by_bound`), to compare plans")
     parser.add_argument("--microbatches", help="plan every row with this microbatch count "
                         "instead of its own, or 'auto' (the search tries several counts)")
     parser.add_argument("--no-share", action="store_true",

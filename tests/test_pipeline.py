@@ -170,26 +170,24 @@ def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
 
 
 @pytest.mark.parametrize("levels", ["price", "limit"])
-def test_layer_footprint_is_what_the_stage_memory_counts(levels, monkeypatch):
+def test_layer_footprint_is_what_the_stage_memory_counts(levels):
     """The footprint the leaner memory levels price (or limit) in a layer's ILP is exactly
     what `stage_memory` counts of that layer: state + accumulated gradients + the kept
     activations of every microbatch in flight. Priced levels are ever leaner and never
     faster, down to about the least footprint; a limited level stays under its limit."""
     from autopar.graph import tied_state
-    from autopar.inter import _levels
     from autopar.inter._layer_table import LayerCostTable
     from autopar.inter._levels import LEVEL_FRACTIONS, NUM_LEVELS
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
 
-    monkeypatch.setattr(_levels, "LEVELS", levels)
     opt = optax.adamw(LR)
     graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     layers = assign_layers(graph)
     table = LayerCostTable(graph, layers, autopar.Cluster.from_profile("dgx-a100-80g"),
                            ShardOptions(), tied_state(graph, (0,)), num_microbatches=4,
-                           in_flight=lambda shape: 3)
+                           in_flight=lambda shape: 3, memory_levels=levels)
 
     def held(c):
         return c.state_memory + c.gradient_memory + 3 * c.activation_memory
@@ -275,6 +273,7 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     the budget: the stage DP takes leaner layer plans (a lower memory level) instead of
     giving up, and the stage then fits."""
     from autopar.graph import tied_state
+    from autopar.inter import StageOptions
     from autopar.inter._choose import choose_stages
     from autopar.inter.passes._layers import assign_layers
     from autopar.intra._options import ShardOptions
@@ -287,9 +286,9 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
 
     def one_stage(budget, remat="none"):
-        choice = choose_stages(graph, layers, cluster, 4, "1f1b",
-                               ShardOptions(memory_budget=budget), tied, num_stages=1,
-                               logical_shapes=[(8,)], remat=remat)
+        choice = choose_stages(graph, layers, cluster, 4, tied, StageOptions(
+            shard=ShardOptions(memory_budget=budget), num_stages=1, logical_shapes=[(8,)],
+            remat=remat))
         return choice.dp.stage_costs[0]
 
     fastest = one_stage(None)

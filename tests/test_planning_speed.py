@@ -32,19 +32,17 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8
     """The stage choice on one host's submeshes of `devices` GPUs each (on
     `logical_shapes`, default every shape of each), and its table; undoes `monkeypatch`
     after."""
-    from autopar.inter import _stage_fit, choose_stages, layer_cost_table
+    from autopar.inter import StageOptions, _stage_fit, choose_stages, layer_cost_table
     from autopar.intra._options import ShardOptions
 
     if not prune:  # no shape or level is known to lose: every one is solved
         monkeypatch.setattr(_stage_fit, "_lower_bound", lambda *args: -math.inf)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    options = ShardOptions(memory_budget=budget)
-    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
-    choice = choose_stages(
-        graph, layers, cluster, 4, "1f1b", options, tied, table=table,
-        submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
-        logical_shapes=logical_shapes,
-    )
+    options = StageOptions(shard=ShardOptions(memory_budget=budget),
+                           submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
+                           logical_shapes=logical_shapes)
+    table = layer_cost_table(graph, layers, cluster, 4, options, tied)
+    choice = choose_stages(graph, layers, cluster, 4, tied, options, table=table)
     monkeypatch.undo()
     return choice, table
 
@@ -75,16 +73,17 @@ def test_pruned_shapes_give_the_same_plan_with_fewer_ilps(monkeypatch):
 
 def _bound_search(graph, layers, tied, budget, monkeypatch, prune: bool, table=None,
                   logical_shapes=None):
-    from autopar.inter import _stage_costs, choose_stages, layer_cost_table
+    """The stage choice with or without cutting stages off by a known plan
+    (`StageOptions.prune_by_bound`), and its table; undoes `monkeypatch` after."""
+    from autopar.inter import StageOptions, choose_stages, layer_cost_table
     from autopar.intra._options import ShardOptions
 
-    monkeypatch.setattr(_stage_costs, "PRUNE_BY_BOUND", prune)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    options = ShardOptions(memory_budget=budget)
+    options = StageOptions(shard=ShardOptions(memory_budget=budget),
+                           logical_shapes=logical_shapes, prune_by_bound=prune)
     if table is None:
-        table = layer_cost_table(graph, layers, cluster, 4, "1f1b", options, tied)
-    choice = choose_stages(graph, layers, cluster, 4, "1f1b", options, tied,
-                           table=table, logical_shapes=logical_shapes)
+        table = layer_cost_table(graph, layers, cluster, 4, options, tied)
+    choice = choose_stages(graph, layers, cluster, 4, tied, options, table=table)
     monkeypatch.undo()
     return choice, table
 
@@ -98,7 +97,7 @@ def _same_choice(a, b):
 
 
 def test_bound_pruning_keeps_the_tiny_gpt_plan(monkeypatch):
-    """`choose_stages` with stages cut off by the best even plan (`PRUNE_BY_BOUND`) makes
+    """`choose_stages` with stages cut off by the best even plan (`prune_by_bound`) makes
     the choice of the full search on every submesh of a dgx-a100-80g host with 1-D
     meshes (the layer ILPs shared: the same costs in both), and asks the DP's cost
     function about fewer shapes. (The extended test below: 2-D meshes too, under a
@@ -202,6 +201,7 @@ class _FakeTable:
 
     solve = None
     cluster = None
+    memory_levels = "price"
 
     def __init__(self, rng, num_layers, shapes):
         self.base = {(k, s): (rng.uniform(1, 2), rng.uniform(4, 8))
@@ -274,7 +274,7 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
-    """The stage DP with stages cut off by a known plan (`PRUNE_BY_BOUND`: the best even
+    """The stage DP with stages cut off by a known plan (`prune_by_bound`: the best even
     plan's latency and the least work of the other layers, `_StageCosts.latency_cutoff`)
     finds the plan of the full search -- stages, submeshes, shapes, levels, remat and
     latency -- on made-up tables of 8 layers on 2 hosts of 4 devices with positions and
@@ -328,12 +328,11 @@ def test_ranges_of_equal_content_share_their_fits():
     same order, with the same state shared at the same places (the tied embedding: only
     ranges holding both its readers); `choose_remat` and `_lower_bound` computed once per
     key give what each range computes on its own, under a budget that needs recompute."""
-    from autopar.inter import _stage_fit, layer_cost_table
-    from autopar.intra._options import ShardOptions
+    from autopar.inter import StageOptions, _stage_fit, layer_cost_table
 
     graph, layers, tied = _tiny_gpt_graph()
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    table = layer_cost_table(graph, layers, cluster, 4, StageOptions(), tied)
     n = layers.num_layers
     ranges = [range(a, b) for a in range(n) for b in range(a + 1, n + 1)]
     for r in ranges:
@@ -363,7 +362,7 @@ def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
     """The table keeps each layer plan's specs only for the variables its layer graph
     touches (`_CompactSpecs`); they read as the full tuple `plan_on_mesh` returns:
     indexing (negative too), slicing, iteration, length, equality."""
-    from autopar.inter import layer_cost_table
+    from autopar.inter import StageOptions, layer_cost_table
     from autopar.inter._compact_specs import _CompactSpecs
     from autopar.inter._layer_graphs import _tied_in
     from autopar.intra import plan_on_mesh
@@ -371,7 +370,7 @@ def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
 
     graph, layers, tied = _tiny_gpt_graph()
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    table = layer_cost_table(graph, layers, cluster, 4, "1f1b", ShardOptions(), tied)
+    table = layer_cost_table(graph, layers, cluster, 4, StageOptions(), tied)
     layer, shape = 1, (2, 2)
     kept = table.plan(layer, shape)
     assert isinstance(kept.var_specs, _CompactSpecs)

@@ -112,18 +112,17 @@ def test_a_table_with_a_reference_prices_instead_of_solving():
     each a feasible plan's cost, no less than its own ILP's and equal where both choose
     alike. What the reference has not solved it solves itself (as much work, and exact).
     Once it forgets the priced costs, it answers as a table of its own."""
-    from autopar.inter import layer_cost_table
-    from autopar.intra._options import ShardOptions
+    from autopar.inter import StageOptions, layer_cost_table
 
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    options = ShardOptions()
+    options = StageOptions()
     whole, whole_layers, whole_tied = _layer_graphs(16)
     half, layers, tied = _layer_graphs(8)
-    reference = layer_cost_table(whole, whole_layers, cluster, 1, "1f1b", options,
+    reference = layer_cost_table(whole, whole_layers, cluster, 1, options,
                                  whole_tied, keep_layouts=True)
-    shared = layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied,
+    shared = layer_cost_table(half, layers, cluster, 2, options, tied,
                               reference=reference)
-    own = layer_cost_table(half, layers, cluster, 2, "1f1b", options, tied)
+    own = layer_cost_table(half, layers, cluster, 2, options, tied)
     shapes = [(2,), (2, 4), (8,)]
     for layer in range(layers.num_layers):
         for shape in shapes:

@@ -1,9 +1,9 @@
 """Pipeline parallelism: an `OpGraph` traced at microbatch size in, stages out.
 
 In: the graph (with `layer_boundary` marks, or cut automatically), a `Cluster`, the number
-of microbatches, the schedule and the single-mesh planner's options. Out: a
-`PipelineChoice`: layer ranges on submeshes, each stage's logical mesh shape and its
-`ShardingPlan` (the `plan`/`search` parts turn it into a `Plan`).
+of microbatches and `StageOptions` (the schedule, the single-mesh planner's options, ...).
+Out: a `PipelineChoice`: layer ranges on submeshes, each stage's logical mesh shape and
+its `ShardingPlan` (the `plan`/`search` parts turn it into a `Plan`).
 
 - `passes/`: graph passes (layers, automatic layers, per-stage partition, deferred
   gradient reductions);
@@ -19,6 +19,7 @@ of microbatches, the schedule and the single-mesh planner's options. Out: a
 - `_range_cache`: figures shared by layer ranges of equal content;
 - `_stage_fit`: a stage's layers at the fastest level and remat choice that fit;
 - `_stage_costs`: the stage DP's cost callback, pruned by a plan known to exist;
+- `_options`: `StageOptions`, how the stage DP searches, handed over as one record;
 - `_choose`: `choose_stages`, which runs the DP and plans each chosen stage;
 - `_stitch`: one `ShardingPlan` for a stage from its layers' plans.
 """
@@ -31,6 +32,7 @@ from autopar.inter._choose import (
 )
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._levels import LEVEL_FRACTIONS, LEVEL_PRICES
+from autopar.inter._options import StageOptions
 from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
 from autopar.inter._stitch import stitch
 from autopar.inter._submesh import (
@@ -63,6 +65,7 @@ __all__ = [
     "PLANNING_PHASES",
     "PipelineChoice",
     "StageCost",
+    "StageOptions",
     "StagePlan",
     "SubmeshShape",
     "accumulated_values",

@@ -26,9 +26,9 @@ from autopar.cost import (
     stage_recompute_seconds,
 )
 from autopar.graph import OpGraph
-from autopar.inter import _stage_costs
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
+from autopar.inter._options import StageOptions
 from autopar.inter._stage_costs import (
     _bound_by_even_plans,
     _least_work,
@@ -39,7 +39,6 @@ from autopar.inter._stage_dp import StagePlan, plan_stages
 from autopar.inter._submesh import SubmeshShape, submesh_shapes
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
-from autopar.intra._options import ShardOptions
 from autopar.intra._sharding_plan import ShardingPlan
 
 log = logging.getLogger("autopar")
@@ -84,55 +83,51 @@ def choose_stages(
     layers: LayerAssignment,
     cluster,
     num_microbatches: int,
-    schedule: str,
-    options: ShardOptions,
     tied: Sequence[tuple[int, int]],
+    options: StageOptions,
     *,
-    num_stages: int | None = None,
-    submeshes: Sequence[SubmeshShape] | None = None,
-    logical_shapes: Sequence[tuple[int, ...]] | None = None,
     allowed=None,
     range_shapes=None,
-    remat: str = "auto",
     table: LayerCostTable | None = None,
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
 
     Steps: layer costs per mesh shape (`LayerCostTable`), the cost of a stage on a submesh
     (`_StageCosts`), Alpa's DP (`plan_stages`), each chosen stage's plan stitched from its
-    layers' plans (`_stage_plans`). `allowed(start, end) -> bool`, when given, rules out
+    layers' plans (`_stage_plans`). `options` says how (`StageOptions`: the layer ILPs'
+    options, the schedule, fixed stages, submeshes or shapes, remat, memory levels,
+    pruning). `allowed(start, end) -> bool`, when given, rules out
     the stages whose layer range it rejects (e.g. uneven slices of a scanned stack);
     `range_shapes(start, end)`, when given, names the only logical mesh shapes a stage of
     those layers may take (None: any). `table`: the layer costs of an earlier call with
     the same arguments (`layer_cost_table`), so that a re-run with other restrictions
     solves no layer ILP twice.
     """
-    budget = memory_budget(cluster, options.memory_budget)
+    schedule, logical_shapes = options.schedule, options.logical_shapes
+    budget = memory_budget(cluster, options.shard.memory_budget)
     start_time = time.perf_counter()
     if table is None:
-        table = layer_cost_table(
-            graph, layers, cluster, num_microbatches, schedule, options, tied
-        )
+        table = layer_cost_table(graph, layers, cluster, num_microbatches, options, tied)
     before = (table.num_ilps, table.ilp_seconds, table.num_hits, table.num_priced)
     clustering = time.perf_counter() - start_time
-    all_submeshes = list(submeshes) if submeshes else submesh_shapes(
+    all_submeshes = list(options.submeshes) if options.submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
     crossing = boundary_bytes(graph, layers)
     stage_cost = inner = _StageCosts(
-        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget, remat,
-        crossing,
+        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget,
+        options.remat, crossing, prune=options.prune_by_bound,
     )
     restricted = allowed is not None or range_shapes is not None
     if restricted:
         stage_cost = _Restricted(stage_cost, allowed, range_shapes)
     start_time = time.perf_counter()
-    if _stage_costs.PRUNE_BY_BOUND:
+    if options.prune_by_bound:
         _bound_search(inner, stage_cost, table, layers.num_layers, cluster, all_submeshes,
-                      logical_shapes, num_stages, restricted)
+                      logical_shapes, options.num_stages, restricted)
     dp = plan_stages(
         layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
-        num_microbatches, submeshes=all_submeshes, num_stages=num_stages,
+        num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
         memory_budget=budget, num_positions=stage_cost.num_positions,
     )
     dp_seconds = time.perf_counter() - start_time
@@ -235,9 +230,8 @@ def plan_chosen_stages(
     layers: LayerAssignment,
     cluster,
     num_microbatches: int,
-    schedule: str,
-    options: ShardOptions,
     tied: Sequence[tuple[int, int]],
+    options: StageOptions,
     stage_layers: Sequence[tuple[int, int]],
     chosen: PipelineChoice,
     *,
@@ -250,7 +244,7 @@ def plan_chosen_stages(
     `autopar.inter.passes.scan_layers`). `stage_remat`: per stage, per layer of `graph`,
     its remat choice (default: `chosen`'s); the recompute it adds is priced on `graph` (a
     sub-scan whose body is checkpointed has it in its own cost already)."""
-    table = layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied)
+    table = layer_cost_table(graph, layers, cluster, num_microbatches, options, tied)
     stage_layers = tuple(tuple(r) for r in stage_layers)
     part = partition(graph, layers, list(stage_layers))
     plans = _stage_plans(table, graph, part, chosen.dp, stage_layers, tied)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 
+from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
 from autopar.graph import OpGraph, Role, stored_residuals
@@ -34,6 +35,7 @@ from autopar.inter._layer_pricing import (
     price_remat,
 )
 from autopar.inter._levels import level_steps
+from autopar.inter._options import StageOptions
 from autopar.inter._stitch import stitch
 from autopar.inter.passes._deferred import gradient_roots, step_weights
 from autopar.inter.passes._layers import LayerAssignment
@@ -64,6 +66,7 @@ class LayerCostTable:
         in_flight=None,
         reference: LayerCostTable | None = None,
         keep_layouts: bool = False,
+        memory_levels: MemoryLevels = "price",
     ):
         """Layers are planned per microbatch: what runs once per step (the update, the
         deferred gradient reductions) weighs 1/`num_microbatches`.
@@ -81,7 +84,12 @@ class LayerCostTable:
         work, and exact) or the layout does not apply (a split these shapes do not divide,
         other operations, or over the memory budget). A priced cost is a feasible plan's,
         so no less than the ILP's optimum here; `forget_priced` drops them (issue 18:
-        `num_microbatches="auto"` searches several counts)."""
+        `num_microbatches="auto"` searches several counts).
+
+        `memory_levels`: how a leaner level is made (`StageOptions.memory_levels`,
+        `autopar.inter._levels`)."""
+        check_choice("memory_levels", memory_levels, MEMORY_LEVELS)
+        self.memory_levels = memory_levels
         self.cluster = cluster
         self.in_flight = in_flight or (lambda shape: 1)
         if reference is not None and reference.per_layer.num_stages != layers.num_layers:
@@ -134,7 +142,7 @@ class LayerCostTable:
         """The layer's cost on a mesh of `shape`; None when it cannot fit.
 
         Level 0 is the layer's fastest plan. At level L > 0 the layer's ILP also prices
-        (or limits, `LEVELS`) the layer's footprint on a stage (`footprint`: its state,
+        (or limits, by `memory_levels`) the layer's footprint on a stage (`footprint`: its state,
         accumulated gradients and the kept activations of the microbatches in flight):
         a leaner plan for stages whose fastest layer plans together do not fit, at a peak
         no higher than the fastest plan's. A layer that cannot get leaner (no footprint
@@ -512,10 +520,11 @@ class LayerCostTable:
         )
 
 
-def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options, tied, *,
+def layer_cost_table(graph, layers, cluster, num_microbatches, options: StageOptions, tied, *,
                      reference=None, keep_layouts=False):
-    """The `LayerCostTable` `choose_stages` plans with (hand it back to re-run the DP);
-    `reference` and `keep_layouts` as `LayerCostTable` takes them."""
+    """The `LayerCostTable` `choose_stages` plans with under `options` (hand it back to
+    re-run the DP); `reference` and `keep_layouts` as `LayerCostTable` takes them."""
+    schedule = options.schedule
 
     def in_flight(shape) -> int:
         # The layer ILPs' estimate of the activations in flight (a weight in the footprint
@@ -526,6 +535,7 @@ def layer_cost_table(graph, layers, cluster, num_microbatches, schedule, options
         return in_flight_microbatches(schedule, num_microbatches, later)
 
     return LayerCostTable(
-        graph, layers, cluster, options, tied, num_microbatches=num_microbatches,
+        graph, layers, cluster, options.shard, tied, num_microbatches=num_microbatches,
         in_flight=in_flight, reference=reference, keep_layouts=keep_layouts,
+        memory_levels=options.memory_levels,
     )

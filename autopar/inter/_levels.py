@@ -1,9 +1,10 @@
 """Memory levels: leaner layer plans for stages whose fastest layer plans do not fit.
 
 In: a `LayerCostTable` and a (layer, logical mesh shape, level). Out: the ILP(s) that plan
-the layer at that level and its cost there (`level_steps`). `LEVELS` says how a level is
-made leaner (a price on the footprint, or a limit row); `autopar.inter._stage_fit` walks
-the levels of a stage's layers until they fit together.
+the layer at that level and its cost there (`level_steps`). The table's `memory_levels`
+(`StageOptions.memory_levels`) says how a level is made leaner (a price on the
+footprint, or a limit row); `autopar.inter._stage_fit` walks the levels of a stage's
+layers until they fit together.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 # not fit together where leaner ones (state, gradients and activations split further) do.
 # A leaner level trades latency for the layer's footprint on the stage (state, accumulated
 # gradients, kept activations of the microbatches in flight: what `stage_memory` sums over
-# the layers), in one of two ways (`LEVELS`):
+# the layers), in one of two ways (`StageOptions.memory_levels`, a `LayerCostTable`'s):
 # - "price" (the default): level L's ILP pays LEVEL_PRICES[L] x (fastest plan's seconds /
 #   (fastest - least footprint)) per byte of footprint in its objective, no limit row
 #   (`with_footprint_price`): at price 1, giving up the whole span is worth the layer's
@@ -27,7 +28,6 @@ from __future__ import annotations
 #   least) with a row; any point of the trade-off, each a harder MIP. `choose_stages`
 #   jumps to the level the stage's excess memory asks for, then steps down while the
 #   stage still does not fit.
-LEVELS = "price"
 LEVEL_PRICES = (0.0, 0.05, 0.2, 0.5, 1.0, 2.0, 5.0, 20.0, 100.0, 1e4)
 LEVEL_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4, 0.3, 0.2, 0.12, 0.06, 0.02)
 NUM_LEVELS = len(LEVEL_PRICES)
@@ -43,9 +43,9 @@ def level_steps(table, layer: int, shape, level: int):
     level one at a time, sent each one's solution (or the exception its solve raised); it
     returns (cost, (plan, graph solved on)), or (None, None) when none fits.
 
-    Level 0 is the layer's fastest plan. A leaner level prices (or limits, `LEVELS`) the
-    layer's footprint at no higher peak than the fastest plan's; a layer that cannot get
-    leaner keeps its plan of the level below."""
+    Level 0 is the layer's fastest plan. A leaner level prices (or limits, by the table's
+    `memory_levels`) the layer's footprint at no higher peak than the fastest plan's; a
+    layer that cannot get leaner keeps its plan of the level below."""
     if level == 0:
         return (yield from table._solve_steps(layer, shape, footprint_budget=None))
     if table.cost(layer, shape) is None or table.solve is not None:
@@ -58,7 +58,7 @@ def level_steps(table, layer: int, shape, level: int):
     # No higher peak than the fastest plan's: see `Footprint.peak_budget`.
     fastest = table.solved_plan(layer, shape, 0)[0]
     peak = fastest.cost.memory_per_device * (1 + PEAK_TOLERANCE)
-    if LEVELS == "price":
+    if table.memory_levels == "price":
         price = LEVEL_PRICES[level] * fastest.cost.total / (at_fastest - least)
         solved = yield from table._solve_steps(layer, shape, footprint_budget=None,
                                                price=price)

@@ -5,7 +5,7 @@ memory budget. Out: `_StageCosts`, the callback `plan_stages` asks: the fastest 
 mesh shape, memory level and remat choice at which a stage's layers fit (`StageCost`),
 its transfer in and dispatch included. A plan known to exist (`_bound_by_even_plans`)
 and the layers' least work (`_least_work`) cut off stages that cannot be part of a plan
-as fast (`PRUNE_BY_BOUND`).
+as fast (`StageOptions.prune_by_bound`).
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class _StageCosts:
     # Per layer k: bytes of the forward values crossing into layer k from earlier layers,
     # moved to a stage starting at k once per microbatch (`boundary_transfer_time`).
     boundary: Sequence[float] = ()
+    # Cut off stages by a plan known to exist (`StageOptions.prune_by_bound`; False costs
+    # every stage in full, to check that the pruned search finds the full one's plan).
+    prune: bool = True
 
     # The pipeline latency (the DP's objective, `sum t + (B - 1) max t`) of a plan known
     # to exist (`_bound_by_even_plans`); inf: none known.
@@ -233,7 +236,7 @@ class _StageCosts:
         none), as a cutoff for the walks that solve: a shape that cannot beat a fit on
         another is not walked further."""
         known = math.inf
-        if PRUNE_BY_BOUND and len(order) > 1:
+        if self.prune and len(order) > 1:
             for _, _rank, shape, lower in order:
                 if lower >= min(hopeless, known):
                     continue
@@ -275,9 +278,6 @@ class _StageCosts:
         return best
 
 
-# Prune the stage DP's stages by a plan known to exist (`_StageCosts.bound`); the tests
-# switch it off to check that the pruned search finds the plan of the full one.
-PRUNE_BY_BOUND = True
 # `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
 # known one by more than this (relative), far above rounding.
 BOUND_MARGIN = 1e-6

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 from autopar.cost import LayerCost, StageMemory, stage_memory_parts
-from autopar.inter import _levels
 from autopar.inter._layer_table import LayerCostTable
 from autopar.inter._levels import LEVEL_FRACTIONS, NUM_LEVELS
 from autopar.inter._range_cache import _all_solved, _prefetch, _range_cached
@@ -148,9 +147,10 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     has no plan on that mesh.
 
     From level 0 (each layer's fastest plan, with `choose_remat`) it walks the leaner
-    levels in order (price levels, `LEVELS`), or jumps to the level whose footprint limit
-    removes the stage's excess without recompute (limit levels: each layer giving up the
-    same fraction of what it can give) and steps down from there, while it does not fit;
+    levels in order (price levels, the table's `memory_levels`), or jumps to the level
+    whose footprint limit removes the stage's excess without recompute (limit levels:
+    each layer giving up the same fraction of what it can give) and steps down from
+    there, while it does not fit;
     every level visited is also tried with recompute, and the fastest fit wins (a leaner
     sharding costs communication, recompute costs forward work).
 
@@ -172,7 +172,7 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         return first_fit
     if _lower_bound(table, layer_range, shape, 0) >= cutoff:
         return None
-    if _levels.LEVELS == "price":
+    if table.memory_levels == "price":
         return _priced_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
                            solved_only, first_fit)
     return _limited_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,

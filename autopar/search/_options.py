@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autopar.choices import (
+    MEMORY_LEVELS,
     METHODS,
     REMAT_OPTIONS,
     SCHEDULE_OPTIONS,
     SOLVERS,
+    MemoryLevels,
     Method,
     RematOption,
     ScheduleOption,
@@ -64,11 +66,17 @@ class PlanOptions:
       DP chooses per layer, recomputing only where a stage would not fit otherwise),
       "none", "selective" (the attention core) or "full" (all but the layer input).
 
-    How the pipeline search saves work (method "auto"; each off finds the same plan, or
-    one no slower, at more planning time; they exist to compare):
+    How the pipeline search works (method "auto"; the defaults are the planner's, the
+    others exist to compare):
     - `share_layouts`: with several microbatch counts, solve the layer ILPs of one count
       and price its layouts for the others (the count kept is searched again on its own
-      layouts); False searches every count in full.
+      layouts); False searches every count in full (the same plan or one no slower, at
+      more planning time).
+    - `prune_by_bound`: cut off stages that cannot be part of a plan as fast as the best
+      even plan; False costs every stage (the same plan, more solves).
+    - `memory_levels`: how a stage's layer plans get leaner when they do not fit
+      together: "price" (a price on the footprint) or "limit" (a footprint limit row,
+      each a harder MIP).
     """
 
     method: Method = "auto"
@@ -87,6 +95,8 @@ class PlanOptions:
     num_layers: int = 8
     remat: RematOption = "auto"
     share_layouts: bool = True
+    prune_by_bound: bool = True
+    memory_levels: MemoryLevels = "price"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -111,6 +121,7 @@ class PlanOptions:
             )
         check_choice("solver", self.solver, SOLVERS)
         check_choice("remat", self.remat, REMAT_OPTIONS)
+        check_choice("memory_levels", self.memory_levels, MEMORY_LEVELS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

@@ -35,6 +35,7 @@ from autopar.choices import Schedule
 from autopar.graph import OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
     PipelineChoice,
+    StageOptions,
     SubmeshShape,
     assign_layers,
     auto_layers,
@@ -195,19 +196,21 @@ class _PipelineSearch:
         # The stage DP's problem: interleaved 1F1B is searched as p·v stages on a cluster
         # v times as large (`interleaved_search`), each stage with 1/v of the budget.
         self.interleaved = options.schedule == "interleaved_1f1b" and options.virtual_stages > 1
-        self.dp_cluster, self.dp_single = cluster, self.single
-        self.num_stages = options.num_stages
-        self.submeshes = None
+        dp_single, num_stages, submeshes = self.single, options.num_stages, None
         if options.submeshes is not None:
-            self.submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
+            submeshes = [SubmeshShape(h, d) for h, d in options.submeshes]
+        self.dp_cluster = cluster
         if self.interleaved:
-            self.dp_cluster, self.dp_single, self.num_stages, self.submeshes = (
-                interleaved_search(cluster, self.single, options.virtual_stages,
-                                   options.num_stages))
-        # The stage DP's memory model: 1F1B's activations in flight for the schedules that
-        # keep as many (zero bubble; "auto" chooses among those) and for the chunks of an
-        # interleaved pipeline searched as p·v stages.
-        self.dp_schedule = dp_schedule(options.schedule)
+            self.dp_cluster, dp_single, num_stages, submeshes = interleaved_search(
+                cluster, self.single, options.virtual_stages, options.num_stages)
+        # The stage DP's options. Its memory model: 1F1B's activations in flight for the
+        # schedules that keep as many (zero bubble; "auto" chooses among those) and for the
+        # chunks of an interleaved pipeline searched as p·v stages (`dp_schedule`).
+        self.stage_options = StageOptions(
+            shard=dp_single, schedule=dp_schedule(options.schedule), num_stages=num_stages,
+            submeshes=submeshes, logical_shapes=options.logical_shapes, remat=options.remat,
+            memory_levels=options.memory_levels, prune_by_bound=options.prune_by_bound,
+        )
         self.num_auto_layers: int | None = None
         self.scan_length: int | None = None
         self.errors: dict[int, ValueError] = {}
@@ -371,18 +374,15 @@ class _PipelineSearch:
         tied = tied_state(mb_graph, options.donate_argnums)
         if table is None:
             table = layer_cost_table(mb_graph, layers, self.dp_cluster, num_micro,
-                                     self.dp_schedule, self.dp_single, tied,
-                                     reference=reference, keep_layouts=keep_layouts)
+                                     self.stage_options, tied, reference=reference,
+                                     keep_layouts=keep_layouts)
             if reference is not None:
                 self.traced[num_micro] = (mb_graph, layers, table)
         else:
             table.forget_priced()
         self.table = table
-        stage_dp = functools.partial(
-            choose_stages, mb_graph, layers, self.dp_cluster, num_micro, self.dp_schedule,
-            self.dp_single, tied, num_stages=self.num_stages, submeshes=self.submeshes,
-            logical_shapes=options.logical_shapes, remat=options.remat, table=table,
-        )
+        stage_dp = functools.partial(choose_stages, mb_graph, layers, self.dp_cluster,
+                                     num_micro, tied, self.stage_options, table=table)
         allowed = None
         if self.scan_length is not None:
             allowed = even_shares(self.scan_length, options.num_stages or self.cluster.num_devices)
@@ -426,16 +426,17 @@ class _PipelineSearch:
             try:
                 dp_cluster, single, num_stages, submeshes = interleaved_search(
                     cluster, self.single, v, p)
+                stage_options = dataclasses.replace(
+                    self.stage_options, shard=single, schedule="1f1b", num_stages=num_stages,
+                    submeshes=submeshes,
+                )
                 tied = tied_state(mb_graph, options.donate_argnums)
                 table = None if reference is None else layer_cost_table(
-                    mb_graph, layers, dp_cluster, num_micro, "1f1b", single, tied,
+                    mb_graph, layers, dp_cluster, num_micro, stage_options, tied,
                     reference=reference,
                 )
-                choice = choose_stages(
-                    mb_graph, layers, dp_cluster, num_micro, "1f1b", single, tied,
-                    num_stages=num_stages, submeshes=submeshes,
-                    logical_shapes=options.logical_shapes, remat=options.remat, table=table,
-                )
+                choice = choose_stages(mb_graph, layers, dp_cluster, num_micro, tied,
+                                       stage_options, table=table)
                 choice = fold(choice, p, cluster.num_devices)
             except ValueError as err:
                 log.info("%d microbatch(es), interleaved v=%d: no plan (%s)", num_micro, v,
@@ -463,11 +464,12 @@ class _PipelineSearch:
         stage_layers, stage_remat, piece_remat = regrouped_layers(choice, ranges, length)
         graph = _trace_microbatch(self.fn, self.args, self.options, best.num_microbatches,
                                   None, ranges, piece_remat)
+        stage_options = dataclasses.replace(self.stage_options, shard=self.single,
+                                            schedule=dp_schedule(best.schedule))
         regrouped = plan_chosen_stages(
             graph, assign_layers(graph), self.cluster, best.num_microbatches,
-            dp_schedule(best.schedule), self.single,
-            tied_state(graph, self.options.donate_argnums), stage_layers, choice,
-            stage_remat=stage_remat,
+            tied_state(graph, self.options.donate_argnums), stage_options, stage_layers,
+            choice, stage_remat=stage_remat,
         )
         return dataclasses.replace(best, choice=regrouped, graph=graph), ranges
 
