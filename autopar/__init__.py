@@ -7,6 +7,11 @@ def train_step(state, batch):
     ...
 ```
 
+The top level holds what a user calls; everything else is reached through its part
+(`autopar.graph.trace`, `autopar.cluster.LogicalMesh`, `autopar.report.explain`,
+`autopar.manual.MegatronConfig`, `autopar.app.AutoParallel`, ...). A plan explains and
+compares itself: `plan.explain()`, `plan.diff(other)`.
+
 This module only re-exports. The parts form a line, each importing only parts before it
 (`tests/test_layering.py` checks it):
 
@@ -16,6 +21,7 @@ This module only re-exports. The parts form a line, each importing only parts be
     cost       the cost model: collectives, compute, pipeline latency, stage memory
     profile    measure this machine into a cost profile
     intra      operator parallelism: sharding rules, strategies, the ILP
+    errors     the exceptions a user may catch (MemoryBudgetError)
     inter      pipeline parallelism: graph passes, submeshes, the stage DP
     plan       Plan: plain data, JSON
     search     plan(): options, microbatches, the pipeline search, the plan cache
@@ -28,43 +34,29 @@ This module only re-exports. The parts form a line, each importing only parts be
     app        autoparallel, the command line, the demo, the examples
 """
 
-from autopar import checkpoint, cost, distributed
+from autopar import checkpoint, distributed, errors
 from autopar._version import __version__
-from autopar.app import AutoParallel, Comparison, autoparallel, compare
-from autopar.cluster import Cluster, Link, LogicalMesh
-from autopar.graph import OpGraph, Role, grad, layer_boundary, trace, value_and_grad
-from autopar.intra import MemoryBudgetError, ShardingPlan
-from autopar.manual import MegatronConfig, megatron_grid_search, megatron_plan
+from autopar.app import autoparallel, compare
+from autopar.cluster import Cluster
+from autopar.graph import grad, layer_boundary, value_and_grad
+from autopar.manual import megatron_grid_search, megatron_plan
 from autopar.plan import Plan
-from autopar.report import diff_plans, explain
 from autopar.search import PlanOptions, plan
 
 __all__ = [
-    "AutoParallel",
     "Cluster",
-    "Comparison",
-    "Link",
-    "LogicalMesh",
-    "MegatronConfig",
-    "MemoryBudgetError",
-    "OpGraph",
     "Plan",
     "PlanOptions",
-    "Role",
-    "ShardingPlan",
     "__version__",
     "autoparallel",
-    "compare",
     "checkpoint",
-    "cost",
-    "diff_plans",
+    "compare",
     "distributed",
-    "explain",
+    "errors",
     "grad",
     "layer_boundary",
     "megatron_grid_search",
     "megatron_plan",
     "plan",
-    "trace",
     "value_and_grad",
 ]

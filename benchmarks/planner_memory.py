@@ -84,9 +84,9 @@ def main(row: str) -> None:
             held = getattr(inner, name)
             print(f"  _StageCosts.{name}: {len(held):,} entries, "
                   f"{_deep_size(held, seen) / mb:,.0f} MB")
-        built = dict(intra_planner._BUILT)
-        print(f"  built problems: {len(intra_planner._BUILT_ORDER):,}, "
-              f"{intra_planner._built_bytes / mb:,.0f} MB as the cache counts them, "
+        built = dict(intra_planner._BUILT.by_graph)
+        print(f"  built problems: {len(intra_planner._BUILT.order):,}, "
+              f"{intra_planner._BUILT.bytes / mb:,.0f} MB as the cache counts them, "
               f"{_deep_size(built, seen) / mb:,.0f} MB with what they reach", flush=True)
         return result
 

@@ -156,3 +156,20 @@ def test_cache_hit_skips_the_search_and_a_corrupt_entry_is_survived(tmp_path, mo
     assert third.specs_by_path() == first.specs_by_path(), "planning is deterministic"
     assert third.stages[0].sharding.var_specs == first.stages[0].sharding.var_specs
     assert entry.read_text().startswith("{"), "the corrupt entry was replaced"
+
+
+def test_the_top_level_is_small_and_every_name_exists():
+    assert len(autopar.__all__) <= 16, autopar.__all__
+    assert len(set(autopar.__all__)) == len(autopar.__all__)
+    missing = [name for name in autopar.__all__ if not hasattr(autopar, name)]
+    assert not missing, f"autopar.__all__ names what autopar lacks: {missing}"
+    # What left the top level is reached through its part.
+    from autopar.app import AutoParallel, Comparison  # noqa: F401
+    from autopar.cluster import Link, LogicalMesh  # noqa: F401
+    from autopar.graph import OpGraph, Role, trace  # noqa: F401
+    from autopar.intra import ShardingPlan  # noqa: F401
+    from autopar.manual import MegatronConfig  # noqa: F401
+    from autopar.report import diff_plans, explain  # noqa: F401
+
+    assert issubclass(autopar.errors.MemoryBudgetError, ValueError)
+    assert autopar.errors.MemoryBudgetError is autopar.intra.MemoryBudgetError

@@ -203,7 +203,7 @@ def test_explanation_names_tensor_parallelism_across_hosts():
     pipelined = autopar.megatron_plan(model.train_step, *args, cluster=cluster, dp=1, tp=4,
                                       pp=2, num_microbatches=4)
     assert pipelined.predicted_step_time < across.predicted_step_time
-    graph = autopar.trace(model.train_step, *microbatch_args(args, (1,), 4))
+    graph = autopar.graph.trace(model.train_step, *microbatch_args(args, (1,), 4))
     diffs = differences(across, pipelined, first_graph=graph, second_graph=graph,
                         devices_per_host=4)
     top = diffs[0]
@@ -225,7 +225,7 @@ def test_python_compare_runs_both_planners_and_explains(tmp_path):
         pp_values=(1,), sequence_parallel=(False,), distributed_optimizer=(False,),
         recompute=("none",), microbatch_sizes=(), auto_options={"num_microbatches": 1},
     )
-    assert isinstance(result, autopar.Comparison)
+    assert isinstance(result, autopar.app.Comparison)
     costed = {c.name: o for c, o in result.grid if isinstance(o, float)}
     assert result.hand.method in costed
     assert result.hand.predicted_step_time == min(costed.values())

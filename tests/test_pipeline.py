@@ -159,7 +159,7 @@ def test_small_model_large_batch_on_one_host_is_one_data_parallel_stage():
     # Every matmul reads its weight whole (no tensor parallelism). Weights may be stored
     # split and gathered once per step (ZeRO-style), which moves the same bytes as
     # all-reducing their gradients: the cost model rates the two alike.
-    graph = autopar.trace(step, *args, batch_argnums=(1,))
+    graph = autopar.graph.trace(step, *args, batch_argnums=(1,))
     splits = matmul_weight_splits(plan, graph)
     assert len(splits) >= 8
     for _, path, axes in splits:
@@ -182,7 +182,7 @@ def test_layer_footprint_is_what_the_stage_memory_counts(levels):
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
-    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    graph = autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     layers = assign_layers(graph)
     table = LayerCostTable(graph, layers, autopar.Cluster.from_profile("dgx-a100-80g"),
@@ -222,7 +222,7 @@ def test_layer_that_cannot_get_leaner_keeps_its_plan():
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
-    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    graph = autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     table = LayerCostTable(graph, assign_layers(graph),
                            autopar.Cluster.from_profile("dgx-a100-80g"), ShardOptions(),
@@ -250,7 +250,7 @@ def test_stage_of_identical_layers_costs_the_sum_of_its_layers():
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
-    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    graph = autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     layers = assign_layers(graph)
     tied = tied_state(graph, (0,))
@@ -279,7 +279,7 @@ def test_stage_that_does_not_fit_uses_leaner_layer_plans():
     from autopar.intra._options import ShardOptions
 
     opt = optax.adamw(LR)
-    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    graph = autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     layers = assign_layers(graph)
     tied = tied_state(graph, (0,))

@@ -22,7 +22,7 @@ def _tiny_gpt_graph():
     from autopar.inter.passes._layers import assign_layers
 
     opt = optax.adamw(LR)
-    graph = autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    graph = autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                           gpt.abstract_batch(GPT, 16), batch_argnums=(1,))
     return graph, assign_layers(graph), tied_state(graph, (0,))
 
@@ -376,7 +376,7 @@ def test_layer_plans_keep_compact_specs_that_read_as_the_tuple():
     assert isinstance(kept.var_specs, _CompactSpecs)
     sub = table.per_layer.stage_graphs[layer]
     fresh = plan_on_mesh(
-        sub, cluster, autopar.LogicalMesh.create(shape), ShardOptions(),
+        sub, cluster, autopar.cluster.LogicalMesh.create(shape), ShardOptions(),
         _tied_in(sub, tied) + table.chain_ties(layer), weights=table.weights[layer],
     ).var_specs
     assert isinstance(fresh, tuple) and len(kept.var_specs) == len(fresh) == len(sub.vars)

@@ -164,7 +164,7 @@ def test_route_leaves_out_unsplit_dimensions(mesh_shape, ndim):
 
 
 def test_built_problems_are_dropped_least_recently_used_first(monkeypatch):
-    """Past `BUILT_CACHE_BYTES` the least recently used problem is dropped (a look-up
+    """Past the cache's limit the least recently used problem is dropped (a look-up
     counts as a use) and counted out; a plan of a dropped problem, built again, is the
     plan solved before."""
     from autopar.intra import _planner
@@ -172,28 +172,68 @@ def test_built_problems_are_dropped_least_recently_used_first(monkeypatch):
     graph = _gpt()
     cluster = _cluster()
     meshes = [LogicalMesh.create(shape) for shape in ((2,), (4,), (8,))]
-    monkeypatch.setattr(_planner, "_BUILT_ORDER", type(_planner._BUILT_ORDER)())
-    monkeypatch.setattr(_planner, "_built_bytes", 0)
-    monkeypatch.setattr(_planner, "BUILT_CACHE_BYTES", float("inf"))
-    _planner._BUILT.pop(graph, None)
+    cache = _planner._BuiltProblems(float("inf"))
+    monkeypatch.setattr(_planner, "_BUILT", cache)
     first = [_planner.plan_on_mesh(graph, cluster, mesh) for mesh in meshes]
-    sizes = [size for _, size in _planner._BUILT_ORDER.values()]
-    assert len(sizes) == 3 and _planner._built_bytes == sum(sizes)
+    sizes = [size for _, _, size in cache.order.values()]
+    assert len(sizes) == 3 and cache.bytes == sum(sizes)
     _planner.plan_on_mesh(graph, cluster, meshes[0])  # (2,) used again: (4,) is the oldest
     budget = sum(sizes) - 1
-    monkeypatch.setattr(_planner, "BUILT_CACHE_BYTES", budget)
+    cache.limit = budget
     again = _planner.plan_on_mesh(graph, cluster, LogicalMesh.create((2, 4)))
-    kept = [key[0] for _, key in _planner._BUILT_ORDER]
+    kept = [key[0] for _, key, _ in cache.order.values()]
     assert kept[-1] == LogicalMesh.create((2, 4))
     lru = [meshes[1], meshes[2], meshes[0]]  # least recently used first
     dropped = [m for m in lru if m not in kept]
     assert dropped and dropped == lru[:len(dropped)]
     assert set(kept[:-1]) == set(lru[len(dropped):])
-    assert {key[0] for key in _planner._BUILT[graph]} == set(kept)
-    assert _planner._built_bytes == sum(size for _, size in _planner._BUILT_ORDER.values())
-    assert _planner._built_bytes <= budget or len(kept) == 1
+    assert {key[0] for key in cache.by_graph[graph]} == set(kept)
+    assert cache.bytes == sum(size for _, _, size in cache.order.values())
+    assert cache.bytes <= budget or len(kept) == 1
     assert again.var_specs  # planned
     rebuilt = _planner.plan_on_mesh(graph, cluster, meshes[1])
     assert rebuilt.var_specs == first[1].var_specs
     assert rebuilt.cost == first[1].cost
-    _planner._BUILT.pop(graph, None)
+
+
+def test_a_freed_graph_is_counted_out_without_hashing_its_keys(monkeypatch):
+    """A graph's built problems leave the count when the graph is freed, and the weak
+    reference's callback hashes no key: at interpreter exit a key's `Cluster` may no
+    longer hash (its modules cleared), and Python printed "Exception ignored" there."""
+    import gc
+    import sys
+    from types import SimpleNamespace
+
+    from autopar.intra import _planner
+
+    class Graph:
+        pass
+
+    class Key:
+        poisoned = False
+
+        def __hash__(self):
+            if Key.poisoned:
+                raise TypeError("'NoneType' object is not callable")
+            return 1
+
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    problem = SimpleNamespace(node_costs=(np.zeros(10),), edge_costs=(), node_memory=(),
+                              footprint=())
+    cache = _planner._BuiltProblems(float("inf"))
+    graph, other = Graph(), Graph()
+    built = SimpleNamespace(problem=problem, ilp_nodes=())
+    cache.keep(graph, Key(), built)
+    cache.keep(graph, Key(), built)
+    cache.keep(other, Key(), built)
+    assert cache.bytes == 3 * 80 and len(cache.order) == 3
+    Key.poisoned = True
+    try:
+        del graph
+        gc.collect()
+    finally:
+        Key.poisoned = False
+    assert not raised, [r.exc_value for r in raised]
+    assert len(cache.order) == 1 and cache.bytes == 80
+    assert list(cache.by_graph) == [other]

@@ -20,7 +20,7 @@ LR = 1e-2
 
 def _graph(rows: int):
     opt = optax.adamw(LR)
-    return autopar.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
+    return autopar.graph.trace(gpt.make_train_step(GPT, opt), gpt.abstract_state(GPT, opt),
                          gpt.abstract_batch(GPT, rows), batch_argnums=(1,))
 
 
@@ -37,7 +37,7 @@ def _solved(graph, cluster, shape):
     from autopar.intra._ilp import solve
     from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 
-    prepared = prepare_on_mesh(graph, cluster, autopar.LogicalMesh.create(shape))
+    prepared = prepare_on_mesh(graph, cluster, autopar.cluster.LogicalMesh.create(shape))
     solution = solve(prepared.problem, **prepared.solve_args)
     return prepared, solution, finish_on_mesh(prepared, solution)
 
@@ -54,7 +54,7 @@ def test_a_priced_layout_costs_what_the_full_problem_charges_for_it(shape):
     from autopar.intra._problem import chosen_layout
 
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    mesh = autopar.LogicalMesh.create(shape)
+    mesh = autopar.cluster.LogicalMesh.create(shape)
     small, large = _graph(8), _graph(16)
     prepared, solution, plan = _solved(small, cluster, shape)
     layout = chosen_layout(prepared.built, solution.choices)
@@ -96,7 +96,7 @@ def test_a_layout_the_rows_cannot_take_is_not_priced():
     from autopar.intra._problem import chosen_layout
 
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
-    mesh = autopar.LogicalMesh.create((8,))
+    mesh = autopar.cluster.LogicalMesh.create((8,))
     graph = _graph(16)
     prepared, solution, plan = _solved(graph, cluster, (8,))
     layout = chosen_layout(prepared.built, solution.choices)

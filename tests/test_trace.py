@@ -1,4 +1,4 @@
-"""autopar.trace: flattening, FLOPs, roles and paths, evaluate, errors."""
+"""autopar.graph.trace: flattening, FLOPs, roles and paths, evaluate, errors."""
 
 import dataclasses
 import functools

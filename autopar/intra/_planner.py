@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import itertools
 import logging
 import time
 import weakref
@@ -200,15 +202,10 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
             tuple(sorted(footprint.held.items())), tuple(sorted(footprint.unreduced.items()))
         ),
     )
-    by_key = _BUILT.setdefault(graph, {})
-    built = by_key.get(key)
+    built = _BUILT.get(graph, key)
     if built is None:
-        built = by_key[key] = build_problem(
-            graph, mesh, cluster, options, tied, fixed, weights, footprint
-        )
-        _keep_built(graph, key, built)
-    elif (id(graph), key) in _BUILT_ORDER:
-        _BUILT_ORDER.move_to_end((id(graph), key))
+        built = build_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
+        _BUILT.keep(graph, key, built)
     if footprint is None:
         return built
     limits = {"footprint_budget": footprint.budget}
@@ -221,16 +218,64 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
     return built
 
 
-# graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds,
-# and the least recently used problems past `BUILT_CACHE_BYTES` (a large search builds
-# thousands: GPT-3 175B on 1,024 GPUs, 1,545 of 0.1-8 MB of arrays each, about four times
-# that with their strategy objects). Its hits come soon after the build: in that search,
-# 1,462 of 1,515 came within 256 MB of arrays of other problems used since (issue 18).
-_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _BuiltProblems:
+    """graph -> {what it was built with: BuiltProblem}; forgets graphs nothing else holds,
+    and the least recently used problems past `limit` bytes (a large search builds
+    thousands: GPT-3 175B on 1,024 GPUs, 1,545 of 0.1-8 MB of arrays each, about four times
+    that with their strategy objects). Its hits come soon after the build: in that search,
+    1,462 of 1,515 came within 256 MB of arrays of other problems used since (issue 18).
+
+    Entries are numbered, and each graph's weak reference forgets its entry by number
+    through a method of this object: a graph freed while the interpreter shuts down (one a
+    script keeps in a global) hashes no key and reads no module's globals, which may be
+    cleared by then (hashing the key's `Cluster` there called a cleared
+    `dataclasses.fields`, and Python printed "Exception ignored" at exit).
+    """
+
+    def __init__(self, limit: float):
+        self.limit = limit
+        # graph -> {key: (BuiltProblem, entry number)}
+        self.by_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # entry number -> (weak reference to the graph, key, bytes), least recently used
+        # first.
+        self.order: collections.OrderedDict = collections.OrderedDict()
+        self.bytes = 0
+        self._numbers = itertools.count()
+
+    def get(self, graph, key):
+        """The problem built for `graph` and `key` (now the most recently used), or None."""
+        held = self.by_graph.get(graph, {}).get(key)
+        if held is None:
+            return None
+        built, number = held
+        if number in self.order:
+            self.order.move_to_end(number)
+        return built
+
+    def keep(self, graph, key, built) -> None:
+        """Keep `built` and count it, dropping the least recently used past the limit."""
+        number = next(self._numbers)
+        size = _problem_bytes(built)
+        self.by_graph.setdefault(graph, {})[key] = (built, number)
+        ref = weakref.ref(graph, functools.partial(self._forget, number))
+        self.order[number] = (ref, key, size)
+        self.bytes += size
+        while self.bytes > self.limit and len(self.order) > 1:
+            _, (old_ref, old_key, old_size) = self.order.popitem(last=False)
+            self.bytes -= old_size
+            old_graph = old_ref()
+            if old_graph is not None:
+                self.by_graph.get(old_graph, {}).pop(old_key, None)
+
+    def _forget(self, number: int, _ref) -> None:
+        """Stop counting entry `number`, whose graph was freed."""
+        held = self.order.pop(number, None)
+        if held is not None:
+            self.bytes -= held[2]
+
+
 BUILT_CACHE_BYTES = 512 << 20
-# (id(graph), key) -> (weakref to the graph, bytes), least recently used first.
-_BUILT_ORDER: collections.OrderedDict = collections.OrderedDict()
-_built_bytes = 0
+_BUILT = _BuiltProblems(BUILT_CACHE_BYTES)
 # Python objects per ILP node and per strategy (a walk of gpt-1.3B's built layer problems
 # with `benchmarks/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
 # strategy, counting what they share with other problems too).
@@ -246,32 +291,6 @@ def _problem_bytes(built) -> int:
     strategies = sum(len(n.strategies) for n in built.ilp_nodes)
     return (sum(a.nbytes for a in arrays) + NODE_OBJECT_BYTES * len(built.ilp_nodes)
             + STRATEGY_OBJECT_BYTES * strategies)
-
-
-def _keep_built(graph, key, built) -> None:
-    """Count `built` in the cache, dropping the least recently used past the limit."""
-    global _built_bytes
-    entry = (id(graph), key)
-    _forget_built(entry, None)  # an entry of a dead graph whose id this one reuses
-    ref = weakref.ref(graph, lambda ref, entry=entry: _forget_built(entry, ref))
-    size = _problem_bytes(built)
-    _BUILT_ORDER[entry] = (ref, size)
-    _built_bytes += size
-    while _built_bytes > BUILT_CACHE_BYTES and len(_BUILT_ORDER) > 1:
-        (_, old_key), (old_ref, old_size) = _BUILT_ORDER.popitem(last=False)
-        _built_bytes -= old_size
-        old_graph = old_ref()
-        if old_graph is not None:
-            _BUILT.get(old_graph, {}).pop(old_key, None)
-
-
-def _forget_built(entry, ref) -> None:
-    """Stop counting `entry` (when `ref` is given: only if it is still that graph's)."""
-    global _built_bytes
-    held = _BUILT_ORDER.get(entry)
-    if held is not None and (ref is None or held[0] is ref):
-        del _BUILT_ORDER[entry]
-        _built_bytes -= held[1]
 
 
 def large_replicated_warnings(
