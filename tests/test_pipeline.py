@@ -53,9 +53,12 @@ def gpt_sgd_reference():
     [
         (2, "1f1b", 2, [(1, 4)], None),  # 2-D logical meshes allowed
         (4, "gpipe", 4, [(1, 2)], [(2,)]),
-        (4, "1f1b", 2, [(1, 2)], [(2,)]),
-        (3, "1f1b", 2, [(1, 2), (1, 4)], [(2,), (4,)]),  # submeshes of different sizes
-        (2, "gpipe", 1, [(1, 4)], [(4,)]),
+        # The rest in the `extended` tier (CI time): the two above run both schedules, the
+        # multi-host tests two stages across processes, test_pipeline_schedules the rest.
+        pytest.param(4, "1f1b", 2, [(1, 2)], [(2,)], marks=pytest.mark.extended),
+        pytest.param(3, "1f1b", 2, [(1, 2), (1, 4)], [(2,), (4,)],  # unequal submeshes
+                     marks=pytest.mark.extended),
+        pytest.param(2, "gpipe", 1, [(1, 4)], [(4,)], marks=pytest.mark.extended),
     ],
 )
 def test_gpt_pipeline_sgd(num_stages, schedule, num_microbatches, submeshes, logical_shapes,
