@@ -20,7 +20,9 @@ from hf_models import make_model
 import autopar
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+# One test process runs this module (`--dist loadgroup`): its tests share a costly module
+# fixture or cache.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers_models")]
 
 LR = 1e-2
 
