@@ -228,6 +228,9 @@ def test_replica_group_spellings():
 # ---- a dp=4 x tp=2 plan runs and matches one device -----------------------------------
 
 
+# Extended (CI time): test_megatron_pipeline checks the same tensor-parallel layout's
+# parity and its all-reduces per layer on a pipeline of dp2 tp2 stages.
+@pytest.mark.extended
 def test_gpt_dp4_tp2_matches_single_device_and_has_megatron_all_reduces():
     """Per layer Megatron TP all-reduces four activations over "model": the attention and
     MLP outputs forward, the inputs of QKV and of the MLP first linear backward. We count
@@ -274,6 +277,9 @@ def test_gpt_dp4_tp2_matches_single_device_and_has_megatron_all_reduces():
     assert {plan.stages[0].sharding.var_specs[v] for v in stream} == {(DATA, (), ())}
 
 
+# Extended (CI time): test_megatron_pipeline checks sequence parallelism's parity and its
+# reduce-scatters on a pipeline of dp2 tp2 stages.
+@pytest.mark.extended
 def test_gpt_sequence_parallel_matches_single_device_and_reduce_scatters():
     """Sequence parallelism (Korthikanti et al. 2022): the residual stream is split on the
     sequence over "model", each TP block's all-reduce becomes a reduce-scatter onto the

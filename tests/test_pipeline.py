@@ -15,6 +15,10 @@ from autopar.report import matmul_weight_splits
 from autopar.runtime import overlap_fraction
 from examples import gpt, mlp
 
+# One test process runs this module (`--dist loadgroup`): its tests share a costly module
+# fixture or cache.
+pytestmark = pytest.mark.xdist_group("pipeline")
+
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)  # 4 blocks + head = 5 layers
 LR = 1e-2
 
@@ -53,9 +57,12 @@ def gpt_sgd_reference():
     [
         (2, "1f1b", 2, [(1, 4)], None),  # 2-D logical meshes allowed
         (4, "gpipe", 4, [(1, 2)], [(2,)]),
-        (4, "1f1b", 2, [(1, 2)], [(2,)]),
-        (3, "1f1b", 2, [(1, 2), (1, 4)], [(2,), (4,)]),  # submeshes of different sizes
-        (2, "gpipe", 1, [(1, 4)], [(4,)]),
+        # The rest in the `extended` tier (CI time): the two above run both schedules, the
+        # multi-host tests two stages across processes, test_pipeline_schedules the rest.
+        pytest.param(4, "1f1b", 2, [(1, 2)], [(2,)], marks=pytest.mark.extended),
+        pytest.param(3, "1f1b", 2, [(1, 2), (1, 4)], [(2,), (4,)],  # unequal submeshes
+                     marks=pytest.mark.extended),
+        pytest.param(2, "gpipe", 1, [(1, 4)], [(4,)], marks=pytest.mark.extended),
     ],
 )
 def test_gpt_pipeline_sgd(num_stages, schedule, num_microbatches, submeshes, logical_shapes,

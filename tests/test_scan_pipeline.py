@@ -62,10 +62,12 @@ LLAMA_MIXED = dataclasses.replace(
 
 @pytest.mark.parametrize(
     "module, cfg, ranges",
-    # CI time: the mixed-precision step runs the same split with a cast on top.
+    # CI time: the mixed-precision step runs the same split with a cast on top; the
+    # per-iteration split of a Llama is planned and run by test_llama's scan tests.
     [pytest.param(gpt, SMALL, ((0, 1), (1, 4)), marks=pytest.mark.extended),
      (gpt, MIXED, ((0, 1), (1, 4))),
-     (llama, LLAMA_MIXED, per_iteration(LLAMA_MIXED.num_layers))],
+     pytest.param(llama, LLAMA_MIXED, per_iteration(LLAMA_MIXED.num_layers),
+                  marks=pytest.mark.extended)],
     ids=["float32", "mixed_precision", "llama_mixed_per_iteration"],
 )
 def test_split_graph_computes_the_step_and_holds_no_whole_stack(module, cfg, ranges):

@@ -20,7 +20,9 @@ from hf_models import make_model
 import autopar
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+# One test process runs this module (`--dist loadgroup`): its tests share a costly module
+# fixture or cache.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers_models")]
 
 LR = 1e-2
 
@@ -43,16 +45,17 @@ def _setup(name):
     [
         pytest.param(name, method, options, id=f"{name}-{method}" + ("-free" if (
             method == "auto" and "num_stages" not in options) else ""),
-            marks=[pytest.mark.extended] if method == "auto" and "num_stages" not in options
-            else [])
-        for name, method, options in [
-            ("llama", "shard", dict(mesh_shape=(2, 4))),
-            ("mistral", "shard", dict(mesh_shape=(8,))),
-            ("gemma", "shard", dict(mesh_shape=(8,))),
-            ("llama", "auto", dict(num_microbatches=2, num_stages=2)),
-            ("mistral", "auto", dict(num_microbatches=2, num_stages=2)),
-            ("gemma", "auto", dict(num_microbatches=2, num_stages=2)),
-            ("llama", "auto", dict(num_microbatches=2)),  # the free search: extended
+            marks=[pytest.mark.extended] if extended else [])
+        for name, method, options, extended in [
+            ("llama", "shard", dict(mesh_shape=(2, 4)), False),
+            ("mistral", "shard", dict(mesh_shape=(8,)), False),
+            ("gemma", "shard", dict(mesh_shape=(8,)), False),
+            ("llama", "auto", dict(num_microbatches=2, num_stages=2), False),
+            # Extended (CI time): the other models' pipelines (their layers run in the
+            # default tier under "shard"), and the free search.
+            ("mistral", "auto", dict(num_microbatches=2, num_stages=2), True),
+            ("gemma", "auto", dict(num_microbatches=2, num_stages=2), True),
+            ("llama", "auto", dict(num_microbatches=2), True),
         ]
     ],
 )

@@ -35,7 +35,13 @@ import numpy as np
 
 from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
+from autopar.cost import boundary_transfer_time, in_flight_microbatches
+from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
+from autopar.inter import LayerCostTable, assign_layers, partition
+from autopar.inter._choose import recompute_time
+from autopar.inter._layer_pricing import boundary_bytes
+from autopar.inter._stage_fit import choose_remat
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
@@ -269,25 +275,39 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     from its layers' plans (the same layer-wise planning as `method="auto"`), so large
     models plan in seconds.
     """
-    from autopar.cost import boundary_transfer_time, in_flight_microbatches, memory_budget
-    from autopar.inter import LayerCostTable, assign_layers, partition
-    from autopar.inter._choose import recompute_time
-    from autopar.inter._layer_pricing import boundary_bytes
-    from autopar.inter._stage_fit import choose_remat
-
     layers = assign_layers(graph)
-    # Interleaved: pp·v chunks of layers, chunk s on the devices of stage s mod pp.
+    bounds = _chunk_bounds(layers.num_layers, config)
+    solve = _pinned_solver(graph, cluster, specs, options, pinned, solve_cache)
+    table = LayerCostTable(
+        graph, layers, cluster, options, tied, num_microbatches=config.num_microbatches,
+        solve=solve, axis_names=AXIS_NAMES,
+    )
+    part = partition(graph, layers, bounds)
+    # Activations entering a stage from the one before (and their gradients back), as the
+    # stage DP of method="auto" charges them (`boundary_transfer_time`).
+    crossing = boundary_bytes(graph, layers)
+    return tuple(
+        _pipeline_stage(table, graph, part, s, layer_range, cluster, config, options, tied,
+                        crossing)
+        for s, layer_range in enumerate(bounds)
+    )
+
+
+def _chunk_bounds(num_layers: int, config: MegatronConfig) -> list[tuple[int, int]]:
+    """The layer range of each of the pp·v chunks (interleaved: chunk s on the devices of
+    stage s mod pp), split as evenly as the layer marks allow; a ValueError naming the fix
+    when the layers cannot make them."""
     chunks = config.pp * config.virtual_stages
-    if chunks > layers.num_layers:
+    if chunks > num_layers:
         raise ValueError(
             f"pp={config.pp} stages of {config.virtual_stages} chunk(s) need at least "
             f"{chunks} layers but the step has "
-            f"{layers.num_layers}; mark the layer edges with autopar.layer_boundary (for the "
+            f"{num_layers}; mark the layer edges with autopar.layer_boundary (for the "
             "GPT example: GPTConfig(layer_markers=True)) or use a smaller pp"
         )
     # Megatron counts the marked (transformer) layers: n marks cut the step into n + 1
     # pieces, the embedding and the head riding with the first and last layer.
-    num_marked = max(layers.num_layers - 1, 1)
+    num_marked = max(num_layers - 1, 1)
     if config.virtual_stages > 1 and num_marked % chunks and config.even_chunks:
         raise ValueError(
             f"pp={config.pp} x virtual_stages={config.virtual_stages} = {chunks} model chunks "
@@ -295,8 +315,14 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
             "choose pp and virtual_stages whose product divides the number of layers, or "
             "pass even_chunks=False to split them as evenly as the marks allow"
         )
-    edges = [round(i * layers.num_layers / chunks) for i in range(chunks + 1)]
-    bounds = [(a, b) for a, b in zip(edges, edges[1:])]
+    edges = [round(i * num_layers / chunks) for i in range(chunks + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:])]
+
+
+def _pinned_solver(graph, cluster, specs, options, pinned, solve_cache):
+    """`solve(sub_graph, mesh, ties, weights)` for a `LayerCostTable`: the layer planned
+    with its inputs pinned to the Megatron layout `specs` and its residual stream to
+    `pinned` (`plan_keeping_state`), each distinct problem once per `solve_cache`."""
 
     def solve(sub, mesh, ties, weights):
         invars = set(sub.invars)
@@ -319,59 +345,55 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
             solve_cache[key] = plan
         return plan
 
-    table = LayerCostTable(
-        graph, layers, cluster, options, tied, num_microbatches=config.num_microbatches,
-        solve=solve, axis_names=AXIS_NAMES,
-    )
-    part = partition(graph, layers, bounds)
+    return solve
+
+
+def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, options, tied,
+                    crossing) -> Stage:
+    """Chunk `s` of the pipeline: its layers' plans stitched on its stage's mesh, with the
+    configured recompute, checked against the memory budget with the activations its
+    schedule keeps in flight (the memory model of method="auto"'s stage DP)."""
     shape = (config.dp, config.tp)
-    budget = memory_budget(cluster, options.memory_budget)
-    stages = []
-    # Activations entering a stage from the one before (and their gradients back), as the
-    # stage DP of method="auto" charges them (`boundary_transfer_time`).
-    crossing = boundary_bytes(graph, layers)
-    for s, layer_range in enumerate(bounds):
-        for k in range(*layer_range):
-            if table.cost(k, shape) is None:
-                raise ValueError(
-                    f"the Megatron layout {config.name} does not fit layer {k} in "
-                    f"{budget / 2**30:.2f} GiB per device; use a larger tp or pp, more "
-                    "microbatches, more devices, or a larger memory budget"
-                )
-        # The same memory model as the stage DP of method="auto": state, accumulated
-        # gradients, and the activations of every microbatch the schedule keeps in flight,
-        # with the configured recompute of every layer.
-        group = s % config.pp
-        in_flight = in_flight_microbatches(
-            config.schedule, config.num_microbatches, config.pp - group,
-            config.virtual_stages, config.pp,
-        )
-        fit = choose_remat(
-            table, range(*layer_range), shape, 0, in_flight, budget / config.virtual_stages,
-            config.recompute,
-        )
-        # A device group holds all its chunks: budget each chunk a 1/v share.
-        memory = fit.memory * config.virtual_stages
-        if memory > budget:
+    budget = device_budget(cluster, options.memory_budget)
+    for k in range(*layer_range):
+        if table.cost(k, shape) is None:
             raise ValueError(
-                f"the Megatron layout {config.name} does not fit stage {s} (layers "
-                f"{layer_range[0]}..{layer_range[1] - 1}) in {budget / 2**30:.2f} GiB per "
-                f"device: it needs {memory / 2**30:.2f} GiB with the activations of "
-                f"{in_flight} microbatch(es) in flight ({config.schedule}); use a larger tp "
-                "or pp, more microbatches, sequence parallelism, recompute, or a larger "
-                "memory budget"
+                f"the Megatron layout {config.name} does not fit layer {k} in "
+                f"{budget / 2**30:.2f} GiB per device; use a larger tp or pp, more "
+                "microbatches, more devices, or a larger memory budget"
             )
-        sharding = table.stage_plan(
-            graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
+    # State, accumulated gradients, and the activations of every microbatch the schedule
+    # keeps in flight, with the configured recompute of every layer.
+    group = s % config.pp
+    in_flight = in_flight_microbatches(
+        config.schedule, config.num_microbatches, config.pp - group,
+        config.virtual_stages, config.pp,
+    )
+    fit = choose_remat(
+        table, range(*layer_range), shape, 0, in_flight, budget / config.virtual_stages,
+        config.recompute,
+    )
+    # A device group holds all its chunks: budget each chunk a 1/v share.
+    memory = fit.memory * config.virtual_stages
+    if memory > budget:
+        raise ValueError(
+            f"the Megatron layout {config.name} does not fit stage {s} (layers "
+            f"{layer_range[0]}..{layer_range[1] - 1}) in {budget / 2**30:.2f} GiB per "
+            f"device: it needs {memory / 2**30:.2f} GiB with the activations of "
+            f"{in_flight} microbatch(es) in flight ({config.schedule}); use a larger tp "
+            "or pp, more microbatches, sequence parallelism, recompute, or a larger "
+            "memory budget"
         )
-        remat = fit.remat if any(r != "none" for r in fit.remat) else ()
-        seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
-        transfer = boundary_transfer_time(
-            crossing[layer_range[0]], cluster, config.dp * config.tp
-        ) if s > 0 else 0.0
-        stages.append(Stage(layer_range, sharding, remat, seconds, memory, transfer,
-                            memory_parts=fit.parts.scaled(config.virtual_stages)))
-    return tuple(stages)
+    sharding = table.stage_plan(
+        graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
+    )
+    remat = fit.remat if any(r != "none" for r in fit.remat) else ()
+    seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
+    transfer = boundary_transfer_time(
+        crossing[layer_range[0]], cluster, config.dp * config.tp
+    ) if s > 0 else 0.0
+    return Stage(layer_range, sharding, remat, seconds, memory, transfer,
+                 memory_parts=fit.parts.scaled(config.virtual_stages))
 
 
 def plan_keeping_state(
