@@ -735,7 +735,7 @@ def markdown(summary: dict) -> str:
             else "seeds " + ", ".join(map(str, seeds)))
     lines = [
         SECTION, "",
-        f"`python benchmarks/parity_sweep.py --num {len(seeds)} --first {seeds[0]}` "
+        f"`python -m benchmarks parity_sweep --num {len(seeds)} --first {seeds[0]}` "
         f"({span}; results in `benchmarks/results/parity_sweep.json`, merged over the runs "
         "listed below). Each configuration trains "
         f"{NUM_STEPS} AdamW steps of a tiny model (batch {BATCH_SIZE}) on 8 virtual CPU "
@@ -883,16 +883,12 @@ def _ranges(seeds: list[int]) -> str:
 
 
 def write_docs(text: str) -> None:
-    """Replace (or append) the "Parity sweep" section of docs/benchmarks.md."""
-    page = DOCS.read_text()
-    start = page.find(SECTION + "\n")
-    if start < 0:
-        page = page.rstrip("\n") + "\n\n" + text
-    else:
-        end = page.find("\n## ", start + len(SECTION))
-        rest = "\n" + page[end + 1:] if end >= 0 else ""
-        page = page[:start] + text + rest
-    DOCS.write_text(page)
+    """Replace this benchmark's section of docs/benchmarks.md (`benchmarks._results`)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks._results import write_section
+
+    write_section("parity_sweep", text, path=DOCS)
 
 
 def load_results() -> dict:

@@ -247,13 +247,13 @@ def table(rows: list[dict]) -> str:
     lines = [
         SECTION,
         "",
-        "`python benchmarks/validate_public.py` (dry runs, no devices). Predicted: the "
+        "Dry runs, no devices. Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
         "optimizer as published, 1F1B or interleaved as published) scored by the cost "
         "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
-        "express in this branch: their predictions leave it out and are not yet a check.",
+        "express yet: their predictions leave it out and are not yet a check.",
         "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
         "predicted/published | waits on | where the predicted time goes | source |",
@@ -279,15 +279,10 @@ def table(rows: list[dict]) -> str:
 
 
 def write(section: str) -> None:
-    text = open(DOC).read()
-    if SECTION in text:
-        start = text.index(SECTION)
-        rest = text[start + len(SECTION):]
-        end = rest.find("\n## ")
-        text = text[:start] + section + ("" if end < 0 else rest[end + 1:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    open(DOC, "w").write(text)
+    """Replace this benchmark's section of docs/benchmarks.md (`benchmarks._results`)."""
+    from benchmarks._results import write_section
+
+    write_section("validate_public", section, path=DOC)
 
 
 def main() -> None:
