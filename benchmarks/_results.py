@@ -71,13 +71,15 @@ def stamp(command_line: str, machine_text: str | None = None) -> str:
 
 
 def write_section(name: str, markdown: str, command_line: str | None = None,
-                  path: Path | str = DOCS, machine_text: str | None = None) -> None:
+                  path: Path | str = DOCS, machine_text: str | None = None,
+                  produced: str | None = None) -> None:
     """Replace benchmark `name`'s section of `path` with `markdown` (which starts with its
     ``## `` heading), stamped under the heading with the commit, date, `command_line`
-    (default: this process's) and machine; append it when the page has no such section."""
+    (default: this process's) and machine; append it when the page has no such section.
+    `produced`: a stamp line of one's own instead (figures carried over from other runs)."""
     path = Path(path)
     lines = markdown.strip("\n").split("\n")
-    line = stamp(command_line or command(), machine_text)
+    line = produced or stamp(command_line or command(), machine_text)
     if lines[0].startswith("#"):
         lines[1:1] = ["", line]
     else:

@@ -255,6 +255,10 @@ def table(rows: list[dict]) -> str:
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
         "express yet: their predictions leave it out and are not yet a check.",
         "",
+        "How to read it: *predicted/published* is the cost model's step time over the "
+        "published one for the published plan (1 is exact; the aim is within +-20%). The "
+        "breakdown column shows where the predicted time goes, stage by stage.",
+        "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
         "predicted/published | waits on | where the predicted time goes | source |",
         "|---|---|---|---|---|---|---|---|---|---|",

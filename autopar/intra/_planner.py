@@ -232,7 +232,7 @@ BUILT_CACHE_BYTES = 512 << 20
 _BUILT_ORDER: collections.OrderedDict = collections.OrderedDict()
 _built_bytes = 0
 # Python objects per ILP node and per strategy (a walk of gpt-1.3B's built layer problems
-# with `benchmarks/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
+# with `benchmarks/investigations/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
 # strategy, counting what they share with other problems too).
 NODE_OBJECT_BYTES = 1400
 STRATEGY_OBJECT_BYTES = 300
