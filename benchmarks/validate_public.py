@@ -34,8 +34,8 @@ output projection and loss calculation" (same section). Taking one layer off the
 rank leaves its first chunk empty of layers only when a chunk is one layer: 126 layers plus
 the embedding and the output make 128 = 16 ranks x V chunks of one, V = 8. The model is
 traced with a layer mark after the embedding (`LlamaConfig(embedding_marker=True)`), so the
-embedding and the output head are chunks of their own. (Session 8 ran V = 2, the least
-interleaving, before this reading: Llama 3 @16k predicted 1.25x published, its fill and
+embedding and the output head are chunks of their own. (With V = 2, the least
+interleaving, the model predicted Llama 3 @16k at 1.25x published, its fill and
 drain 15/32 of the busy time at 16 microbatches.) The last column splits the predicted
 step: the slowest stage's seconds per microbatch into compute, the collectives inside
 operators (tensor-parallel all-reduce/reduce-scatter, the once-per-step data-parallel
