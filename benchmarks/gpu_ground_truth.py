@@ -303,11 +303,45 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("predict", help="predicted against measured step time")
     p.add_argument("measured", type=Path, help="the folder `measure` wrote")
     p.add_argument("--profile", default=None, help="default: the folder's profile.json")
+    p.add_argument("--write-docs", action="store_true",
+                   help="replace docs/benchmarks.md's gpu_ground_truth section with this "
+                   "comparison (stamped with commit, date, command and machine)")
     args = parser.parse_args(argv)
     if args.command == "measure":
         measure(args.out, args.budget, not args.no_profile, args.steps)
-    else:
+        return
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         predict(args.measured, args.profile)
+    print(out.getvalue(), end="")
+    if args.write_docs:
+        from benchmarks._results import write_section
+
+        write_section("gpu_ground_truth",
+                      f"{DOCS_INTRO}\n```\n{out.getvalue().rstrip()}\n```\n",
+                      machine_text=f"the measurements of {args.measured} (the GPU machine "
+                      "named on its first line), predicted on " + _machine())
+
+
+def _machine() -> str:
+    from benchmarks._results import machine
+
+    return machine()
+
+
+DOCS_INTRO = """## Ground truth on one GPU
+
+The train step of examples/gpt.py in bfloat16 with fp32 master weights and AdamW moments,
+timed on one GPU (`measure`), beside the step time the cost model predicts on one device
+of the profile `autopar profile` measured on the same GPU (`predict`).
+
+How to read it: *pred/meas* is the prediction over the measurement (1 is exact); the
+parts split both sides into matmuls, other operators and launches, so a miss can be
+placed.
+"""
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ as ~1e-5; the next steps, on gradients changed that much and with second moments
 small, amplify it again (the MoE: 1.5e-5 after step 1, 2.2e-4 after step 3, its top-2
 routing unchanged). That is the one-device dynamics, not an error of the parallel program:
 one device continued from the parallel run's state after step 1 reproduces its step 3 to
-1.6e-7 (`benchmarks/parity_pipeline_steps.py`), and the step-1 gradients agree to rounding
-(`benchmarks/parity_moe_gradients.py`). A chained comparison with a tolerance wide enough
-for it would hide real errors in every other leaf; a single step from the same state does
-not amplify.
+1.6e-7 (`benchmarks/investigations/parity_pipeline_steps.py`), and the step-1 gradients
+agree to rounding (`benchmarks/investigations/parity_moe_gradients.py`). A chained
+comparison with a tolerance wide enough for it would hide real errors in every other leaf;
+a single step from the same state does not amplify.
 
 Running. Configurations run in worker processes (`serve`) of `CONFIGS_PER_WORKER` each,
 with a fresh worker after any failure and a `TIMEOUT_SECONDS` limit per configuration (past
@@ -245,7 +245,8 @@ def one_device_pair(model: str):
     """The one-device (losses, final parameters) of `model`, and the same of a second run
     whose every initial parameter first moved by one float32 rounding step (x · (1 ± 2⁻²³),
     the sign drawn per element). A diagnostic of how sensitive the model's 3-step trajectory
-    is (`benchmarks/parity_moe_rounding.py`); the sweep's comparison does not use it."""
+    is (`benchmarks/investigations/parity_moe_rounding.py`); the sweep's comparison does not
+    use it."""
     import jax
     import numpy as np
 
@@ -735,7 +736,7 @@ def markdown(summary: dict) -> str:
             else "seeds " + ", ".join(map(str, seeds)))
     lines = [
         SECTION, "",
-        f"`python benchmarks/parity_sweep.py --num {len(seeds)} --first {seeds[0]}` "
+        f"`python -m benchmarks parity_sweep --num {len(seeds)} --first {seeds[0]}` "
         f"({span}; results in `benchmarks/results/parity_sweep.json`, merged over the runs "
         "listed below). Each configuration trains "
         f"{NUM_STEPS} AdamW steps of a tiny model (batch {BATCH_SIZE}) on 8 virtual CPU "
@@ -845,7 +846,8 @@ PIPELINED_MOE = (
     "1.25x seed 73) the largest error of 10 equivalent one-device float32 gradients (8 "
     "reorderings of the routing groups, 2 and 4 microbatches averaged); the largest "
     "parallel-vs-one-device difference is 3.7e-8 where the one-device variants spread by "
-    "5.2e-8 (`python benchmarks/parity_moe_gradients.py 23 73`). (2) Microbatching does not "
+    "5.2e-8 (`python benchmarks/investigations/parity_moe_gradients.py 23 73`). "
+    "(2) Microbatching does not "
     "change the function: routing groups are 32 tokens = 2 rows and microbatches are "
     "contiguous rows, so groups stay whole; capacity and the load-balancing loss are per "
     "group and the loss is a mean over groups, so the mean of 2 or 4 microbatch losses is "
@@ -853,7 +855,7 @@ PIPELINED_MOE = (
     "Routing does not flip: the top-2 dispatch recomputed from seed 73's parallel and "
     "one-device parameters before each step is identical in both MoE layers (gates within "
     "9.8e-7, the closest top-3 gates 5.8e-6 apart; "
-    "`python benchmarks/parity_moe_rounding.py 73 selective`). "
+    "`python benchmarks/investigations/parity_moe_rounding.py 73 selective`). "
     "(4) Only step 1 differs: one parallel step from the one-device run's state differs by "
     "1.5e-5 / 1.7e-5 (seed 73's plan / seed 23's) at step 1 (layer 0 `wv`), "
     "1.3e-7 / 2.1e-7 at step 2 and 6e-8 / 6.2e-8 at step 3 (optimizer state at most "
@@ -862,7 +864,7 @@ PIPELINED_MOE = (
     "from the reference: all of that is the one-device dynamics "
     "amplifying step 1's difference (seed 73's layer 0 `wk` element (0, 12): 6.5e-9 apart "
     "after step "
-    "2, 1.1e-4 after step 3) (`python benchmarks/parity_pipeline_steps.py "
+    "2, 1.1e-4 after step 3) (`python benchmarks/investigations/parity_pipeline_steps.py "
     "1f1b:selective:2:1 zero_bubble:selective:2:2`).")
 
 
@@ -883,16 +885,12 @@ def _ranges(seeds: list[int]) -> str:
 
 
 def write_docs(text: str) -> None:
-    """Replace (or append) the "Parity sweep" section of docs/benchmarks.md."""
-    page = DOCS.read_text()
-    start = page.find(SECTION + "\n")
-    if start < 0:
-        page = page.rstrip("\n") + "\n\n" + text
-    else:
-        end = page.find("\n## ", start + len(SECTION))
-        rest = "\n" + page[end + 1:] if end >= 0 else ""
-        page = page[:start] + text + rest
-    DOCS.write_text(page)
+    """Replace this benchmark's section of docs/benchmarks.md (`benchmarks._results`)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks._results import write_section
+
+    write_section("parity_sweep", text, path=DOCS)
 
 
 def load_results() -> dict:

@@ -271,6 +271,22 @@ def _peak(r: dict) -> str:
     return f"{r['peak_rss_mb'] + sum(peaks):.0f} ({own} + workers {workers})"
 
 
+DOCS_INTRO = """## Planning time by phase
+
+How long `autopar.plan(..., method="auto")` takes, phase by phase, on the rows issue 18
+sets targets for: the demo (`autopar demo`'s GPT on 8 virtual CPU devices, 2
+microbatches, target 3 s), gpt-39B on 64 dgx-a100-80g GPUs (64 microbatches, 120 s) and
+GPT-3 175B on 1,024 (64 microbatches, 600 s and a 4 GB planner peak). Each row is planned
+in a child process of its own with no plan cache.
+
+How to read it: *total CPU / wall* is the planning process's CPU (its solver workers'
+included) and wall seconds; the targets are wall seconds. *ILPs* counts the layer ILPs
+built and solved; *peak MB* is the planner's resident peak plus each solver worker's.
+The predicted step time shows that the plan is the one expected, not a faster search's
+shortcut.
+"""
+
+
 def report(results: list[dict]) -> str:
     """The rows as a markdown table (CPU / wall seconds per phase)."""
     head = ["row", "total CPU / wall s", *PHASES, "ILPs", "cached", "peak MB", "target",
@@ -317,6 +333,9 @@ def main(argv=None) -> None:
                         help="with several microbatch counts, search each in full instead of "
                         "pricing one count's layer layouts for the others "
                         "(`PlanOptions.share_layouts`), to compare plans")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="replace docs/benchmarks.md's planning_time section with this "
+                        "run's table (stamped with commit, date, command and machine)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -339,6 +358,11 @@ def main(argv=None) -> None:
     print(report(results))
     if ns.json:
         ns.json.write_text(json.dumps(results, indent=1))
+    if ns.write_docs:
+        sys.path.insert(0, str(ROOT))
+        from benchmarks._results import write_section
+
+        write_section("planning_time", DOCS_INTRO + "\n" + report(results) + "\n")
 
 
 if __name__ == "__main__":

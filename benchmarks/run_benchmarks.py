@@ -1,9 +1,11 @@
-"""Write docs/benchmarks.md: autopar against Megatron on virtual clusters, and local runs.
+"""autopar against Megatron on virtual clusters, and local runs: docs/benchmarks.md's
+"bench_large" and "bench_local" sections.
 
-    python benchmarks/run_benchmarks.py                  # every row, then the local plans
-    python benchmarks/run_benchmarks.py --quick          # gpt-1.3B@8, gpt-2.6B@16, local
-    python benchmarks/run_benchmarks.py --rows gpt-39B@64 --no-local
-    python benchmarks/run_benchmarks.py --list           # the row names
+    python -m benchmarks run_benchmarks           # every row, then the local plans
+    python -m benchmarks run_benchmarks --quick   # gpt-1.3B@8, gpt-2.6B@16, local
+    python -m benchmarks bench_large --rows gpt-39B@64   # = run_benchmarks --no-local
+    python -m benchmarks bench_local              # = run_benchmarks --local-only
+    python -m benchmarks run_benchmarks --list    # the row names
 
 Each finished row is stored in benchmarks/results.json at once and the markdown is
 rewritten from it, so an interrupted run keeps what it finished and later runs add rows.
@@ -28,13 +30,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from _results import write_section  # noqa: E402
 from bench_large import (  # noqa: E402
     Row,
     RowResult,
     least_memory_per_device,
     run_row,
 )
-from bench_markdown import render  # noqa: E402
+from bench_markdown import sections  # noqa: E402
 
 log = logging.getLogger("autopar.benchmarks")
 
@@ -95,7 +98,8 @@ def load_results(path: Path) -> dict:
 
 def save(results: dict, path: Path, output: Path) -> None:
     """Merge the results into the stored ones (another run may have added rows meanwhile),
-    store them and rewrite the markdown from them."""
+    store them and rewrite from them the page's sections this run added to ("bench_large"
+    for rows, "bench_local" for the local plans; the rest of `output` is left as it is)."""
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one run at a time reads, merges and writes
         stored = load_results(path)
@@ -103,8 +107,10 @@ def save(results: dict, path: Path, output: Path) -> None:
         if results.get("local"):
             stored["local"] = results["local"]
         path.write_text(json.dumps(stored, indent=1, sort_keys=True))
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(render(stored, [row.key for row in ALL_ROWS]))
+        ran = {"bench_large": bool(results["rows"]), "bench_local": bool(results.get("local"))}
+        for name, markdown in sections(stored, [row.key for row in ALL_ROWS]).items():
+            if ran[name]:  # a section is stamped by the run that changed it
+                write_section(name, markdown, path=output)
 
 
 def code_version() -> str:

@@ -34,8 +34,8 @@ output projection and loss calculation" (same section). Taking one layer off the
 rank leaves its first chunk empty of layers only when a chunk is one layer: 126 layers plus
 the embedding and the output make 128 = 16 ranks x V chunks of one, V = 8. The model is
 traced with a layer mark after the embedding (`LlamaConfig(embedding_marker=True)`), so the
-embedding and the output head are chunks of their own. (Session 8 ran V = 2, the least
-interleaving, before this reading: Llama 3 @16k predicted 1.25x published, its fill and
+embedding and the output head are chunks of their own. (With V = 2, the least
+interleaving, the model predicted Llama 3 @16k at 1.25x published, its fill and
 drain 15/32 of the busy time at 16 microbatches.) The last column splits the predicted
 step: the slowest stage's seconds per microbatch into compute, the collectives inside
 operators (tensor-parallel all-reduce/reduce-scatter, the once-per-step data-parallel
@@ -247,13 +247,17 @@ def table(rows: list[dict]) -> str:
     lines = [
         SECTION,
         "",
-        "`python benchmarks/validate_public.py` (dry runs, no devices). Predicted: the "
+        "Dry runs, no devices. Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
         "optimizer as published, 1F1B or interleaved as published) scored by the cost "
         "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
-        "express in this branch: their predictions leave it out and are not yet a check.",
+        "express yet: their predictions leave it out and are not yet a check.",
+        "",
+        "How to read it: *predicted/published* is the cost model's step time over the "
+        "published one for the published plan (1 is exact; the aim is within +-20%). The "
+        "breakdown column shows where the predicted time goes, stage by stage.",
         "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
         "predicted/published | waits on | where the predicted time goes | source |",
@@ -279,15 +283,10 @@ def table(rows: list[dict]) -> str:
 
 
 def write(section: str) -> None:
-    text = open(DOC).read()
-    if SECTION in text:
-        start = text.index(SECTION)
-        rest = text[start + len(SECTION):]
-        end = rest.find("\n## ")
-        text = text[:start] + section + ("" if end < 0 else rest[end + 1:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    open(DOC, "w").write(text)
+    """Replace this benchmark's section of docs/benchmarks.md (`benchmarks._results`)."""
+    from benchmarks._results import write_section
+
+    write_section("validate_public", section, path=DOC)
 
 
 def main() -> None:

@@ -150,3 +150,29 @@ def test_a_run_written_elsewhere_keeps_its_results_beside_it(tmp_path):
     given = run_benchmarks.parse_args(["--out", str(tmp_path / "o.md"),
                                        "--results", str(tmp_path / "r.json")])
     assert given.results == tmp_path / "r.json"
+
+
+def test_a_benchmark_replaces_only_its_own_section(tmp_path):
+    from _results import read_section, write_section
+
+    page = tmp_path / "benchmarks.md"
+    write_section("one", "## One\n\nfirst", "python -m benchmarks one", path=page)
+    write_section("two", "## Two\n\nsecond", "python -m benchmarks two", path=page)
+    write_section("one", "## One\n\nagain", "python -m benchmarks one --x", path=page)
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n") and text.index("## One") < text.index("## Two")
+    one, two = read_section("one", page), read_section("two", page)
+    assert "again" in one and "first" not in one and "`python -m benchmarks one --x`" in one
+    assert "second" in two and "`python -m benchmarks two`" in two
+    assert one.split("\n")[2].startswith("*Produced at commit ")
+
+
+def test_the_entry_point_lists_the_product_benchmarks():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], capture_output=True,
+                         text=True, check=True, cwd=BENCHMARKS.parent).stdout
+    for name in ("bench_large", "bench_local", "validate_public", "planning_time",
+                 "runtime_overhead", "parity_sweep", "gpu_ground_truth"):
+        assert f"  {name} " in out
+    assert not list(BENCHMARKS.glob("*probe*.py"))  # investigations live in investigations/

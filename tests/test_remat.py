@@ -8,7 +8,8 @@ costs, how the stage DP picks it, how it runs.
   match one device for GPT and MoE, one stage and two (`extended`, except one);
 - search: "auto" recomputes only where a stage would not fit; options are validated;
   the plan JSON round-trips; the Megatron layouts of GPT-3 175B and MT-NLG 530B fit
-  80 GB with selective recompute (`extended`; figures in benchmarks/bench_remat_memory.py).
+  80 GB with selective recompute (`extended`; figures in
+  benchmarks/investigations/bench_remat_memory.py).
 """
 
 from __future__ import annotations
@@ -432,7 +433,7 @@ def test_layer_activation_bytes_follow_korthikanti(monkeypatch):
     from autopar.cluster import Cluster
     from autopar.manual import megatron_plan_for_graph
     from autopar.search import microbatch_args
-    from benchmarks.bench_remat_memory import mixed_precision_adamw
+    from examples.megatron_published import mixed_precision_adamw
 
     tolerance = 0.02
     s, h, a, t = 512, 1024, 16, 8
@@ -497,9 +498,9 @@ def test_gpt3_175b_megatron_fits_with_selective_by_arithmetic():
 
 @pytest.mark.extended
 def test_gpt3_175b_megatron_plan_fits_with_selective():
-    """The traced GPT-3 175B (abstract; benchmarks/bench_remat_memory.py): measured 67.8
-    GiB on stage 0 with selective recompute, 90.1 GiB without (does not fit)."""
-    from benchmarks.bench_remat_memory import megatron_memory
+    """The traced GPT-3 175B (abstract; examples/megatron_published.py): measured 67.8 GiB
+    on stage 0 with selective recompute, 90.1 GiB without (does not fit)."""
+    from examples.megatron_published import megatron_memory
 
     plan, fits, _ = megatron_memory("175B", "selective")
     assert fits and max(s.predicted_memory for s in plan.stages) <= 80 * 2**30

@@ -279,7 +279,8 @@ def test_bad_callback_results_are_errors():
 
 
 def test_medium_instance_is_fast_and_uses_few_dp_runs():
-    """24 layers on 4 hosts x 8 devices (benchmarks/stage_dp_scaling.py goes larger)."""
+    """24 layers on 4 hosts x 8 devices (benchmarks/investigations/stage_dp_scaling.py goes
+    larger)."""
     num_layers, cluster = 24, (4, 8)
     subs = submesh_shapes(*cluster)
 

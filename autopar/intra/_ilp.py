@@ -197,7 +197,7 @@ def solve(
       or "auto" (HiGHS when highspy is installed, else CBC).
     - `msg`: print the solver's log.
     - `formulation`: edge linearisation, "marginal" (Alpa's, the default: fastest in
-      benchmarks/ilp_scaling.py) or "product".
+      benchmarks/investigations/ilp_scaling.py) or "product".
 
     **Returns:** a `Solution` whose choices honour followers and the budget.
 

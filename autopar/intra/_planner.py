@@ -277,7 +277,7 @@ class _BuiltProblems:
 BUILT_CACHE_BYTES = 512 << 20
 _BUILT = _BuiltProblems(BUILT_CACHE_BYTES)
 # Python objects per ILP node and per strategy (a walk of gpt-1.3B's built layer problems
-# with `benchmarks/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
+# with `benchmarks/investigations/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
 # strategy, counting what they share with other problems too).
 NODE_OBJECT_BYTES = 1400
 STRATEGY_OBJECT_BYTES = 300

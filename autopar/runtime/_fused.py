@@ -18,8 +18,8 @@ Layouts: inside each segment the plan's constraints hold (`plan.constrained`, it
 specs: the layouts the ILP chose); the values between the forward and backward segments
 are not pinned, since in one program they cross no program edge (pinning them, as the
 task runtime's program edges do, added 8 all-gathers to the 185 of the benchmark's GPT
-step, `benchmarks/fused_layouts.py`); the update segments pin their inputs and results,
-so the new state comes back in the plan's layout for the next step.
+step, `benchmarks/investigations/fused_layouts.py`); the update segments pin their inputs
+and results, so the new state comes back in the plan's layout for the next step.
 
 In: a `PipelineExecutable` of one stage and the flat arguments whose buffers the step may
 reuse (the caller's `donate_argnums`, as the SPMD runtime's `jax.jit` takes them). Out:

@@ -1,6 +1,7 @@
 """Predicted compute per microbatch of Megatron's pure data-parallel GPT plan (issue 14).
 
-Run: ``PYTHONPATH=. python benchmarks/predict_gpt_compute.py [model] [num_hosts] [microbatches]``
+Run: ``python benchmarks/investigations/predict_gpt_compute.py [model] [num_hosts]
+[microbatches]``
 (defaults: 1.3B, 4 hosts of dgx-a100-80g = 32 GPUs, 32 microbatches of a 1024 batch).
 Prints the predicted compute, communication and resharding per microbatch, and the time the
 matmuls alone take at 70% of the bf16 peak (the issue's yardstick).
@@ -9,6 +10,7 @@ matmuls alone take at 70% of the bf16 peak (the issue's yardstick).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import autopar
 from autopar.cost import compute_time, rate_dtype
@@ -16,7 +18,7 @@ from autopar.graph import trace
 from autopar.manual import MegatronConfig, megatron_plan_for_graph
 from autopar.search import microbatch_args
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_large import Row, model_step  # noqa: E402
 
 

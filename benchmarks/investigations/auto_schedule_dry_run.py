@@ -3,7 +3,7 @@ dgx-a100-80g host, 2 device groups, 2 or 4 microbatches. The search logs each ca
 predicted step time (1F1B and zero bubble per stage choice, interleaved 1F1B with v = 2
 and 4); this prints the pick.
 
-    python benchmarks/auto_schedule_dry_run.py
+    python benchmarks/investigations/auto_schedule_dry_run.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import optax  # noqa: E402
 

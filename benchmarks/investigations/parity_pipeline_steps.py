@@ -1,6 +1,6 @@
 """Is a parity difference a wrong step or an amplified rounding difference?
 
-    python benchmarks/parity_pipeline_steps.py zero_bubble:none:2:2 1f1b:none:2:2
+    python benchmarks/investigations/parity_pipeline_steps.py zero_bubble:none:2:2 1f1b:none:2:2
 
 For each SCHEDULE:REMAT:STAGES:MICROBATCHES (method "auto" on the sweep's tiny MoE), runs the
 parallel step twice per step t: once from the one-device reference's own state before step
@@ -20,7 +20,7 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["AUTOPAR_PLAN_CACHE"] = "0"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(__file__, '..', '..', '..'))
 sys.path.insert(0, ROOT)
 spec = importlib.util.spec_from_file_location("ps", os.path.join(ROOT, "benchmarks",
                                                                  "parity_sweep.py"))

@@ -7,7 +7,7 @@ and prints, per plan, the predicted step time, the collectives the cost model ch
 in XLA's optimized HLO of the step; with ``--time``, the CPU time per step over the cores
 (3 interleaved rounds of 5 steps, medians).
 
-Usage: ``python benchmarks/local_hlo_probe.py [--time] [--plan NAME ...] [--shapes]``
+Usage: ``python benchmarks/investigations/local_hlo_probe.py [--time] [--plan NAME ...] [--shapes]``
 (``--plan``: other local plans, one-stage ones; ``--shapes``: also each collective's
 result shape in the HLO).
 """
@@ -22,8 +22,8 @@ import sys
 from collections import Counter
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 import jax  # noqa: E402
 from bench_local import _cluster, _cpu_per_core, _gpt_arrays, _Timer, local_plans  # noqa: E402

@@ -11,8 +11,8 @@ or any row of the benchmarks page by its name (`run_benchmarks.py`'s rows, e.g.
 ``moe-27B@32`` or ``gpt-2.6B@32-b32``, at the microbatches that page plans them with),
 planned with recompute searched and ``--schedule`` (default "auto", as the page's rows):
 
-    python benchmarks/shape_pruning.py [--rows gpt-1.3B@32 gpt-2.6B@32] [--limit S]
-    python benchmarks/shape_pruning.py --rows gpt-13B@64 moe-27B@32 --schedule auto
+    python benchmarks/investigations/shape_pruning.py [--rows gpt-1.3B@32 gpt-2.6B@32] [--limit S]
+    python benchmarks/investigations/shape_pruning.py --rows gpt-13B@64 moe-27B@32 --schedule auto
 
 A row with 1 or 2 hosts of 8 GPUs loses no shape (every 2-D shape of 8 or 16 devices has a
 second axis of 2, 4 or 8), so those rows are the same search either way.
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # (model config, hosts of 8 GPUs, microbatches)
 ROWS = {"gpt-1.3B@32": ("1.3B", 4, 64), "gpt-2.6B@32": ("2.6B", 4, 64),
         "gpt-1.3B@24": ("1.3B", 3, 64), "gpt-6.7B@64": ("6.7B", 8, 64)}

@@ -13,8 +13,9 @@ stitched, 45.07 s re-made). This script prints the three figures, the layer ILPs
 and the planner's CPU seconds for the Llama example (scanned, layers checkpointed, bf16 on
 fp32 master weights, AdamW) planned abstractly on a `dgx-h100` host.
 
-Run: ``python benchmarks/scan_split_gap.py`` (llama-1B, one stage, 16 microbatches of a
-batch of 64), ``--config 1B --num-layers 8 --stages 2 --microbatches 16``. Takes minutes.
+Run: ``python benchmarks/investigations/scan_split_gap.py`` (llama-1B, one stage, 16
+microbatches of a batch of 64), ``--config 1B --num-layers 8 --stages 2 --microbatches 16``.
+Takes minutes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import optax  # noqa: E402
 

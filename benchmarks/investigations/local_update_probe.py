@@ -8,7 +8,7 @@
    fresh output buffer each call) against the same program updating its input in place
    (donated, as a training step updates its state), at 1, 4 and 16 MiB per device.
 
-Usage: ``python benchmarks/local_update_probe.py``
+Usage: ``python benchmarks/investigations/local_update_probe.py``
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -7,8 +7,8 @@ each object counted once, under the first cache that reaches it, after the layer
 (which every cache points into). The walk itself takes memory: the process's peak after it
 is not the search's (use `planning_time.py` for that).
 
-Run: ``python benchmarks/planner_memory.py gpt-39B@64`` (about a minute on 2 cores) or
-``gpt-175B@1024`` (about nine minutes).
+Run: ``python benchmarks/investigations/planner_memory.py gpt-39B@64`` (about a minute on 2
+cores) or ``gpt-175B@1024`` (about nine minutes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _resident() -> str:

@@ -1,7 +1,7 @@
 """How the stage DP and layer clustering scale.
 
-Run: ``/work/venv/bin/python benchmarks/stage_dp_scaling.py`` from the repo root. No JAX,
-no devices: both algorithms work on numbers.
+Run: ``python benchmarks/investigations/stage_dp_scaling.py`` from the repo root. No
+JAX, no devices: both algorithms work on numbers.
 
 Stage DP: a GPT-like synthetic cost model (identical layers; a stage of n layers on a
 submesh of d devices takes n / d time units plus a tensor-parallel communication term that
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
 from autopar.inter._stage_dp import StageCost, plan_stages  # noqa: E402
 from autopar.inter._submesh import submesh_shapes  # noqa: E402

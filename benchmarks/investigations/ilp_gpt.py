@@ -5,7 +5,7 @@ layer-wise planner solves it) and for a whole GPT-2-small train step (12 layers,
 `method="shard"` solves it): nodes, ILP variables before and after follower merging, build
 and solve seconds.
 
-    python benchmarks/ilp_gpt.py [--layers 12] [--skip-full]
+    python benchmarks/investigations/ilp_gpt.py [--layers 12] [--skip-full]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import optax  # noqa: E402
 

@@ -18,8 +18,9 @@ gradient from every later layer's dot results (`autopar.graph.layout_copies`). T
 thread pool looking for work (8.7% against 1.9%) and ``malloc`` (`task_device_overhead`).
 
 Needs ``perf`` (Linux perf_events, ``kernel.perf_event_paranoid`` <= 2 for one's own
-processes) and ``taskset``. Usage: ``python benchmarks/local_perf_probe.py [--plan NAME
-...] [--seconds S]`` (about 1 minute per plan).
+processes) and ``taskset``. Usage:
+``python benchmarks/investigations/local_perf_probe.py [--plan NAME ...] [--seconds S]``
+(about 1 minute per plan).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def child(name: str, folder: str) -> None:
     """Plan `name`, warm it up, say so (``ready``), then step until killed, appending each
     step's CPU seconds to ``steps``."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    sys.path.insert(0, os.path.dirname(HERE))
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/
     from bench_local import _cluster, _gpt_arrays, _Timer, local_plans
 
     step, state, batch = _gpt_arrays("small-test", 16)

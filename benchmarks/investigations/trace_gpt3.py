@@ -3,7 +3,7 @@
 Prints the wall time of each phase, the peak resident memory, the node count and the number
 of parameters the tracer found (GPT-3 has about 175B; Brown et al. 2020, Table 2.1).
 
-Usage: ``python benchmarks/trace_gpt3.py [--config 175B] [--batch-size 8]``
+Usage: ``python benchmarks/investigations/trace_gpt3.py [--config 175B] [--batch-size 8]``
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Run as a script from anywhere: the examples package lives at the repository root.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..', '..')))
 
 import jax  # noqa: E402
 import optax  # noqa: E402

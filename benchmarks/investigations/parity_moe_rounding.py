@@ -1,8 +1,8 @@
 """Why the MoE parity seeds 7 and 13 once differed from one device (docs/benchmarks.md,
 "Parity sweep"): reproduces the figures quoted there.
 
-    python benchmarks/parity_moe_rounding.py 13     # or 7
-    python benchmarks/parity_moe_rounding.py 23 selective   # with the remat drawn now
+    python benchmarks/investigations/parity_moe_rounding.py 13     # or 7
+    python benchmarks/investigations/parity_moe_rounding.py 23 selective  # remat drawn
 
 Trains the sweep's MoE configuration `seed` (drawn without remat, as in the first sweep) and
 the one-device reference for `NUM_STEPS` steps, keeping every step's parameters and the
@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(seed: int) -> None:

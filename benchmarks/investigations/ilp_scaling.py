@@ -6,8 +6,8 @@ resharding cost between two specs is zero for the same spec and otherwise the ed
 size times a fixed spec-to-spec factor (so matrices have the structure real ones have, not
 uniform noise). A fraction of nodes follow their first producer (elementwise ops).
 
-    python benchmarks/ilp_scaling.py                      # 200, 1000, 3000 nodes, both forms
-    python benchmarks/ilp_scaling.py --sizes 500 --formulations marginal --memory
+    python benchmarks/investigations/ilp_scaling.py   # 200, 1000, 3000 nodes, both forms
+    python benchmarks/investigations/ilp_scaling.py --sizes 500 --formulations marginal --memory
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from autopar.intra._ilp import ShardingProblem, least_memory, solve  # noqa: E402
 

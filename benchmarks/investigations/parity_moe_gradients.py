@@ -1,6 +1,6 @@
 """Is the pipelined MoE's gradient the one-device gradient, up to rounding?
 
-    python benchmarks/parity_moe_gradients.py 23 73 36     # sweep seeds (MoE, method auto)
+    python benchmarks/investigations/parity_moe_gradients.py 23 73 36  # MoE sweep seeds
 
 For each sweep seed (run in this one process of 8 devices), compares per parameter leaf the
 gradient the parallel program computes at step 1 (the step returns it next to the loss; the
@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NUM_PERMUTATIONS = 8
 
 

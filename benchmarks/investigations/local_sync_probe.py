@@ -13,7 +13,7 @@ two measurements on the 8 virtual CPU devices.
    `measure_collective_latency` times it after near-empty blocks (64 x 64); after blocks
    of milliseconds it costs about a third of a block, up to 2-3 ms.
 
-Usage: ``python benchmarks/local_sync_probe.py [--skip-one-core] [--skip-blocks]``
+Usage: ``python benchmarks/investigations/local_sync_probe.py [--skip-one-core] [--skip-blocks]``
 (about 3 minutes).
 """
 
@@ -27,8 +27,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -15,7 +15,7 @@ Two measurements, by this process's CPU time (`time.process_time`, all threads; 
    terms, transposed for a weight gradient) at about 45% of its compute; in dp4 tp2 the
    same fusions read [4, 64, 128] and take under 2%.
 
-Usage: ``python benchmarks/local_tp_probe.py [--skip-plans] [--skip-fusion]``
+Usage: ``python benchmarks/investigations/local_tp_probe.py [--skip-plans] [--skip-fusion]``
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

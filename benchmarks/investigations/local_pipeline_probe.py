@@ -6,7 +6,7 @@ dispatched asynchronously (as the runtime runs it) and with every task run one a
 (the runtime's `record_memory` path, which blocks after each task), in two interleaved
 rounds of 10 steps, and one recorded step's tasks (`record_timeline`, wall clock).
 
-Usage: ``python benchmarks/local_pipeline_probe.py``
+Usage: ``python benchmarks/investigations/local_pipeline_probe.py``
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 from bench_local import _cluster, _gpt_arrays, _Timer  # noqa: E402
 

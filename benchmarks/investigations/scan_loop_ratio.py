@@ -1,7 +1,7 @@
 """Predicted step time of a GPT written with `jax.lax.scan` over its layers against its
 Python-loop twin, on the meshes `tests/test_scan_layers.py` checks (issue 16: within 5%).
 
-    python benchmarks/scan_loop_ratio.py
+    python benchmarks/investigations/scan_loop_ratio.py
 
 Prints, per mesh, the scanned and the looped plan's predicted step time and their ratio:
 (8,) and (2, 4) on the cpu-local profile (method "shard", the test's wide GPT), and two
@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ The tasks of (2) are timed with and without their gradient accumulation (the ver
 adds into the running sums against the first microbatch's, which starts them): what
 accumulating a microbatch's gradients costs.
 
-Usage: ``python benchmarks/local_cost_probe.py [--skip-collectives] [--skip-tasks]
+Usage: ``python benchmarks/investigations/local_cost_probe.py [--skip-collectives] [--skip-tasks]
 [--skip-step] [--skip-kernels] [--skip-between] [--skip-timeline]
 [--timeline-plan NAME ...] [--skip-work] [--skip-shapes] [--op-profile NAME ...]
 [--step-profile NAME ...]``
@@ -83,8 +83,8 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/investigations
+sys.path[:0] = [os.path.dirname(_HERE), os.path.dirname(os.path.dirname(_HERE))]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

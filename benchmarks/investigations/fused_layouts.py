@@ -14,7 +14,7 @@ process seconds per step), with the collectives of each compiled program (and, w
   in the hand-written `jax.jit`): what is left once the plan's own layouts are dropped.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python benchmarks/fused_layouts.py [--rounds 5 --steps 10 --microbatches 1]
+        python benchmarks/investigations/fused_layouts.py [--rounds 5 --steps 10 --microbatches 1]
 
 It times the programs alone (called with the flat arguments, no donation, the same state
 every step): the one-stage overhead as a user meets it, autopar's call path and donation
@@ -34,8 +34,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 
 import jax  # noqa: E402
 import optax  # noqa: E402
