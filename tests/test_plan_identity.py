@@ -17,11 +17,11 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.cost import (
     bubble_fraction,
-    host_work_per_step,
     pipeline_latency,
     stage_dispatch_time,
     tasks_per_step,
 )
+from autopar.cost.backends._xla_cpu import host_work_per_step
 from examples import mlp
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.cost import layout_copy_time, transpose_bandwidth
-from autopar.graph import layout_copies, trace
+from autopar.cost.backends._xla_cpu import layout_copies, layout_copy_time, transpose_bandwidth
+from autopar.graph import trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
 MiB = 2**20
@@ -177,9 +177,9 @@ def test_shared_cores_simulation_by_hand():
 
 
 def test_pipelined_step_time_on_shared_cores_and_with_returned_gradients(cpu):
-    from autopar.cost import host_work_per_step, pipelined_step_time
-    from autopar.cost._pipeline import returned_gradient_time
+    from autopar.cost import pipelined_step_time
     from autopar.cost._schedule import simulate_shared
+    from autopar.cost.backends._xla_cpu import host_work_per_step, returned_gradient_time
 
     shared = dataclasses.replace(cpu, host_cores=2, dispatch_overhead=1e-3,
                                  task_device_overhead=2e-4)

@@ -122,10 +122,10 @@ class Cluster:
       increasing size: the rate (bytes read plus written per second per device, every
       device of the host at once) of a loop that reads its inputs in another memory order
       than it writes (a transposing copy). XLA:CPU makes such copies of the operands its
-      matmul kernels take in another order (`autopar.graph.layout_copies`), and they slow
-      down as their strided reads outgrow the caches; `autopar profile` measures them on
-      CPU (`measure_transpose`). None (GPU profiles): layout copies cost nothing extra. See
-      `autopar.cost.layout_copy_time`.
+      matmul kernels take in another order (`autopar.cost.backends`, XLA:CPU's
+      `layout_copies`), and they slow down as their strided reads outgrow the caches;
+      `autopar profile` measures them on CPU (`measure_transpose`). None: layout copies
+      cost nothing extra (and XLA:GPU makes none). See XLA:CPU's `layout_copy_time`.
     - `collective_latency_by_group`: optional ``((group size, seconds), ...)``: what one
       collective over a group of that many devices of a host adds to a program whose next
       kernel reads its result, whatever its kind, every group of the host at once
@@ -138,8 +138,9 @@ class Cluster:
       virtual devices run one thread each on the process's cores); the per-device figures
       of such a profile are each device's share with every device of the host busy, and a
       pipeline's devices that run while others idle go faster
-      (`autopar.cost.simulate_shared`). `autopar profile` sets it on CPU when the devices
-      outnumber the cores. None: every device computes on its own (GPUs).
+      (`autopar.cost._schedule.simulate_shared`, through XLA:CPU's backend). `autopar
+      profile` sets it on CPU when the devices outnumber the cores. None: every device
+      computes on its own (GPUs).
     - `gemm_shapes`: optional ``((M, N, K, fraction of peak), ...)``: GEMMs timed by shape
       per device (batch dimensions counted in M), every combination of a few sizes of each
       (a full grid; `autopar profile` measures it, `measure_gemm_shapes`). The cost model

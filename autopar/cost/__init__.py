@@ -6,6 +6,13 @@ groups spanning hosts), compute the roofline model with a GEMM efficiency by siz
 bytes that cross fusion boundaries (REFERENCES.md); pipelines Alpa's latency, every
 schedule's bubble simulated from its task order (`_schedule`) and in-flight microbatches.
 The ILP, the stage DP, the manual-plan scorer and the reports all call these functions.
+
+What only one backend's runtime does sits behind a seam, `autopar.cost.backends`: the
+general functions ask `backend_for(cluster)` (by the cluster's `device_kind`) at each
+such place. XLA:CPU's module holds its layout copies of GEMM operands, the copies of a
+pipelined backend's returned gradients, devices sharing the host's cores and the
+latency of collectives inside a program; XLA:GPU's charges none of those. A new
+accelerator is one backend module and one profile.
 """
 
 from autopar.cost._collective import (
@@ -22,11 +29,9 @@ from autopar.cost._compute import (
     compute_time,
     gemm_efficiency,
     kernel_launch_time,
-    layout_copy_time,
     rate_dtype,
     shape_efficiency,
     shard_shape,
-    transpose_bandwidth,
 )
 from autopar.cost._fit import CollectiveSample, fit_link
 from autopar.cost._formulas import (
@@ -51,13 +56,11 @@ from autopar.cost._pipeline import (
     bubble_fraction,
     bubble_scale,
     crossing_bytes,
-    host_work_per_step,
     in_flight_microbatches,
     memory_budget,
     pipeline_latency,
     pipelined_step_time,
     stage_dispatch_time,
-    tasks_per_step,
 )
 from autopar.cost._remat import (
     full_recompute_cost,
@@ -69,6 +72,7 @@ from autopar.cost._remat import (
     selective_recompute_cost,
     stage_recompute_seconds,
 )
+from autopar.cost._schedule import tasks_per_step
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -92,7 +96,6 @@ __all__ = [
     "stage_memory_parts",
     "StageMemory",
     "MEMORY_PARTS",
-    "host_work_per_step",
     "tasks_per_step",
     "full_recompute_cost",
     "fused_rerun_seconds",
@@ -116,10 +119,8 @@ __all__ = [
     "hideable_weight",
     "gemm_efficiency",
     "kernel_launch_time",
-    "layout_copy_time",
     "link_for",
     "transfer_time",
     "shape_efficiency",
     "shard_shape",
-    "transpose_bandwidth",
 ]

@@ -14,6 +14,7 @@ from autopar.cost._formulas import (
     alpha_beta_terms,
     hierarchical_terms,
 )
+from autopar.cost.backends import backend_for
 
 
 def link_for(cluster: Cluster, device_ids: Sequence[int]) -> Link:
@@ -53,14 +54,14 @@ def collective_time(
     ``cluster.intra_link(n, kind)`` (`intra_host`, or the link measured for groups of that
     size when the profile has `intra_host_by_group`; its bandwidth scaled by the kind's
     measured factor, `collective_bandwidth_by_kind`):
-    ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`); on a profile
-    that measured what a collective adds inside a program
-    (`Cluster.collective_latency_by_group`), that latency once in place of the ring
-    steps' (XLA:CPU's in-process collectives meet once per collective). A group with
-    g > 1 devices on each of k > 1 hosts runs the two-level algorithm
-    (`hierarchical_terms`): rings inside the hosts over ``intra_link(g)``, rings across hosts
-    over each device's rail (`Cluster.network_link`). One device per host, or uneven
-    counts per host: one ring over the network.
+    ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`); where the
+    cluster's backend gives what a collective adds inside a program
+    (`Backend.collective_latency`: XLA:CPU's `Cluster.collective_latency_by_group`, its
+    in-process collectives meeting once per collective), that latency once in place of
+    the ring steps'. A group with g > 1 devices on each of k > 1 hosts runs the two-level
+    algorithm (`hierarchical_terms`): rings inside the hosts over ``intra_link(g)``, rings
+    across hosts over each device's rail (`Cluster.network_link`). One device per host,
+    or uneven counts per host: one ring over the network.
 
     **Example:** all-reduce of 1 GiB over the 8 GPUs of a DGX A100:
     ``2·7/8·2**30 / 300e9 + 2·7·5e-6`` ≈ 6.33 ms; over 2 DGX A100 (16 GPUs) it adds
@@ -109,10 +110,10 @@ def combined_collective_time(
     less than one latency per group short when the last bucket is partly full. Kinds
     outside `COMBINED_KINDS` (send_recv, all_to_all) are charged as `collective_time`.
 
-    A runtime whose merged collective still pays per operand (XLA:CPU, whose tuple
-    all-reduce rendezvouses once per operand) sets `Cluster.combined_operand_latency`
-    s: each collective then pays ``s + (1 − s) · min(1, nbytes / threshold)`` of its
-    latency, all of it at s = 1.
+    A runtime whose merged collective still pays per operand says so through its
+    backend's `merged_latency_share` (XLA:CPU, whose tuple all-reduce rendezvouses once
+    per operand: with the profile's `combined_operand_latency` s each collective pays
+    ``s + (1 − s) · min(1, nbytes / threshold)`` of its latency, all of it at s = 1).
 
     **Example:** 50 gradient all-reduces of 64 KiB over 8 devices with 12 us latency: one
     bucket, so their latency is ``50 · 64 KiB / 30 MiB · 14 · 12 us`` ≈ 18 us instead of
@@ -128,8 +129,7 @@ def combined_collective_time(
     alpha_beta_terms(kind, nbytes, n)  # checks the arguments
     if n == 1:
         return 0.0
-    amortised = cluster.combined_operand_latency
-    share = amortised + (1.0 - amortised) * min(1.0, nbytes / threshold)
+    share = backend_for(cluster).merged_latency_share(cluster, nbytes, threshold)
     return max(_group_time(kind, nbytes, cluster, group, share) for group in mesh.groups(axes))
 
 
@@ -159,7 +159,7 @@ def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group,
     counts = set(per_host.values())
     if len(per_host) == 1:
         terms = alpha_beta_terms(kind, nbytes, len(group))
-        measured = cluster.collective_latency(len(group))
+        measured = backend_for(cluster).collective_latency(cluster, len(group))
         if measured is not None:  # what one collective adds inside a program, measured
             link = cluster.intra_link(len(group), kind)
             return latency_share * measured + terms.wire_bytes / link.bandwidth

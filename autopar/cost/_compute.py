@@ -127,50 +127,6 @@ def _shape_grid(table: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, list[
     return grid, axes
 
 
-def transpose_bandwidth(cluster: Cluster, bytes_read: float) -> float:
-    """Bytes per second per device (read plus written) of a transposing copy whose loop
-    reads `bytes_read` bytes per device: the profile's `transpose_bandwidth` table
-    interpolated linearly in log(bytes) and held constant beyond its ends; without a
-    table, `hbm_bandwidth`.
-
-    **Example:** on `cpu-local-measured`, about 1.1 GB/s at 1 MiB read per device against
-    its 2.4 GB/s for a straight elementwise loop.
-    """
-    table = cluster.transpose_bandwidth
-    if not table or bytes_read <= 0:
-        return cluster.hbm_bandwidth
-    sizes = np.log([size for size, _ in table])
-    return float(np.interp(np.log(bytes_read), sizes, [rate for _, rate in table]))
-
-
-def layout_copy_time(nbytes: float, cluster: Cluster, fan_in: float = 1.0,
-                     fused: bool = False) -> float:
-    """Seconds a layout copy adds (`autopar.graph.layout_copies`): a loop writes the
-    `nbytes` per device of an operand in another memory order, reading ``fan_in ·
-    nbytes`` in strides.
-
-    It moves ``(fan_in + 1) · nbytes`` at `transpose_bandwidth` for what it reads. A copy
-    running inside the elementwise fusion that makes the operand (`fused`) replaces that
-    fusion's straight loop, whose bytes the roofline already charges at `hbm_bandwidth`:
-    only the difference is added. 0 on a profile without `transpose_bandwidth` (GPUs,
-    whose GEMMs take transposed operands).
-
-    **Example:** a 1 MiB operand copied alone on a profile moving 1 GB/s transposed:
-    ``2 MiB / 1e9`` s ≈ 2.1 ms.
-    """
-    if nbytes < 0 or fan_in < 1:
-        raise ValueError(
-            f"layout_copy_time needs nbytes >= 0 and fan_in >= 1, got {nbytes} and {fan_in}"
-        )
-    if cluster.transpose_bandwidth is None or nbytes == 0:
-        return 0.0
-    moved = (fan_in + 1.0) * nbytes
-    seconds = moved / transpose_bandwidth(cluster, fan_in * nbytes)
-    if fused:
-        seconds -= moved / cluster.hbm_bandwidth
-    return max(0.0, seconds)
-
-
 def kernel_launch_time(cluster: Cluster, kernels: float) -> float:
     """Seconds `kernels` kernels cost besides their work on `cluster`: each its launch and
     the gap before the next, ``kernels · kernel_overhead`` (0 on a profile without it).

@@ -15,7 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
-from autopar.cost._schedule import simulate, simulate_shared
+from autopar.cost._schedule import simulate, tasks_per_step
+from autopar.cost.backends import backend_for
+from autopar.cost.backends._base import cluster_field
 
 # A stage's time per microbatch split into its forward F, input-gradient backward B and
 # weight-gradient backward W, when the plan gives no split of its own (`Plan.phase_shares`,
@@ -82,30 +84,6 @@ def _simulated_fill(num_groups: int, num_microbatches: int, schedule: str,
     return max(ends) - num_microbatches
 
 
-def tasks_per_step(num_stages: int, num_microbatches: int,
-                   schedule: Schedule = "1f1b") -> int:
-    """Programs one stage's devices launch per step.
-
-    One stage: one program for the whole step (the SPMD runtime's jit, or the pipeline
-    runtime's fused step with its microbatches in a `lax.scan`). Several: per microbatch a
-    forward and a backward task (zero bubble: the backward split in two, B and W), and
-    once per step the stage's update (`autopar.runtime.PipelineExecutable`).
-
-    **Example:** ``tasks_per_step(1, 8) == 1``; ``tasks_per_step(2, 4) == 9``;
-    ``tasks_per_step(2, 4, "zero_bubble") == 13``.
-    """
-    check_choice("schedule", schedule, SCHEDULES)
-    if num_stages < 1 or num_microbatches < 1:
-        raise ValueError(
-            f"a plan needs at least one stage and one microbatch, got {num_stages} stage(s) "
-            f"and {num_microbatches} microbatch(es)"
-        )
-    if num_stages == 1:
-        return 1
-    per_microbatch = 3 if schedule == "zero_bubble" else 2
-    return num_microbatches * per_microbatch + 1
-
-
 def stage_dispatch_time(cluster, num_stages: int, num_microbatches: int,
                         schedule: Schedule = "1f1b") -> float:
     """Seconds per microbatch a stage pays for launching its programs: its
@@ -125,7 +103,7 @@ def stage_dispatch_time(cluster, num_stages: int, num_microbatches: int,
 
 def _dispatch_overhead(cluster) -> float:
     """A `Cluster`'s `dispatch_overhead`, or the same key of its JSON (what a `Plan` keeps)."""
-    return float(_field(cluster, "dispatch_overhead") or 0.0)
+    return float(cluster_field(cluster, "dispatch_overhead") or 0.0)
 
 
 def pipeline_latency(stage_times: Sequence[float], num_microbatches: int,
@@ -168,18 +146,17 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
     `Plan.predicted_step_time` and the planner's schedule choice both call this, so a
     schedule is chosen by the time its plan then predicts.
 
-    On a profile of XLA:CPU devices two more things hold, given the pipeline's
-    `group_devices` (devices per stage) and `returned_bytes` (per stage, the weight
-    gradients' bytes per device its backward returns):
+    The cluster's backend (`autopar.cost.backends.backend_for`) adds what its runtime
+    does, given the pipeline's `group_devices` (devices per stage) and `returned_bytes`
+    (per stage, the weight gradients' bytes per device its backward returns):
 
-    - each backward task of a pipeline of several stages pays `returned_gradient_time`
-      (the profile has `transpose_bandwidth`);
-    - the devices share the host's `host_cores` (fewer than its devices): the step is
-      `autopar.cost.simulate_shared`'s processor-sharing simulation of the schedule, the
-      host's launches on the same cores (GPipe and 1F1B with one stage per device group;
-      other schedules keep the formula above): per task the host thread's
-      `dispatch_overhead` and, on each of the task's devices, the device thread's
-      `task_device_overhead` (`host_work_per_step`).
+    - each backward task of a pipeline of several stages pays
+      `Backend.returned_gradient_seconds` (XLA:CPU with `transpose_bandwidth`: a copy to
+      row-major);
+    - where the devices share the host's cores, `Backend.shared_cores_step_time` is the
+      step (XLA:CPU with `host_cores` fewer than its devices: a processor-sharing
+      simulation of GPipe and 1F1B, the host's launches on the same cores); other
+      schedules and backends keep the formula above.
 
     **Example:** two stages of 1 s, 4 microbatches, 1F1B, no dispatch cost: ``5.0``.
     """
@@ -191,69 +168,22 @@ def pipelined_step_time(stage_times: Sequence[float], cluster, num_microbatches:
         )
     shares = _check_shares(phase_shares)
     forward = [t * shares[0] for t in stage_times]
+    backend = backend_for(cluster)
     if returned_bytes is not None and len(stage_times) > 1:
-        stage_times = [t + returned_gradient_time(b, cluster)
+        stage_times = [t + backend.returned_gradient_seconds(cluster, b)
                        for t, b in zip(stage_times, returned_bytes)]
         shares = _with_forward(shares, sum(forward), sum(stage_times))
-    cores = _field(cluster, "host_cores")
-    per_host = int(_field(cluster, "devices_per_host") or 1)
-    if (cores and cores < per_host and _field(cluster, "num_hosts") == 1
-            and group_devices is not None and len(stage_times) > 1
-            and groups == len(stage_times) and schedule in ("gpipe", "1f1b")):
-        host = host_work_per_step(cluster, group_devices, num_microbatches, schedule)
-        return simulate_shared(forward, [t - f for t, f in zip(stage_times, forward)],
-                               num_microbatches, group_devices, cores, per_host, schedule,
-                               host_work=host)
+    shared = backend.shared_cores_step_time(
+        cluster, forward, [t - f for t, f in zip(stage_times, forward)], num_microbatches,
+        group_devices, schedule, groups)
+    if shared is not None:
+        return shared
     dispatch = stage_dispatch_time(cluster, len(stage_times), num_microbatches, schedule)
     per_group = [0.0] * groups  # interleaved: a device group runs all its chunks
     for s, t in enumerate(stage_times):
         per_group[s % groups] += t + dispatch
     return pipeline_latency(per_group, num_microbatches, schedule,
                             len(stage_times) // groups, shares)
-
-
-def host_work_per_step(cluster, group_devices: Sequence[int], num_microbatches: int,
-                       schedule: Schedule = "1f1b") -> float:
-    """CPU seconds per step a pipeline's tasks cost besides their work, on a host whose
-    devices share its cores: each stage launches `tasks_per_step` tasks, each costing the
-    host thread `dispatch_overhead` and each of the stage's `group_devices` its device
-    thread's `task_device_overhead` (XLA:CPU's launch and buffers on that thread, and its
-    thread pool's search for more work when the task ends).
-
-    **Example:** 2 stages of 4 devices, 4 microbatches, 1F1B (9 tasks per stage), 1 ms per
-    launch and 0.2 ms per device and task: ``2 * 9 * (1e-3 + 4 * 2e-4)`` = 32.4 ms.
-    """
-    tasks = tasks_per_step(len(group_devices), num_microbatches, schedule)
-    device = float(_field(cluster, "task_device_overhead") or 0.0)
-    return tasks * sum(_dispatch_overhead(cluster) + device * d for d in group_devices)
-
-
-def returned_gradient_time(nbytes: float, cluster) -> float:
-    """Seconds a pipeline's backward task pays, per microbatch, to return the `nbytes`
-    per device of weight gradients (its running sums) on XLA:CPU (a profile with
-    `transpose_bandwidth`): its dots compute each weight gradient transposed (``A.T @ B``
-    as ``(B.T @ A).T``, which one program hands its optimizer update as it is), and a
-    program's result must be row-major, so every one passes a transposing fusion and a
-    copy (``bitcast_transpose_fusion`` and ``wrapped_copy`` after each ``ynn_fusion`` in
-    the backward HLO of the local GPT's pipelined stages): `layout_copy_time` plus
-    ``2 · nbytes`` at `hbm_bandwidth`. 0 on other profiles (cuBLAS writes either order).
-    """
-    if _field(cluster, "transpose_bandwidth") is None or nbytes <= 0:
-        return 0.0
-    from autopar.cost._compute import layout_copy_time
-
-    if isinstance(cluster, dict):
-        from autopar.cluster._cluster import Cluster
-
-        cluster = Cluster.from_json(cluster)
-    return layout_copy_time(nbytes, cluster) + 2 * nbytes / cluster.hbm_bandwidth
-
-
-def _field(cluster, name: str):
-    """A `Cluster`'s field, or the same key of its JSON (what a `Plan` keeps)."""
-    if isinstance(cluster, dict):
-        return cluster.get(name)
-    return getattr(cluster, name, None)
 
 
 def _with_forward(shares: tuple[float, float, float], forward: float,

@@ -295,3 +295,27 @@ def simulate_shared(forward: Sequence[float], backward: Sequence[float],
                 heads[g] += 1
     assert all(h == len(o) for h, o in zip(heads, orders)), f"{schedule} deadlocked at {heads}"
     return now + host_work / cores
+
+
+def tasks_per_step(num_stages: int, num_microbatches: int,
+                   schedule: Schedule = "1f1b") -> int:
+    """Programs one stage's devices launch per step.
+
+    One stage: one program for the whole step (the SPMD runtime's jit, or the pipeline
+    runtime's fused step with its microbatches in a `lax.scan`). Several: per microbatch a
+    forward and a backward task (zero bubble: the backward split in two, B and W), and
+    once per step the stage's update (`autopar.runtime.PipelineExecutable`).
+
+    **Example:** ``tasks_per_step(1, 8) == 1``; ``tasks_per_step(2, 4) == 9``;
+    ``tasks_per_step(2, 4, "zero_bubble") == 13``.
+    """
+    check_choice("schedule", schedule, SCHEDULES)
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"a plan needs at least one stage and one microbatch, got {num_stages} stage(s) "
+            f"and {num_microbatches} microbatch(es)"
+        )
+    if num_stages == 1:
+        return 1
+    per_microbatch = 3 if schedule == "zero_bubble" else 2
+    return num_microbatches * per_microbatch + 1

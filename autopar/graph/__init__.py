@@ -14,7 +14,6 @@ from autopar.graph._fusion import (
     register_fusion,
     stored_residuals,
 )
-from autopar.graph._layout import LayoutCopy, layout_copies
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 from autopar.graph._stacked import StackedSplit, split_stacked
@@ -23,7 +22,6 @@ from autopar.graph._trace import abstract_args, trace, trace_jaxpr
 
 __all__ = [
     "FusionTraffic",
-    "LayoutCopy",
     "Node",
     "OpGraph",
     "Role",
@@ -36,7 +34,6 @@ __all__ = [
     "attention_core",
     "grad",
     "layer_boundary",
-    "layout_copies",
     "marking_layers",
     "register_fusion",
     "stored_residuals",

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.graph import OpGraph, Role, layout_copies
+from autopar.cost.backends import backend_for
+from autopar.graph import OpGraph, Role
 from autopar.intra._reshard import reshard_collectives, reshard_time
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import CostContext, _layout_seconds
@@ -167,15 +168,16 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
     """Seconds the stage's layout copies cost beyond what its layers' ILPs charged them.
 
     XLA:CPU recomputes a copied operand's elementwise ops inside the copy, back to values
-    written to memory (`autopar.graph.layout_copies`); on a residual stream those reach
+    written to memory (its backend's `layout_copies`); on a residual stream those reach
     back over layer edges (each layer's copy of the residual gradient reads every later
     layer's dot results). A layer's ILP sees its own graph, which starts at the layer's
     inputs, so its copies' fan-in stops there: each node's copies are priced on both
     graphs by the ILP's own function (`_layout_seconds`), at the layouts the layer's plan
     takes the operands in, and the difference added (`weights` per stage node, as for the
-    resharding). 0 on a profile without `transpose_bandwidth`, where copies cost
-    nothing."""
-    if getattr(cluster, "transpose_bandwidth", None) is None:
+    resharding). 0 where the cluster's backend prices no copies (XLA:GPU, or XLA:CPU
+    without `transpose_bandwidth`)."""
+    backend = backend_for(cluster)
+    if not backend.prices_layout_copies(cluster):
         return 0.0
     ctx = CostContext(cluster, mesh)
     stage_nodes = {n.id: n for n in stage_graph.nodes}
@@ -184,7 +186,7 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
         layer_nodes = {n.id: n for n in layer_graph.nodes}
         for full, sub in layer_index.items():
             node = stage_nodes[stage_index[full]]
-            if not layout_copies(stage_graph, node):
+            if not backend.layout_copies(stage_graph, node):
                 continue
             specs = [found.expected.get((node.id, p)) for p in range(len(node.inputs))]
             extra += weights.get(node.id, 1.0) * (

@@ -22,10 +22,10 @@ from autopar.cost import (
     combined_collective_time,
     compute_time,
     kernel_launch_time,
-    layout_copy_time,
     rate_dtype,
     shard_shape,
 )
+from autopar.cost.backends import backend_for
 from autopar.graph import (
     Node,
     OpGraph,
@@ -33,7 +33,6 @@ from autopar.graph import (
     fusion_kind,
     fusion_traffic,
     kernel_roots,
-    layout_copies,
 )
 from autopar.intra._control_flow import STACK
 from autopar.intra._registry import signature_of
@@ -477,20 +476,22 @@ def _kernel_seconds(node: Node, graph: OpGraph, ctx: CostContext) -> float:
 
 
 def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:
-    """Seconds the node's layout copies add on `ctx.cluster` (`autopar.graph.layout_copies`
-    priced by `autopar.cost.layout_copy_time`; 0 on a profile without
-    `transpose_bandwidth`, and for a node of another graph)."""
-    if getattr(ctx.cluster, "transpose_bandwidth", None) is None or \
+    """Seconds the node's layout copies add on `ctx.cluster`: its backend's
+    `layout_copies` of the node, each priced by `layout_copy_seconds` at its operand's
+    bytes per device (`autopar.cost.backends`; 0 where the backend prices none, as on
+    XLA:GPU, and for a node of another graph)."""
+    backend = backend_for(ctx.cluster)
+    if not backend.prices_layout_copies(ctx.cluster) or \
             len(graph.nodes) <= node.id or graph.nodes[node.id] is not node:
         return 0.0
     total = 0.0
-    for copy in layout_copies(graph, node):
+    for copy in backend.layout_copies(graph, node):
         spec = in_specs[copy.operand]
         if spec is None:  # a constant
             continue
         var = graph.vars[node.inputs[copy.operand]]
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
-        total += layout_copy_time(nbytes, ctx.cluster, copy.fan_in, copy.fused)
+        total += backend.layout_copy_seconds(ctx.cluster, nbytes, copy.fan_in, copy.fused)
     return total
 
 

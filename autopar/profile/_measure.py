@@ -562,9 +562,9 @@ def measure_transpose(
     [rows, `TRANSPOSE_PROBE_COLUMNS`] float32 per device, together that many bytes, summed
     (each scaled) and written transposed, [columns, rows]: one loop fusion that reads its
     inputs in strides, as XLA:CPU's copies of dot operands do
-    (`autopar.graph.layout_copies`). The rate is (bytes read + written) / time. On 8
-    virtual devices of a 2-core AMD EPYC it fell from 1.8 GB/s per device at 256 KiB to
-    0.75 GB/s at 8 MiB, where the same sum written as is moved 1.7-6 GB/s.
+    (`layout_copies`, `autopar.cost.backends`). The rate is (bytes read + written) /
+    time. On 8 virtual devices of a 2-core AMD EPYC it fell from 1.8 GB/s per device at
+    256 KiB to 0.75 GB/s at 8 MiB, where the same sum written as is moved 1.7-6 GB/s.
     """
     if not _on_cpu(devices) or not options.transpose_sizes:
         return None

@@ -61,8 +61,8 @@ Two measurements on the 8 virtual CPU devices:
 11. **A one-program step's layout copies.** ``--step-profile NAME`` (a one-stage local
    plan): 5 whole steps under `jax.profiler.trace`, the thunks' time per device and step,
    the copies and transposes apart, against what the cost model charges the step's layout
-   copies (`autopar.graph.layout_copies` on the plan's layouts, `layout_copy_time` on
-   `cpu-local-measured`).
+   copies (`autopar.cost.backends._xla_cpu.layout_copies` on the plan's layouts,
+   `layout_copy_time` on `cpu-local-measured`).
 
 The tasks of (2) are timed with and without their gradient accumulation (the version that
 adds into the running sums against the first microbatch's, which starts them): what
@@ -385,15 +385,15 @@ def step_layout_copies(name: str) -> None:
     """A one-stage local plan's step profiled whole (5 steps under `jax.profiler.trace`):
     its HLO thunks' time per device and step by kind, the copies and transposes
     (`LAYOUT_THUNKS`) apart, against what the cost model charges the step's layout copies
-    (`autopar.graph.layout_copies` priced by `layout_copy_time` on the plan's chosen
-    layouts)."""
+    (`autopar.cost.backends._xla_cpu.layout_copies` priced by `layout_copy_time` on the
+    plan's chosen layouts)."""
     import re
     from collections import defaultdict
 
     from bench_local import LOCAL_DEVICES, _cluster
 
-    from autopar.cost import bytes_per_device, layout_copy_time
-    from autopar.graph import layout_copies
+    from autopar.cost import bytes_per_device
+    from autopar.cost.backends._xla_cpu import layout_copies, layout_copy_time
     from autopar.runtime import PipelineExecutable
 
     made = []

@@ -13,9 +13,10 @@ the largest ones, each in % of the samples and ms per step.
 Session 23 (2026-11-28): Megatron dp4 tp2 spent 41% of its samples in XLA-compiled loops
 against 20% for dp8, the difference in ``copy_bitcast_fusion`` (22.6% against 4.3%): the
 copies of each layer's residual gradient for its weight gradient, which recompute the
-gradient from every later layer's dot results (`autopar.graph.layout_copies`). The
-4-stage pipeline's extra went to the Python runtime (10.8% of its samples), Eigen's
-thread pool looking for work (8.7% against 1.9%) and ``malloc`` (`task_device_overhead`).
+gradient from every later layer's dot results (XLA:CPU's `layout_copies`,
+`autopar.cost.backends`). The 4-stage pipeline's extra went to the Python runtime
+(10.8% of its samples), Eigen's thread pool looking for work (8.7% against 1.9%) and
+``malloc`` (`task_device_overhead`).
 
 Needs ``perf`` (Linux perf_events, ``kernel.perf_event_paranoid`` <= 2 for one's own
 processes) and ``taskset``. Usage:

@@ -1,9 +1,10 @@
-"""Layout copies: where XLA:CPU copies a tensor into another memory order, and how many
-bytes the loop that makes the copy reads.
+"""XLA:CPU's layout copies: where it copies a tensor into another memory order, and how
+many bytes the loop that makes the copy reads.
 
 In: an `OpGraph` and one of its nodes. Out: `layout_copies`, the node's operands that the
 backend copies transposed (`LayoutCopy`: which operand, and how many bytes the copying
-loop reads per byte of that operand).
+loop reads per byte of that operand). `autopar.cost.backends.XLA_CPU` answers
+`Backend.layout_copies` with it; `_xla_cpu.layout_copy_time` prices the copies.
 
 XLA:CPU runs dots on YNNPACK/XNNPACK GEMM kernels that take each operand in one memory
 order: batch dimensions leading (in the same order in both operands), then for the left
@@ -22,7 +23,7 @@ transposes a dot's result that nothing else reads: the dot writes it in that ord
 
 The copy reads its input in strides: one element per cache line and stream, so it moves
 bytes far slower than a straight elementwise loop once its inputs outgrow the caches
-(`autopar.cost.layout_copy_time` prices it by the profile's measured
+(`_xla_cpu.layout_copy_time` prices it by the profile's measured
 `Cluster.transpose_bandwidth`). When the operand is made by elementwise ops, the copy runs
 inside the loop that makes it, and XLA:CPU duplicates cheap elementwise work into every
 loop that reads it rather than writing it once: the copy's loop recomputes the operand
@@ -42,7 +43,7 @@ docs/benchmarks.md). `tests/test_xla_cpu_costs.py` checks the count against XLA'
 small chains.
 
 GPUs have no such copies (cuBLAS takes transposed operands; XLA:GPU's transposes are
-tiled through shared memory), so a profile without `transpose_bandwidth` charges nothing.
+tiled through shared memory): `autopar.cost.backends.XLA_GPU` names none.
 """
 
 from __future__ import annotations
@@ -50,22 +51,10 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from autopar.cost.backends._base import LayoutCopy
 from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind
 from autopar.graph._opgraph import Node, OpGraph, Role, dtype_itemsize
-
-
-@dataclass(frozen=True)
-class LayoutCopy:
-    """Operand `operand` of a node is copied into another memory order; the loop that
-    copies it reads `fan_in` bytes per byte of the operand (1: the operand alone; more
-    when the copy runs inside the elementwise fusion that makes the operand), and
-    `fused` says whether it does."""
-
-    operand: int
-    fan_in: float = 1.0
-    fused: bool = False
 
 
 def layout_copies(graph: OpGraph, node: Node) -> tuple[LayoutCopy, ...]:
