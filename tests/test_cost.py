@@ -19,10 +19,6 @@ from autopar.cost import (
     transfer_time,
 )
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("cost")
-
 GiB = 2**30
 NVLINK_BW, NVLINK_LAT = 300e9, 5e-6  # dgx-a100-80g.json intra_host
 IB_BW, IB_LAT = 25e9, 10e-6  # dgx-a100-80g.json inter_host

@@ -12,10 +12,6 @@ from autopar.cost import collective_time, compute_time, gemm_efficiency, rate_dt
 from autopar.graph import fusion_kind, fusion_traffic, trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("cost_fidelity")
-
 GiB = 2**30
 
 

@@ -25,10 +25,6 @@ from autopar.intra._problem import build_problem, unstacked_spec
 from autopar.lower import count_collectives, stack_spec
 from examples import gpt
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("deferred")
-
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
 
 

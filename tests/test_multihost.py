@@ -41,9 +41,7 @@ MODES = ("pipeline", "shard", "disagree", "interleaved")
 EXTENDED_MODES = ("zero_bubble",)
 # Planning and running every mode takes several minutes on 2 busy cores: the first test's
 # setup runs them all.
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = [pytest.mark.timeout(1500), pytest.mark.xdist_group("multihost")]
+pytestmark = pytest.mark.timeout(1500)
 # The acceptance bound for the others to stop after one process is lost.
 STOP_BOUND_SECONDS = 60
 

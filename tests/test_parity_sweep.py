@@ -19,10 +19,6 @@ import pytest
 
 from autopar.choices import METHODS
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("parity_sweep")
-
 SWEEP_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "parity_sweep.py"
 # (seed, what it draws) — the description is checked, so a change to the sweep's drawing
 # shows up here rather than silently changing what the sample covers.

@@ -15,10 +15,6 @@ from autopar.report import matmul_weight_splits
 from autopar.runtime import overlap_fraction
 from examples import gpt, mlp
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("pipeline")
-
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)  # 4 blocks + head = 5 layers
 LR = 1e-2
 

@@ -34,10 +34,6 @@ from autopar.intra._strategies import (
     step_effects,
 )
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("problem_memo")
-
 
 @functools.cache
 def _gpt():

@@ -18,10 +18,6 @@ from autopar.cost import COLLECTIVE_KINDS, collective_time
 from autopar.profile import QUICK
 from autopar.profile._measure import time_collective
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("profile")
-
 REPO = Path(__file__).resolve().parent.parent
 UNSEEN_SIZE = 1024 * 1024  # between the QUICK sizes 256 KiB and 4 MiB, so not in the fit
 TOLERANCE = 2.0  # the acceptance bound: prediction within 2x of a fresh measurement

@@ -36,10 +36,6 @@ from autopar.intra._strategies import (
     replicated_signature,
 )
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("strategy_validity")
-
 MESHES = [(8,), (2, 4), (4, 2)]
 EXAMPLES = ["gpt", "moe", "wide_resnet", "mlp", "llama_example", "llama_scan", "nnx_llama"]
 HF_MODELS = ["llama", "mistral", "gemma"]

@@ -15,10 +15,6 @@ from autopar.graph._markers import value_and_grad as autopar_value_and_grad
 from autopar.graph._trace import path_str
 from examples import gpt
 
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = pytest.mark.xdist_group("trace")
-
 INLINED_NAMES = set(CALL_JAXPR_PARAM)
 
 

@@ -20,9 +20,7 @@ from hf_models import make_model
 import autopar
 
 pytest.importorskip("transformers")
-# One test process runs this module (`--dist loadgroup`): its tests share a costly module
-# fixture or cache.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers_models")]
+pytestmark = pytest.mark.slow
 
 LR = 1e-2
 

@@ -38,7 +38,7 @@ from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.cost import boundary_transfer_time, in_flight_microbatches
 from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
-from autopar.inter import LayerCostTable, assign_layers, partition
+from autopar.inter import assign_layers, partition
 from autopar.inter._choose import recompute_time
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._stage_fit import choose_remat
@@ -275,6 +275,9 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     from its layers' plans (the same layer-wise planning as `method="auto"`), so large
     models plan in seconds.
     """
+    # Looked up when called (tests record the tables it makes).
+    from autopar.inter import LayerCostTable
+
     layers = assign_layers(graph)
     bounds = _chunk_bounds(layers.num_layers, config)
     solve = _pinned_solver(graph, cluster, specs, options, pinned, solve_cache)
