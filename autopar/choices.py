@@ -49,7 +49,15 @@ level); "limit" bounds it with a row (any point of the trade-off, each a harder 
 SolverName = Literal["auto", "highs", "cbc"]
 """The MILP solver of the sharding ILP; "auto" is HiGHS when highspy is installed."""
 
+Annotations = Literal["keep", "hint", "ignore"]
+"""What the planner does with the step's own sharding annotations (`with_sharding_constraint`,
+`reshard`, `mesh_cast`, flax's logical constraints): "keep" makes the user's spec a hard
+constraint on that value; "hint" prefers it (a layout that differs pays the resharding into
+the user's spec, which the program still performs); "ignore" drops the annotation (the plan
+is the plan of the step without it)."""
+
 METHODS: tuple[str, ...] = get_args(Method)
+ANNOTATIONS: tuple[str, ...] = get_args(Annotations)
 SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 SCHEDULE_OPTIONS: tuple[str, ...] = get_args(ScheduleOption)

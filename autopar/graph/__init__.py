@@ -5,6 +5,7 @@ which mark where the per-microbatch gradient ends and the optimizer update begin
 `tied_state`, which pairs the step's returned state with the state it was given.
 """
 
+from autopar.graph._annotations import ANNOTATION_PRIMITIVES, without_annotations
 from autopar.graph._fusion import (
     FusionTraffic,
     attention_core,
@@ -21,6 +22,7 @@ from autopar.graph._state import tied_state
 from autopar.graph._trace import abstract_args, trace, trace_jaxpr
 
 __all__ = [
+    "ANNOTATION_PRIMITIVES",
     "FusionTraffic",
     "Node",
     "OpGraph",
@@ -42,4 +44,5 @@ __all__ = [
     "trace",
     "trace_jaxpr",
     "value_and_grad",
+    "without_annotations",
 ]

@@ -38,6 +38,7 @@ from autopar.intra._problem import (
     operands,
 )
 from autopar.intra._reshard import reshard_collectives
+from autopar.intra._rules_annotations import AnnotationMismatch
 from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import node_signature
@@ -373,12 +374,18 @@ def plan_sharding(
     shapes = [tuple(mesh_shape)] if mesh_shape is not None else mesh_shapes(len(device_ids))
     best: ShardingPlan | None = None
     errors: list[MemoryBudgetError] = []
+    mismatches: list[str] = []
     for shape in shapes:
         mesh = LogicalMesh.create(shape, device_ids)
         try:
-            plan = plan_on_mesh(graph, cluster, mesh, options, tied, fixed)
+            # `fixed` may depend on the mesh (the user's pins, `autopar.search._pins`).
+            fixed_here = fixed(mesh) if callable(fixed) else fixed
+            plan = plan_on_mesh(graph, cluster, mesh, options, tied, fixed_here)
         except MemoryBudgetError as err:
             errors.append(err)
+            continue
+        except AnnotationMismatch as err:  # the user's shardings rule this mesh out
+            mismatches.append(f"mesh {shape}: {err}")
             continue
         log.info(
             "mesh %s: predicted %.4g s (compute %.3g, comm %.3g, reshard %.3g)",
@@ -387,6 +394,13 @@ def plan_sharding(
         )
         if best is None or plan.cost.total < best.cost.total:
             best = plan
+    if best is None and not errors:
+        raise AnnotationMismatch(
+            "no logical mesh can hold the user's shardings (the step's sharding "
+            "annotations or the pins):\n  " + "\n  ".join(mismatches) + "\nFix the spec "
+            "or its mesh, pass mesh_shape= the shape of the user's mesh, or plan with "
+            "annotations='hint' or 'ignore'"
+        )
     if best is None:
         least = min(errors, key=lambda e: getattr(e, "least_memory", float("inf")))
         raise least

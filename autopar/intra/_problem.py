@@ -23,6 +23,7 @@ from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
 from autopar.intra._reshard import reshard_time, shared_reshard_cache
+from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES, annotated_strategies
 from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
     CostContext,
@@ -244,7 +245,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         # are weighted, and, for a follower, its leader's specs.
         extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
         strategies = None
-        if options.merge_followers:
+        annotated = node.primitive in ANNOTATION_PRIMITIVES and options.annotations != "ignore"
+        if options.merge_followers and not annotated:
             leader = _leader(node, graph, candidates, ilp_nodes, source_of)
             if leader is not None:
                 main, u, k = leader
@@ -266,6 +268,14 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             if strategies is None:
                 found = node_strategies(node, graph, sig, ctx)
                 strategies = memo[okey] = _finished(found, extra)
+        if annotated:
+            var = graph.vars[node.outputs[0]]
+
+            def reshard_seconds(src, dst, var=var):
+                return reshard_time(var.shape, var.dtype, src, dst, ctx.mesh, ctx.cluster)
+
+            strategies = annotated_strategies(node, var, list(strategies), ctx.mesh,
+                                              options.annotations, reshard_seconds)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))

@@ -11,7 +11,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec
-from autopar.graph import OpGraph, Role
+from autopar.graph import ANNOTATION_PRIMITIVES, OpGraph, Role
+from autopar.intra._rules_annotations import user_sharding
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def graph_fingerprint(graph: OpGraph) -> str:
     for node in graph.nodes:
         shapes = [(graph.vars[v].shape, graph.vars[v].dtype) for v in node.outputs]
         h.update(f"{node.primitive} {node.inputs} {shapes};".encode())
+        if node.primitive in ANNOTATION_PRIMITIVES:  # the user's spec steers the plan
+            h.update(f"{user_sharding(node.params)};".encode())
     h.update(f"out {graph.outvars}".encode())
     return h.hexdigest()[:16]
 

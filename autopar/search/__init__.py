@@ -7,6 +7,7 @@
   `_stack`: a scanned layer stack's cuts;
 - `_single_mesh`: operator parallelism on one mesh (`autopar.intra`);
 - `_microbatch`: the batch's size and arguments cut to one microbatch;
+- `_pins`: the user's pins (`constraints=`): a pytree of shardings or `LogicalPins`;
 - `_cache`: plans on disk, keyed by program, cluster, options and autopar's code.
 """
 
@@ -20,10 +21,12 @@ from autopar.search._options import (
     resolve_cluster,
     takes_plan_options,
 )
+from autopar.search._pins import LogicalPins, resolve_pins
 from autopar.search._pipeline import search_plan
 from autopar.search._single_mesh import plan_one_mesh, shard_options
 
 __all__ = [
+    "LogicalPins",
     "OPTION_NAMES",
     "PlanCache",
     "PlanOptions",
@@ -36,6 +39,7 @@ __all__ = [
     "plan",
     "plan_one_mesh",
     "resolve_cluster",
+    "resolve_pins",
     "search",
     "search_plan",
     "shard_options",

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar._progress import phase
-from autopar.graph import OpGraph, split_stacked, trace
+from autopar.graph import OpGraph, split_stacked, trace, without_annotations
 from autopar.inter import auto_layers, scan_layers
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan
@@ -57,6 +57,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
     search; the key covers the traced program, the cluster, the options and autopar's code.
     """
+    fn = for_annotations(fn, options)
     timings: dict[str, float] = {}
     with phase("trace", timings):
         graph, microbatches = _search_graph(fn, args, cluster, options)
@@ -65,7 +66,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     key = None
     if cache:
         key = cache_key(
-            graph_fingerprint(graph), cluster.to_json(), dataclasses.asdict(options),
+            graph_fingerprint(graph), cluster.to_json(), _options_key(options),
             code_version(),
         )
         cached = cache.get(key)
@@ -80,6 +81,19 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     if cache and key is not None:
         cache.put(key, result)
     return result, run_graph
+
+
+def for_annotations(fn: Callable, options: PlanOptions) -> Callable:
+    """`fn` as the plan sees it: without its sharding annotations under
+    `annotations="ignore"` (`autopar.graph.without_annotations`), else `fn`."""
+    return without_annotations(fn) if options.annotations == "ignore" else fn
+
+
+def _options_key(options: PlanOptions) -> dict:
+    """The options as the cache key takes them (the pins by their text)."""
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    fields["constraints"] = None if options.constraints is None else repr(options.constraints)
+    return fields
 
 
 @contextlib.contextmanager
@@ -123,6 +137,7 @@ def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) 
     """The graph a plan runs: the whole step, or one microbatch of it for the pipeline."""
     if plan.runtime == "spmd" and full_graph is not None:
         return full_graph
+    fn = for_annotations(fn, options)
     run_args = args
     if plan.runtime == "pipeline":
         run_args = microbatch_args(args, options.batch_argnums, plan.num_microbatches)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autopar.choices import (
+    ANNOTATIONS,
+    Annotations,
     MEMORY_LEVELS,
     METHODS,
     REMAT_OPTIONS,
@@ -77,6 +79,17 @@ class PlanOptions:
     - `memory_levels`: how a stage's layer plans get leaner when they do not fit
       together: "price" (a price on the footprint) or "limit" (a footprint limit row,
       each a harder MIP).
+
+    The user's own shardings:
+    - `annotations`: what the step's `with_sharding_constraint` / `reshard` / `mesh_cast`
+      (and flax's logical constraints) mean to the plan: "keep" (the user's spec is a hard
+      constraint on that value), "hint" (preferred: any other layout pays the resharding
+      into it) or "ignore" (dropped: the plan of the step without them).
+    - `constraints`: pins on the arguments (`autopar.search._pins`): a pytree like the
+      arguments with `PartitionSpec` / `NamedSharding` / None (free) leaves, or
+      `autopar.search.LogicalPins` (parameter paths -> logical axes -> mesh axes). A pinned
+      leaf keeps its spec in the plan; the rest is searched. Plans with pins or kept
+      annotations are planned on one mesh (operator parallelism, no pipeline stages).
     """
 
     method: Method = "auto"
@@ -97,6 +110,8 @@ class PlanOptions:
     share_layouts: bool = True
     prune_by_bound: bool = True
     memory_levels: MemoryLevels = "price"
+    annotations: Annotations = "keep"
+    constraints: Any = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -122,6 +137,7 @@ class PlanOptions:
         check_choice("solver", self.solver, SOLVERS)
         check_choice("remat", self.remat, REMAT_OPTIONS)
         check_choice("memory_levels", self.memory_levels, MEMORY_LEVELS)
+        check_choice("annotations", self.annotations, ANNOTATIONS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

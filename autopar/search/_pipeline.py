@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass
 
 from autopar.choices import Schedule
-from autopar.graph import OpGraph, split_stacked, tied_state, trace
+from autopar.graph import ANNOTATION_PRIMITIVES, OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
     PipelineChoice,
     StageOptions,
@@ -114,6 +114,19 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
         )
     if options.method != "auto":
         return _one_mesh(graph, cluster, options, timings), graph
+    held = users_shardings(graph, options)
+    if held and cluster.num_devices > 1:
+        # The stage DP does not take the user's shardings yet: plan them on one mesh.
+        if graph_microbatches > 1:
+            raise ValueError(
+                f"num_microbatches={graph_microbatches} plans pipeline stages, which do not "
+                f"take {held} yet; pass num_microbatches='auto' (or 1), or drop them "
+                "(annotations='ignore', constraints=None)"
+            )
+        plan = _one_mesh(graph, cluster, options, timings)
+        warning = (f"planned on one mesh without pipeline stages: the stage search does not "
+                   f"take {held} yet")
+        return dataclasses.replace(plan, warnings=(*plan.warnings, warning)), graph
     has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
     if not has_boundary and options.num_microbatches not in ("auto", 1):
         raise ValueError(
@@ -135,6 +148,18 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
         plan = dataclasses.replace(plan, warnings=(*plan.warnings, warning))
     return plan, run_graph
+
+
+def users_shardings(graph: OpGraph, options: PlanOptions) -> str:
+    """What of the user's own shardings the plan must hold ("" for nothing): pins, and
+    the step's sharding annotations unless `annotations="ignore"`."""
+    held = []
+    if options.constraints is not None:
+        held.append("pins (constraints=)")
+    if options.annotations != "ignore" and any(
+            n.primitive in ANNOTATION_PRIMITIVES for n in graph.nodes):
+        held.append(f"the step's sharding annotations (annotations={options.annotations!r})")
+    return " and ".join(held)
 
 
 def _one_mesh(graph, cluster, options, timings) -> Plan:

@@ -17,6 +17,7 @@ from autopar.intra._planner import plan_sharding
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions
+from autopar.search._pins import resolve_pins
 
 log = logging.getLogger("autopar")
 
@@ -26,6 +27,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
     return ShardOptions(
         method=method, memory_budget=options.memory_budget_for(cluster),
         time_limit=options.ilp_time_limit, solver=options.solver,
+        annotations=options.annotations,
     )
 
 
@@ -34,11 +36,12 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
     method = "shard" if options.method == "auto" else options.method
     if method in ("data", "zero2", "zero3"):
         _check_data_parallel_batch(graph, cluster.num_devices, method)
+    fixed = resolve_pins(graph, options.constraints)  # checked before any planning
     start = time.perf_counter()
     tied = tied_state(graph, options.donate_argnums)
     sharding = plan_sharding(
         graph, cluster, options=shard_options(options, cluster, method),
-        tied=tied, mesh_shape=options.mesh_shape,
+        tied=tied, mesh_shape=options.mesh_shape, fixed=fixed,
     )
     sharding = _with_live_peak(graph, sharding, tied if options.donate_argnums else ())
     seconds = time.perf_counter() - start
