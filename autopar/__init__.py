@@ -36,7 +36,7 @@ This module only re-exports. The parts form a line, each importing only parts be
 
 from autopar import checkpoint, distributed, errors
 from autopar._version import __version__
-from autopar.app import autoparallel, compare
+from autopar.app import autoparallel, compare, score
 from autopar.cluster import Cluster
 from autopar.graph import grad, layer_boundary, value_and_grad
 from autopar.manual import megatron_grid_search, megatron_plan
@@ -58,5 +58,6 @@ __all__ = [
     "megatron_grid_search",
     "megatron_plan",
     "plan",
+    "score",
     "value_and_grad",
 ]

@@ -7,5 +7,9 @@ pictures. Everything before it (search, lower, runtime, report) is called from h
 
 from autopar.app._autoparallel import AutoParallel, autoparallel
 from autopar.app._compare import Comparison, compare, compare_planners
+from autopar.app._score import Change, changes, score
 
-__all__ = ["AutoParallel", "Comparison", "autoparallel", "compare", "compare_planners"]
+__all__ = [
+    "AutoParallel", "Change", "Comparison", "autoparallel", "changes", "compare",
+    "compare_planners", "score",
+]

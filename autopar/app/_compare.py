@@ -21,6 +21,7 @@ from autopar.graph import OpGraph, trace
 from autopar.manual import GridResult, megatron_grid_search
 from autopar.plan import Plan
 from autopar.report import compare as compare_table
+from autopar.app._score import SCORED_METHOD
 from autopar.report import explain_differences
 from autopar.search import microbatch_args, resolve_cluster
 from autopar.search import plan as auto_plan
@@ -80,10 +81,17 @@ class Comparison:
 def compare(*args: Any, **kwargs: Any):
     """Compare plans: `compare(step_fn, *abstract_args, cluster=...)` runs both planners
     and returns a `Comparison` (print it); `compare(plans, measured=None, flops=None)`
-    returns the side-by-side table of given plans (`autopar.report.compare`)."""
+    returns the side-by-side table of given plans (`autopar.report.compare`), followed,
+    when the first plan is the user's own (`autopar.score`), by the ranked differences of
+    each other plan from it (`autopar.report.explain_differences`)."""
     if args and callable(args[0]) and not isinstance(args[0], Plan):
         return compare_planners(*args, **kwargs)
-    return compare_table(*args, **kwargs)
+    table = compare_table(*args, **kwargs)
+    plans = list(args[0] if args else kwargs.get("plans", ()))
+    if plans and plans[0].method == SCORED_METHOD:
+        # The user's own sharding (`autopar.score`) first: why each other plan differs.
+        return "\n\n".join([table, *(explain_differences(plans[0], p) for p in plans[1:])])
+    return table
 
 
 def compare_planners(

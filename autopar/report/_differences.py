@@ -129,6 +129,10 @@ def _why(part, first, second, across) -> str:
             for p in (first, second)
         )
     if part.startswith("communication"):
+        if first.num_stages == 1 and second.num_stages == 1 and \
+                tuple(first.stages[0].mesh.shape) == tuple(second.stages[0].mesh.shape):
+            return _with_layouts(f"both one mesh {tuple(first.stages[0].mesh.shape)}",
+                                 first, second)
         texts = []
         for p, split in zip((first, second), across):
             text = f"{_label(p)}: {_meshes(p)}"
@@ -141,8 +145,44 @@ def _why(part, first, second, across) -> str:
         return "; ".join(texts)
     if part == "recompute":
         return "activations recomputed in the backward pass"
-    return "; ".join(f"{_label(p)}: {_meshes(p)}, {p.num_microbatches} microbatch(es)"
+    text = "; ".join(f"{_label(p)}: {_meshes(p)}, {p.num_microbatches} microbatch(es)"
                      for p in (first, second))
+    return _with_layouts(text, first, second)
+
+
+_ROLES = (("param", "parameters"), ("opt_state", "optimizer state"), ("batch", "batch"))
+
+
+def layout_changes(first, second) -> list[str]:
+    """Per role of inputs (parameters, optimizer state, batch) whose layouts differ between
+    two plans: how many leaves and the most common layout of each, e.g. ``parameters
+    (17 of 17 leaves): yours P('x', None) -> shard P(None, None)``."""
+    def common(infos):
+        counts: dict = {}
+        for i in infos:
+            counts[spec_str(i.spec)] = counts.get(spec_str(i.spec), 0) + 1
+        return max(sorted(counts), key=lambda k: counts[k]) if counts else "-"
+
+    b_specs = {i.path: i for i in second.inputs}
+    lines = []
+    for role, name in _ROLES:
+        ours = [i for i in first.inputs if i.role == role and i.path in b_specs]
+        moved = [i for i in ours if i.spec != b_specs[i.path].spec]
+        if moved:
+            lines.append(f"{name} ({len(moved)} of {len(ours)} leaves): {_label(first)} "
+                         f"{common(moved)} -> {_label(second)} "
+                         f"{common([b_specs[i.path] for i in moved])}")
+    return lines
+
+
+def _with_layouts(text: str, first, second) -> str:
+    """`text`, with the inputs' layout changes where both plans run one mesh of one
+    shape (so the same leaves are compared on the same axes)."""
+    if first.num_stages != 1 or second.num_stages != 1 or \
+            tuple(first.stages[0].mesh.shape) != tuple(second.stages[0].mesh.shape):
+        return text
+    changed = layout_changes(first, second)
+    return text + ("; layouts changed: " + "; ".join(changed) if changed else "")
 
 
 def _label(plan) -> str:

@@ -1,0 +1,102 @@
+"""Does `autopar.score` price a hand-written `jax.jit` sharding as it runs? A hand FSDP
+sharding of the example GPT (examples/gpt.py, "tiny"; parameters and optimizer state split
+along their first dimension over all 8 devices, the batch split over them too) is scored
+on the local cluster (`autopar.Cluster.local()`, its built-in or measured profile) and
+run as that `jax.jit` on the 8 local devices (virtual CPU devices when no accelerator is
+present); the median measured step time is printed against the prediction, and beside
+them the same for autopar's own one-mesh plan of the step, measured in the same run.
+
+Timing on shared cores is noisy: the script interleaves the two programs in rounds and
+reports medians. Usage (about a minute):
+``python benchmarks/investigations/score_vs_measured.py [--batch 16] [--steps 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("AUTOPAR_PLAN_CACHE", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import autopar  # noqa: E402
+import gpt  # noqa: E402
+
+
+def fsdp_shardings(state, batch, mesh):
+    """Hand FSDP: every array of two or more dimensions split along its first dimension
+    over the data axis where it divides; the rest replicated; the batch split by rows."""
+    size = mesh.shape["data"]
+
+    def leaf(x):
+        split = x.ndim >= 2 and x.shape[0] % size == 0
+        return NamedSharding(mesh, P("data") if split else P())
+
+    return (jax.tree.map(leaf, state),
+            jax.tree.map(lambda x: NamedSharding(mesh, P("data")), batch))
+
+
+def time_steps(step, state, batch, n):
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return state, times
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    cfg, optimizer = gpt.CONFIGS["tiny"], optax.adamw(1e-2)
+    step = gpt.make_train_step(cfg, optimizer)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    abstract = (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, args.batch))
+    shardings = fsdp_shardings(*abstract, mesh)
+    theirs = autopar.score(step, *abstract, shardings=shardings)
+    ours = autopar.autoparallel(method="shard")(step)
+
+    state = jax.jit(lambda k: gpt.init_state(cfg, optimizer, k), out_shardings=shardings[0])(
+        jax.random.key(0))
+    batch = jax.device_put(gpt.make_batch(cfg, args.batch, jax.random.key(1)), shardings[1])
+    hand = jax.jit(step, in_shardings=shardings, out_shardings=(shardings[0], None),
+                   donate_argnums=(0,))
+    ours_state = jax.tree.map(lambda x: x.copy(), state)
+    state, _ = time_steps(hand, state, batch, 3)  # compile and warm up
+    ours_state, _ = time_steps(ours, ours_state, batch, 3)
+    hand_times, ours_times = [], []
+    for _ in range(args.rounds):
+        state, t = time_steps(hand, state, batch, args.steps)
+        hand_times += t
+        ours_state, t = time_steps(ours, ours_state, batch, args.steps)
+        ours_times += t
+    rows = [("hand FSDP (autopar.score)", theirs.predicted_step_time, hand_times),
+            ("autopar method='shard'", ours.plan.predicted_step_time, ours_times)]
+    print(f"GPT tiny, batch {args.batch}, {len(jax.devices())} {jax.devices()[0].platform} "
+          f"devices, {args.rounds} rounds x {args.steps} steps")
+    print(f"{'plan':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
+    for name, predicted, times in rows:
+        measured = statistics.median(times)
+        print(f"{name:<28}{predicted * 1e3:>10.3f}ms{measured * 1e3:>10.3f}ms"
+              f"{measured / predicted:>8.2f}")
+    print()
+    print(autopar.compare([theirs, ours.plan]))
+
+
+if __name__ == "__main__":
+    main()
