@@ -56,7 +56,13 @@ constraint on that value; "hint" prefers it (a layout that differs pays the resh
 the user's spec, which the program still performs); "ignore" drops the annotation (the plan
 is the plan of the step without it)."""
 
+MicrobatchCheck = Literal["warn", "strict", "off"]
+"""What the search does when the plan's microbatches change the step's math (a loss that is
+not a mean over examples, `autopar.search._microbatch_math`): "warn" adds a warning to the
+plan naming the value, "strict" refuses the plan, "off" does not check."""
+
 METHODS: tuple[str, ...] = get_args(Method)
+MICROBATCH_CHECKS: tuple[str, ...] = get_args(MicrobatchCheck)
 ANNOTATIONS: tuple[str, ...] = get_args(Annotations)
 SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)

@@ -16,6 +16,7 @@ from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
 from autopar.search._microbatch import microbatch_args
+from autopar.search._microbatch_math import microbatch_change
 from autopar.search._options import PlanOptions, options_from, resolve_cluster, takes_plan_options
 from autopar.search._pipeline import _trace_microbatch, search_plan
 
@@ -73,6 +74,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
         if cached is not None:
             log.info("plan cache hit: %s", cache.path(key))
             full = graph if microbatches == 1 else None
+            cached = _checked_math(fn, args, cached, options)
             return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings), _heap_frozen():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
@@ -80,7 +82,20 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
     if cache and key is not None:
         cache.put(key, result)
-    return result, run_graph
+    return _checked_math(fn, args, result, options), run_graph
+
+
+def _checked_math(fn, args, result: Plan, options: PlanOptions) -> Plan:
+    """`result`, warning (or, with microbatch_check="strict", refusing) when its
+    microbatches change the step's math (`autopar.search._microbatch_math`)."""
+    if result.num_microbatches <= 1 or options.microbatch_check == "off":
+        return result
+    change = microbatch_change(fn, args, options.batch_argnums, result.num_microbatches)
+    if change is None:
+        return result
+    if options.microbatch_check == "strict":
+        raise ValueError(change + " (microbatch_check='strict' refuses such a plan)")
+    return dataclasses.replace(result, warnings=(*result.warnings, change))
 
 
 def for_annotations(fn: Callable, options: PlanOptions) -> Callable:

@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from autopar.choices import (
     ANNOTATIONS,
+    MICROBATCH_CHECKS,
     Annotations,
+    MicrobatchCheck,
     MEMORY_LEVELS,
     METHODS,
     REMAT_OPTIONS,
@@ -90,6 +92,9 @@ class PlanOptions:
       `autopar.search.LogicalPins` (parameter paths -> logical axes -> mesh axes). A pinned
       leaf keeps its spec in the plan; the rest is searched. Plans with pins or kept
       annotations are planned on one mesh (operator parallelism, no pipeline stages).
+    - `microbatch_check`: when the plan runs several microbatches, whether their mean
+      still equals the full batch's loss and gradient (`autopar.search._microbatch_math`):
+      "warn" (a warning naming the value), "strict" (a ValueError instead) or "off".
     """
 
     method: Method = "auto"
@@ -112,6 +117,7 @@ class PlanOptions:
     memory_levels: MemoryLevels = "price"
     annotations: Annotations = "keep"
     constraints: Any = dataclasses.field(default=None, hash=False)
+    microbatch_check: MicrobatchCheck = "warn"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -138,6 +144,7 @@ class PlanOptions:
         check_choice("remat", self.remat, REMAT_OPTIONS)
         check_choice("memory_levels", self.memory_levels, MEMORY_LEVELS)
         check_choice("annotations", self.annotations, ANNOTATIONS)
+        check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

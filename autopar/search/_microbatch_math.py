@@ -1,0 +1,130 @@
+"""Does microbatching change the step's math? A numerical check of the gradient boundary.
+
+A plan of m > 1 microbatches runs the step up to its gradient boundary
+(`autopar.value_and_grad`) once per microbatch and takes the mean of the m values and
+gradients (`autopar.runtime`). That equals the full batch's value and gradient exactly when
+the loss is a mean over examples. A loss with batch statistics (BatchNorm in training
+mode), a mixture-of-experts load-balancing term or a contrastive loss is not: its
+microbatch mean differs from the full-batch value.
+
+`microbatch_change` evaluates the traced step on one set of arguments (the caller's
+arrays, or, for abstract arguments, random ones: floats from a normal of scale 0.1,
+integers 0 or 1, so that indices stay in range) at the full batch and at each of the m
+microbatches, and compares what reaches the gradient boundary (the loss first, then each
+gradient) between the full batch and the mean of the microbatches. A difference above
+`RELATIVE_TOLERANCE` names the value. Skipped when the arguments hold more than
+`MAX_CHECK_BYTES` (the check evaluates the step once more on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from autopar.graph import OpGraph, trace
+from autopar.graph._trace import GRAD_BOUNDARY
+
+log = logging.getLogger("autopar")
+
+# float32 sums in another order move a mean by a few ulps (~1e-7 relative); a loss that
+# is not a mean over examples moves by far more on random data (BatchNorm statistics over
+# 2 rows against 16: order 1). 1e-5 keeps rounding out and flags any real change.
+RELATIVE_TOLERANCE = 1e-5
+MAX_CHECK_BYTES = 256 * 2**20
+
+
+def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+                      num_microbatches: int) -> str | None:
+    """A sentence naming the value that the mean over `num_microbatches` microbatches
+    moves from its full-batch value (and by how much); None when nothing moves, or when
+    the check was skipped (too large, or no gradient boundary)."""
+    leaves = jax.tree.leaves(args)
+    nbytes = sum(int(np.prod(getattr(x, "shape", ()))) * np.dtype(x.dtype).itemsize
+                 for x in leaves)
+    if nbytes > MAX_CHECK_BYTES:
+        log.info("microbatch math not checked: the arguments hold %d bytes", nbytes)
+        return None
+    concrete = _concrete(args)
+    run_full = _boundary_runner(fn, concrete, batch_argnums)
+    if run_full is None:
+        return None
+    full = run_full(concrete)
+    pieces = [_microbatch(concrete, batch_argnums, num_microbatches, i)
+              for i in range(num_microbatches)]
+    run_piece = _boundary_runner(fn, pieces[0], batch_argnums)
+    parts = [run_piece(piece) for piece in pieces]
+    for index, value in enumerate(full):
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            continue
+        mean = sum(np.asarray(p[index], np.float64) for p in parts) / num_microbatches
+        value = np.asarray(value, np.float64)
+        scale = max(float(np.max(np.abs(value), initial=0.0)), 1e-30)
+        moved = float(np.max(np.abs(mean - value), initial=0.0)) / scale
+        if moved > RELATIVE_TOLERANCE:
+            what = "the loss" if index == 0 else (
+                f"output {index} of value_and_grad (a gradient or aux value of shape "
+                f"{tuple(value.shape)})")
+            return (f"{num_microbatches} microbatches change the step's math: {what} "
+                    f"averaged over microbatches differs from its full-batch value by "
+                    f"{moved:.2g} relative (checked on "
+                    f"{'random' if _abstract(args) else 'the given'} arguments); the loss is "
+                    "not a mean over examples (batch statistics, a load-balancing or "
+                    "contrastive term?). Pass num_microbatches=1 to keep the one-device math")
+    return None
+
+
+def _abstract(args) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(args))
+
+
+def _concrete(args):
+    """The arguments as arrays: the caller's, or random ones for abstract leaves."""
+    keys = iter(jax.random.split(jax.random.key(0), max(1, len(jax.tree.leaves(args)))))
+
+    def leaf(x):
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        key = next(keys)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return (0.1 * jax.random.normal(key, x.shape)).astype(x.dtype)
+        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+            return jax.random.randint(key, x.shape, 0, 2).astype(x.dtype)
+        return jnp.zeros(x.shape, x.dtype)
+
+    return jax.tree.map(leaf, tuple(args))
+
+
+def _microbatch(args, batch_argnums, m: int, i: int):
+    out = list(args)
+    for a in batch_argnums:
+        if a < len(out):
+            out[a] = jax.tree.map(lambda x: x if not x.shape else
+                                  x[i * (x.shape[0] // m):(i + 1) * (x.shape[0] // m)], out[a])
+    return tuple(out)
+
+
+def _boundary_runner(fn, args, batch_argnums) -> Callable | None:
+    """A jitted function of arguments shaped like `args` returning what reaches the step's
+    gradient boundary; None when the step has none."""
+    graph: OpGraph = trace(fn, *args, batch_argnums=batch_argnums)
+    if not any(n.primitive == GRAD_BOUNDARY for n in graph.nodes):
+        return None
+
+    def run(flat):
+        captured = []
+
+        def on_output(node, outs):
+            if node.primitive == GRAD_BOUNDARY:
+                captured.extend(outs)
+            return outs
+
+        graph.evaluate(flat, on_output)
+        return captured
+
+    jitted = jax.jit(run)
+    return lambda a: jitted(jax.tree.leaves(a))
