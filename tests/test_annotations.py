@@ -13,7 +13,6 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.intra._rules_annotations import AnnotationMismatch
-from autopar.search import LogicalPins
 from tests.helpers import compiled_hlo
 
 
@@ -101,7 +100,8 @@ def test_hint_prefers_without_forcing():
 def test_keep_on_a_mesh_that_cannot_hold_it_is_a_clear_error():
     state, batch = inputs()
     step = with_constraint(user_mesh())
-    with pytest.raises(AnnotationMismatch, match=r"(?s)sharding_constraint.*axis 'data' of size 2.*mesh_shape="):
+    message = r"(?s)sharding_constraint.*axis 'data' of size 2.*mesh_shape="
+    with pytest.raises(AnnotationMismatch, match=message):
         autopar.plan(step, state, batch, method="shard", mesh_shape=(8,))
 
 

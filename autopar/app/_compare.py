@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.app._score import SCORED_METHOD
 from autopar.graph import OpGraph, trace
 from autopar.manual import GridResult, megatron_grid_search
 from autopar.plan import Plan
 from autopar.report import compare as compare_table
-from autopar.app._score import SCORED_METHOD
 from autopar.report import explain_differences
 from autopar.search import microbatch_args, resolve_cluster
 from autopar.search import plan as auto_plan

@@ -154,7 +154,8 @@ def _tree_pins(graph: OpGraph, constraints) -> list[_Pin]:
     index_tree = jax.tree.unflatten(graph.in_tree, range(len(inputs)))
     meshes = {
         tuple(leaf.mesh.shape.items())
-        for leaf in jax.tree.leaves(constraints, is_leaf=_is_leaf) if isinstance(leaf, NamedSharding)
+        for leaf in jax.tree.leaves(constraints, is_leaf=_is_leaf)
+        if isinstance(leaf, NamedSharding)
     }
     if len(meshes) > 1:
         raise ValueError(

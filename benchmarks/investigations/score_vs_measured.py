@@ -1,7 +1,8 @@
 """Does `autopar.score` price a hand-written `jax.jit` sharding as it runs? A hand FSDP
 sharding of the example GPT (examples/gpt.py, "tiny"; parameters and optimizer state split
 along their first dimension over all 8 devices, the batch split over them too) is scored
-on the local cluster (`autopar.Cluster.local()`, its built-in or measured profile) and
+with the `cpu-local-measured` profile (as `bench_local`; `--profile local` for
+`autopar.Cluster.local()`) and
 run as that `jax.jit` on the 8 local devices (virtual CPU devices when no accelerator is
 present); the median measured step time is printed against the prediction, and beside
 them the same for autopar's own one-mesh plan of the step, measured in the same run.
@@ -25,13 +26,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("AUTOPAR_PLAN_CACHE", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+import gpt  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
-import gpt  # noqa: E402
 
 
 def fsdp_shardings(state, batch, mesh):
@@ -62,14 +63,20 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--config", default="tiny", choices=sorted(gpt.CONFIGS))
+    parser.add_argument("--profile", default="cpu-local-measured",
+                        help="cost profile of the predictions (bench_local's default); "
+                             "'local' for autopar.Cluster.local()")
     args = parser.parse_args(argv)
-    cfg, optimizer = gpt.CONFIGS["tiny"], optax.adamw(1e-2)
+    cfg, optimizer = gpt.CONFIGS[args.config], optax.adamw(1e-2)
+    cluster = autopar.Cluster.local() if args.profile == "local" else \
+        autopar.Cluster.from_profile(args.profile)
     step = gpt.make_train_step(cfg, optimizer)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     abstract = (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, args.batch))
     shardings = fsdp_shardings(*abstract, mesh)
-    theirs = autopar.score(step, *abstract, shardings=shardings)
-    ours = autopar.autoparallel(method="shard")(step)
+    theirs = autopar.score(step, *abstract, shardings=shardings, cluster=cluster)
+    ours = autopar.autoparallel(method="shard", cluster=cluster)(step)
 
     state = jax.jit(lambda k: gpt.init_state(cfg, optimizer, k), out_shardings=shardings[0])(
         jax.random.key(0))
@@ -87,7 +94,7 @@ def main(argv=None) -> None:
         ours_times += t
     rows = [("hand FSDP (autopar.score)", theirs.predicted_step_time, hand_times),
             ("autopar method='shard'", ours.plan.predicted_step_time, ours_times)]
-    print(f"GPT tiny, batch {args.batch}, {len(jax.devices())} {jax.devices()[0].platform} "
+    print(f"GPT {args.config}, batch {args.batch}, profile {args.profile}, {len(jax.devices())} {jax.devices()[0].platform} "
           f"devices, {args.rounds} rounds x {args.steps} steps")
     print(f"{'plan':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
     for name, predicted, times in rows:
