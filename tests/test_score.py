@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import optax
+import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,3 +41,27 @@ def test_score_of_hand_fsdp_and_compare_ranks_differences():
     ranked = re.findall(r"^  \d\. (.+?): ", text, flags=re.M)
     assert len(ranked) >= 3, text
     assert "layouts changed: parameters" in text
+
+
+@pytest.mark.extended  # about 15 s of CPU: autopar's pipeline search of the GPT on a DGX
+def test_cli_compare_yours(tmp_path, capsys):
+    from autopar.app import cli
+    from autopar.app._examples import named_model
+
+    model = named_model("gpt-tiny", 8, layer_markers=True)
+    args = (model.abstract_state, model.abstract_batch)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", 1)
+    theirs = autopar.score(model.train_step, *args, shardings=fsdp(*args, mesh),
+                           cluster=cluster)
+    path = tmp_path / "yours.json"
+    theirs.save(path)
+    status = cli.main(["compare", "--model", "gpt-tiny", "--hosts", "1", "--configs", "dp8tp1",
+                       "--yours", str(path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    header = next(line for line in out.splitlines() if line.startswith("plan "))
+    assert header.split()[1] == "yours"
+    assert "what autopar changes in yours:" in out
+    assert len(re.findall(r"^  \d\. ", out.split("what autopar changes in yours:")[1],
+                          flags=re.M)) >= 3

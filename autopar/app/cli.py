@@ -10,7 +10,7 @@ Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up
     autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
                  [--method M] [--mesh-shape 2,4] [--out FILE.json] [--layout FILE.png]
     autopar launch -n N [--devices-per-process K] [--log-dir DIR] -- python script.py ...
-    autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D]
+    autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--yours FILE]
                     [--batch B] [--configs dp2tp4,dp8tp1] [--no-auto]
 
 Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr.
@@ -348,7 +348,24 @@ def _add_compare(subparsers) -> None:
                         help="leave out the automatic plan (faster; no explanation)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="write both Gantt charts and both layouts there (needs matplotlib)")
+    parser.add_argument("--yours", default=None, metavar="FILE",
+                        help="your own sharding of this model, as a plan saved by "
+                        "autopar.score(...).save(FILE): shown first, with what autopar's "
+                        "plan changes in it")
     parser.set_defaults(run=_run_compare)
+
+
+def _load_yours(path, graph_for):
+    """The plan saved at `path` (`autopar.score(...).save`), checked against this model's
+    step (a ValueError naming the mismatch); None without a path."""
+    if path is None:
+        return None
+    from autopar.plan import Plan
+
+    yours = Plan.load(path)
+    for stage in yours.stages:
+        stage.sharding.check_graph(graph_for(yours.num_microbatches))
+    return yours
 
 
 def _run_compare(args: argparse.Namespace) -> int:
@@ -404,7 +421,8 @@ def _run_compare(args: argparse.Namespace) -> int:
             "num_microbatches": args.auto_microbatches}
         auto = plan(model.train_step, *abstract, cluster=cluster, **options)
         seconds["autopar"] = time.perf_counter() - t
-    plans = hands + ([auto] if auto is not None else [])
+    yours = _load_yours(args.yours, graph_for)
+    plans = ([yours] if yours else []) + hands + ([auto] if auto is not None else [])
     if not plans:
         raise ValueError("no plan to compare: every configuration was skipped (see above)")
     print(compare(plans, flops=graph_for(1).total_flops))
@@ -422,6 +440,13 @@ def _run_compare(args: argparse.Namespace) -> int:
                                     cluster.devices_per_host)
             written = comparison.write_pictures(args.out)
             print("wrote " + ", ".join(map(str, written)))
+    if yours is not None and auto is not None:
+        print("\nwhat autopar changes in yours:")
+        print(explain_differences(
+            yours, auto, first_graph=graph_for(yours.num_microbatches),
+            second_graph=graph_for(auto.num_microbatches),
+            devices_per_host=cluster.devices_per_host,
+        ))
     print("planning time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
           + f"; compare in all {time.perf_counter() - start:.1f} s")
     print(f"compared {len(plans)} plan(s) of {args.model} on {cluster.num_hosts} x "
