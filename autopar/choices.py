@@ -49,6 +49,14 @@ level); "limit" bounds it with a row (any point of the trade-off, each a harder 
 SolverName = Literal["auto", "highs", "cbc"]
 """The MILP solver of the sharding ILP; "auto" is HiGHS when highspy is installed."""
 
+ContextParallel = Literal["auto", "none", "allgather", "ring", "ulysses"]
+"""How attention's sequence may be split over a mesh axis (context parallelism): "auto"
+lets the sharding ILP choose (any split it prices best, none included); "none" keeps the
+query and key sequence of attention whole; "allgather" splits the query sequence and
+gathers K/V whole on every device (Llama 3's CP); "ulysses" moves the sequence split to a
+heads split for attention with all-to-alls (DeepSpeed-Ulysses); "ring" passes K/V blocks
+around a ring of devices (ring attention)."""
+
 METHODS: tuple[str, ...] = get_args(Method)
 SHARD_METHODS: tuple[str, ...] = get_args(ShardMethod)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -58,6 +66,7 @@ SOLVERS: tuple[str, ...] = get_args(SolverName)
 REMATS: tuple[str, ...] = get_args(Remat)
 REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
 MEMORY_LEVELS: tuple[str, ...] = get_args(MemoryLevels)
+CONTEXT_PARALLEL: tuple[str, ...] = get_args(ContextParallel)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.choices import SHARD_METHODS, ShardMethod, SolverName, check_choice
+from autopar.choices import (
+    CONTEXT_PARALLEL,
+    SHARD_METHODS,
+    ContextParallel,
+    ShardMethod,
+    SolverName,
+    check_choice,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +31,8 @@ class ShardOptions:
     - `open_scans`: plan a `scan`'s body once, jointly with the step (`_scan.py`: its
       layers' weights and activations split like one unrolled layer); False plans a scan
       as one node, split along a batch its body keeps apart or replicated.
+    - `context_parallel`: how attention's sequence may split (`autopar.choices.
+      ContextParallel`; the strategies each value keeps: `autopar.intra._context`).
     """
 
     method: ShardMethod = "shard"
@@ -33,9 +42,11 @@ class ShardOptions:
     num_memory_points: int = 4
     merge_followers: bool = True
     open_scans: bool = True
+    context_parallel: ContextParallel = "auto"
 
     def __post_init__(self):
         check_choice("sharding method", self.method, SHARD_METHODS)
+        check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"

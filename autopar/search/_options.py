@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autopar.choices import (
+    CONTEXT_PARALLEL,
     MEMORY_LEVELS,
     METHODS,
     REMAT_OPTIONS,
@@ -25,6 +26,7 @@ from autopar.choices import (
     Method,
     RematOption,
     ScheduleOption,
+    ContextParallel,
     SolverName,
     check_choice,
 )
@@ -65,6 +67,10 @@ class PlanOptions:
     - `remat`: what layers recompute in their backward (method "auto"): "auto" (the stage
       DP chooses per layer, recomputing only where a stage would not fit otherwise),
       "none", "selective" (the attention core) or "full" (all but the layer input).
+    - `context_parallel`: how attention's sequence may split over a mesh axis: "auto"
+      (the ILP chooses, no split included), "none", "allgather" (query sequence split,
+      K/V gathered) or "ulysses" (sequence split outside attention, heads inside, with
+      all-to-alls); see `autopar.intra._context`. "ring" is declared but not planned yet.
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -97,6 +103,7 @@ class PlanOptions:
     share_layouts: bool = True
     prune_by_bound: bool = True
     memory_levels: MemoryLevels = "price"
+    context_parallel: ContextParallel = "auto"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -122,6 +129,14 @@ class PlanOptions:
         check_choice("solver", self.solver, SOLVERS)
         check_choice("remat", self.remat, REMAT_OPTIONS)
         check_choice("memory_levels", self.memory_levels, MEMORY_LEVELS)
+        check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
+        if self.context_parallel == "ring":
+            raise ValueError(
+                "context_parallel='ring' is not planned yet: ring attention replaces the "
+                "traced attention (forward and backward) with a shard_map kernel, which the "
+                "lowering does not do; use context_parallel='allgather' (the same sequence "
+                "split, K/V gathered whole) or 'ulysses'"
+            )
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

@@ -26,6 +26,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
     return ShardOptions(
         method=method, memory_budget=options.memory_budget_for(cluster),
         time_limit=options.ilp_time_limit, solver=options.solver,
+        context_parallel=options.context_parallel,
     )
 
 
