@@ -18,7 +18,7 @@ import autopar
 from autopar.lower import count_collectives
 from examples import llama
 
-CFG = llama.CONFIGS["cp-test"]
+CFG = dataclasses.replace(llama.CONFIGS["cp-test"], num_layers=1, seq_len=64)
 BATCH = 2
 
 
@@ -41,10 +41,10 @@ def reference():
     return losses
 
 
-def _run(cfg, mode, **options):
+def _run(cfg, mode, mesh_shape=(2, 4), **options):
     step, state, batch = _setup(cfg)
     par = autopar.autoparallel(step, cluster=_cpu(), donate_argnums=(), method="shard",
-                               context_parallel=mode, **options)
+                               context_parallel=mode, mesh_shape=mesh_shape, **options)
     losses, _ = run_steps(par, state, batch)
     return par, losses, state, batch
 
@@ -112,3 +112,19 @@ def test_bad_requests_error_clearly_before_state_is_used():
                                          r"attention tensor .*sequence 63"):
         autopar.plan(step, state, batch, cluster=_cpu(), method="shard",
                      context_parallel="allgather")
+
+
+@pytest.mark.extended  # two pipeline stages, remat: 175 s wall on 2 loaded cores
+def test_allgather_under_pipelining_and_remat_matches_one_device():
+    cfg = dataclasses.replace(CFG, num_layers=2, layer_markers=True)
+    step, state, batch = _setup(cfg)
+    ref, _ = run_steps(jax.jit(step), state, batch)
+    par = autopar.autoparallel(step, cluster=_cpu(), donate_argnums=(), method="auto",
+                               num_stages=2, num_microbatches=2, remat="full",
+                               context_parallel="allgather")
+    losses, _ = run_steps(par, state, batch)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert par.plan.runtime == "pipeline" and par.plan.num_stages == 2
+    for stage in par.plan.stages:
+        assert stage.sharding.context_parallel.algorithm == "allgather"
+        assert "full" in stage.remat

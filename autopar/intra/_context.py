@@ -167,8 +167,8 @@ def keep_strategies(node: Node, graph: OpGraph, strategies: list, mode: str,
     """The strategies of `node` that context parallelism `mode` allows (module
     docstring); `strategies` itself when it constrains nothing here. Raises
     `ContextParallelError` naming the tensor and the fix when it allows none."""
-    if mode == "auto" or seq_len is None:
-        return strategies
+    if mode == "auto" or seq_len is None or mesh.num_devices == 1:
+        return strategies  # one device: nothing to split (the search warns, see _api)
     checks = []
     for k, v in enumerate(node.outputs):
         if v in score_ids:
