@@ -250,7 +250,9 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         # are weighted, and, for a follower, its leader's specs.
         extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
         strategies = None
-        cut = constrains(node, graph, cp_mode, seq_len, score_ids)
+        # (a scan's slice and stack markers move a layer's values in and out whole)
+        cut = node.primitive not in SCAN_MARKERS and constrains(node, graph, cp_mode,
+                                                                seq_len, score_ids)
         if options.merge_followers and not cut:
             leader = _leader(node, graph, candidates, ilp_nodes, source_of)
             if leader is not None:
