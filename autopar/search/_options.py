@@ -136,7 +136,7 @@ class PlanOptions:
                 "traced attention (forward and backward) with a shard_map kernel, which the "
                 "lowering does not do; use context_parallel='allgather' (the same sequence "
                 "split, K/V gathered whole) or 'ulysses', or call "
-                "autopar.lower.ring_attention in a shard_map of your own"
+                "autopar.lower.ring_attention in a jax.jit program of your own"
             )
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
