@@ -17,6 +17,8 @@ import pytest
 from helpers import compiled_hlo, run_steps
 
 import autopar
+from autopar.graph import trace
+from autopar.intra._context import is_sequence_dot, score_vars
 from autopar.lower import count_collectives
 from examples import llama
 
@@ -66,6 +68,23 @@ def test_forced_algorithm_matches_one_device_and_has_its_collective(reference, m
     assert f"context parallel: {mode}, degree {context.degree}" in par.plan.explain()
     counts = count_collectives(compiled_hlo(par, state, batch))
     assert counts.get(collective, (0, 0))[0] > 0, counts
+    step = llama.make_train_step(CFG, optax.adamw(1e-2, eps=1e-6))
+    _check_layouts(par.plan.stages[0].sharding, trace(step, state, batch), mode)
+
+
+def _check_layouts(sharding, graph, mode):
+    """The score tensors and sequence matmuls split as `mode` says (intra/_context.py)."""
+    sharding.check_graph(graph)
+    axes = set(sharding.context_parallel.axes)
+    scores = score_vars(graph)
+    assert scores and all(graph.vars[v].shape[-1] == CFG.seq_len for v in scores)
+    for v in scores:
+        spec = sharding.var_specs[v]
+        assert not spec[-1], (graph.vars[v].shape, spec)  # the keys stay whole
+        heads = {a for dim in spec[1:-2] for a in dim}
+        assert (set(spec[-2]) == axes) if mode == "allgather" else (axes <= heads), spec
+    dots = [n for n in graph.nodes if is_sequence_dot(n, graph, CFG.seq_len)]
+    assert dots and all(sharding.var_specs[n.inputs[0]][1] for n in dots)
 
 
 def test_search_choice_matches_one_device(reference):
