@@ -60,6 +60,13 @@ MicrobatchCheck = Literal["warn", "strict", "off"]
 """What the search does when the plan's microbatches change the step's math (a loss that is
 not a mean over examples, `autopar.search._microbatch_math`): "warn" adds a warning to the
 plan naming the value, "strict" refuses the plan, "off" does not check."""
+ContextParallel = Literal["auto", "none", "allgather", "ring", "ulysses"]
+"""How attention's sequence may be split over a mesh axis (context parallelism): "auto"
+lets the sharding ILP choose (any split it prices best, none included); "none" keeps the
+query and key sequence of attention whole; "allgather" splits the query sequence and
+gathers K/V whole on every device (Llama 3's CP); "ulysses" moves the sequence split to a
+heads split for attention with all-to-alls (DeepSpeed-Ulysses); "ring" passes K/V blocks
+around a ring of devices (ring attention)."""
 
 METHODS: tuple[str, ...] = get_args(Method)
 MICROBATCH_CHECKS: tuple[str, ...] = get_args(MicrobatchCheck)
@@ -72,6 +79,7 @@ SOLVERS: tuple[str, ...] = get_args(SolverName)
 REMATS: tuple[str, ...] = get_args(Remat)
 REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
 MEMORY_LEVELS: tuple[str, ...] = get_args(MemoryLevels)
+CONTEXT_PARALLEL: tuple[str, ...] = get_args(ContextParallel)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

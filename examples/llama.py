@@ -151,6 +151,17 @@ CONFIGS: dict[str, LlamaConfig] = {
         num_kv_heads=2,
         ffn_hidden=352,
     ),
+    # Context-parallel tests: a sequence long next to the widths, and query and key/value
+    # head counts that split 4 ways (Ulysses on 8 devices with the batch split in two).
+    "cp-test": LlamaConfig(
+        vocab_size=128,
+        seq_len=128,
+        hidden=64,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        ffn_hidden=128,
+    ),
     "mid-test": LlamaConfig(
         vocab_size=LLAMA2_VOCAB,
         seq_len=1024,

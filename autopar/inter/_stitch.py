@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.cost.backends import backend_for
 from autopar.graph import OpGraph, Role
+from autopar.intra._context import combine
 from autopar.intra._reshard import reshard_collectives, reshard_time
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import CostContext, _layout_seconds
@@ -126,6 +127,7 @@ def stitch(
         operand_specs=tuple(operand_specs),
         warnings=tuple(found.warnings),
         stats={"stitched_from_layers": len(layer_parts)},
+        context_parallel=combine([part[2].context_parallel for part in layer_parts]),
     )
 
 

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from autopar.choices import (
     ANNOTATIONS,
+    CONTEXT_PARALLEL,
     SHARD_METHODS,
     Annotations,
+    ContextParallel,
     ShardMethod,
     SolverName,
     check_choice,
@@ -33,6 +35,8 @@ class ShardOptions:
       as one node, split along a batch its body keeps apart or replicated.
     - `annotations`: the step's own `with_sharding_constraint`s: "keep" (a hard
       constraint), "hint" (preferred) or "ignore" (`autopar.intra._rules_annotations`).
+    - `context_parallel`: how attention's sequence may split (`autopar.choices.
+      ContextParallel`; the strategies each value keeps: `autopar.intra._context`).
     """
 
     method: ShardMethod = "shard"
@@ -43,10 +47,12 @@ class ShardOptions:
     merge_followers: bool = True
     open_scans: bool = True
     annotations: Annotations = "keep"
+    context_parallel: ContextParallel = "auto"
 
     def __post_init__(self):
         check_choice("sharding method", self.method, SHARD_METHODS)
         check_choice("annotations", self.annotations, ANNOTATIONS)
+        check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"

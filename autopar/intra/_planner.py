@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
+from autopar.intra._context import describe_context
 from autopar.intra._ilp import (
     MemoryBudgetError,
     Solution,
@@ -432,10 +433,13 @@ def once_per_layout(keys: Sequence[tuple]) -> list[bool]:
 
 def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
     if built.expansion is None:
-        return _graph_plan(graph, mesh, cluster, built, choices, tied)
+        plan = _graph_plan(graph, mesh, cluster, built, choices, tied)
+        return dataclasses.replace(
+            plan, context_parallel=describe_context(graph, plan.var_specs, mesh))
     expansion = built.expansion
     plan = _graph_plan(expansion.graph, mesh, cluster, built, choices, expansion.tied)
-    return collapse_plan(plan, expansion)
+    context = describe_context(expansion.graph, plan.var_specs, mesh)
+    return dataclasses.replace(collapse_plan(plan, expansion), context_parallel=context)
 
 
 def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied):

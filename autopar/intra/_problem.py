@@ -19,6 +19,7 @@ import numpy as np
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import memory_budget
 from autopar.graph import OpGraph, Role, fusion_traffic
+from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
@@ -216,9 +217,14 @@ def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:
 
 def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers):
     """One ILP node per equation (identity markers pass their operand's node on), with
-    its strategies from the rule registry, weighted per `weights`.
+    its strategies from the rule registry, weighted per `weights`, cut to those
+    `options.context_parallel` allows (`autopar.intra._context`; a cut that leaves none
+    raises its `ContextParallelError`).
     **Returns:** primitive -> count of equations without a rule (planned replicated)."""
     missing: dict[str, int] = {}
+    cp_mode = options.context_parallel
+    seq_len = None if cp_mode == "auto" else sequence_length(graph)
+    score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
     facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
     memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
     specs_of: dict[tuple[int, int], tuple[Spec, ...]] = {}
@@ -246,7 +252,10 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
         strategies = None
         annotated = node.primitive in ANNOTATION_PRIMITIVES and options.annotations != "ignore"
-        if options.merge_followers and not annotated:
+        # (a scan's slice and stack markers move a layer's values in and out whole)
+        cut = node.primitive not in SCAN_MARKERS and constrains(node, graph, cp_mode,
+                                                                seq_len, score_ids)
+        if options.merge_followers and not annotated and not cut:
             leader = _leader(node, graph, candidates, ilp_nodes, source_of)
             if leader is not None:
                 main, u, k = leader
@@ -276,6 +285,9 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
 
             strategies = annotated_strategies(node, var, list(strategies), ctx.mesh,
                                               options.annotations, reshard_seconds)
+        if cut:
+            strategies = keep_strategies(node, graph, list(strategies), cp_mode, seq_len,
+                                         score_ids, ctx.mesh)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from autopar.cluster._mesh import LogicalMesh, Spec
 from autopar.graph import ANNOTATION_PRIMITIVES, OpGraph, Role
+from autopar.intra._context import NO_CONTEXT, ContextSplit
 from autopar.intra._rules_annotations import user_sharding
 
 
@@ -114,6 +115,8 @@ class ShardingPlan:
     stats: dict = field(default_factory=dict)
     # the plans inside scan bodies (scanned layers), one per planned scan node
     scan_bodies: tuple[BodyPlan, ...] = ()
+    # the context parallelism its attention runs with (`autopar.intra._context`)
+    context_parallel: ContextSplit = NO_CONTEXT
 
     def input_specs(self, graph: OpGraph) -> list[Spec | None]:
         return [self.var_specs[v] for v in graph.invars]
@@ -159,6 +162,9 @@ class ShardingPlan:
             "warnings": list(self.warnings),
             "stats": stats,
             **_bodies_json(self.scan_bodies),
+            # additive: plans without context parallelism read and write as before
+            **({"context_parallel": self.context_parallel.to_json()}
+               if self.context_parallel != NO_CONTEXT else {}),
         }
 
     @staticmethod
@@ -182,6 +188,8 @@ class ShardingPlan:
             warnings=tuple(d.get("warnings", ())),
             stats=d.get("stats", {}),
             scan_bodies=tuple(BodyPlan.from_json(b) for b in d.get("scan_bodies", ())),
+            context_parallel=(ContextSplit.from_json(d["context_parallel"])
+                              if "context_parallel" in d else NO_CONTEXT),
         )
 
 

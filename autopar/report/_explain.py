@@ -104,6 +104,12 @@ def explain(plan, detail: int = 1) -> str:
             lines.append("  collectives: " + ", ".join(parts))
         if any(r != "none" for r in stage.remat):
             lines.append(f"  remat: {_remat_line(stage, plan.scan_ranges)}")
+        context = getattr(sp, "context_parallel", None)
+        if context is not None and context.algorithm != "none":
+            lines.append(
+                f"  context parallel: {context.algorithm}, degree {context.degree} over mesh "
+                f"axis {''.join(context.axes)} (attention's sequence split)"
+            )
     lines.append("parameters (PartitionSpec by path):")
     lines.extend(_param_table(plan, detail))
     largest = _largest_replicated(plan)

@@ -80,6 +80,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
                                         microbatches)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
+    result = _with_context_warnings(result, options)
     if cache and key is not None:
         cache.put(key, result)
     return _checked_math(fn, args, result, options), run_graph
@@ -109,6 +110,24 @@ def _options_key(options: PlanOptions) -> dict:
     fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     fields["constraints"] = None if options.constraints is None else repr(options.constraints)
     return fields
+
+
+def _with_context_warnings(plan, options: PlanOptions):
+    """The plan with a warning for each stage a forced `context_parallel` algorithm could
+    not reach (a stage on one device has no sequence to split)."""
+    mode = options.context_parallel
+    if mode in ("auto", "none"):
+        return plan
+    missed = [i for i, stage in enumerate(plan.stages)
+              if stage.sharding.context_parallel.algorithm != mode]
+    if not missed:
+        return plan
+    warning = (
+        f"context_parallel={mode!r}: stage(s) {missed} run attention without it (a stage "
+        "on one device has no sequence to split); give the stages more devices "
+        "(num_stages, submeshes) to split every stage's sequence"
+    )
+    return dataclasses.replace(plan, warnings=(*plan.warnings, warning))
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from autopar.choices import (
     ANNOTATIONS,
+    CONTEXT_PARALLEL,
     MEMORY_LEVELS,
     METHODS,
     MICROBATCH_CHECKS,
@@ -24,6 +25,7 @@ from autopar.choices import (
     SCHEDULE_OPTIONS,
     SOLVERS,
     Annotations,
+    ContextParallel,
     MemoryLevels,
     Method,
     MicrobatchCheck,
@@ -69,6 +71,10 @@ class PlanOptions:
     - `remat`: what layers recompute in their backward (method "auto"): "auto" (the stage
       DP chooses per layer, recomputing only where a stage would not fit otherwise),
       "none", "selective" (the attention core) or "full" (all but the layer input).
+    - `context_parallel`: how attention's sequence may split over a mesh axis: "auto"
+      (the ILP chooses, no split included), "none", "allgather" (query sequence split,
+      K/V gathered) or "ulysses" (sequence split outside attention, heads inside, with
+      all-to-alls); see `autopar.intra._context`. "ring" is declared but not planned yet.
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -118,6 +124,7 @@ class PlanOptions:
     annotations: Annotations = "keep"
     constraints: Any = dataclasses.field(default=None, hash=False)
     microbatch_check: MicrobatchCheck = "warn"
+    context_parallel: ContextParallel = "auto"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -145,6 +152,15 @@ class PlanOptions:
         check_choice("memory_levels", self.memory_levels, MEMORY_LEVELS)
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
+        check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
+        if self.context_parallel == "ring":
+            raise ValueError(
+                "context_parallel='ring' is not planned yet: ring attention replaces the "
+                "traced attention (forward and backward) with a shard_map kernel, which the "
+                "lowering does not do; use context_parallel='allgather' (the same sequence "
+                "split, K/V gathered whole) or 'ulysses', or call "
+                "autopar.lower.ring_attention in a jax.jit program of your own"
+            )
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

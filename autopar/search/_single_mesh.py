@@ -28,6 +28,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
         method=method, memory_budget=options.memory_budget_for(cluster),
         time_limit=options.ilp_time_limit, solver=options.solver,
         annotations=options.annotations,
+        context_parallel=options.context_parallel,
     )
 
 

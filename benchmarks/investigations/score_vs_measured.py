@@ -94,8 +94,10 @@ def main(argv=None) -> None:
         ours_times += t
     rows = [("hand FSDP (autopar.score)", theirs.predicted_step_time, hand_times),
             ("autopar method='shard'", ours.plan.predicted_step_time, ours_times)]
-    print(f"GPT {args.config}, batch {args.batch}, profile {args.profile}, {len(jax.devices())} {jax.devices()[0].platform} "
-          f"devices, {args.rounds} rounds x {args.steps} steps")
+    devices = jax.devices()
+    print(f"GPT {args.config}, batch {args.batch}, profile {args.profile}, "
+          f"{len(devices)} {devices[0].platform} devices, "
+          f"{args.rounds} rounds x {args.steps} steps")
     print(f"{'plan':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
     for name, predicted, times in rows:
         measured = statistics.median(times)
