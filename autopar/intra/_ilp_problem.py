@@ -155,8 +155,8 @@ class MemoryBudgetError(ValueError):
         super().__init__(
             f"memory budget of {format_gib(budget)} per device is infeasible: the least "
             f"memory per device any choice of strategies reaches is {format_gib(least)}. "
-            f"Raise memory_budget to at least {least:.6g} bytes, or lower the memory needed (more devices, more pipeline stages, "
-            f"smaller micro-batches, rematerialisation)."
+            f"Raise memory_budget to at least {least:.6g} bytes, or lower the memory needed "
+            "(more devices, more pipeline stages, smaller micro-batches, rematerialisation)."
         )
 
     def __reduce__(self):  # pickles with its numbers (a solver pool hands it back)
