@@ -97,6 +97,8 @@ def test_demo_trains_beside_one_device_and_writes_its_files(tmp_path):
     assert "autopar plan — method shard" in text
     assert re.search(r"step\s+autopar loss\s+1-device loss", text)
     assert "max |difference|" in text and ": ok" in text
+    assert re.search(r"predicted [\d.]+ \w+ per step, measured [\d.]+ \w+ \([\d.e+]+x the "
+                     r"prediction\); cost profile 'local \(", text)
     assert Plan.load(tmp_path / "plan.json").to_json() == result.plan.to_json()
     assert (tmp_path / "plan_layout.png").read_bytes().startswith(PNG_MAGIC)
     assert (tmp_path / "plan_explain.txt").read_text() == result.plan.explain() + "\n"

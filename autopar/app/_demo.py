@@ -116,10 +116,20 @@ def run_demo(
     reference_losses = _train(reference, state, jax.device_put(batch, one_device), num_steps, {})
     _print_losses(losses, reference_losses, echo)
     echo(", ".join(f"{name}: {value:.2f} s" for name, value in seconds.items()))
+    if num_steps > 1:
+        from autopar.report import step_time_comparison
+
+        measured = seconds["later steps"] / (num_steps - 1)
+        echo(step_time_comparison(step.plan.predicted_step_time, measured,
+                                  step.plan.cluster.get("name")))
     timeline = None
     if step.plan.runtime == "pipeline" and pictures:
-        # One more step, recording when each stage's tasks ran, for the schedule picture.
-        _, timeline = step.record_timeline(init(jax.random.key(0)), batch)
+        # Two more steps, recording when each stage's tasks ran, for the schedule picture:
+        # the first recorded step compiles the per-task programs (the runtime runs a
+        # pipelined step as one program otherwise), so the picture shows the second.
+        state = init(jax.random.key(0))
+        for _ in range(2):
+            (state, _), timeline = step.record_timeline(state, batch)
     files = _write_files(step.plan, Path(out_dir), pictures, echo, timeline)
     return DemoResult(step.plan, tuple(losses), tuple(reference_losses), files, seconds)
 
@@ -167,8 +177,9 @@ def _draw(plan, out_dir: Path, timeline=None) -> list[Path]:
     files = [plot_layout(plan, out_dir / "plan_layout.png")]
     if plan.runtime == "pipeline" or plan.num_stages > 1:
         path = out_dir / "schedule.png"
-        if timeline:  # predicted above, measured below
-            files.append(gantt_compare(plan_schedule(plan), timeline, path))
+        if timeline:  # predicted above, measured below, each on its own time axis
+            files.append(gantt_compare(plan_schedule(plan), timeline, path,
+                                       profile=plan.cluster.get("name")))
         else:
             title = f"{plan.schedule}, {plan.num_microbatches} microbatches, predicted"
             files.append(gantt(plan_schedule(plan), path, title=title))

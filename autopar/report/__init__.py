@@ -20,8 +20,10 @@ from autopar.report._gantt import (
     TaskRecord,
     gantt,
     gantt_compare,
+    gantt_compare_figure,
     plan_schedule,
     simulate_schedule,
+    step_time_comparison,
 )
 from autopar.report._hosts import (
     axes_across_hosts,
@@ -42,6 +44,7 @@ __all__ = [
     "explain",
     "gantt",
     "gantt_compare",
+    "gantt_compare_figure",
     "layer_groups",
     "matmul_weight_splits",
     "pipeline_bubble",
@@ -50,5 +53,6 @@ __all__ = [
     "plot_layout",
     "time_split",
     "simulate_schedule",
+    "step_time_comparison",
     "weights_split_across_hosts",
 ]
