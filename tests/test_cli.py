@@ -101,7 +101,16 @@ def test_demo_trains_beside_one_device_and_writes_its_files(tmp_path):
                      r"prediction\); cost profile 'local \(", text)
     assert Plan.load(tmp_path / "plan.json").to_json() == result.plan.to_json()
     assert (tmp_path / "plan_layout.png").read_bytes().startswith(PNG_MAGIC)
-    assert (tmp_path / "plan_explain.txt").read_text() == result.plan.explain() + "\n"
+    explained = (tmp_path / "plan_explain.txt").read_text()
+    assert explained.startswith(result.plan.explain().splitlines()[0]) and explained in text + "\n"
+    # explain() of the demo: the plan beside the plans a user would write, with times.
+    alternatives = re.findall(r"^  (data parallel.*?|Megatron-LM dp=\S+ \(best of \d+\))\s+"
+                              r"[\d.]+ (?:us|ms|s) \([\d.]+x\)\s+per step, [\d.]+ \w?i?B per "
+                              r"device$", explained, flags=re.MULTILINE)
+    assert len(alternatives) >= 2, explained
+    assert "why this plan:" in explained and "batch layout:" in explained
+    for internal in ("stage DP", "layer ILPs", "stage_dp_and_ilps"):
+        assert internal not in explained
     assert {f.name for f in result.files} == {"plan.json", "plan_explain.txt", "plan_layout.png"}
 
 

@@ -56,6 +56,8 @@ class AutoParallel:
         self._compiled: dict[Any, _Compiled] = {}
         self._donated_leaves: dict[Any, list[int]] = {}  # by argument tree: donated leaves
         self._last: _Compiled | None = None
+        self._abstract_args: Any = None  # the last compiled call's arguments, abstract
+        self._alternatives: dict[int, list] = {}  # by id of the plan they were made for
         self.num_traces = 0  # how many times the step was traced and planned
 
     @property
@@ -91,8 +93,32 @@ class AutoParallel:
         plan = agree_on_plan(compiled.plan)
         return compiled if plan is compiled.plan else self._compile(args, plan)
 
+    def explain(self, detail: int = 1, alternatives: bool = True) -> str:
+        """`plan.explain()` of the last call's plan with what it is chosen against: data
+        parallel, data parallel with ZeRO-1 and the best Megatron-LM configuration of a
+        small grid, each with its predicted time and memory (`autopar.report.alternatives`,
+        costed once per plan, a few seconds for a small model), and what reads each batch
+        input. `alternatives=False` leaves them out."""
+        from autopar.report import alternatives as plans_by_hand
+        from autopar.report import explain
+
+        plan = self.plan
+        alts = None
+        if alternatives:
+            alts = self._alternatives.get(id(plan))
+            if alts is None:
+                alts = self._alternatives[id(plan)] = plans_by_hand(
+                    self._fn, self._abstract_args, plan.cluster, plan,
+                    memory_budget=self._options.memory_budget,
+                    donate_argnums=self._options.donate_argnums,
+                    batch_argnums=self._options.batch_argnums,
+                )
+        return explain(plan, detail, alternatives=alts, graph=self.graph)
+
     def _compile(self, args, fixed_plan: Plan | None = None) -> _Compiled:
         self.num_traces += 1
+        leaves, treedef = jax.tree.flatten(args)
+        self._abstract_args = jax.tree.unflatten(treedef, abstract_args(self._fn, args)[0])
         options = self._options
         fixed_plan = fixed_plan or self._fixed_plan
         if fixed_plan is not None:

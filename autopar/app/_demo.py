@@ -107,7 +107,8 @@ def run_demo(
     losses = _train(step, init(jax.random.key(0)), batch, num_steps, seconds)
     seconds["autopar, all steps"] = time.perf_counter() - start
     echo("")
-    echo(step.plan.explain())
+    explained = step.explain()  # beside the plans a user would write by hand
+    echo(explained)
     echo("")
 
     one_device = jax.devices()[0]
@@ -130,7 +131,7 @@ def run_demo(
         state = init(jax.random.key(0))
         for _ in range(2):
             (state, _), timeline = step.record_timeline(state, batch)
-    files = _write_files(step.plan, Path(out_dir), pictures, echo, timeline)
+    files = _write_files(step.plan, Path(out_dir), pictures, echo, timeline, explained)
     return DemoResult(step.plan, tuple(losses), tuple(reference_losses), files, seconds)
 
 
@@ -155,12 +156,13 @@ def _print_losses(losses, reference_losses, echo: Callable[[str], None]) -> None
     echo(f"max |difference| {worst:.2e} (tolerance {LOSS_TOLERANCE:g}): {verdict}")
 
 
-def _write_files(plan, out_dir: Path, pictures: bool, echo, timeline=None) -> tuple[Path, ...]:
+def _write_files(plan, out_dir: Path, pictures: bool, echo, timeline=None,
+                 explained: str | None = None) -> tuple[Path, ...]:
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.json"
     plan.save(plan_path)
     explain_path = out_dir / "plan_explain.txt"
-    explain_path.write_text(plan.explain() + "\n")
+    explain_path.write_text((explained or plan.explain()) + "\n")
     files = [plan_path, explain_path]
     if pictures:
         try:

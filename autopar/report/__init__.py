@@ -6,6 +6,7 @@ cost model), pictures (`plot_layout`: which device holds which shard; `gantt`: s
 or measured pipeline schedules) and host-level summaries.
 """
 
+from autopar.report._alternatives import Alternative, alternatives
 from autopar.report._compare import compare, pipeline_bubble, plan_figures
 from autopar.report._differences import (
     Difference,
@@ -33,6 +34,8 @@ from autopar.report._hosts import (
 from autopar.report._pictures import plot_layout
 
 __all__ = [
+    "Alternative",
+    "alternatives",
     "Difference",
     "TaskRecord",
     "TimeSplit",
