@@ -225,6 +225,10 @@ class AutoParallel:
             if jax.process_count() > 1:
                 compiled = self._agree(compiled, args)
             self._compiled[key] = compiled
+            from autopar.report._why import batch_warnings
+
+            for warning in batch_warnings(compiled.plan):
+                log.warning(warning)
         self._last = compiled
         if compiled.plan.runtime == "pipeline":
             batch = {

@@ -17,6 +17,7 @@ from autopar.graph._opgraph import dtype_itemsize
 # another key already contains are left out (`OVERLAPPING`), so the parts add up.
 PHASE_WORDS = {
     "trace": "tracing the step",
+    "intra_op_ilp": "sharding the step (integer program)",
     "layer clustering": "grouping layers",
     "layer ILPs": "sharding each layer (integer programs)",
     "stage DP": "choosing pipeline stages",
@@ -180,25 +181,26 @@ def _layout(plan, info) -> str:
 
 def batch_warnings(plan) -> list[str]:
     """A batch whose rows split over fewer devices than its mesh has because they do not
-    divide evenly: the other devices compute the same rows again."""
-    out = []
+    divide evenly: the other devices compute the same rows again. One warning per
+    (rows, ways, mesh), naming the inputs it holds for."""
+    found: dict[tuple, list[str]] = {}
     for i in plan.inputs:
         if i.role != "batch" or not i.shape:
             continue
         mesh = plan.stages[i.stage].sharding.mesh
         sizes = dict(zip(mesh.axis_names, mesh.shape))
         ways = math.prod(sizes[a] for a in i.spec[0]) if i.spec else 1
-        rows = i.shape[0] * (plan.num_microbatches if plan.runtime == "pipeline" else 1)
-        micro = i.shape[0]
-        if ways < mesh.num_devices and micro % mesh.num_devices:
-            out.append(
-                f"{i.path}: {micro} rows per step{' per microbatch' if rows != micro else ''} "
-                f"are split {ways} ways, not over all {mesh.num_devices} devices of the mesh "
-                f"({micro} is not divisible by {mesh.num_devices}): the other devices hold "
-                f"copies of those rows. A batch divisible by {mesh.num_devices} (e.g. "
-                f"{micro - micro % mesh.num_devices} or "
-                f"{micro + mesh.num_devices - micro % mesh.num_devices}) uses every device.")
-    return out
+        rows, n = i.shape[0], mesh.num_devices
+        if ways < n and rows % n:
+            found.setdefault((rows, ways, n), []).append(i.path)
+    per = " per microbatch" if plan.runtime == "pipeline" else ""
+    return [
+        f"the batch ({', '.join(paths)}): {rows} rows{per} are split {ways} ways, not over "
+        f"all {n} devices of the mesh ({rows} is not divisible by {n}), so devices hold "
+        f"copies of the same rows and compute them twice. A batch divisible by {n} (e.g. "
+        f"{max(n, rows - rows % n)} or {rows + n - rows % n}) uses every device."
+        for (rows, ways, n), paths in found.items()
+    ]
 
 
 def _first_readers(graph, plan) -> dict[str, str]:

@@ -71,8 +71,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             code_version(),
         )
         cached = cache.get(key)
-        if cached is not None:
-            log.info("plan cache hit: %s", cache.path(key))
+        if cached is not None:  # `PlanCache.get` logged the hit
             full = graph if microbatches == 1 else None
             return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings), _heap_frozen():
