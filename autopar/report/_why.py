@@ -205,7 +205,7 @@ def batch_warnings(plan) -> list[str]:
 
 def _first_readers(graph, plan) -> dict[str, str]:
     """`{batch path: the primitive (and source line) that first reads it}`."""
-    consumers = graph.consumers
+    consumers = graph.consumers()
     paths = {i.path for i in plan.inputs if i.role == "batch"}
     out = {}
     for v in graph.invars:
