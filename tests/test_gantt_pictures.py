@@ -32,7 +32,7 @@ def test_predicted_and_measured_have_their_own_axes_and_units():
     assert top.get_xlim()[1] == pytest.approx(makespan(predicted) * 1e3 * 1.02)
     assert bottom.get_xlim()[1] == pytest.approx(makespan(measured) * 1.02)
     assert min(p.get_x() for p in bottom.patches) == pytest.approx(0.0)  # from its start
-    line = fig._suptitle.get_text()
+    line = " ".join(fig._suptitle.get_text().split())
     assert "predicted 15 ms per step, measured 9 s (600x the prediction)" in line
     assert "'local (cpu-local)'" in line and "run `autopar profile`" in line
 
@@ -40,7 +40,7 @@ def test_predicted_and_measured_have_their_own_axes_and_units():
 def test_a_measured_profile_is_named_without_the_hint(tmp_path):
     predicted, measured = _schedules()
     fig = gantt_compare_figure(predicted, measured, profile="local (local-measured)")
-    line = fig._suptitle.get_text()
+    line = " ".join(fig._suptitle.get_text().split())
     assert "'local (local-measured)'" in line and "autopar profile" not in line
     assert is_builtin_profile("dgx-a100-80g") and not is_builtin_profile("local-measured")
     path = gantt_compare(predicted, measured, tmp_path / "schedule.png")

@@ -19,6 +19,7 @@ gantt(tasks, "schedule.png", title="GPT, 2 stages")
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -262,8 +263,8 @@ def gantt_compare_figure(
         unit, scale = _time_unit(makespan(tasks))
         _draw(ax, tasks, f"{title}, {name}", unit, scale)
         ax.set_xlim(0, max(t.end for t in tasks) * scale * 1.02)
-    fig.suptitle(step_time_comparison(makespan(predicted), makespan(measured), profile),
-                 fontsize=9)
+    line = step_time_comparison(makespan(predicted), makespan(measured), profile)
+    fig.suptitle(textwrap.fill(line, 130), fontsize=9)  # fits the figure's width
     fig.tight_layout()
     return fig
 
