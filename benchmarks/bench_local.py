@@ -111,7 +111,7 @@ class _Timer:
 
     def __init__(self, step, state, batch, p, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
-        self.run = autoparallel(step, plan=p, cache=False)
+        self.run = autoparallel(step, plan=p, cache=False, donate=True)
         self.state = jax.tree.map(jnp.copy, state)  # the step donates its state
         self.batch = batch
         self.times: list[float] = []

@@ -1,9 +1,9 @@
 """The pipeline runtime's overhead and overlap, on 8 virtual CPU devices.
 
 1. A one-stage plan's training loop as a user writes it,
-   ``state, metrics = train_step(state, batch)`` with the state donated (autopar's default
-   `donate_argnums=(0,)`) and fed back, against the same loop over a hand-written
-   `jax.jit` of the step given the plan's shardings (`train_step.shardings()` in, the
+   ``state, metrics = train_step(state, batch)`` with the state donated (`donate=True`)
+   and fed back, against the same loop over a hand-written `jax.jit` of the step given
+   the plan's shardings (`train_step.shardings()` in, the
    shardings autopar's step returns out, `donate_argnums=0`), over the runtime's
    compiled program called directly (`FusedStep.fn`: the program without autopar's call
    path), and over that program built with no constraint inside (XLA propagating from the
@@ -131,7 +131,7 @@ def one_stage_overhead(rounds: int, steps: int) -> dict:
     optimizer = optax.adamw(1e-3)
     step = gpt.make_train_step(CONFIG, optimizer)
     batch = gpt.make_batch(CONFIG, BATCH, jax.random.key(1))
-    par = autopar.autoparallel(step, num_stages=1, num_microbatches=1)
+    par = autopar.autoparallel(step, num_stages=1, num_microbatches=1, donate=True)
     _, metrics = par(_fresh_state(optimizer), batch)  # plans; the state is donated
     assert par.plan.runtime == "pipeline" and par.plan.num_stages == 1
     in_sh = par.shardings()

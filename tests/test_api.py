@@ -37,7 +37,8 @@ def test_same_shapes_do_not_trace_again_and_new_shapes_do():
 
 def test_state_keeps_its_sharding_and_donation_is_honoured():
     step, state, batch = _setup()
-    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", mesh_shape=(8,))
+    par = autopar.autoparallel(step, cluster=_cluster(), method="shard", mesh_shape=(8,),
+                               donate=True)
     new_state, _ = par(state, batch)
     compiled = par._last
     flat_in = jax.tree.leaves(new_state)

@@ -97,9 +97,20 @@ def test_demo_trains_beside_one_device_and_writes_its_files(tmp_path):
     assert "autopar plan — method shard" in text
     assert re.search(r"step\s+autopar loss\s+1-device loss", text)
     assert "max |difference|" in text and ": ok" in text
+    assert re.search(r"predicted [\d.]+ \w+ per step, measured [\d.]+ \w+ \([\d.e+]+x the "
+                     r"prediction\); cost profile 'local \(", text)
     assert Plan.load(tmp_path / "plan.json").to_json() == result.plan.to_json()
     assert (tmp_path / "plan_layout.png").read_bytes().startswith(PNG_MAGIC)
-    assert (tmp_path / "plan_explain.txt").read_text() == result.plan.explain() + "\n"
+    explained = (tmp_path / "plan_explain.txt").read_text()
+    assert explained.startswith(result.plan.explain().splitlines()[0]) and explained in text + "\n"
+    # explain() of the demo: the plan beside the plans a user would write, with times.
+    alternatives = re.findall(r"^  (data parallel.*?|Megatron-LM dp=\S+ \(best of \d+\))\s+"
+                              r"[\d.]+ (?:us|ms|s) \([\d.]+x\)\s+per step, [\d.]+ \w?i?B per "
+                              r"device$", explained, flags=re.MULTILINE)
+    assert len(alternatives) >= 2, explained
+    assert "why this plan:" in explained and "batch layout:" in explained
+    for internal in ("stage DP", "layer ILPs", "stage_dp_and_ilps"):
+        assert internal not in explained
     assert {f.name for f in result.files} == {"plan.json", "plan_explain.txt", "plan_layout.png"}
 
 
@@ -159,3 +170,126 @@ def test_demo_without_matplotlib_skips_the_pictures(tmp_path, monkeypatch):
                          pictures=True, echo=lines.append)
     assert [f.name for f in files] == ["plan.json", "plan_explain.txt"]
     assert lines[0].startswith("pictures skipped:") and "pip install autopar[plot]" in lines[0]
+
+
+# ---- the planning flags of `autopar plan` / `autopar compare` ---------------------------
+
+
+def _plan_argv(tmp_path, *extra):
+    return ["plan", "--model", "mlp-tiny", "--profile", "cpu-local", "--hosts", "1",
+            "--devices-per-host", "2", "--out", str(tmp_path / "p.json"), *extra]
+
+
+def test_planning_flags_reach_the_planner(tmp_path, monkeypatch, capsys):
+    """Every planning flag arrives as its `PlanOptions` keyword, units converted."""
+    import autopar.search
+
+    seen = {}
+    real_plan = autopar.search.plan
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_plan(*args, **{**kwargs, "remat": "auto"})
+
+    monkeypatch.setattr(autopar.search, "plan", spy)
+    argv = _plan_argv(tmp_path, "--microbatches", "2", "--schedule", "gpipe", "--remat",
+                      "full", "--memory-budget", "512MiB", "--quiet")
+    assert cli.main(argv) == 0
+    assert seen["num_microbatches"] == 2 and seen["schedule"] == "gpipe"
+    assert seen["remat"] == "full" and seen["memory_budget"] == 512 * 2**20
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.num_microbatches == 2 and plan.schedule == "gpipe"
+    out = capsys.readouterr()
+    assert "autopar plan —" not in out.out, "--quiet prints no explanation"
+    assert out.out.startswith("planned mlp-tiny") and "predicted" in out.out
+    assert "autopar: trace" not in out.err, "--quiet prints no progress"
+
+
+def test_verbose_prints_every_leaf_and_the_planner_details(tmp_path, capsys):
+    assert cli.main(_plan_argv(tmp_path, "--method", "data", "--verbose")) == 0
+    out = capsys.readouterr()
+    assert "opt_state/" in out.out  # detail 2: every optimizer-state leaf
+    assert "autopar: trace ..." in out.err
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("40GiBs", r"'40GiBs' is not an amount of memory.*40GiB, 512MiB or 80GB"),
+    ("-1GiB", r"'-1GiB' is not an amount of memory"),
+    ("0GiB", r"must be more than zero"),
+])
+def test_memory_budget_needs_a_unit_it_knows(tmp_path, capsys, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_plan_argv(tmp_path, f"--memory-budget={value}"))
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_memory_budget_too_small_answers_cannot_fit_in_gib(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_plan_argv(tmp_path, "--memory-budget", "1KiB"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot fit" in err and "9.54e-07 GiB (1024 B) per device" in err
+    assert not re.search(r"\binf\b", err)
+
+
+def test_microbatches_must_be_a_count_or_auto(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(_plan_argv(tmp_path, "--microbatches", "0"))
+    assert "'0' is not a number of microbatches" in capsys.readouterr().err
+
+
+def test_seq_len_sets_the_sequence_of_gpt_and_llama(tmp_path, capsys):
+    gpt = named_model("gpt-tiny", 2, seq_len=48)
+    assert gpt.abstract_batch["tokens"].shape == (2, 48)
+    assert gpt.abstract_state.params["wpe"].shape[0] == 48
+    llama = named_model("llama-8B", 1, seq_len=131072)  # abstract: nothing is allocated
+    assert llama.abstract_batch["tokens"].shape == (1, 131072)
+    assert cli.main(["plan", "--model", "gpt-tiny", "--seq-len", "32", "--profile", "cpu-local",
+                     "--hosts", "1", "--devices-per-host", "2", "--method", "data",
+                     "--out", str(tmp_path / "g.json"), "-q"]) == 0
+    plan = Plan.load(tmp_path / "g.json")
+    assert {i.path: i.shape for i in plan.inputs}["batch/tokens"] == (8, 32)
+    assert "sequence 32" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(_plan_argv(tmp_path, "--seq-len", "8"))
+    assert re.search(r"mlp-tiny has no sequence length.*gpt", capsys.readouterr().err)
+
+
+def test_compare_takes_seq_len_and_memory_budget(capsys):
+    argv = ["compare", "--model", "gpt-tiny", "--seq-len", "32", "--configs", "dp8tp1",
+            "--no-auto", "--profile", "cpu-local", "--memory-budget", "1GiB", "-q"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dp=8,tp=1" in out and "compared 1 plan(s) of gpt-tiny" in out
+
+
+def test_an_uneven_batch_is_warned_about(tmp_path, capsys):
+    argv = ["plan", "--model", "mlp-tiny", "--profile", "cpu-local", "--batch", "12",
+            "--method", "shard", "--mesh-shape", "8", "--out", str(tmp_path / "p.json"), "-q"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"autopar: warning: the batch \(batch/x, batch/y\): 12 rows are split "
+                     r"\d ways, not over all 8 devices", err), err
+    assert err.count("warning") == 1
+
+
+def test_a_cache_hit_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("AUTOPAR_PLAN_CACHE", "1")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    argv = _plan_argv(tmp_path, "--method", "data")
+    assert cli.main(argv) == 0
+    assert "plan cache hit" not in capsys.readouterr().err
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().err.count("plan cache hit") == 1
+
+
+def test_demo_extra_holds_only_what_the_demo_needs():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["demo"] == ["autopar[highs,examples,plot]"]
+    readme = (REPO / "README.md").read_text()
+    first = re.search(r"^python3 -m venv .*$", readme, flags=re.MULTILINE).group(0)
+    assert '-e ".[demo]"' in first and first.endswith("autopar demo")

@@ -801,7 +801,8 @@ def test_data_parallel_gradient_reductions_are_one_all_reduce_per_bucket():
     # On one mesh axis: on (4, 2) XLA splits a weight gradient's reduction over both axes
     # into one all-reduce per axis, which the model charges as one (not modelled).
     step = autopar.autoparallel(gpt.make_train_step(cfg, opt), method="data", cache=False,
-                                cluster=Cluster.from_profile("cpu-local"), mesh_shape=(8,))
+                                cluster=Cluster.from_profile("cpu-local"), mesh_shape=(8,),
+                                donate=True)
     last = step._compile(abstract)  # plans and lowers; nothing runs
     args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             for x, sharding in zip(jax.tree.leaves(abstract), last.in_shardings)]

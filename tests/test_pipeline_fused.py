@@ -51,7 +51,7 @@ def test_one_stage_is_one_program_with_the_accumulation_inside():
 
 
 def test_one_stage_step_donates_the_state_as_asked():
-    """With the default `donate_argnums=(0,)` the one program reuses the state's buffers
+    """With `donate=True` (`donate_argnums=(0,)`) the one program reuses the state's buffers
     (as the SPMD runtime's jit does); the batch is kept."""
     optimizer = optax.adamw(1e-2, eps=1e-6)
     step = mlp.make_train_step(MLP, optimizer)
@@ -59,7 +59,7 @@ def test_one_stage_step_donates_the_state_as_asked():
     batch = mlp.make_batch(MLP, 32, jax.random.key(1))
     par = autopar.autoparallel(
         step, cluster=autopar.Cluster.from_profile("cpu-local"), num_stages=1,
-        num_microbatches=2, submeshes=[(1, 8)], logical_shapes=[(4, 2)],
+        num_microbatches=2, submeshes=[(1, 8)], logical_shapes=[(4, 2)], donate=True,
     )
     new_state, _ = par(state, batch)  # plans; `state` is donated from here on
     assert par.plan.runtime == "pipeline" and par.plan.num_stages == 1

@@ -154,8 +154,9 @@ def test_search_reports_its_parts():
     solved = plan.timings["layer ILPs solved"]
     assert solved == 3  # embedding + block, block, head on (8,): blocks share one ILP
     text = plan.explain()
-    assert "planning time: " in text and "layer ILPs " in text
-    assert f"planning work: layer ILPs solved {solved}," in text
+    assert "planning time: " in text and "sharding each layer (integer programs) " in text
+    assert f"planning work: {solved} layer sharding problems solved," in text
+    assert "stage_dp_and_ilps" not in text  # a total overlapping its parts is not shown
 
 
 def test_a_fixed_microbatch_count_traces_the_step_once(monkeypatch):

@@ -267,8 +267,18 @@ def test_no_feasible_stage_reports_the_memory_shortfall():
 
 def test_no_covering_plan_is_an_error():
     only_one_device = lambda start, end, index: StageCost(1.0, index == 0)
-    with pytest.raises(ValueError, match=r"no plan slices 2 layers into 1\.\.2 stages"):
+    with pytest.raises(ValueError, match=r"no plan: the 2 pipeline layers cannot be sliced into "
+                       r"1\.\.2 stages.*only \d+ of the \d+ candidate stages fit"):
         plan_stages(2, 1, 4, only_one_device, 2)
+
+
+def test_memory_messages_never_print_inf():
+    """A stage whose memory is not known (inf) is left out of the shortfall; with none
+    known the message says no stage could be costed, in GiB."""
+    unknown = lambda start, end, index: StageCost(1.0, False, memory=float("inf"))
+    with pytest.raises(ValueError, match=r"budget of 0\.5 GiB per device") as err:
+        plan_stages(3, 1, 4, unknown, 2, memory_budget=2**29)
+    assert "inf" not in str(err.value).replace("infeasible", "")
 
 
 def test_bad_callback_results_are_errors():
@@ -470,8 +480,8 @@ def test_last_stage_may_hold_more_layers_than_the_first():
     plan = plan_stages(3, 1, 2, stage_cost, 4, num_positions=4, submeshes=[SubmeshShape(1, 1)])
     assert plan.stages == ((0, 1, 0), (1, 3, 0))
     assert [c.memory for c in plan.stage_costs] == [3, 4]
-    with pytest.raises(ValueError, match=r"shortfall is 2 B.*\[0, 2\) on submesh 1x1 as "
-                       r"stage 1 from the last needs 6 B"):
+    with pytest.raises(ValueError, match=r"shortfall is 1\.86e-09 GiB \(2 B\).*\[0, 2\) on "
+                       r"submesh 1x1 as stage 1 from the last needs 5\.59e-09 GiB \(6 B\)"):
         plan_stages(  # every stage holding 2 microbatches: no plan
             3, 1, 2, lambda s, e, i, p: stage_cost(s, e, i, 2), 4, num_positions=4,
             submeshes=[SubmeshShape(1, 1)], memory_budget=4,

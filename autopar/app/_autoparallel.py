@@ -54,7 +54,10 @@ class AutoParallel:
         self._fixed_plan = Plan.load(plan) if isinstance(plan, str) else plan
         self._cache = cache
         self._compiled: dict[Any, _Compiled] = {}
+        self._donated_leaves: dict[Any, list[int]] = {}  # by argument tree: donated leaves
         self._last: _Compiled | None = None
+        self._abstract_args: Any = None  # the last compiled call's arguments, abstract
+        self._alternatives: dict[int, list] = {}  # by id of the plan they were made for
         self.num_traces = 0  # how many times the step was traced and planned
 
     @property
@@ -90,8 +93,32 @@ class AutoParallel:
         plan = agree_on_plan(compiled.plan)
         return compiled if plan is compiled.plan else self._compile(args, plan)
 
+    def explain(self, detail: int = 1, alternatives: bool = True) -> str:
+        """`plan.explain()` of the last call's plan with what it is chosen against: data
+        parallel, data parallel with ZeRO-1 and the best Megatron-LM configuration of a
+        small grid, each with its predicted time and memory (`autopar.report.alternatives`,
+        costed once per plan, a few seconds for a small model), and what reads each batch
+        input. `alternatives=False` leaves them out."""
+        from autopar.report import alternatives as plans_by_hand
+        from autopar.report import explain
+
+        plan = self.plan
+        alts = None
+        if alternatives:
+            alts = self._alternatives.get(id(plan))
+            if alts is None:
+                alts = self._alternatives[id(plan)] = plans_by_hand(
+                    self._fn, self._abstract_args, plan.cluster, plan,
+                    memory_budget=self._options.memory_budget,
+                    donate_argnums=self._options.donate_argnums,
+                    batch_argnums=self._options.batch_argnums,
+                )
+        return explain(plan, detail, alternatives=alts, graph=self.graph)
+
     def _compile(self, args, fixed_plan: Plan | None = None) -> _Compiled:
         self.num_traces += 1
+        leaves, treedef = jax.tree.flatten(args)
+        self._abstract_args = jax.tree.unflatten(treedef, abstract_args(self._fn, args)[0])
         options = self._options
         fixed_plan = fixed_plan or self._fixed_plan
         if fixed_plan is not None:
@@ -153,8 +180,38 @@ class AutoParallel:
         out = self(*args, _record=True)
         return out, getattr(self, "pipeline", None) and self.pipeline.timeline
 
+    def _check_not_donated_before(self, args, leaves, treedef) -> None:
+        """Raise a ValueError naming the option when a leaf of a donated argument was
+        already donated to an earlier call (its buffer deleted), before anything runs:
+        JAX's own error ("Array has been deleted") never says why."""
+        where = self._donated_leaves.get(treedef)
+        if where is None:
+            sizes = [child.num_leaves for child in treedef.children()]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            where = self._donated_leaves[treedef] = [
+                starts[a] + i for a in self._options.donate_argnums if a < len(sizes)
+                for i in range(sizes[a])
+            ]
+        deleted = [i for i in where if _is_deleted(leaves[i])]
+        if not deleted:
+            return
+        paths = [jax.tree_util.keystr(path) for path, _ in
+                 jax.tree_util.tree_flatten_with_path(args)[0]]
+        shown = ", ".join(f"args{paths[i]}" for i in deleted[:3])
+        more = f" and {len(deleted) - 3} more" if len(deleted) > 3 else ""
+        raise ValueError(
+            f"{getattr(self._fn, '__name__', 'the step')} was called with arrays an earlier "
+            f"call already consumed: {shown}{more} were donated (autoparallel(..., "
+            f"donate=True) or donate_argnums={self._options.donate_argnums}) and their "
+            "buffers reused. Pass the state the step returned (state, metrics = "
+            "train_step(state, batch)), or leave out donate=True / donate_argnums to keep "
+            "the arguments alive (costs one more copy of the state in memory)"
+        )
+
     def __call__(self, *args: Any, _record: bool = False) -> Any:
         leaves, treedef = jax.tree.flatten(args)
+        if self._options.donate_argnums:
+            self._check_not_donated_before(args, leaves, treedef)
         key = self._key(leaves, treedef)
         compiled = None if key is None else self._compiled.get(key)
         if compiled is None:
@@ -168,6 +225,10 @@ class AutoParallel:
             if jax.process_count() > 1:
                 compiled = self._agree(compiled, args)
             self._compiled[key] = compiled
+            from autopar.report._why import batch_warnings
+
+            for warning in batch_warnings(compiled.plan):
+                log.warning(warning)
         self._last = compiled
         if compiled.plan.runtime == "pipeline":
             batch = {
@@ -271,6 +332,11 @@ def _put(x: Any, sharding):
     return place(x, sharding)
 
 
+def _is_deleted(x: Any) -> bool:
+    is_deleted = getattr(x, "is_deleted", None)
+    return is_deleted is not None and is_deleted()
+
+
 def _has_sharding(x: Any, sharding) -> bool:
     current = getattr(x, "sharding", None)
     if current is None:
@@ -292,6 +358,7 @@ def autoparallel(
     cluster: Any = None,
     plan: Plan | str | None = None,
     cache: Any = None,
+    donate: bool = False,
     **options: Any,
 ) -> Any:
     """Parallelise a single-device train step over the devices it is given.
@@ -300,16 +367,22 @@ def autoparallel(
     - `cluster`: a `Cluster`, a profile name or path; None uses the local devices.
     - `plan`: a `Plan` or a path to a saved one: reuse it, no search.
     - `cache`: a `PlanCache`, False for none, None for the default on-disk plan cache.
+    - `donate`: let the step reuse the buffers of its first argument (the state) for the
+      new state, as `jax.jit(donate_argnums=0)` does: one copy of the state less in
+      memory, and the arrays passed in are deleted by the call (passing them again raises
+      an error naming this option). Off by default; `donate_argnums=(0, ...)` names the
+      donated arguments instead.
     - `**options`: the `PlanOptions`, as `autopar.plan` takes them: `method` ("auto",
       "shard", "data", "zero2", "zero3"), `num_microbatches`, `schedule`,
-      `memory_budget`, `donate_argnums`, `batch_argnums`, `mesh_shape`, `num_stages`,
+      `memory_budget`, `donate_argnums` (default here: none, or (0,) with
+      `donate=True`), `batch_argnums`, `mesh_shape`, `num_stages`,
       `submeshes`, `logical_shapes`, `remat` ("auto": recompute per layer only where a
       stage would not fit otherwise; "none", "selective", "full"), ...
 
     **Example:**
 
     ```python
-    @autopar.autoparallel
+    @autopar.autoparallel(donate=True)
     def train_step(state, batch):
         loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
         ...
@@ -317,9 +390,25 @@ def autoparallel(
     print(train_step.plan.explain())
     ```
     """
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be True or False, got {donate!r}")
+    if "donate_argnums" not in options:
+        options = {**options, "donate_argnums": (0,) if donate else ()}
+    elif donate and not options["donate_argnums"]:
+        raise ValueError(
+            f"donate=True but donate_argnums={options['donate_argnums']!r} donates nothing; "
+            "pass one of them: donate=True (the state, argument 0) or donate_argnums=(i, ...)"
+        )
     resolved = options_from("autoparallel", options)
 
     def wrap(f: Callable) -> AutoParallel:
         return AutoParallel(f, resolved, cluster, plan, cache)
 
     return wrap if fn is None else wrap(fn)
+
+
+# `autoparallel` donates nothing unless asked: show its own default for donate_argnums.
+autoparallel.__signature__ = autoparallel.__signature__.replace(parameters=[
+    p.replace(default=()) if p.name == "donate_argnums" else p
+    for p in autoparallel.__signature__.parameters.values()
+])

@@ -99,11 +99,14 @@ def parse_model_name(name: str) -> tuple[str, str]:
     )
 
 
-def named_model(name: str, batch_size: int, *, layer_markers: bool = False) -> NamedModel:
+def named_model(name: str, batch_size: int, *, layer_markers: bool = False,
+                seq_len: int | None = None) -> NamedModel:
     """The example model `name` (e.g. ``"gpt-1.3B"``) with a batch of `batch_size`.
 
     `layer_markers`: trace with the layers marked (``layer_boundary``) where the example's
     config has that option, so that Megatron plans can pipeline it.
+    `seq_len`: tokens per sequence instead of the config's (the families with a sequence:
+    gpt, llama, moe); the positional tables and the batch follow it.
 
     **Returns:** a `NamedModel` whose `abstract_state` and `abstract_batch` are
     `jax.ShapeDtypeStruct` trees (nothing is allocated), trained by ``optax.adamw``.
@@ -115,10 +118,21 @@ def named_model(name: str, batch_size: int, *, layer_markers: bool = False) -> N
 
     module = load_example(family)
     config = module.CONFIGS[size]
-    if layer_markers and hasattr(config, "layer_markers"):
-        import dataclasses
+    import dataclasses
 
+    if layer_markers and hasattr(config, "layer_markers"):
         config = dataclasses.replace(config, layer_markers=True)
+    if seq_len is not None:
+        if not hasattr(config, "seq_len"):
+            with_sequence = [f for f in FAMILIES
+                             if hasattr(next(iter(load_example(f).CONFIGS.values())), "seq_len")]
+            raise ValueError(
+                f"--seq-len: {name} has no sequence length (a {family} takes no tokens); "
+                f"it applies to the families {', '.join(with_sequence)}"
+            )
+        if seq_len < 1:
+            raise ValueError(f"the sequence length must be >= 1, got {seq_len}")
+        config = dataclasses.replace(config, seq_len=seq_len)
     optimizer = optax.adamw(LEARNING_RATE)
     return NamedModel(
         name=name,

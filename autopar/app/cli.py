@@ -8,12 +8,16 @@ Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up
                     [--coordinator HOST:PORT --num-processes P --process-id I]
     autopar demo [--out-dir DIR] [--steps N] [--method M] [--mesh-shape 2,4] [--no-pictures]
     autopar plan --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--batch B]
-                 [--method M] [--mesh-shape 2,4] [--out FILE.json] [--layout FILE.png]
+                 [--seq-len N] [--method M] [--mesh-shape 2,4] [--microbatches N|auto]
+                 [--schedule S] [--remat R] [--memory-budget 40GiB]
+                 [--out FILE.json] [--layout FILE.png] [--quiet | --verbose]
     autopar launch -n N [--devices-per-process K] [--log-dir DIR] -- python script.py ...
-    autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D] [--yours FILE]
-                    [--batch B] [--configs dp2tp4,dp8tp1] [--no-auto]
+    autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D]
+                    [--batch B] [--seq-len N] [--memory-budget 40GiB] [--yours FILE]
+                    [--configs dp2tp4,dp8tp1] [--no-auto] [--quiet | --verbose]
 
-Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr.
+Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr; ``--quiet``
+shows only warnings and errors, ``--verbose`` also the planner's details (DEBUG).
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
+    import logging
+
     from autopar._progress import show_progress
 
+    level = {"quiet": logging.WARNING, "verbose": logging.DEBUG}.get(
+        getattr(args, "output", None), logging.INFO)
     try:
-        with show_progress():
+        with show_progress(level=level):
             return args.run(args)
     except ValueError as e:  # a user mistake: the message says what to do
         parser.exit(2, f"autopar: error: {e}\n")
@@ -213,6 +221,7 @@ def _add_demo(subparsers) -> None:
                         help="fix the logical mesh shape (default: try every shape)")
     parser.add_argument("--no-pictures", action="store_true",
                         help="do not draw plan_layout.png (no matplotlib needed)")
+    _add_output_flags(parser)
     parser.set_defaults(run=_run_demo)
 
 
@@ -258,11 +267,89 @@ def _add_plan(subparsers) -> None:
                         help="the planning method (default: auto)")
     parser.add_argument("--mesh-shape", type=_mesh_shape, default=None, metavar="2,4",
                         help="fix the logical mesh shape (default: try every shape)")
+    _add_sequence_flag(parser)
+    _add_planning_flags(parser)
     parser.add_argument("--out", default="plan.json", metavar="FILE.json",
                         help="where to write the plan (default: plan.json)")
     parser.add_argument("--layout", default=None, metavar="FILE.png",
                         help="also draw the layout picture there (needs matplotlib)")
+    _add_output_flags(parser)
     parser.set_defaults(run=_run_plan)
+
+
+def _add_sequence_flag(parser) -> None:
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help="tokens per sequence (gpt, llama, moe; default: the size's own, "
+                        "e.g. 2048 for gpt-1.3B)")
+
+
+def _add_planning_flags(parser) -> None:
+    """The planning options a user tries first (`autopar.PlanOptions`)."""
+    from autopar.choices import REMAT_OPTIONS, SCHEDULE_OPTIONS
+
+    parser.add_argument("--microbatches", type=_microbatches, default="auto",
+                        metavar="N|auto",
+                        help="microbatches per step, a number dividing the batch, or auto "
+                        "(default: auto, searched)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULE_OPTIONS,
+                        help="the pipeline schedule (default: 1f1b)")
+    parser.add_argument("--remat", default="auto", choices=REMAT_OPTIONS,
+                        help="what layers recompute in the backward (default: auto, only "
+                        "where a stage would not fit otherwise)")
+    _add_memory_budget_flag(parser)
+
+
+def _add_memory_budget_flag(parser) -> None:
+    parser.add_argument("--memory-budget", type=_memory, default=None, metavar="40GiB",
+                        help="memory per device plans may use, with a unit: 40GiB, 512MiB, "
+                        "80GB (default: the profile's device memory)")
+
+
+def _add_output_flags(parser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quiet", "-q", dest="output", action="store_const", const="quiet",
+                       help="print only the result, warnings and errors")
+    group.add_argument("--verbose", "-v", dest="output", action="store_const",
+                       const="verbose", help="also the planner's details and every "
+                       "parameter's layout")
+
+
+def _microbatches(text: str) -> int | str:
+    """``"auto"`` or a positive int, for ``--microbatches``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of microbatches; write a positive integer dividing "
+            "the batch, e.g. 4, or auto")
+    return value
+
+
+def _memory(text: str) -> float:
+    """``"40GiB"`` -> bytes, for ``--memory-budget``."""
+    from autopar.cost._units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _planning_options(args: argparse.Namespace) -> dict:
+    """The `PlanOptions` keywords the planning flags set."""
+    options = dict(num_microbatches=args.microbatches, schedule=args.schedule,
+                   remat=args.remat, memory_budget=args.memory_budget)
+    if args.schedule == "interleaved_1f1b":
+        options["virtual_stages"] = 2
+    return options
+
+
+def _warn(message: str) -> None:
+    print(f"autopar: warning: {message}", file=sys.stderr)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -273,20 +360,29 @@ def _run_plan(args: argparse.Namespace) -> int:
     for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    model = named_model(args.model, args.batch)
+    from autopar.report._why import batch_warnings
+
+    model = named_model(args.model, args.batch, seq_len=args.seq_len)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
     start = time.perf_counter()
     result = plan(model.train_step, model.abstract_state, model.abstract_batch,
-                  cluster=cluster, method=args.method, mesh_shape=args.mesh_shape)
-    print(result.explain())
+                  cluster=cluster, method=args.method, mesh_shape=args.mesh_shape,
+                  **_planning_options(args))
+    if args.output != "quiet":
+        print(result.explain(detail=2 if args.output == "verbose" else 1))
+    for warning in batch_warnings(result):
+        _warn(warning)
     result.save(args.out)
     written = [args.out]
     if args.layout:
         from autopar.report import plot_layout
 
         written.append(str(plot_layout(result, args.layout)))
-    print(f"planned {args.model} on {cluster.num_hosts} x {cluster.devices_per_host} "
-          f"{cluster.name} in {time.perf_counter() - start:.1f} s; wrote {', '.join(written)}")
+    sequence = f", sequence {args.seq_len}" if args.seq_len else ""
+    print(f"planned {args.model} (batch {args.batch}{sequence}) on {cluster.num_hosts} x "
+          f"{cluster.devices_per_host} {cluster.name} in {time.perf_counter() - start:.1f} s: "
+          f"predicted {result.predicted_step_time * 1e3:.4g} ms per step; "
+          f"wrote {', '.join(written)}")
     return 0
 
 
@@ -352,6 +448,9 @@ def _add_compare(subparsers) -> None:
                         help="your own sharding of this model, as a plan saved by "
                         "autopar.score(...).save(FILE): shown first, with what autopar's "
                         "plan changes in it")
+    _add_sequence_flag(parser)
+    _add_memory_budget_flag(parser)
+    _add_output_flags(parser)
     parser.set_defaults(run=_run_compare)
 
 
@@ -377,8 +476,9 @@ def _run_compare(args: argparse.Namespace) -> int:
     from autopar.report import compare, explain_differences
     from autopar.search import microbatch_args, plan
 
-    model = named_model(args.model, args.batch, layer_markers=True)
+    model = named_model(args.model, args.batch, layer_markers=True, seq_len=args.seq_len)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
+    budget = {"memory_budget": args.memory_budget}
     num_heads = getattr(model.config, "num_heads", None)
     start = time.perf_counter()
     abstract = (model.abstract_state, model.abstract_batch)
@@ -396,7 +496,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         hand, grid = megatron_grid_search(model.train_step, *abstract, cluster=cluster,
                                           num_heads=num_heads, microbatch_sizes=sizes,
                                           num_layers=getattr(model.config, "num_layers", None),
-                                          traces=graphs)
+                                          traces=graphs, **budget)
         seconds["Megatron grid"] = time.perf_counter() - t
         hands = [hand]
         _print_grid(grid)
@@ -406,7 +506,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         for config in args.configs:
             try:
                 hand = megatron_plan_for_graph(graph_for(config.num_microbatches), cluster,
-                                               config)
+                                               config, **budget)
             except (ValueError, NotImplementedError) as err:
                 print(f"skipped {config.name}: {err}")
                 continue
@@ -417,8 +517,8 @@ def _run_compare(args: argparse.Namespace) -> int:
     auto = None
     if not args.no_auto:
         t = time.perf_counter()
-        options = {} if args.auto_microbatches is None else {
-            "num_microbatches": args.auto_microbatches}
+        options = dict(budget) if args.auto_microbatches is None else {
+            "num_microbatches": args.auto_microbatches, **budget}
         auto = plan(model.train_step, *abstract, cluster=cluster, **options)
         seconds["autopar"] = time.perf_counter() - t
     yours = _load_yours(args.yours, graph_for)

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost import pipeline_latency
+from autopar.cost._units import format_gib
 from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
 
 log = logging.getLogger("autopar")
@@ -644,15 +645,20 @@ def _search(problem: _Problem, costs: _Costs):
 
 
 def _format_bytes(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.3g} GiB" if abs(num_bytes) >= 2**20 else f"{num_bytes:.4g} B"
+    return format_gib(num_bytes)
 
 
 def _memory_note(problem: _Problem, costs, memory_budget: float | None) -> str:
-    short = [(c.memory, key) for key, c in costs.items() if not c.feasible and c.memory > 0]
+    short = [(c.memory, key) for key, c in costs.items()
+             if not c.feasible and 0 < c.memory < math.inf]
     if not short:
-        return ""
+        if memory_budget is None:
+            return ""
+        return (f" No stage could be costed within the memory budget of "
+                f"{_format_bytes(memory_budget)} per device (not even one layer on the "
+                "largest submesh).")
     memory, (start, end, index, position) = min(short)
-    where = f"layers [{start}, {end}) on submesh {problem.submeshes[index]}"
+    where = f"pipeline layers [{start}, {end}) on submesh {problem.submeshes[index]}"
     if problem.positional:
         where += f" as stage {position} from the last"
     if memory_budget is None:
@@ -673,19 +679,27 @@ def _no_plan_error(problem: _Problem, costs, memory_budget) -> ValueError:
     fix = "Use more devices or a larger memory budget, smaller microbatches, or rematerialisation"
     if num_feasible == 0:
         return ValueError(
-            f"no feasible pipeline stage: the cost callback rejected all {len(costs)} "
-            f"(layer range, submesh) candidates for {problem.num_layers} layers on "
+            f"no feasible pipeline stage: all {len(costs)} candidate stages (a range of "
+            f"the {_layers(problem.num_layers)} on a submesh) exceed the memory or were "
+            "rejected, on "
             f"{problem.num_hosts}x{problem.devices_per_host} devices.{note} {fix}."
         )
     fewest, most = problem.stage_count_range()
     subs = ", ".join(str(problem.submeshes[i]) for i in problem.allowed)
     return ValueError(
-        f"no plan slices {problem.num_layers} layers into {fewest}..{most} stages of "
-        f"feasible stages that together use all {problem.num_devices} devices of the "
-        f"{problem.num_hosts}x{problem.devices_per_host} cluster ({num_feasible} of "
-        f"{len(costs)} candidates are feasible; submeshes allowed: {subs}).{note} {fix}, "
+        f"no plan: the {_layers(problem.num_layers)} cannot be sliced into {fewest}..{most} "
+        f"stages that each fit and together use all {problem.num_devices} devices of the "
+        f"{problem.num_hosts}x{problem.devices_per_host} cluster (only {num_feasible} of "
+        f"the {len(costs)} candidate stages fit on their own, and no set of them covers "
+        f"every layer and device; submeshes allowed: {subs}).{note} {fix}, "
         "or allow more submesh shapes and stage counts."
     )
+
+
+def _layers(num_layers: int) -> str:
+    """``"3 pipeline layers"``: the units the stage DP slices (the model's marked layers,
+    or pieces cut automatically, `PlanOptions.num_layers`), named as such."""
+    return f"{num_layers} pipeline layer{'s' if num_layers != 1 else ''}"
 
 
 def _make_plan(problem, stages, costs, num_evaluations, solve_time, num_runs) -> StagePlan:

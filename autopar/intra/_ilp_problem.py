@@ -140,23 +140,23 @@ class MemoryBudgetError(ValueError):
     """
 
     def __init__(self, budget: float, least: float, kind: str = "peak"):
+        from autopar.cost._units import format_gib
+
         self.budget = budget
         self.least_memory = least
         self.kind = kind
         if kind == "footprint":
             super().__init__(
-                f"footprint budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per device "
-                f"is infeasible: the least footprint any choice of strategies reaches is "
-                f"{least:.6g} bytes ({least / 2**30:.3f} GiB). Raise footprint_budget to at "
-                f"least {least:.6g}."
+                f"footprint budget of {format_gib(budget)} per device is infeasible: the "
+                f"least footprint any choice of strategies reaches is {format_gib(least)}. "
+                f"Raise footprint_budget to at least {least:.6g} bytes."
             )
             return
         super().__init__(
-            f"memory budget of {budget:.6g} bytes ({budget / 2**30:.3f} GiB) per device is "
-            f"infeasible: the least memory per device any choice of strategies reaches is "
-            f"{least:.6g} bytes ({least / 2**30:.3f} GiB). Raise memory_budget to at least "
-            f"{least:.6g}, or lower the memory needed (more devices, more pipeline stages, "
-            f"smaller micro-batches, rematerialisation)."
+            f"memory budget of {format_gib(budget)} per device is infeasible: the least "
+            f"memory per device any choice of strategies reaches is {format_gib(least)}. "
+            f"Raise memory_budget to at least {least:.6g} bytes, or lower the memory needed "
+            "(more devices, more pipeline stages, smaller micro-batches, rematerialisation)."
         )
 
     def __reduce__(self):  # pickles with its numbers (a solver pool hands it back)

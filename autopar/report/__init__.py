@@ -6,6 +6,7 @@ cost model), pictures (`plot_layout`: which device holds which shard; `gantt`: s
 or measured pipeline schedules) and host-level summaries.
 """
 
+from autopar.report._alternatives import Alternative, alternatives
 from autopar.report._compare import compare, pipeline_bubble, plan_figures
 from autopar.report._differences import (
     Difference,
@@ -20,8 +21,10 @@ from autopar.report._gantt import (
     TaskRecord,
     gantt,
     gantt_compare,
+    gantt_compare_figure,
     plan_schedule,
     simulate_schedule,
+    step_time_comparison,
 )
 from autopar.report._hosts import (
     axes_across_hosts,
@@ -31,6 +34,8 @@ from autopar.report._hosts import (
 from autopar.report._pictures import plot_layout
 
 __all__ = [
+    "Alternative",
+    "alternatives",
     "Difference",
     "TaskRecord",
     "TimeSplit",
@@ -42,6 +47,7 @@ __all__ = [
     "explain",
     "gantt",
     "gantt_compare",
+    "gantt_compare_figure",
     "layer_groups",
     "matmul_weight_splits",
     "pipeline_bubble",
@@ -50,5 +56,6 @@ __all__ = [
     "plot_layout",
     "time_split",
     "simulate_schedule",
+    "step_time_comparison",
     "weights_split_across_hosts",
 ]

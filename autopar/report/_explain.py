@@ -7,6 +7,12 @@ from collections import defaultdict
 
 from autopar.cluster._mesh import spec_axes, spec_str
 from autopar.graph._opgraph import dtype_itemsize
+from autopar.report._why import (
+    alternatives_lines,
+    batch_lines,
+    choice_sentences,
+    planning_lines,
+)
 
 _LAYER = re.compile(r"(?:^|/)(layers?|blocks?|h)[/_](\d+)(?:/|$)")
 
@@ -69,11 +75,15 @@ def _memory_line(parts) -> str:
     )
 
 
-def explain(plan, detail: int = 1) -> str:
-    """A text report of a plan: cluster, stages, predicted costs, parameter specs.
+def explain(plan, detail: int = 1, alternatives=None, graph=None) -> str:
+    """A text report of a plan: cluster, stages, predicted costs, parameter specs, the
+    batch layout, and why: one sentence per big choice saying what it saves.
 
     `detail=1` fits on one screen for a small model: identical layers are shown once.
-    `detail=2` lists every parameter and optimizer-state leaf.
+    `detail=2` lists every parameter and optimizer-state leaf. `alternatives`: the plans
+    a user would write by hand (`autopar.report.alternatives`), shown beside this one
+    with their times and memory; `graph`: the traced step, to name what reads each batch
+    input. `train_step.explain()` of an `autoparallel` step passes both.
     """
     c = plan.cluster
     lines = [
@@ -112,18 +122,18 @@ def explain(plan, detail: int = 1) -> str:
             )
     lines.append("parameters (PartitionSpec by path):")
     lines.extend(_param_table(plan, detail))
+    lines.extend(batch_lines(plan, graph))
     largest = _largest_replicated(plan)
     if largest:
         lines.append("largest replicated tensors:")
         lines.extend(largest)
-    timings = {k: v for k, v in plan.timings.items() if isinstance(v, float)}
-    if timings:
-        lines.append(
-            "planning time: " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items())
-        )
-    counts = {k: v for k, v in plan.timings.items() if type(v) is int}
-    if counts:
-        lines.append("planning work: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if alternatives:
+        lines.extend(alternatives_lines(plan, alternatives))
+    why = choice_sentences(plan, alternatives or ())
+    if why:
+        lines.append("why this plan:")
+        lines.extend(f"  {s}" for s in why)
+    lines.extend(planning_lines(plan.timings))
     if plan.warnings:
         lines.append("warnings:")
         lines.extend(f"  - {w}" for w in plan.warnings)

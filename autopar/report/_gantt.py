@@ -3,7 +3,7 @@
 `simulate_schedule` turns per-stage forward/backward times into the start and end of every
 task of a pipeline under any `Schedule` (GPipe, 1F1B, interleaved 1F1B, zero bubble);
 `gantt` draws such a list (predicted or measured), and
-`gantt_compare` draws a prediction above a measurement on one time axis.
+`gantt_compare` draws a prediction above a measurement, each on its own time axis.
 
 A `TaskRecord` is plain data. The drawings take any records with the same fields, such as
 the measured timeline of the pipeline runtime (`PipelineExecutable.timeline`).
@@ -19,6 +19,7 @@ gantt(tasks, "schedule.png", title="GPT, 2 stages")
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -224,24 +225,75 @@ def gantt_compare(
     measured: Sequence[TaskRecord],
     path: str | Path,
     title: str = "pipeline schedule",
+    profile: str | None = None,
 ) -> Path:
-    """Draw a predicted schedule above a measured one, on the same time axis.
+    """Draw a predicted schedule above a measured one, each on its own time axis (a
+    prediction of milliseconds stays visible beside a measurement of seconds), with a
+    line comparing the two step times (`step_time_comparison`).
+
+    **Arguments:**
+    - `predicted`, `measured`: `TaskRecord`s; the measured ones from a steady-state step
+      (not the first, which compiles), shifted to start at 0.
+    - `profile`: the name of the cost profile the prediction used, for the comparison.
 
     **Returns:** the path written. Needs matplotlib (``pip install autopar[plot]``).
     """
-    _require_tasks(predicted, "predicted")
-    _require_tasks(measured, "measured")
-    longest = max(max(t.end for t in predicted), max(t.end for t in measured))
-    unit, scale = _time_unit(longest)
-    num_stages = max(t.stage for t in [*predicted, *measured]) + 1
-    fig = new_figure(figsize=(10, 2.0 + 1.0 * num_stages))
-    top = fig.add_subplot(2, 1, 1)
-    bottom = fig.add_subplot(2, 1, 2, sharex=top)
-    _draw(top, predicted, f"{title}, predicted", unit, scale)
-    _draw(bottom, measured, f"{title}, measured", unit, scale)
-    fig.tight_layout()
+    fig = gantt_compare_figure(predicted, measured, title, profile)
     fig.savefig(path, dpi=120)
     return Path(path)
+
+
+def gantt_compare_figure(
+    predicted: Sequence[TaskRecord],
+    measured: Sequence[TaskRecord],
+    title: str = "pipeline schedule",
+    profile: str | None = None,
+):
+    """The figure `gantt_compare` saves: two axes, not shared, each in its own unit."""
+    _require_tasks(predicted, "predicted")
+    _require_tasks(measured, "measured")
+    origin = min(t.start for t in measured)
+    measured = [TaskRecord(t.stage, t.kind, t.microbatch, t.start - origin, t.end - origin)
+                for t in measured]
+    num_stages = max(t.stage for t in [*predicted, *measured]) + 1
+    fig = new_figure(figsize=(10, 2.6 + 1.0 * num_stages))
+    top = fig.add_subplot(2, 1, 1)
+    bottom = fig.add_subplot(2, 1, 2)
+    for ax, tasks, name in ((top, predicted, "predicted"), (bottom, measured, "measured")):
+        unit, scale = _time_unit(makespan(tasks))
+        _draw(ax, tasks, f"{title}, {name}", unit, scale)
+        ax.set_xlim(0, max(t.end for t in tasks) * scale * 1.02)
+    line = step_time_comparison(makespan(predicted), makespan(measured), profile)
+    fig.suptitle(textwrap.fill(line, 130), fontsize=9)  # fits the figure's width
+    fig.tight_layout()
+    return fig
+
+
+def step_time_comparison(predicted: float, measured: float, profile: str | None) -> str:
+    """One line: predicted against measured seconds per step, the profile the prediction
+    used, and, when that is a built-in profile (vendor or default figures rather than a
+    measurement of this machine), the command that measures one."""
+    ratio = f" ({measured / predicted:.3g}x the prediction)" if predicted > 0 else ""
+    line = (f"predicted {_seconds(predicted)} per step, measured {_seconds(measured)}"
+            f"{ratio}")
+    if profile:
+        line += f"; cost profile {profile!r}"
+        if is_builtin_profile(profile):
+            line += (" (built-in figures, not this machine's: run `autopar profile` to "
+                     "measure it)")
+    return line
+
+
+def _seconds(seconds: float) -> str:
+    unit, scale = _time_unit(seconds)
+    return f"{seconds * scale:.3g} {unit}"
+
+
+def is_builtin_profile(name: str) -> bool:
+    """Whether a cluster named `name` takes its figures from a built-in profile rather than
+    from a measurement (``autopar profile`` names its profiles ``...-measured``)."""
+    inner = name[len("local ("):-1] if name.startswith("local (") else name
+    return "measured" not in inner
 
 
 def _require_tasks(tasks: Sequence[TaskRecord], name: str) -> None:

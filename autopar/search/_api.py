@@ -15,6 +15,7 @@ from autopar.inter import auto_layers, scan_layers
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
+from autopar.search._feasibility import check_fits
 from autopar.search._microbatch import microbatch_args
 from autopar.search._microbatch_math import microbatch_change
 from autopar.search._options import PlanOptions, options_from, resolve_cluster, takes_plan_options
@@ -58,6 +59,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
     search; the key covers the traced program, the cluster, the options and autopar's code.
     """
+    check_fits(fn, args, cluster, options)  # "cannot fit" in a second, not after a search
     fn = for_annotations(fn, options)
     timings: dict[str, float] = {}
     with phase("trace", timings):
@@ -71,8 +73,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             code_version(),
         )
         cached = cache.get(key)
-        if cached is not None:
-            log.info("plan cache hit: %s", cache.path(key))
+        if cached is not None:  # `PlanCache.get` logged the hit
             full = graph if microbatches == 1 else None
             cached = _checked_math(fn, args, cached, options)
             return cached, graph_for_plan(fn, args, cached, options, full)
