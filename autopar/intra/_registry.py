@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 
+from autopar.intra import _rules_moe  # noqa: F401  (registers ragged_dot_general)
 from autopar.intra._control_flow import CONTROL_FLOW_RULES
 from autopar.intra._rules import PRIMITIVE_RULES, OpInfo, Rule
 from autopar.intra._signature import Signature
