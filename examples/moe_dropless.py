@@ -127,6 +127,12 @@ CONFIGS: dict[str, DroplessMoEConfig] = {
         vocab_size=128, seq_len=16, hidden=32, num_layers=2, num_heads=4,
         num_experts=16, top_k=4, expert_hidden=16, num_shared_experts=1, gate="sigmoid",
     ),
+    # Wide experts and few routed tokens: the expert weights outweigh the tokens, so
+    # splitting the experts (expert parallelism) beats replicating them (tests).
+    "ep-test": DroplessMoEConfig(
+        vocab_size=128, seq_len=16, hidden=64, num_layers=2, num_heads=4,
+        num_experts=16, top_k=2, expert_hidden=256, num_shared_experts=1,
+    ),
     "mixtral-8x7B": DroplessMoEConfig(
         vocab_size=32000, seq_len=4096, hidden=4096, num_layers=32, num_heads=32,
         num_experts=8, top_k=2, expert_hidden=14336, num_shared_experts=0,
