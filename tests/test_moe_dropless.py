@@ -10,6 +10,7 @@ dispatch/combine all-to-alls; the compiled HLO of an expert-parallel plan holds 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import jax
@@ -62,6 +63,7 @@ def test_shard_matches_one_device(reference):
     _run(reference, method="shard")
 
 
+@pytest.mark.extended  # 3x the shard test's time (the stage search); same rules and lowering
 def test_auto_matches_one_device(reference):
     _run(reference, method="auto")
 
@@ -88,7 +90,7 @@ def test_deepseek_layer_on_an_h100_node_splits_experts_over_experts():
     assert set(specs) == set(EXPERT_PARAMS), specs
     for name, spec in specs.items():  # [layers, experts, ...]: experts split 8 ways
         assert spec[1] and not any(spec[2:]), (name, spec)
-        assert plan.stages[0].sharding.mesh.size == 8
+        assert math.prod(plan.stages[0].sharding.mesh.shape) == 8
         assert set(spec[1]) == set(plan.stages[0].sharding.mesh.axis_names), (name, spec)
     count, nbytes = plan.stages[0].sharding.cost.collectives["all_to_all"]
     assert count > 0 and nbytes > 0
@@ -153,3 +155,16 @@ def test_expert_parallel_plan_compiles_to_dispatch_and_combine_all_to_alls(refer
     # the dispatches XLA merges where one operand feeds several GEMMs (the routed tokens
     # of w_gate and w_up, forward and weight gradients).
     assert 9 <= counted["all_to_all"][0] <= 18, counted
+
+
+def test_cli_names_and_published_shapes():
+    from autopar.app._examples import model_names, named_model
+
+    assert {"moe_dropless-tiny", "moe_dropless-mixtral-8x7B",
+            "moe_dropless-deepseek-v3"} <= set(model_names())
+    model = named_model("moe_dropless-deepseek-v3", batch_size=2)  # abstract
+    experts = model.abstract_state.params["layers"]["experts"]
+    assert experts["w_gate"].shape == (61, 256, 7168, 2048)
+    assert experts["w_down"].shape == (61, 256, 2048, 7168)
+    params = jax.eval_shape(lambda k: moe.init_params(TINY, k), jax.random.key(0))
+    assert sum(x.size for x in jax.tree.leaves(params)) == TINY.num_params
