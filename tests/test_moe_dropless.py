@@ -134,7 +134,8 @@ def _expert_parallel(plan, graph):
         bodies.append(dataclasses.replace(body_plan, var_specs=tuple(var_specs),
                                           operand_specs=tuple(operand_specs)))
     sharding = dataclasses.replace(sharding, scan_bodies=tuple(bodies))
-    return dataclasses.replace(plan, stages=(dataclasses.replace(stage, sharding=sharding),)), num_ragged
+    stage = dataclasses.replace(stage, sharding=sharding)
+    return dataclasses.replace(plan, stages=(stage,)), num_ragged
 
 
 def test_expert_parallel_plan_compiles_to_dispatch_and_combine_all_to_alls(reference):
