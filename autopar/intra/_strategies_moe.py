@@ -18,8 +18,9 @@ axes (each mesh axis of size > 1, and all of them together):
 
 Each all-to-all moves the rows a device holds times the token imbalance (the busiest
 device's routed rows over the mean: `autopar.cost.DEFAULT_TOKEN_IMBALANCE`, or a
-``token_imbalance`` attribute of the cluster object, which no profile sets yet), priced by `autopar.cost.all_to_all_time` on the
-topology; the grouped GEMM's FLOPs divide by the EP degree and scale by the imbalance.
+``token_imbalance`` attribute of the cluster object, which no profile sets yet), priced
+by `autopar.cost.all_to_all_time` on the topology; the grouped GEMM's FLOPs divide by
+the EP degree and scale by the imbalance.
 `autopar.lower._experts` runs them.
 """
 
