@@ -22,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-FAMILIES = ("gpt", "moe", "wide_resnet", "mlp", "llama")
+FAMILIES = ("gpt", "moe", "wide_resnet", "mlp", "llama", "moe_dropless")
 EXAMPLES_PACKAGE = "examples"
 # The demo and `autopar plan` train with AdamW, as the GPT, MoE and Wide-ResNet examples do;
 # the plan depends on the optimizer state's shapes, not on the learning rate.

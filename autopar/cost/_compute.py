@@ -144,7 +144,7 @@ def kernel_launch_time(cluster: Cluster, kernels: float) -> float:
 
 
 # Primitives that run on the matrix units: their rate is set by the operand dtypes.
-MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 
 def rate_dtype(primitive: str, operand_dtypes: Sequence[Any], result_dtype: Any) -> str:

@@ -242,6 +242,21 @@ def dot_general_flops(in_avals, out_avals, params) -> float:
     return 2.0 * aval_size(out_avals[0]) * contracted
 
 
+@register_flops("ragged_dot_general")
+def ragged_dot_flops(in_avals, out_avals, params) -> float:
+    """A grouped GEMM (`jax.lax.ragged_dot`): 2 · M · N · K for the rows it runs, each row
+    against its own group only. With the ragged dimension contracted (the weight gradient,
+    result ``[G, K, N]``) each of the M rows adds to one group's block: 2 · (size / G) · M.
+    """
+    rdn = params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = rdn.dot_dimension_numbers
+    contracted = math.prod(in_avals[0].shape[d] for d in lhs_contract)
+    size = aval_size(out_avals[0])
+    if rdn.lhs_ragged_dimensions and rdn.lhs_ragged_dimensions[0] in lhs_contract:
+        size //= max(1, out_avals[0].shape[0])  # the result's leading group dimension
+    return 2.0 * size * contracted
+
+
 @register_flops("conv_general_dilated")
 def conv_flops(in_avals, out_avals, params) -> float:
     """2 · output elements · (input features per group × kernel spatial size).

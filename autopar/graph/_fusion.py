@@ -57,7 +57,7 @@ def fusion_kind(primitive: str) -> FusionKind:
     return FUSION_KINDS.get(primitive, DEFAULT_FUSION_KIND)
 
 
-register_fusion("matmul", "dot_general", "conv_general_dilated")
+register_fusion("matmul", "dot_general", "conv_general_dilated", "ragged_dot_general")
 register_fusion(
     "reduce",
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",

@@ -4,6 +4,7 @@ In: an `OpGraph`, a `Cluster` and a device set. Out: a `ShardingPlan` with a spe
 variable on the cheapest logical mesh.
 """
 
+from autopar.intra import _strategies_moe  # noqa: F401  (expert-parallel strategies)
 from autopar.intra._ilp import MemoryBudgetError, ShardingProblem, Solution, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import mesh_shapes, plan_on_mesh, plan_sharding

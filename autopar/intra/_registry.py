@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from collections import ChainMap
 
-from autopar.intra import _rules_annotations, _rules_stack  # noqa: F401  (register rules)
+from autopar.intra import (  # noqa: F401  (register rules)
+    _rules_annotations,
+    _rules_moe,  # noqa: F401  (registers ragged_dot_general)
+    _rules_stack,
+)
 from autopar.intra._control_flow import CONTROL_FLOW_RULES
 from autopar.intra._rules import PRIMITIVE_RULES, OpInfo, Rule
 from autopar.intra._signature import Signature

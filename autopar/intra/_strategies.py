@@ -250,7 +250,16 @@ def node_strategies(
                     combined,
                 )
             )
+    extra_rule = EXTRA_STRATEGIES.get(node.primitive)
+    if extra_rule is not None:
+        strategies.extend(extra_rule(node, graph, ctx))
     return _dedupe(strategies)
+
+
+# Strategies a primitive has beyond its signature's label assignments, keyed by primitive
+# (`autopar.intra._strategies_moe`: a grouped GEMM's expert parallelism splits the tokens
+# and the experts over one mesh axis, two labels that a signature keeps apart).
+EXTRA_STRATEGIES: dict = {}
 
 
 def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
 from autopar.intra._scan import opened_body
+from autopar.lower._experts import with_expert_dispatch
 
 
 def local_devices() -> list:
@@ -63,7 +64,7 @@ def lower_sharding_plan(
     """
     plan.check_graph(graph)
     mesh = jax_mesh(plan.mesh, devices)
-    graph = with_scan_bodies(graph, plan, mesh)
+    graph = with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh)
     in_vars = [graph.vars[v] for v in graph.invars]
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
@@ -135,7 +136,7 @@ class PlannedScan:
     multiple_results = True
 
     def __init__(self, params: Mapping, body_plan, mesh: Mesh) -> None:
-        self.body = opened_body(params)
+        self.body = with_expert_dispatch(opened_body(params), body_plan, mesh)
         self.body_plan = body_plan
         self.mesh = mesh
 
@@ -235,7 +236,7 @@ def segment_body(
     output_specs = output_specs or {}
     stacked = dict(stacked or {})
     on_input, on_output = constraint_hooks(plan, mesh)
-    graph = with_scan_bodies(graph, plan, mesh)
+    graph = with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh)
     node_list = [graph.nodes[i] for i in nodes]
     accumulate = [v for v in outputs if v in set(accumulate)]
 

@@ -1,0 +1,199 @@
+"""Run a grouped GEMM planned expert-parallel: dispatch and combine by all-to-all.
+
+(And `top_k` split by rows, per shard: `PER_SHARD`.)
+
+In: a graph, its plan (a `ShardingPlan` or a scan's `BodyPlan`) and the jax mesh. Out: the
+graph with every `ragged_dot_general` node that the plan runs expert-parallel
+(`autopar.intra._strategies_moe`: the routed rows and the experts split over the same mesh
+axes) bound to `ExpertParallelRaggedDot`, which runs it under `jax.shard_map`:
+
+1. each device holds a block of ``M / ep`` rows of the tokens sorted by expert; the global
+   group sizes say which device owns each row's expert;
+2. dispatch: one `jax.lax.all_to_all` sends every row to its expert's device. XLA:CPU has
+   no ``ragged-all-to-all``, so each device sends a fixed ``[ep, M / ep, K]`` buffer (a
+   block per destination, as many rows as it could send there: dropless, and ``ep`` times
+   the bytes the routed rows need; the cost model prices the routed rows);
+3. the device runs its experts' grouped GEMM on the rows it received, in expert order
+   (a buffer of ``M`` rows, the worst case of every token routed to it; rows past its
+   experts' count are zero and skipped by the grouped GEMM's group sizes);
+4. combine (form 1): a second all-to-all returns each result row to the device that
+   held it. The weight gradient (form 2) dispatches both operands and keeps its experts'
+   block of the result: no combine.
+
+A grouped GEMM the plan splits otherwise runs as planned by XLA's SPMD partitioner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.graph import OpGraph
+from autopar.intra._rules_moe import ragged_form
+from autopar.intra._strategies_moe import ep_layout
+
+
+def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
+    """`graph` with each node `planned_prim` replaces for `plan` bound to its stand-in."""
+    operand_specs = {(n, p): s for n, p, s in plan.operand_specs}
+    nodes = list(graph.nodes)
+    changed = False
+    for node in graph.nodes:
+        if node.primitive not in ("ragged_dot_general", *PER_SHARD):
+            continue
+        in_specs = [
+            operand_specs.get((node.id, p)) or plan.var_specs[v]
+            or replicated(len(graph.vars[v].shape))
+            for p, v in enumerate(node.inputs)
+        ]
+        out_specs = [plan.var_specs[v] or replicated(len(graph.vars[v].shape))
+                     for v in node.outputs]
+        prim = planned_prim(node, graph, mesh, in_specs, out_specs)
+        if prim is not None:
+            nodes[node.id] = replace(node, prim=prim)
+            changed = True
+    return replace(graph, nodes=nodes) if changed else graph
+
+
+# Primitives that work row by row along every dimension their rule splits, but that
+# XLA's SPMD partitioner runs whole: XLA:CPU lowers `top_k` to a "TopK" custom call that
+# it all-gathers (the compiled HLO of a row-split top_k of f32[16, 8] on 8 CPU devices:
+# `all-gather` of the whole operand, then the custom call). Run per shard instead.
+PER_SHARD = frozenset({"top_k"})
+
+
+def planned_prim(node, graph: OpGraph, mesh: Mesh, in_specs, out_specs):
+    """The stand-in that runs `node` as planned with these operand and result specs:
+    `ExpertParallelRaggedDot` for a grouped GEMM in the all-to-all layout, `PerShard` for
+    a split `PER_SHARD` primitive; None where XLA's partitioner runs it as planned."""
+    if node.primitive == "ragged_dot_general":
+        layout = ep_layout(node, graph)
+        axes = None if layout is None else _ep_axes(in_specs, out_specs[0], layout)
+        if axes is None:
+            return None
+        return ExpertParallelRaggedDot(node.prim, mesh, axes, in_specs, out_specs[0])
+    if node.primitive in PER_SHARD and any(any(s) for s in (*in_specs, *out_specs)):
+        return PerShard(node.prim, mesh, in_specs, out_specs)
+    return None
+
+
+class PerShard:
+    """Stands in for a primitive that runs on each device's shards alone (`PER_SHARD`)."""
+
+    def __init__(self, prim, mesh: Mesh, in_specs, out_specs) -> None:
+        self.prim = prim
+        self.multiple_results = prim.multiple_results
+        self.mesh = mesh
+        self.in_specs = tuple(to_partition_spec(s) for s in in_specs)
+        self.out_specs = tuple(to_partition_spec(s) for s in out_specs)
+
+    def bind(self, *operands, **params):
+        def local(*xs):
+            out = self.prim.bind(*xs, **params)
+            return tuple(out) if self.multiple_results else (out,)
+
+        outs = jax.shard_map(local, mesh=self.mesh, in_specs=self.in_specs,
+                             out_specs=self.out_specs, check_vma=False)(*operands)
+        return list(outs) if self.multiple_results else outs[0]
+
+
+def _ep_axes(in_specs, out_spec, layout) -> tuple[str, ...] | None:
+    """The EP axes if the specs are `ep_layout`'s all-to-all layout, else None."""
+    split_dims, out_dim = layout
+    axes = tuple(out_spec[out_dim])
+    if not axes:
+        return None
+    for spec, split in zip((*in_specs, out_spec), (*split_dims, out_dim)):
+        for d, dim_axes in enumerate(spec):
+            if tuple(dim_axes) != (axes if d == split else ()):
+                return None
+    return axes
+
+
+class ExpertParallelRaggedDot:
+    """Stands in for `ragged_dot_general` in one node: `bind` runs it expert-parallel over
+    `axes` (module docstring)."""
+
+    multiple_results = False
+
+    def __init__(self, prim, mesh: Mesh, axes, in_specs, out_spec) -> None:
+        self.prim = prim
+        self.mesh = mesh
+        self.axes = tuple(axes)
+        self.in_specs = tuple(to_partition_spec(s) for s in in_specs)
+        self.out_spec = to_partition_spec(out_spec)
+
+    def bind(self, lhs, rhs, group_sizes, **params):
+        ep = math.prod(self.mesh.shape[a] for a in self.axes)
+        form = ragged_form(params)
+
+        def local(lhs, rhs, group_sizes):
+            me = jax.lax.axis_index(self.axes)
+            routes = _Routes(group_sizes, ep, me, lhs.shape[0])
+            local_groups = jax.lax.dynamic_slice_in_dim(
+                group_sizes, me * routes.groups_per_device, routes.groups_per_device
+            )
+            if form == 1:
+                received = routes.dispatch(lhs, self.axes)
+                result = self.prim.bind(received, rhs, local_groups, **params)
+                return routes.combine(result, self.axes)
+            return self.prim.bind(routes.dispatch(lhs, self.axes),
+                                  routes.dispatch(rhs, self.axes), local_groups, **params)
+
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=self.in_specs, out_specs=self.out_spec,
+            check_vma=False,
+        )(lhs, rhs, group_sizes)
+
+
+class _Routes:
+    """Where each of this device's sorted rows goes, and where each row this device
+    receives came from. Row ``r`` of the global sorted order is held by device
+    ``r // rows`` and belongs to the device owning its expert."""
+
+    def __init__(self, group_sizes, ep: int, me, rows: int) -> None:
+        num_groups = group_sizes.shape[0]
+        self.groups_per_device = num_groups // ep
+        self.ep, self.rows, self.me = ep, rows, me
+        ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+        dev_end = ends[self.groups_per_device - 1 :: self.groups_per_device]  # [ep]
+        dev_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), dev_end[:-1]])
+        self.dev_start, self.dev_end = dev_start, dev_end
+        # sending: my rows, their destination and place in the block sent there
+        mine = me * rows + jnp.arange(rows, dtype=jnp.int32)
+        self.send_valid = mine < dev_end[-1]
+        dest = jnp.minimum(jnp.searchsorted(dev_end, mine, side="right"), ep - 1)
+        self.dest = dest.astype(jnp.int32)
+        self.send_pos = mine - jnp.maximum(dev_start[self.dest], me * rows)
+        # receiving: my experts' rows in expert order, from the blocks of their holders
+        total = ep * rows
+        wanted = dev_start[me] + jnp.arange(total, dtype=jnp.int32)
+        self.recv_valid = wanted < dev_end[me]
+        source = jnp.minimum(wanted // rows, ep - 1)
+        self.source = source
+        self.recv_pos = jnp.clip(wanted - jnp.maximum(dev_start[me], source * rows), 0, rows - 1)
+
+    def dispatch(self, x, axes):
+        """``x[rows, ...]`` (my block) -> ``[ep · rows, ...]``: my experts' rows, in order."""
+        send = jnp.zeros((self.ep, self.rows, *x.shape[1:]), x.dtype)
+        dest = jnp.where(self.send_valid, self.dest, self.ep)  # out of range: dropped
+        send = send.at[dest, self.send_pos].set(x, mode="drop")
+        recv = jax.lax.all_to_all(send, axes, 0, 0, tiled=False)
+        got = recv[self.source, self.recv_pos]
+        mask = self.recv_valid.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.where(mask, got, jnp.zeros((), x.dtype))
+
+    def combine(self, y, axes):
+        """``y[ep · rows, ...]`` (results of my experts' rows) -> ``[rows, ...]``, my block."""
+        send = jnp.zeros((self.ep, self.rows, *y.shape[1:]), y.dtype)
+        source = jnp.where(self.recv_valid, self.source, self.ep)
+        send = send.at[source, self.recv_pos].set(y, mode="drop")
+        recv = jax.lax.all_to_all(send, axes, 0, 0, tiled=False)
+        got = recv[self.dest, jnp.clip(self.send_pos, 0, self.rows - 1)]
+        mask = self.send_valid.reshape((-1,) + (1,) * (y.ndim - 1))
+        return jnp.where(mask, got, jnp.zeros((), y.dtype))
