@@ -41,6 +41,16 @@ from autopar.cost._formulas import (
     alpha_beta_terms,
 )
 from autopar.cost._layer_cost import LayerCost
+from autopar.cost._links import (
+    device_flops,
+    group_collective_latency,
+    intra_link,
+    kind_bandwidth_scale,
+    nearest_group_entry,
+    network_link,
+    rail_share,
+    write_bandwidth,
+)
 from autopar.cost._memory import (
     MEMORY_PARTS,
     StageMemory,
@@ -123,4 +133,12 @@ __all__ = [
     "transfer_time",
     "shape_efficiency",
     "shard_shape",
+    "device_flops",
+    "group_collective_latency",
+    "intra_link",
+    "kind_bandwidth_scale",
+    "nearest_group_entry",
+    "network_link",
+    "rail_share",
+    "write_bandwidth",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 
 from autopar.cluster._cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cost._links import device_flops, write_bandwidth
 from autopar.graph._opgraph import dtype_itemsize
 
 
@@ -37,7 +38,7 @@ def compute_time(
     - `matmul`: the operator is a GEMM (dot or convolution) of `flops`, so its efficiency
       comes from `gemm_efficiency` by its size; else `matmul_efficiency`.
     - `in_place`: the operator writes its results over donated inputs (the optimizer
-      update of a step's state), so its bytes move at `Cluster.write_bandwidth(True)`.
+      update of a step's state), so its bytes move at `write_bandwidth(cluster, True)`.
     - `gemm_shape`: for a matmul, its (M, N, K) per device (batch dimensions in M), which
       `gemm_efficiency` looks up in the profile's `gemm_shapes` where it has them.
 
@@ -48,10 +49,10 @@ def compute_time(
         raise ValueError(
             f"compute_time needs flops >= 0 and bytes >= 0, got {flops} and {bytes_accessed}"
         )
-    bandwidth = cluster.write_bandwidth(in_place) if in_place else cluster.hbm_bandwidth
+    bandwidth = write_bandwidth(cluster, in_place) if in_place else cluster.hbm_bandwidth
     if flops == 0:
         return bytes_accessed / bandwidth
-    rate = cluster.flops(dtype)
+    rate = device_flops(cluster, dtype)
     if matmul:
         rate *= gemm_efficiency(cluster, flops, gemm_shape) / cluster.matmul_efficiency
     return max(flops / rate, bytes_accessed / bandwidth)
