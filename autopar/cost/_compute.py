@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, as JAX does)
 import numpy as np
 
+from autopar._memo import declare, memo
 from autopar.cluster._cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh, Spec
 from autopar.cost._links import device_flops, write_bandwidth
@@ -114,7 +114,7 @@ def shape_efficiency(table: Sequence[Sequence[float]], shape: Sequence[float]) -
                      for kk, wk in weights[2]))
 
 
-@functools.lru_cache(maxsize=16)
+@memo("cost.gemm_shape_grid", "gemm_shapes table", maxsize=16)
 def _shape_grid(table: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, list[list[float]]]:
     """`shape_efficiency`'s table as an array indexed by the (M, N, K) positions on its
     axes, and the axes' sorted sizes."""
@@ -213,8 +213,10 @@ def bytes_per_device(
 
 # (shape, dtype, spec, mesh shape, axis names) -> bytes: the planner asks millions of times
 # per search (issue 18), for a few thousand distinct tensors. Emptied when it grows large.
-_SHARD_BYTES: dict = {}
 _SHARD_BYTES_LIMIT = 1 << 18
+_SHARD_BYTES: dict = declare(
+    {}, "cost.shard_bytes", "(shape, dtype, spec, mesh shape, axis names) -> bytes",
+    scope="process", limit=_SHARD_BYTES_LIMIT)
 
 
 def _bytes_per_device(shape, dtype, spec: Spec, mesh: LogicalMesh) -> float:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
 from autopar.cost import (
     MATMUL_PRIMITIVES,
@@ -150,7 +151,9 @@ def step_effects(graph: OpGraph, tied: Sequence[tuple[int, int]] = ()) -> StepEf
     return effects
 
 
-_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EFFECTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.step_effects",
+    "graph -> {tied pairs: StepEffects}")
 
 
 def _assignment_name(assignment: dict[str, tuple[str, ...]]) -> str:
