@@ -59,6 +59,15 @@ from autopar.cost._memory import (
     stage_memory,
     stage_memory_parts,
 )
+from autopar.cost._node_cost import (
+    batch_feed_seconds,
+    kernel_seconds,
+    layout_copy_seconds,
+    node_compute_seconds,
+    reduction_seconds,
+    reductions_seconds,
+    unfused_bytes,
+)
 from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
     DEFAULT_PHASE_SHARES,
@@ -141,4 +150,11 @@ __all__ = [
     "network_link",
     "rail_share",
     "write_bandwidth",
+    "batch_feed_seconds",
+    "kernel_seconds",
+    "layout_copy_seconds",
+    "node_compute_seconds",
+    "reduction_seconds",
+    "reductions_seconds",
+    "unfused_bytes",
 ]
