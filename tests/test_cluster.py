@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.cluster import Cluster, Link, available_profiles, local_profile_path
+from autopar.cost import device_flops, intra_link, network_link
 
 REPO = Path(__file__).resolve().parent.parent
 BUILT_IN = ["cpu-local", "dgx-a100-80g", "dgx-h100", "p3.16xlarge-v100"]
@@ -22,7 +23,7 @@ def test_built_in_profiles_are_listed_and_load():
         cluster = Cluster.from_profile(name)
         assert cluster.name == name
         assert cluster.num_devices >= 1
-        assert cluster.flops("float32") > 0
+        assert device_flops(cluster, "float32") > 0
 
 
 def test_vendor_figures():
@@ -41,9 +42,9 @@ def test_vendor_figures():
     # one 25 Gb/s NIC per host (3.125 GB/s), shared by 8 GPUs
     assert v100.inter_host.bandwidth == pytest.approx(25e9 / 8)
     assert v100.nics_per_host == 1
-    assert v100.network_link().bandwidth * 8 == pytest.approx(25e9 / 8)
+    assert network_link(v100).bandwidth * 8 == pytest.approx(25e9 / 8)
     assert a100.nics_per_host == h100.nics_per_host == 8
-    assert a100.network_link() == a100.inter_host
+    assert network_link(a100) == a100.inter_host
 
 
 def test_shape_and_device_ids():
@@ -63,9 +64,10 @@ def test_shape_and_device_ids():
 
 def test_flops_is_peak_times_efficiency():
     a100 = Cluster.from_profile("dgx-a100-80g")
-    assert a100.flops("bfloat16") == pytest.approx(312e12 * 0.7)
-    assert a100.flops(jnp.bfloat16) == a100.flops("bfloat16")
-    assert a100.flops("int32") == a100.flops("float32") == pytest.approx(156e12 * 0.7)
+    assert device_flops(a100, "bfloat16") == pytest.approx(312e12 * 0.7)
+    assert device_flops(a100, jnp.bfloat16) == device_flops(a100, "bfloat16")
+    assert (device_flops(a100, "int32") == device_flops(a100, "float32")
+            == pytest.approx(156e12 * 0.7))
 
 
 def test_json_round_trip_and_hash(tmp_path):
@@ -84,10 +86,10 @@ def test_intra_link_by_group_size(tmp_path):
     without the table (or for one device) `intra_host`; saved and loaded with the profile."""
     pair, quad, eight = Link(1e9, 1e-4), Link(2e9, 3e-5), Link(3e9, 1e-5)
     base = Cluster.from_profile("cpu-local")
-    assert base.intra_host_by_group is None and base.intra_link(4) == base.intra_host
+    assert base.intra_host_by_group is None and intra_link(base, 4) == base.intra_host
     cluster = dataclasses.replace(base, intra_host_by_group=((8, eight), (2, pair), (4, quad)))
     assert cluster.intra_host_by_group == ((2, pair), (4, quad), (8, eight))  # sorted
-    assert [cluster.intra_link(n) for n in (1, 2, 3, 4, 6, 8, 16)] == [
+    assert [intra_link(cluster, n) for n in (1, 2, 3, 4, 6, 8, 16)] == [
         cluster.intra_host, pair, quad, quad, eight, eight, eight]  # 3: log2 1.58 nearer 2
     again = Cluster.from_json(json.loads(json.dumps(cluster.to_json())))
     assert again == cluster and hash(again) == hash(cluster)

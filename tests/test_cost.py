@@ -11,13 +11,23 @@ from autopar.cluster import Cluster, Link, LogicalMesh, to_partition_spec
 from autopar.cost import (
     CollectiveSample,
     alpha_beta_terms,
+    batch_feed_seconds,
     bytes_per_device,
     collective_time,
     compute_time,
     fit_link,
+    kernel_seconds,
+    layout_copy_seconds,
     link_for,
+    nearest_group_entry,
+    node_compute_seconds,
+    rail_share,
+    reductions_seconds,
     transfer_time,
+    unfused_bytes,
+    write_bandwidth,
 )
+from autopar.cost.backends import backend_for
 
 GiB = 2**30
 NVLINK_BW, NVLINK_LAT = 300e9, 5e-6  # dgx-a100-80g.json intra_host
@@ -214,3 +224,39 @@ def test_fit_link_clamps_negative_latency():
     with pytest.raises(ValueError, match="do not grow with the message size"):
         fit_link([CollectiveSample("send_recv", 2, 1e3, 1e-3),
                   CollectiveSample("send_recv", 2, 1e6, 1e-4)])
+
+
+def test_link_choice_by_hand(a100):
+    """The nearest measured group in log2, a tie to the larger; a host's rails shared by
+    its devices; fresh and in-place writes at hbm_bandwidth without inplace_bandwidth."""
+    table = ((2, "two"), (4, "four"), (8, "eight"))
+    assert [nearest_group_entry(table, n) for n in (2, 3, 5, 6, 16)] == [
+        "two", "four", "four", "eight", "eight"]
+    assert nearest_group_entry(((2, "two"), (8, "eight")), 4) == "eight"  # a tie
+    assert rail_share(1, 8) == 1 / 8 and rail_share(8, 8) == 1.0 and rail_share(16, 8) == 1.0
+    assert write_bandwidth(a100) == write_bandwidth(a100, True) == a100.hbm_bandwidth == 2.0e12
+
+
+def test_node_cost_by_hand(a100):
+    """A node's compute is its roofline plus what it adds; its reductions sum their
+    collectives; the batch a device holds is written at hbm_bandwidth."""
+    assert node_compute_seconds(1e12, 0, a100, extra_seconds=1e-3) == pytest.approx(
+        1e12 / (156e12 * 0.7) + 1e-3)
+    assert node_compute_seconds(1e6, 1e9, a100, "bfloat16", extra_seconds=0.0) == \
+        compute_time(1e6, 1e9, a100, "bfloat16")
+    assert batch_feed_seconds(1e9, a100) == pytest.approx(1e9 / 2.0e12)
+    mesh = LogicalMesh.create((8,), axis_names=("x",))
+    one = collective_time("all_reduce", 1e9, a100, mesh, "x")
+    pair = [("all_reduce", 1e9, "x", False), ("all_gather", 1e9, "x", False)]
+    assert reductions_seconds(pair, a100, mesh) == pytest.approx(
+        one + collective_time("all_gather", 1e9, a100, mesh, "x"))
+    assert reductions_seconds([], a100, mesh) == 0
+    assert kernel_seconds(a100, False) == 0.0
+    assert unfused_bytes([None, 4.0], [8.0, 2.0]) == 14.0
+    cpu = Cluster.from_profile("cpu-local-measured")
+    copies = [(1e6, 1, False), (4e6, 2, True)]
+    backend = backend_for(cpu)
+    seconds = layout_copy_seconds(cpu, copies)
+    assert seconds > 0
+    assert seconds == pytest.approx(sum(backend.layout_copy_seconds(cpu, *c) for c in copies))
+    assert layout_copy_seconds(cpu, []) == 0.0

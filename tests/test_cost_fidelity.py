@@ -8,7 +8,17 @@ import jax.numpy as jnp
 import pytest
 
 from autopar.cluster import Cluster, LogicalMesh
-from autopar.cost import collective_time, compute_time, gemm_efficiency, rate_dtype
+from autopar.cost import (
+    collective_time,
+    compute_time,
+    device_flops,
+    gemm_efficiency,
+    group_collective_latency,
+    intra_link,
+    kind_bandwidth_scale,
+    network_link,
+    rate_dtype,
+)
 from autopar.graph import fusion_kind, fusion_traffic, trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
@@ -118,7 +128,7 @@ def test_dgx_h100_rails(a100):
 def test_profile_without_rails_keeps_per_device_network(a100):
     """No `nics_per_host`: `inter_host.bandwidth` is each device's share, as before."""
     plain = dataclasses.replace(a100, nics_per_host=None).with_shape(8, 8)
-    assert plain.network_link() == plain.inter_host
+    assert network_link(plain) == plain.inter_host
     mesh = LogicalMesh.create((8,), [host * 8 for host in range(8)], ("x",))
     expected = 2 * 7 / 8 * GiB / 25e9 + 2 * 7 * 10e-6
     assert collective_time("all_reduce", GiB, plain, mesh, "x") == pytest.approx(expected)
@@ -260,7 +270,7 @@ def test_dot_bias_gelu_costs_the_dot_plus_one_pass(a100):
                              matmul=True)
     elementwise_flops = sum(nd.flops for nd in graph.nodes if nd.primitive != "dot_general")
     one_pass = (out_bytes + n * 2) / a100.hbm_bandwidth
-    assert total <= dot_alone + one_pass + elementwise_flops / a100.flops(bf16)
+    assert total <= dot_alone + one_pass + elementwise_flops / device_flops(a100, bf16)
     # Unfused, every one of the ~12 elementwise ops would read and write the output.
     unfused_passes = sum(
         node.primitive != "dot_general" for node in graph.nodes
@@ -626,7 +636,7 @@ def test_combined_collective_pays_its_share_of_one_latency():
     cluster = dataclasses.replace(Cluster.from_profile("cpu-local-measured"),
                                   combined_operand_latency=0.0, collective_latency_by_group=None)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
-    link = cluster.intra_link(8, "all_reduce")  # the profile's all-reduce bandwidth
+    link = intra_link(cluster, 8, "all_reduce")  # the profile's all-reduce bandwidth
     nbytes = 64 * 1024
     wire = 2 * 7 / 8 * nbytes / link.bandwidth
     alone = collective_time("all_reduce", nbytes, cluster, mesh, "x")
@@ -650,7 +660,7 @@ def test_combined_collective_on_a_runtime_that_pays_per_operand():
 
     base = replace_ring(Cluster.from_profile("cpu-local-measured"))
     mesh = LogicalMesh.create((8,), axis_names=("x",))
-    link = base.intra_link(8, "all_reduce")
+    link = intra_link(base, 8, "all_reduce")
     nbytes = 64 * 1024
     wire = 2 * 7 / 8 * nbytes / link.bandwidth
     for share in (0.0, 0.5, 1.0):
@@ -686,22 +696,23 @@ def test_collective_latency_measured_inside_programs_replaces_ring_steps():
         mesh = LogicalMesh.create((8 // n, n), axis_names=("g", "x"))
         for kind, wire in (("all_reduce", 2 * (n - 1) / n * nbytes),
                            ("all_gather", (n - 1) / n * nbytes)):
-            link = cluster.intra_link(n, kind)
+            link = intra_link(cluster, n, kind)
             assert collective_time(kind, nbytes, cluster, mesh, "x") == pytest.approx(
                 latency + wire / link.bandwidth)
     mesh = LogicalMesh.create((8,), axis_names=("x",))
     half = dataclasses.replace(cluster, combined_operand_latency=0.5)
-    wire = 2 * 7 / 8 * nbytes / cluster.intra_link(8, "all_reduce").bandwidth
+    wire = 2 * 7 / 8 * nbytes / intra_link(cluster, 8, "all_reduce").bandwidth
     assert combined_collective_time("all_reduce", nbytes, half, mesh, "x") == pytest.approx(
         0.5 * 275e-6 + 0.5 * nbytes / (30 * 2**20) * 275e-6 + wire)
     # the nearest measured group in log2; JSON keeps the table; bad tables are refused
-    assert dataclasses.replace(cluster, collective_latency_by_group=((2, 1e-4), (8, 3e-4))
-                               ).collective_latency(4) == 3e-4
+    assert group_collective_latency(
+        dataclasses.replace(cluster, collective_latency_by_group=((2, 1e-4), (8, 3e-4))), 4
+    ) == 3e-4
     assert Cluster.from_json(cluster.to_json()).collective_latency_by_group == table
     with pytest.raises(ValueError, match="collective_latency_by_group needs distinct group"):
         dataclasses.replace(cluster, collective_latency_by_group=((1, 1e-4),))
     # without the table (the GPU profiles): ring steps times the link's latency
-    assert base.collective_latency(8) is None
+    assert group_collective_latency(base, 8) is None
 
 
 def replace_ring(cluster: Cluster) -> Cluster:
@@ -838,7 +849,7 @@ def test_each_collective_kind_at_its_measured_bandwidth():
     cluster = dataclasses.replace(a100, collective_bandwidth_by_kind=(("all_to_all", 0.25),))
     mesh = LogicalMesh.create((2, 4), axis_names=("g", "x"))
     nbytes = 2**20
-    link = a100.intra_link(4)
+    link = intra_link(a100, 4)
     wire = 3 / 4 * nbytes  # an all-to-all sends (n-1)/n of its bytes
     plain = collective_time("all_to_all", nbytes, a100, mesh, "x")
     slow = collective_time("all_to_all", nbytes, cluster, mesh, "x")
@@ -846,7 +857,7 @@ def test_each_collective_kind_at_its_measured_bandwidth():
     # other kinds, and a profile without the table, unchanged
     assert collective_time("all_reduce", nbytes, cluster, mesh, "x") == pytest.approx(
         collective_time("all_reduce", nbytes, a100, mesh, "x"))
-    assert a100.kind_bandwidth_scale("all_to_all") == 1.0
+    assert kind_bandwidth_scale(a100, "all_to_all") == 1.0
     from autopar.cluster._cluster import COLLECTIVE_KIND_NAMES
     from autopar.cost import COLLECTIVE_KINDS
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 
 # Base modules first, then the data flow; `__init__` (the facade) may import anything.
 ORDER = (
-    "choices", "_version", "_progress",
+    "choices", "_version", "_progress", "_memo",
     "graph", "cluster", "cost", "profile", "intra", "errors", "inter", "plan", "search",
     "manual",
     "lower", "distributed", "checkpoint", "runtime", "report", "app",

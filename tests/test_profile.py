@@ -14,7 +14,13 @@ import pytest
 
 from autopar.app.cli import main, use_virtual_cpu_devices
 from autopar.cluster import Cluster, Link, LogicalMesh
-from autopar.cost import COLLECTIVE_KINDS, collective_time
+from autopar.cost import (
+    COLLECTIVE_KINDS,
+    collective_time,
+    group_collective_latency,
+    intra_link,
+    write_bandwidth,
+)
 from autopar.profile import QUICK
 from autopar.profile._measure import time_collective
 
@@ -70,15 +76,15 @@ def test_quick_profile_contents(quick_profile, devices):
     assert 0 <= data.get("combined_operand_latency", 0.0) <= 1
     cluster = Cluster.from_profile(path)
     assert cluster.combined_operand_latency == data.get("combined_operand_latency", 0.0)
-    assert cluster.write_bandwidth(True) == data["inplace_bandwidth"]
-    assert cluster.intra_link(2) == Link(**data["intra_host_by_group"]["2"])
+    assert write_bandwidth(cluster, True) == data["inplace_bandwidth"]
+    assert intra_link(cluster, 2) == Link(**data["intra_host_by_group"]["2"])
     # XLA:CPU's layout copies: a rate per size read, both QUICK sizes; and what a collective
     # adds between a program's kernels, per group size measured
     assert [size for size, _ in data["transpose_bandwidth"]] == [float(s) for s in
                                                                  QUICK.transpose_sizes]
     assert all(rate > 0 for _, rate in data["transpose_bandwidth"])
     assert set(data["collective_latency_by_group"]) == {"2", str(len(devices))}
-    assert cluster.collective_latency(8) == data["collective_latency_by_group"]["8"] >= 0
+    assert group_collective_latency(cluster, 8) == data["collective_latency_by_group"]["8"] >= 0
     # the device threads share this machine's cores where they outnumber them; each task
     # of a pipeline costs the host more than a trivial call's launch
     from autopar.profile._measure import usable_cores

@@ -75,7 +75,7 @@ class Cluster:
       model interpolates it in log(size) (`autopar.cost.gemm_efficiency`). None: every
       matmul runs at `matmul_efficiency`.
     - `nics_per_host`: network ports (rails) per host, e.g. 8 on a DGX A100 or H100 (one
-      per GPU); None for a profile without rail information. See `network_link`.
+      per GPU); None for a profile without rail information. See `autopar.cost.network_link`.
     - `overlap`: the fraction of a hideable collective (data-parallel gradient reduction
       during the backward, ZeRO-3 parameter gathers, pipeline sends) the runtime runs
       concurrently with compute, in [0, 1]; 0 (the default): every collective in series.
@@ -101,14 +101,14 @@ class Cluster:
     - `intra_host_by_group`: optional ``((group size, Link), ...)``: the intra-host link
       fitted per group size from collectives timed with every device of the host busy,
       in devices_per_host / size groups running at once (as a sharded step runs them;
-      `autopar profile` measures it). `intra_link` picks the entry for a group; None:
+      `autopar profile` measures it). `autopar.cost.intra_link` picks the entry for a group; None:
       `intra_host` for every group size.
     - `inplace_bandwidth`: optional device memory bandwidth in bytes/s of elementwise work
       that writes its results over its donated inputs (a training step's optimizer update
       of its parameters and state); `autopar profile` times ``x * 2 + 1`` on a donated
       buffer. None: `hbm_bandwidth` (the rate with a fresh output buffer). On CPU a fresh
       buffer pays first-touch page faults, so the two differ (2.27 against 8.4 GB/s on the
-      2-core VM of `cpu-local-measured`). See `write_bandwidth`.
+      2-core VM of `cpu-local-measured`). See `autopar.cost.write_bandwidth`.
     - `combined_operand_latency`: the share of its own latency that each operand of a
       combined collective still pays, in [0, 1]. 0 (the default): XLA's combiner merges
       independent collectives of a kind into one that pays the latency once (XLA:GPU
@@ -151,7 +151,7 @@ class Cluster:
       kind's bandwidth inside a host relative to the intra-host link, the alpha-beta fit of
       that kind's samples alone over the fit of all kinds (`autopar profile` fits both from
       the same collectives). XLA:CPU's all-to-all moves a byte 3-4 times slower than its
-      all-reduce (`cpu-local-measured`: 0.275 against 1.13). `intra_link` applies it.
+      all-reduce (`cpu-local-measured`: 0.275 against 1.13). `autopar.cost.intra_link` applies it.
       None: every kind at the link's bandwidth.
     - `kernel_overhead`: seconds each kernel of a program costs besides its work: its
       launch and the gap before the next one, what a chain of tiny dependent kernels takes
@@ -250,78 +250,6 @@ class Cluster:
     def with_shape(self, num_hosts: int, devices_per_host: int) -> Cluster:
         """The same hardware with another number of hosts and devices per host."""
         return dataclasses.replace(self, num_hosts=num_hosts, devices_per_host=devices_per_host)
-
-    def flops(self, dtype: Any = "float32") -> float:
-        """Achievable FLOP/s per device for `dtype`: peak × `matmul_efficiency`.
-
-        A dtype the profile does not list (e.g. an integer type) uses the float32 figure.
-        """
-        peak = self.peak_flops.get(_dtype_name(dtype), self.peak_flops["float32"])
-        return peak * self.matmul_efficiency
-
-    def intra_link(self, group_size: int, kind: str | None = None) -> Link:
-        """The link a collective over `group_size` devices of one host runs over.
-
-        With `intra_host_by_group`: the entry of the measured group size nearest to
-        `group_size` in log2 (a tie goes to the larger), so that a pair of devices pays what
-        pairs paid when the profile timed every pair of the host at once. Without it:
-        `intra_host`. With the collective's `kind` and a profile with
-        `collective_bandwidth_by_kind`, its bandwidth times that kind's factor.
-
-        **Example:** measured for groups of 2, 4 and 8: a group of 3 gets the entry of 4.
-        """
-        table = self.intra_host_by_group
-        if not table or group_size < 2:
-            link = self.intra_host
-        else:
-            target = np.log2(group_size)
-            _, link = min(table,
-                          key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
-        scale = self.kind_bandwidth_scale(kind)
-        return link if scale == 1.0 else Link(link.bandwidth * scale, link.latency)
-
-    def kind_bandwidth_scale(self, kind: str | None) -> float:
-        """The factor `collective_bandwidth_by_kind` gives collective `kind` inside a host;
-        1 without the table, for a kind it does not list, or for None."""
-        for name, scale in self.collective_bandwidth_by_kind or ():
-            if name == kind:
-                return scale
-        return 1.0
-
-    def collective_latency(self, group_size: int) -> float | None:
-        """Seconds one collective over `group_size` devices of a host adds inside a
-        program (`collective_latency_by_group`, the entry of the measured group size
-        nearest in log2, a tie to the larger, as `intra_link`); None without the table."""
-        table = self.collective_latency_by_group
-        if not table or group_size < 2:
-            return None
-        target = np.log2(group_size)
-        _, seconds = min(table, key=lambda entry: (abs(np.log2(entry[0]) - target), -entry[0]))
-        return seconds
-
-    def write_bandwidth(self, in_place: bool = False) -> float:
-        """Device memory bandwidth (bytes/s) of work writing fresh buffers, or, with
-        `in_place`, writing over its donated inputs (`inplace_bandwidth` when the profile
-        measured it, else `hbm_bandwidth`)."""
-        if in_place and self.inplace_bandwidth is not None:
-            return self.inplace_bandwidth
-        return self.hbm_bandwidth
-
-    def network_link(self) -> Link:
-        """Each device's link to other hosts when every device of its host talks at once.
-
-        With `nics_per_host` = r: the host's r rails shared by its devices, each device
-        using at most one rail (NCCL binds a GPU to its nearest NIC),
-        ``inter_host.bandwidth · min(r, devices_per_host) / devices_per_host``. Without it:
-        `inter_host` as given (the documented default: its bandwidth is already per device).
-
-        **Example:** DGX A100, 8 rails of 25 GB/s for 8 GPUs: 25 GB/s per GPU; a host with
-        one 3.125 GB/s NIC for 8 GPUs: 0.39 GB/s per GPU.
-        """
-        if self.nics_per_host is None:
-            return self.inter_host
-        share = min(self.nics_per_host, self.devices_per_host) / self.devices_per_host
-        return Link(self.inter_host.bandwidth * share, self.inter_host.latency)
 
     def to_json(self) -> dict:
         """A JSON-ready dict in the profile schema (``cost_profiles/README.md``)."""
@@ -575,7 +503,3 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"intra_host_by_group values must be Links, got {by_group!r}")
     if problems:
         raise ValueError(f"invalid cluster {cluster.name!r}: " + "; ".join(problems))
-
-
-def _dtype_name(dtype: Any) -> str:
-    return dtype if isinstance(dtype, str) else np.dtype(dtype).name

@@ -72,6 +72,16 @@ from autopar.cost._formulas import (
     alpha_beta_terms,
 )
 from autopar.cost._layer_cost import LayerCost
+from autopar.cost._links import (
+    device_flops,
+    group_collective_latency,
+    intra_link,
+    kind_bandwidth_scale,
+    nearest_group_entry,
+    network_link,
+    rail_share,
+    write_bandwidth,
+)
 from autopar.cost._memory import (
     MEMORY_PARTS,
     StageMemory,
@@ -79,6 +89,15 @@ from autopar.cost._memory import (
     sharded_bytes,
     stage_memory,
     stage_memory_parts,
+)
+from autopar.cost._node_cost import (
+    batch_feed_seconds,
+    kernel_seconds,
+    layout_copy_seconds,
+    node_compute_seconds,
+    reduction_seconds,
+    reductions_seconds,
+    unfused_bytes,
 )
 from autopar.cost._overlap import exposed_time, hideable_weight
 from autopar.cost._pipeline import (
@@ -181,4 +200,19 @@ __all__ = [
     "transfer_time",
     "shape_efficiency",
     "shard_shape",
+    "device_flops",
+    "group_collective_latency",
+    "intra_link",
+    "kind_bandwidth_scale",
+    "nearest_group_entry",
+    "network_link",
+    "rail_share",
+    "write_bandwidth",
+    "batch_feed_seconds",
+    "kernel_seconds",
+    "layout_copy_seconds",
+    "node_compute_seconds",
+    "reduction_seconds",
+    "reductions_seconds",
+    "unfused_bytes",
 ]

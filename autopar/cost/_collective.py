@@ -14,6 +14,7 @@ from autopar.cost._formulas import (
     alpha_beta_terms,
     hierarchical_terms,
 )
+from autopar.cost._links import intra_link, network_link
 from autopar.cost.backends import backend_for
 
 
@@ -25,10 +26,10 @@ def link_for(cluster: Cluster, device_ids: Sequence[int]) -> Link:
     - `device_ids`: cluster device ids of the group.
 
     **Returns:** `cluster.intra_host` if all devices are on one host, else
-    `cluster.network_link()` (each device's share of its host's NICs).
+    `network_link(cluster)` (each device's share of its host's NICs).
     """
     hosts = {cluster.host_of(d) for d in device_ids}
-    return cluster.intra_host if len(hosts) <= 1 else cluster.network_link()
+    return cluster.intra_host if len(hosts) <= 1 else network_link(cluster)
 
 
 def collective_time(
@@ -51,7 +52,7 @@ def collective_time(
 
     **Returns:** the slowest group's time (all groups run at once, every device of a host
     on its own rail); 0 when n == 1. A group on one host is a ring over
-    ``cluster.intra_link(n, kind)`` (`intra_host`, or the link measured for groups of that
+    ``intra_link(cluster, n, kind)`` (`intra_host`, or the link measured for groups of that
     size when the profile has `intra_host_by_group`; its bandwidth scaled by the kind's
     measured factor, `collective_bandwidth_by_kind`):
     ``latency_steps · alpha + wire_bytes / bandwidth`` (`alpha_beta_terms`); where the
@@ -60,7 +61,7 @@ def collective_time(
     in-process collectives meeting once per collective), that latency once in place of
     the ring steps'. A group with g > 1 devices on each of k > 1 hosts runs the two-level
     algorithm (`hierarchical_terms`): rings inside the hosts over ``intra_link(g)``, rings
-    across hosts over each device's rail (`Cluster.network_link`). One device per host,
+    across hosts over each device's rail (`network_link`). One device per host,
     or uneven counts per host: one ring over the network.
 
     **Example:** all-reduce of 1 GiB over the 8 GPUs of a DGX A100:
@@ -161,15 +162,15 @@ def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group,
         terms = alpha_beta_terms(kind, nbytes, len(group))
         measured = backend_for(cluster).collective_latency(cluster, len(group))
         if measured is not None:  # what one collective adds inside a program, measured
-            link = cluster.intra_link(len(group), kind)
+            link = intra_link(cluster, len(group), kind)
             return latency_share * measured + terms.wire_bytes / link.bandwidth
-        return _scaled(terms, latency_share).seconds(cluster.intra_link(len(group), kind))
+        return _scaled(terms, latency_share).seconds(intra_link(cluster, len(group), kind))
     if len(counts) == 1 and (g := counts.pop()) > 1:
         two = hierarchical_terms(kind, nbytes, g, len(per_host))
         two = TwoLevelTerms(_scaled(two.intra, latency_share), _scaled(two.inter, latency_share))
-        return two.seconds(cluster.intra_link(g, kind), cluster.network_link())
+        return two.seconds(intra_link(cluster, g, kind), network_link(cluster))
     terms = _scaled(alpha_beta_terms(kind, nbytes, len(group)), latency_share)
-    return terms.seconds(cluster.network_link())
+    return terms.seconds(network_link(cluster))
 
 
 def _scaled(terms: AlphaBetaTerms, latency_share: float) -> AlphaBetaTerms:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -10,8 +9,10 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, as JAX does)
 import numpy as np
 
+from autopar._memo import declare, memo
 from autopar.cluster._cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cost._links import device_flops, write_bandwidth
 from autopar.graph._opgraph import dtype_itemsize
 
 
@@ -37,7 +38,7 @@ def compute_time(
     - `matmul`: the operator is a GEMM (dot or convolution) of `flops`, so its efficiency
       comes from `gemm_efficiency` by its size; else `matmul_efficiency`.
     - `in_place`: the operator writes its results over donated inputs (the optimizer
-      update of a step's state), so its bytes move at `Cluster.write_bandwidth(True)`.
+      update of a step's state), so its bytes move at `write_bandwidth(cluster, True)`.
     - `gemm_shape`: for a matmul, its (M, N, K) per device (batch dimensions in M), which
       `gemm_efficiency` looks up in the profile's `gemm_shapes` where it has them.
 
@@ -48,10 +49,10 @@ def compute_time(
         raise ValueError(
             f"compute_time needs flops >= 0 and bytes >= 0, got {flops} and {bytes_accessed}"
         )
-    bandwidth = cluster.write_bandwidth(in_place) if in_place else cluster.hbm_bandwidth
+    bandwidth = write_bandwidth(cluster, in_place) if in_place else cluster.hbm_bandwidth
     if flops == 0:
         return bytes_accessed / bandwidth
-    rate = cluster.flops(dtype)
+    rate = device_flops(cluster, dtype)
     if matmul:
         rate *= gemm_efficiency(cluster, flops, gemm_shape) / cluster.matmul_efficiency
     return max(flops / rate, bytes_accessed / bandwidth)
@@ -113,7 +114,7 @@ def shape_efficiency(table: Sequence[Sequence[float]], shape: Sequence[float]) -
                      for kk, wk in weights[2]))
 
 
-@functools.lru_cache(maxsize=16)
+@memo("cost.gemm_shape_grid", "gemm_shapes table", maxsize=16)
 def _shape_grid(table: tuple[tuple[float, ...], ...]) -> tuple[np.ndarray, list[list[float]]]:
     """`shape_efficiency`'s table as an array indexed by the (M, N, K) positions on its
     axes, and the axes' sorted sizes."""
@@ -212,8 +213,10 @@ def bytes_per_device(
 
 # (shape, dtype, spec, mesh shape, axis names) -> bytes: the planner asks millions of times
 # per search (issue 18), for a few thousand distinct tensors. Emptied when it grows large.
-_SHARD_BYTES: dict = {}
 _SHARD_BYTES_LIMIT = 1 << 18
+_SHARD_BYTES: dict = declare(
+    {}, "cost.shard_bytes", "(shape, dtype, spec, mesh shape, axis names) -> bytes",
+    scope="process", limit=_SHARD_BYTES_LIMIT)
 
 
 def _bytes_per_device(shape, dtype, spec: Spec, mesh: LogicalMesh) -> float:

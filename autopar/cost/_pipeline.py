@@ -10,9 +10,9 @@ benchmarks all call these, so every prediction of a pipeline uses the same formu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping, Sequence
 
+from autopar._memo import memo
 from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost._collective import link_for, transfer_time
 from autopar.cost._schedule import simulate, tasks_per_step
@@ -69,7 +69,7 @@ def _check_shares(phase_shares: Sequence[float]) -> tuple[float, float, float]:
     return shares[0] / total, shares[1] / total, shares[2] / total
 
 
-@functools.lru_cache(maxsize=4096)
+@memo("cost.simulated_fill", "(groups, microbatches, schedule, ...)", maxsize=4096)
 def _simulated_fill(num_groups: int, num_microbatches: int, schedule: str,
                     virtual_stages: int, shares: tuple[float, float, float]) -> float:
     """Fill and drain, in units of one group's time per microbatch: the simulated step of

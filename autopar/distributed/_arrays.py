@@ -28,6 +28,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar._memo import memo
+
 
 def global_batch(local_batch: Any, sharding: jax.sharding.Sharding | None = None) -> Any:
     """A global batch from each process's own rows (`jax.make_array_from_process_local_data`).
@@ -259,7 +261,7 @@ def _reshard(x: jax.Array, sharding) -> jax.Array:
     return _identity_to(sharding)(x)
 
 
-@functools.lru_cache(maxsize=1024)
+@memo("distributed.identity_to", "sharding", maxsize=1024)
 def _identity_to(sharding) -> Any:
     """A jitted identity with `sharding` as its result's layout, one per sharding: a new
     ``jax.jit(lambda ...)`` per call missed jit's caches and traced and compiled again on

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from autopar._memo import declare
 from autopar.graph._opgraph import Node, OpGraph
 
 FusionKind = Literal["elementwise", "reduce", "matmul", "kernel", "boundary"]
@@ -99,7 +100,9 @@ class FusionTraffic:
         return float(read + written)
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "graph.fusion_traffic",
+    "graph -> {(fused attention, ...): FusionTraffic}")
 
 
 # The smallest sequence length whose sequence x sequence attention tensors a fused
@@ -190,7 +193,9 @@ def kernel_roots(graph: OpGraph, fused_attention: bool = False) -> frozenset[int
     return roots
 
 
-_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROOTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "graph.kernel_roots",
+    "graph -> {fused attention: kernel roots}")
 
 
 def _without(traffic: FusionTraffic, graph: OpGraph, core: frozenset[int]) -> FusionTraffic:

@@ -40,6 +40,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core
 
+from autopar._memo import declare
 from autopar.graph import _flops
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 
@@ -341,12 +342,16 @@ def _dtype_name(aval: Any) -> str:
     if dtype is None:
         return str(aval)  # e.g. an effect token
     if dtype not in _DTYPE_NAMES:
+        if len(_DTYPE_NAMES) >= _DTYPE_NAMES_LIMIT:
+            _DTYPE_NAMES.clear()
         extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
         _DTYPE_NAMES[dtype] = str(dtype) if extended else np.dtype(dtype).name  # "key<fry>"
     return _DTYPE_NAMES[dtype]
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES_LIMIT = 1024
+_DTYPE_NAMES: dict[Any, str] = declare(
+    {}, "graph.dtype_names", "dtype -> name", scope="process", limit=_DTYPE_NAMES_LIMIT)
 
 
 def _source(eqn: core.JaxprEqn) -> str | None:

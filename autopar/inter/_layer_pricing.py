@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import weakref
 
+from autopar._memo import declare
 from autopar.cost import (
     LayerCost,
     bytes_per_device,
@@ -101,7 +102,9 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
 
 # graph -> {(node id, mesh, cluster): {strategy name: seconds}} for `rerun_seconds`;
 # forgets graphs nothing else holds.
-_RERUN_STRATEGIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_RERUN_STRATEGIES: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "inter.rerun_strategies",
+    "graph -> {(node id, mesh, cluster): {strategy name: seconds}}")
 
 
 def _var_map(sub: OpGraph, solved_on: OpGraph) -> dict[int, int]:

@@ -36,13 +36,13 @@ splits the most elements. If none is consistent, the node is planned replicated.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jax.extend import core
 
+from autopar._memo import memo
 from autopar.graph._flops import CALL_JAXPR_PARAM, eqn_flops
 from autopar.intra._rules import OpInfo, Rule, primitive_signature
 from autopar.intra._signature import Labels, Signature
@@ -339,7 +339,7 @@ def _cached_best_split(op: OpInfo) -> Split | None:
     return _best_split_by_key(key)
 
 
-@functools.lru_cache(maxsize=SPLIT_CACHE_SIZE)
+@memo("intra.best_splits", "control-flow op key", maxsize=SPLIT_CACHE_SIZE)
 def _best_split_by_key(key: tuple) -> Split | None:
     primitive, params, in_shapes, out_shapes, in_const = key
     return best_split(OpInfo(primitive, dict(params), in_shapes, out_shapes, in_const))

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 
+from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
 from autopar.intra._context import describe_context
@@ -269,6 +270,15 @@ class _BuiltProblems:
             if old_graph is not None:
                 self.by_graph.get(old_graph, {}).pop(old_key, None)
 
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def clear(self) -> None:
+        """Forget every problem (the end of a search: `autopar._memo`)."""
+        self.by_graph.clear()
+        self.order.clear()
+        self.bytes = 0
+
     def _forget(self, number: int, _ref) -> None:
         """Stop counting entry `number`, whose graph was freed."""
         held = self.order.pop(number, None)
@@ -277,7 +287,8 @@ class _BuiltProblems:
 
 
 BUILT_CACHE_BYTES = 512 << 20
-_BUILT = _BuiltProblems(BUILT_CACHE_BYTES)
+_BUILT = declare(_BuiltProblems(BUILT_CACHE_BYTES), "intra.built_problems",
+                 "graph -> {(mesh, cluster, options): BuiltProblem}, LRU by bytes")
 # Python objects per ILP node and per strategy (a walk of gpt-1.3B's built layer problems
 # with `benchmarks/investigations/planner_memory.py`'s `_deep_size`: 1.4 kB per node, 0.3 kB per
 # strategy, counting what they share with other problems too).
@@ -309,7 +320,9 @@ def large_replicated_warnings(
 
 
 # graph -> {threshold: warnings}; forgets graphs nothing else holds.
-_LARGE_REPLICATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LARGE_REPLICATED: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.large_replicated",
+    "graph -> {threshold: warnings}")
 
 
 def _large_replicated(graph: OpGraph, threshold: float) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import memory_budget
 from autopar.graph import OpGraph, Role, fusion_traffic
@@ -350,7 +351,9 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
 
 # graph -> {(fused attention, node count, rules): per-node facts}; forgets graphs nothing
 # else holds.
-_NODE_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NODE_FACTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.node_facts",
+    "graph -> {(fused attention, node count, rules): per-node facts}")
 
 
 def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
@@ -523,8 +526,10 @@ def _spec_list(specs: tuple[Spec, ...]) -> _SpecList:
 # lists -> their `_SpecList`, process-wide (layers, meshes and searches repeat them).
 # Tokens are never reused, so a cleared table only costs recomputation.
 _TOKENS = itertools.count()
-_UNIQUE_TOKENS: dict[tuple[Spec, ...], int] = {}
-_SPEC_LISTS: dict[tuple[Spec, ...], _SpecList] = {}
+_UNIQUE_TOKENS: dict[tuple[Spec, ...], int] = declare(
+    {}, "intra.unique_spec_tokens", "distinct spec tuple -> token")
+_SPEC_LISTS: dict[tuple[Spec, ...], _SpecList] = declare(
+    {}, "intra.spec_lists", "spec per strategy -> _SpecList")
 _SPEC_LIST_LIMIT = 200_000
 
 
@@ -546,7 +551,9 @@ def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):
 
 
 # graph -> {(points, ILP node of each var): groups}; forgets graphs nothing else holds.
-_MEMORY_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MEMORY_GROUPS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.memory_groups",
+    "graph -> {(points, ILP node of each var): groups}")
 
 
 def _live_groups(graph: OpGraph, source_of, num_points: int):

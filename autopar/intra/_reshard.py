@@ -32,9 +32,9 @@ the local quarter and an all-gather of pairs, not an all-gather of the whole ten
 
 from __future__ import annotations
 
-import functools
 import math
 
+from autopar._memo import declare, memo
 from autopar.cluster._mesh import LogicalMesh, Spec
 from autopar.cost import collective_time
 from autopar.graph._opgraph import dtype_itemsize
@@ -45,7 +45,7 @@ Layout = list[list[Digit]]  # per tensor dimension, its digits major to minor
 Move = tuple[int, int, int]  # an all-to-all: (from dimension, to dimension, factor)
 
 
-@functools.cache
+@memo("intra.axis_digits", "(axis, size)", maxsize=1024)
 def _axis_digits(axis: str, size: int) -> tuple[Digit, ...]:
     """The prime factors of an axis, as digits major to minor."""
     factors = []
@@ -120,7 +120,7 @@ def reshard_collectives(
     )
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@memo("intra.reshard_routes", "(ndim, src, dst, mesh)", maxsize=1 << 16)
 def _route(ndim: int, src: Spec, dst: Spec, mesh: LogicalMesh):
     """The collectives from `src` to `dst` for any tensor of `ndim` dimensions: the route
     depends on the layouts alone, the bytes on the shape (issue 18: the same spec pairs
@@ -310,7 +310,8 @@ class _Route:
 # repeats across layers, memory levels and microbatch counts). Keyed by the mesh up to a
 # shift by whole hosts (the cost model sees only which devices share a host, and a
 # cluster's hosts are alike) and by the cluster; bounded, cleared when full.
-_SHARED: dict[tuple, dict] = {}
+_SHARED: dict[tuple, dict] = declare(
+    {}, "intra.reshard_times", "(mesh up to a shift by hosts, cluster) -> {reshard: seconds}")
 _SHARED_LIMIT = 2_000_000  # entries, some 200 bytes each
 
 

@@ -14,16 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
 from autopar.cost import (
     MATMUL_PRIMITIVES,
+    batch_feed_seconds,
     bytes_per_device,
-    collective_time,
-    combined_collective_time,
-    compute_time,
-    kernel_launch_time,
+    kernel_seconds,
+    layout_copy_seconds,
+    node_compute_seconds,
     rate_dtype,
+    reductions_seconds,
     shard_shape,
+    unfused_bytes,
 )
 from autopar.cost.backends import backend_for
 from autopar.graph import (
@@ -150,7 +153,9 @@ def step_effects(graph: OpGraph, tied: Sequence[tuple[int, int]] = ()) -> StepEf
     return effects
 
 
-_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EFFECTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.step_effects",
+    "graph -> {tied pairs: StepEffects}")
 
 
 def _assignment_name(assignment: dict[str, tuple[str, ...]]) -> str:
@@ -225,8 +230,9 @@ def node_strategies(
         extra = _extra_seconds(node, graph, in_specs, ctx)
         shape = _gemm_shape(node, in_vars, in_specs, mesh)
         work = (node.flops / parallelism, accessed, dtype, matmul, in_place, extra, shape)
-        compute = compute_time(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place, gemm_shape=shape) + extra
+        compute = node_compute_seconds(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
+                                       in_place=in_place, gemm_shape=shape,
+                                       extra_seconds=extra)
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
@@ -239,7 +245,7 @@ def node_strategies(
             Collective("all_reduce", axes, out_bytes, combined=combined)
             for axes in partial.values()
         )
-        comm = sum(_collective_seconds(c, ctx) for c in reduce)
+        comm = _reductions_seconds(reduce, ctx)
         strategies.append(
             Strategy(name, in_specs, out_specs, compute, comm, out_bytes, reduce)
         )
@@ -266,10 +272,9 @@ def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:
     return node.id in ctx.combinable and graph.nodes[node.id] is node
 
 
-def _collective_seconds(c: Collective, ctx: CostContext) -> float:
-    if c.combined:
-        return combined_collective_time(c.kind, c.nbytes, ctx.cluster, ctx.mesh, c.axes)
-    return collective_time(c.kind, c.nbytes, ctx.cluster, ctx.mesh, c.axes)
+def _reductions_seconds(reduce: Sequence[Collective], ctx: CostContext) -> float:
+    return reductions_seconds(((c.kind, c.nbytes, c.axes, c.combined) for c in reduce),
+                              ctx.cluster, ctx.mesh)
 
 
 def _carried_labels(sig: Signature, in_vars) -> set[str]:
@@ -327,13 +332,15 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
         )
         # each device computes 1/split of the result's rows (or columns)
         shape = None if shape is None else (max(1.0, shape[0] / split), *shape[1:])
-        compute = compute_time(flops / split, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place, gemm_shape=shape) + extra
+        compute = node_compute_seconds(flops / split, accessed, ctx.cluster, dtype,
+                                       matmul=matmul, in_place=in_place, gemm_shape=shape,
+                                       extra_seconds=extra)
     else:
         reduce = (Collective("reduce_scatter", tuple(axes), full_bytes, combined=combined),)
-        compute = compute_time(flops, accessed, ctx.cluster, dtype, matmul=matmul,
-                               in_place=in_place, gemm_shape=shape) + extra
-    comm = sum(_collective_seconds(c, ctx) for c in reduce)
+        compute = node_compute_seconds(flops, accessed, ctx.cluster, dtype, matmul=matmul,
+                                       in_place=in_place, gemm_shape=shape,
+                                       extra_seconds=extra)
+    comm = _reductions_seconds(reduce, ctx)
     # One variant: scatter onto the first free dimension that divides evenly (for a
     # weight gradient, its leading dimension: the ZeRO-style sharded gradient).
     for dim, (size, dim_axes) in enumerate(zip(out_var.shape, out_spec)):
@@ -362,7 +369,8 @@ def input_strategies(var, ctx: CostContext) -> list[Strategy]:
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
         # The batch arrives from the host every step: each device pays for writing the
         # bytes it holds (a replicated batch is copied to every device).
-        feed = compute_time(0.0, nbytes, ctx.cluster, var.dtype) if var.role is Role.BATCH else 0.0
+        feed = batch_feed_seconds(nbytes, ctx.cluster, var.dtype) \
+            if var.role is Role.BATCH else 0.0
         strategies.append(
             Strategy(_assignment_name(assignment), (), (spec,), feed, 0.0, nbytes)
         )
@@ -418,11 +426,12 @@ def follow_strategies(
         )
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
                               getattr(ctx.cluster, "fused_attention", False))
-        compute = compute_time(
+        compute = node_compute_seconds(
             node.flops / parallelism, accessed, ctx.cluster, dtype,
             matmul=node.primitive in MATMUL_PRIMITIVES,
             in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
-        ) + _extra_seconds(node, graph, in_specs, ctx)
+            extra_seconds=_extra_seconds(node, graph, in_specs, ctx),
+        )
         strategy = Strategy(
             _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
         )
@@ -445,7 +454,7 @@ def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMes
     traffic = fusion_traffic(graph, fused_attention)
     if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
             or graph.nodes[node.id] is not node:
-        return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))  # not in this graph
+        return unfused_bytes(in_bytes, out_bytes)  # not in this graph
     return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
 
 
@@ -481,7 +490,7 @@ def _kernel_seconds(node: Node, graph: OpGraph, ctx: CostContext) -> float:
             or graph.nodes[node.id] is not node:
         return 0.0
     roots = kernel_roots(graph, getattr(ctx.cluster, "fused_attention", False))
-    return kernel_launch_time(ctx.cluster, 1) if node.id in roots else 0.0
+    return kernel_seconds(ctx.cluster, node.id in roots)
 
 
 def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:
@@ -493,15 +502,15 @@ def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> f
     if not backend.prices_layout_copies(ctx.cluster) or \
             len(graph.nodes) <= node.id or graph.nodes[node.id] is not node:
         return 0.0
-    total = 0.0
+    copies = []
     for copy in backend.layout_copies(graph, node):
         spec = in_specs[copy.operand]
         if spec is None:  # a constant
             continue
         var = graph.vars[node.inputs[copy.operand]]
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
-        total += backend.layout_copy_seconds(ctx.cluster, nbytes, copy.fan_in, copy.fused)
-    return total
+        copies.append((nbytes, copy.fan_in, copy.fused))
+    return layout_copy_seconds(ctx.cluster, copies)
 
 
 def _rate_dtype(node: Node, in_vars, out_vars) -> str:

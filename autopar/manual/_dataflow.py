@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from autopar._memo import declare
 from autopar.graph import Node, OpGraph, Role
 
 Tracked = tuple[frozenset[int], ...]  # per dimension: ids of the column weights it carries
@@ -113,7 +114,9 @@ def classify_parameters(graph: OpGraph) -> dict[int, Placement]:
     return dict(_PLACEMENTS[graph])
 
 
-_PLACEMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACEMENTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "manual.placements",
+    "graph -> {parameter: Placement}")
 
 
 def _classify_parameters(graph: OpGraph) -> dict[int, Placement]:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from autopar._memo import search_scoped
 from autopar.graph import OpGraph, Role, trace
 from autopar.intra import MemoryBudgetError
 from autopar.manual._layout import MegatronConfig
@@ -48,6 +49,7 @@ PRUNED = "pruned"
 NOT_NEEDED = "not needed"
 
 
+@search_scoped
 def megatron_grid_search(
     step_fn: Callable,
     *abstract_args: Any,

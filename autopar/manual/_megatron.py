@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from autopar._memo import search_scoped
 from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.cost import boundary_transfer_time, in_flight_microbatches
@@ -62,6 +63,7 @@ from autopar.search import microbatch_args, resolve_cluster
 PINNED_ROLES = (Role.PARAM, Role.OPT_STATE, Role.BATCH)
 
 
+@search_scoped
 def megatron_plan(
     step_fn: Callable,
     *abstract_args: Any,

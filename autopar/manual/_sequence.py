@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 import jax.numpy as jnp
 import numpy as np
 
+from autopar._memo import declare
 from autopar.cluster._mesh import Spec, spec_str
 from autopar.graph import OpGraph, Role
 from autopar.intra._problem import BuiltProblem
@@ -135,7 +136,9 @@ def residual_stream(graph: OpGraph) -> ResidualStream:
     return _STREAMS[graph]
 
 
-_STREAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STREAMS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "manual.residual_streams",
+    "graph -> ResidualStream")
 
 
 def _residual_stream(graph: OpGraph) -> ResidualStream:

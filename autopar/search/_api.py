@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from autopar._memo import search_scoped
 from autopar._progress import phase
 from autopar.graph import OpGraph, split_stacked, trace, without_annotations
 from autopar.inter import auto_layers, scan_layers
@@ -52,6 +53,7 @@ def plan(fn: Callable, *args: Any, cluster: Any = None, cache: Any = None, **opt
     return result
 
 
+@search_scoped
 def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
     """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
     plan runs at (one microbatch for a pipelined plan, the whole batch otherwise).

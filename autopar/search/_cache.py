@@ -26,7 +26,6 @@ if plan is None:
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -35,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autopar._memo import memo
 from autopar._version import __version__
 from autopar.plan import Plan
 
@@ -91,7 +91,7 @@ def _package_version() -> str:
     return __version__
 
 
-@functools.cache
+@memo("search.code_version", "nothing: autopar's one source hash", maxsize=1)
 def code_version() -> str:
     """autopar's version and a hash of its source, so a code change never reuses a plan."""
     digest = hashlib.sha256()

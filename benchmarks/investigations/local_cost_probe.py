@@ -463,10 +463,11 @@ def matmul_shapes() -> None:
     from bench_local import _cpu_per_core
 
     from autopar.cluster import Cluster
+    from autopar.cost import device_flops
     from autopar.cost._compute import gemm_efficiency
 
     cluster = Cluster.from_profile("cpu-local-measured")
-    peak = cluster.flops("float32")
+    peak = device_flops(cluster, "float32")
     devices = np.array(jax.devices())
     mesh = Mesh(devices, ("x",))
     spec = NamedSharding(mesh, P("x"))

@@ -30,8 +30,7 @@ backend_for(Cluster.from_profile("dgx-h100")).name            # "xla:gpu"
 
 from __future__ import annotations
 
-import functools
-
+from autopar._memo import memo
 from autopar.cost.backends._base import Backend, LayoutCopy, cluster_field
 from autopar.cost.backends._xla_cpu import XLA_CPU
 from autopar.cost.backends._xla_gpu import XLA_GPU
@@ -60,7 +59,7 @@ def backend_for(cluster) -> Backend:
     return _lookup(str(cluster_field(cluster, "device_kind") or "").lower())
 
 
-@functools.cache
+@memo("cost.backend_lookup", "device kind", maxsize=256)
 def _lookup(device_kind: str) -> Backend:
     matches = [prefix for prefix in _BACKENDS if device_kind.startswith(prefix)]
     return _BACKENDS[max(matches, key=len)] if matches else DEFAULT_BACKEND

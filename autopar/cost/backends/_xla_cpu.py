@@ -22,6 +22,7 @@ import numpy as np
 
 from autopar.choices import Schedule
 from autopar.cluster._cluster import Cluster
+from autopar.cost._links import group_collective_latency
 from autopar.cost._schedule import simulate_shared, tasks_per_step
 from autopar.cost.backends._base import Backend, LayoutCopy, cluster_field
 from autopar.cost.backends._xla_cpu_layout import layout_copies
@@ -138,7 +139,7 @@ class XlaCpu(Backend):
                                per_host, schedule, host_work=host)
 
     def collective_latency(self, cluster, group_size: int) -> float | None:
-        return cluster.collective_latency(group_size)
+        return group_collective_latency(cluster, group_size)
 
     def merged_latency_share(self, cluster, nbytes: float, threshold: float) -> float:
         """XLA:CPU's tuple all-reduce rendezvouses once per operand: each operand pays

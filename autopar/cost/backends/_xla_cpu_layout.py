@@ -52,6 +52,7 @@ import math
 import weakref
 from collections.abc import Sequence
 
+from autopar._memo import declare
 from autopar.cost.backends._base import LayoutCopy
 from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind
 from autopar.graph._opgraph import Node, OpGraph, Role, dtype_itemsize
@@ -75,7 +76,9 @@ def layout_copies(graph: OpGraph, node: Node) -> tuple[LayoutCopy, ...]:
     return cache[key]
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "cost.xla_cpu.layout_copies",
+    "graph -> {node: layout copies}")
 
 
 def _copied_operands(graph: OpGraph, node: Node) -> tuple[int, ...]:
@@ -174,7 +177,9 @@ def _consumers(graph: OpGraph) -> list[list[int]]:
     return cached[1]
 
 
-_CONSUMERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CONSUMERS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "cost.xla_cpu.consumers",
+    "graph -> consumers of each var")
 
 
 def _producer(graph: OpGraph, var: int) -> Node | None:
@@ -187,7 +192,9 @@ def _producer(graph: OpGraph, var: int) -> Node | None:
     return cached[1].get(var)
 
 
-_PRODUCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PRODUCERS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "cost.xla_cpu.producers",
+    "graph -> producer of each var")
 
 
 def _global_bytes(graph: OpGraph, var: int) -> float:

@@ -18,6 +18,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
+from autopar._memo import declare
 from autopar.cost import MATMUL_PRIMITIVES, compute_time
 from autopar.graph import Node, OpGraph, Role
 from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
@@ -73,7 +74,9 @@ def partition(
 
 
 # graph -> {(layers, stage layers): Partition}, oldest first.
-_PARTITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PARTITIONS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "inter.partitions",
+    "graph -> {(layers, stage layers): Partition}")
 PARTITIONS_PER_GRAPH = 8
 
 
