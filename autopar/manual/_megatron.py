@@ -26,6 +26,7 @@ consecutive (inside a host), then DP, then PP outermost: stage s owns devices
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -622,7 +623,8 @@ def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
     if config.cp == 1 and moe is None:
         return stages
     micro_batch, seq_len = _sequences(graph, config)
-    counts = _attention_layers(graph, stages, seq_len // config.cp)
+    counts = _attention_layers(graph, stages, seq_len // config.cp,
+                               attention.num_heads if attention is not None else None)
     out, before = [], 0
     for s, (stage, layers) in enumerate(zip(stages, counts)):
         terms = []
@@ -665,17 +667,25 @@ def _sequences(graph: OpGraph, config: MegatronConfig) -> tuple[int, int]:
     return max(1, batch // (config.dp * config.cp)), local * config.cp
 
 
-def _attention_layers(graph: OpGraph, stages, local_seq: int) -> list[int]:
-    """Attention layers per stage: forward dot products with a (..., s, s) result (the
-    scores) whose operands are not (..., s, s), one per attention layer, counted in the
-    stage's layers (all of them in a one-stage plan, halving the forward and backward
-    pair's count when the step has no layer marks)."""
+def _attention_layers(graph: OpGraph, stages, local_seq: int,
+                      num_heads: int | None = None) -> list[int]:
+    """Attention layers per stage: forward dot products whose result has two dimensions
+    of the (local) sequence length s and whose operands one each (``q·kᵀ``, the scores),
+    one per attention layer (with `num_heads`, only results of batch · heads · s² elements,
+    so that a hidden size equal to s is not taken for one), counted in the stage's layers (all of them in a one-stage
+    plan; without layer marks, half of them: the backward's ``dO·vᵀ`` has that form too)."""
+    batch = max((graph.vars[v].shape[0] for v in graph.invars
+                 if graph.vars[v].role is Role.BATCH and graph.vars[v].shape), default=1)
     scores = [n for n in graph.nodes if n.primitive == "dot_general"
               and _square(graph.vars[n.outputs[0]].shape, local_seq)
-              and not any(_square(graph.vars[v].shape, local_seq) for v in n.inputs)]
+              and all(graph.vars[v].shape.count(local_seq) == 1 for v in n.inputs)
+              and (num_heads is None or math.prod(graph.vars[n.outputs[0]].shape)
+                   == batch * num_heads * local_seq ** 2)]
     try:
         layers = assign_layers(graph)
     except ValueError:
+        layers = None
+    if layers is None or layers.num_layers == 1:  # no marks: forward and backward as one
         return [len(scores) // 2] + [0] * (len(stages) - 1)
     per_layer: dict[int, int] = {}
     for n in scores:
@@ -687,4 +697,4 @@ def _attention_layers(graph: OpGraph, stages, local_seq: int) -> list[int]:
 
 
 def _square(shape, size: int) -> bool:
-    return len(shape) >= 3 and shape[-1] == shape[-2] == size
+    return len(shape) >= 3 and tuple(shape).count(size) >= 2
