@@ -20,13 +20,14 @@ TFLOP/s per GPU counts the traced step's FLOPs at the full sequence (attention's
 s x s square, as the traced einsum does) over the predicted step time and the GPUs.
 
 Usage: ``python -m benchmarks bench_long_moe [--rows KEY,...] [--auto KEY,...]
-[--no-write]``.
+[--no-write] [--save FILE] [--load FILE ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -76,6 +77,7 @@ class Row:
     pp_values: tuple[int, ...] = (1,)
     moe: MoEShape | None = None
     ep_values: tuple[int, ...] | None = None
+    cp_values: tuple[int, ...] | None = None  # None: every divisor of the devices
 
     @property
     def key(self) -> str:
@@ -83,13 +85,13 @@ class Row:
 
 
 ROWS = (
-    Row("llama-8B", llama.CONFIGS["8B"], 32768, 32, 1, (1, 2)),
-    Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1, 2, 4)),
-    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (4, 8)),
-    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4, 8)),
-    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (1, 2), MIXTRAL_MOE, (1, 2, 4, 8)),
-    Row("mixtral-8x7B", MIXTRAL, 4096, 512, 8, (2, 4), MIXTRAL_MOE, (1, 8)),
-    Row("deepseek-v3", DEEPSEEK, 4096, 1024, 32, (8, 16), DEEPSEEK_MOE, (1, 8, 64)),
+    Row("llama-8B", llama.CONFIGS["8B"], 32768, 32, 1, (1,)),
+    Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1,), cp_values=(1, 4, 8, 16)),
+    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (8,), cp_values=(1, 2, 4, 8)),
+    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (8,), cp_values=(1, 2, 4, 8)),
+    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (1,), MIXTRAL_MOE, (1, 2, 4, 8)),
+    Row("mixtral-8x7B", MIXTRAL, 4096, 512, 8, (4,), MIXTRAL_MOE, (1, 8)),
+    Row("deepseek-v3", DEEPSEEK, 4096, 1024, 32, (16,), DEEPSEEK_MOE, (1, 64)),
 )
 
 
@@ -103,23 +105,26 @@ def model_step(row: Row):
         llama.abstract_state(cfg, optimizer), llama.abstract_batch(cfg, row.global_batch))
 
 
-def run_grid(row: Row, cfg, step, args, cluster, with_extension: bool):
-    """The best grid plan with CP (dense rows) or EP (MoE rows), or without either."""
+def run_grid(row: Row, cfg, step, args, cluster):
+    """The grid with CP (dense rows) or EP (MoE rows): ``(best plan, results, seconds)``;
+    its configurations at cp = 1 / ep = 1 are the grid without."""
     attention = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                cfg.num_layers)
     if row.moe is not None:
-        extra = dict(moe=row.moe, ep_values=row.ep_values if with_extension else (1,),
-                     etp_values=(None, 1) if with_extension else (None,),
+        extra = dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None, 1),
                      attention=attention, cp_values=(1,))
     else:
-        extra = dict(attention=attention, cp_values=None if with_extension else (1,))
+        extra = dict(attention=attention, cp_values=row.cp_values)
     start = time.perf_counter()
     best, results = megatron_grid_search(
         step, *args, cluster=cluster, microbatch_sizes=(1,), sequence_parallel=(True,),
         distributed_optimizer=(True,), virtual_stages=(1,), pp_values=row.pp_values,
         num_heads=cfg.num_heads, **extra)
-    costed = sum(1 for _, outcome in results if isinstance(outcome, float))
-    return best, costed, time.perf_counter() - start
+    return best, results, time.perf_counter() - start
+
+
+def _extended(config) -> bool:
+    return config.cp > 1 or config.expert_parallel > 1
 
 
 def evaluate(row: Row, auto: bool) -> dict:
@@ -127,15 +132,23 @@ def evaluate(row: Row, auto: bool) -> dict:
     cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
     flops = trace(step, *args, batch_argnums=(1,)).total_flops
     out = {"row": row.key}
-    for label, extension in (("with", True), ("without", False)):
-        try:
-            best, costed, seconds = run_grid(row, cfg, step, args, cluster, extension)
-            out[label] = dict(config=best.method, seconds=best.predicted_step_time,
-                              tflops=flops / best.predicted_step_time / cluster.num_devices
-                              / TERA, costed=costed, planning=seconds)
-        except ValueError as err:
-            out[label] = dict(error=str(err).splitlines()[0][:160])
-        print(row.key, label, out[label], flush=True)
+
+    def result(config, seconds, **more):
+        return dict(config=config.name, seconds=seconds,
+                    tflops=flops / seconds / cluster.num_devices / TERA, **more)
+
+    try:
+        best, results, seconds = run_grid(row, cfg, step, args, cluster)
+    except ValueError as err:
+        out["with"] = out["without"] = dict(error=str(err).splitlines()[0][:160])
+    else:
+        costed = [(c, t) for c, t in results if isinstance(t, float)]
+        out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
+                             planning=seconds)
+        plain = [(c, t) for c, t in costed if not _extended(c)]
+        out["without"] = (result(*min(plain, key=lambda ct: ct[1])) if plain else
+                          dict(error="no configuration without CP/EP fits"))
+    print(row.key, out, flush=True)
     if auto:
         start = time.perf_counter()
         try:
@@ -164,10 +177,11 @@ def table(results: list[dict]) -> str:
         SECTION,
         "",
         "Dry runs on virtual DGX H100 clusters (`dgx-h100` profile), nothing executes. "
-        "*With*: the Megatron grid searching context parallelism (every cp whose 2·cp "
-        "chunks divide the sequence; ring CP, Megatron's default) for the dense rows, "
-        "expert parallelism (ep, etp = tp or 1) on the MoE's dense proxy for the MoE "
-        "rows; *without*: the same grid at cp = 1 / ep = 1. Speedup: without over with "
+        "*With*: the best configuration of the Megatron grid searching context parallelism "
+        "(the row's cp values whose 2·cp chunks divide the sequence; ring CP, Megatron's "
+        "default) for the dense rows, expert parallelism (ep, etp = tp or 1) on the MoE's "
+        "dense proxy for the MoE rows; *without*: the best of the same grid's "
+        "configurations at cp = 1 / ep = 1. Speedup: without over with "
         "(predicted step times). autopar's own plan is listed where run (`--auto`); its "
         "search has no CP or EP choice of its own here. Module docstring of "
         "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",
@@ -191,6 +205,10 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(r.key for r in ROWS))
     parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--save", help="also write the results to this JSON file")
+    parser.add_argument("--load", nargs="*", default=(),
+                        help="JSON files of results saved earlier (--save) to table with "
+                        "this run's, in row order (processes can run disjoint --rows)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     wanted, auto = args.rows.split(","), set(filter(None, args.auto.split(",")))
@@ -198,8 +216,17 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; choose from "
                          f"{', '.join(r.key for r in ROWS)}")
-    results = [evaluate(row, row.key in auto) for row in ROWS if row.key in wanted]
-    section = table(results)
+    loaded = {}
+    for path in args.load:
+        with open(path) as f:
+            loaded.update({r["row"]: r for r in json.load(f)})
+    fresh = [evaluate(row, row.key in auto) for row in ROWS
+             if row.key in wanted and row.key not in loaded]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(fresh, f, indent=1)
+    by_key = {**loaded, **{r["row"]: r for r in fresh}}
+    section = table([by_key[r.key] for r in ROWS if r.key in by_key])
     print(section)
     if not args.no_write:
         from benchmarks._results import write_section
