@@ -253,8 +253,12 @@ def expert_terms(config, cluster, moe: MoEShape, micro_batch: int, seq_len: int,
     routed = expert_weight_bytes(moe.num_experts, moe.hidden, moe.expert_ffn, 1,
                                  ep, etp, moe.gated)
     proxy = expert_weight_bytes(moe.top_k, moe.hidden, moe.expert_ffn, 1, 1, tp, moe.gated)
-    per_param = moe.itemsize + GRAD_BYTES + (MASTER_BYTES + MOMENT_BYTES) / zero1_group
-    state = num_layers * (routed - proxy) * per_param
+    def per_param(group: int) -> float:
+        return moe.itemsize + GRAD_BYTES + (MASTER_BYTES + MOMENT_BYTES) / group
+
+    # the proxy's MLP state is split over the whole data-parallel group under ZeRO-1
+    proxy_group = config.dp * config.cp if zero1_group > 1 else 1
+    state = num_layers * (routed * per_param(zero1_group) - proxy * per_param(proxy_group))
     activations = routed_activation_bytes(tokens, moe.top_k, moe.hidden, moe.expert_ffn,
                                           moe.itemsize, moe.gated, moe.imbalance)
     return StageTerms(num_layers * extra, a2a, state=state,
