@@ -398,6 +398,14 @@ def table(rows: list[dict]) -> str:
         "published one for the published plan (1 is exact; the aim is within +-20%). The "
         "breakdown column shows where the predicted time goes, stage by stage.",
         "",
+        "Long-context rows (cp) are traced at one CP rank's shapes with attention's extra "
+        "work and K/V traffic added (`autopar/manual/_context_experts.py`); their published "
+        "step counts attention as the traced einsum does, the whole s x s square, and the "
+        "last column gives it with the causal half, the other convention in use (at "
+        "131,072 tokens it moves the published step by 30%). MoE rows (ep) are the "
+        "model's dense proxy with expert parallelism's all-to-alls and expert memory "
+        "added; their published step is tokens per step over the published tokens/s.",
+        "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
         "predicted/published | waits on | where the predicted time goes | source |",
         "|---|---|---|---|---|---|---|---|---|---|",
