@@ -401,7 +401,7 @@ def table(rows: list[dict]) -> str:
         "Long-context rows (cp) are traced at one CP rank's shapes with attention's extra "
         "work and K/V traffic added (`autopar/manual/_context_experts.py`); their published "
         "step counts attention as the traced einsum does, the whole s x s square, and the "
-        "last column gives it with the causal half, the other convention in use (at "
+        "note in the *waits on* column gives it with the causal half, the other convention in use (at "
         "131,072 tokens it moves the published step by 30%). MoE rows (ep) are the "
         "model's dense proxy with expert parallelism's all-to-alls and expert memory "
         "added; their published step is tokens per step over the published tokens/s.",
