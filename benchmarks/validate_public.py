@@ -71,9 +71,9 @@ from dataclasses import dataclass
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import optax  # noqa: E402
-
 from dataclasses import replace  # noqa: E402
+
+import optax  # noqa: E402
 
 from autopar.cluster import Cluster, Link  # noqa: E402
 from autopar.cost import causal_attention_flops  # noqa: E402
@@ -401,7 +401,8 @@ def table(rows: list[dict]) -> str:
         "Long-context rows (cp) are traced at one CP rank's shapes with attention's extra "
         "work and K/V traffic added (`autopar/manual/_context_experts.py`); their published "
         "step counts attention as the traced einsum does, the whole s x s square, and the "
-        "note in the *waits on* column gives it with the causal half, the other convention in use (at "
+        "note in the *waits on* column gives it with the causal half, the other "
+        "convention in use (at "
         "131,072 tokens it moves the published step by 30%). MoE rows (ep) are the "
         "model's dense proxy with expert parallelism's all-to-alls and expert memory "
         "added; their published step is tokens per step over the published tokens/s.",
@@ -413,7 +414,8 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         run = row["run"]
         plan = (f"dp{run.dp} tp{run.tp} pp{run.pp}"
-                f"{f' cp{run.cp} ({run.cp_algorithm})' if run.cp > 1 else ''}{f' ep{run.ep}' if run.ep else ''}, "
+                f"{f' cp{run.cp} ({run.cp_algorithm})' if run.cp > 1 else ''}"
+                f"{f' ep{run.ep}' if run.ep else ''}, "
                 f"{run.num_microbatches} microbatches, "
                 f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
                 f"{', zero1' if run.distributed_optimizer else ''}"

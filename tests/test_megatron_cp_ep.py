@@ -38,7 +38,8 @@ def _step(cfg=CFG, batch=8):
 
 
 def test_config_rules_name_the_rule():
-    with pytest.raises(ValueError, match=r"ep\*etp = 3\*2 = 6 must divide tp\*cp\*dp = 2\*1\*2 = 4"):
+    rule = r"ep\*etp = 3\*2 = 6 must divide tp\*cp\*dp = 2\*1\*2 = 4"
+    with pytest.raises(ValueError, match=rule):
         MegatronConfig(dp=2, tp=2, ep=3)
     with pytest.raises(ValueError, match="cp must be a positive integer"):
         MegatronConfig(dp=2, tp=2, cp=0)

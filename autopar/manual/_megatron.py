@@ -48,13 +48,6 @@ from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
-from autopar.manual._layout import (
-    AXIS_NAMES,
-    MegatronConfig,
-    MeshAxis,
-    Schedule,
-    megatron_specs,
-)
 from autopar.manual._context_experts import (
     AttentionShape,
     MoEShape,
@@ -64,6 +57,13 @@ from autopar.manual._context_experts import (
     with_terms,
 )
 from autopar.manual._dataflow import classify_parameters
+from autopar.manual._layout import (
+    AXIS_NAMES,
+    MegatronConfig,
+    MeshAxis,
+    Schedule,
+    megatron_specs,
+)
 from autopar.manual._sequence import pin_activations, residual_specs
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search import microbatch_args, resolve_cluster
@@ -605,7 +605,8 @@ def check_context_experts(graph: OpGraph, config: MegatronConfig,
     traced_experts = any(p.expert_dim is not None
                          for p in classify_parameters(graph).values())
     data = config.dp * config.cp
-    if traced_experts and (config.ep not in (None, data) or config.etp not in (None, config.tp)):
+    laid_out = config.ep in (None, data) and config.etp in (None, config.tp)
+    if traced_experts and not laid_out:
         raise ValueError(
             f"this step's experts are traced, and its Megatron stage mesh splits them over "
             f"its one data axis of dp*cp = {data} devices and their FFN over tp; ep="
@@ -672,8 +673,9 @@ def _attention_layers(graph: OpGraph, stages, local_seq: int,
     """Attention layers per stage: forward dot products whose result has two dimensions
     of the (local) sequence length s and whose operands one each (``q·kᵀ``, the scores),
     one per attention layer (with `num_heads`, only results of batch · heads · s² elements,
-    so that a hidden size equal to s is not taken for one), counted in the stage's layers (all of them in a one-stage
-    plan; without layer marks, half of them: the backward's ``dO·vᵀ`` has that form too)."""
+    so that a hidden size equal to s is not taken for one), counted in the stage's layers
+    (all of them in a one-stage plan; without layer marks, half of them: the backward's
+    ``dO·vᵀ`` has that form too)."""
     batch = max((graph.vars[v].shape[0] for v in graph.invars
                  if graph.vars[v].role is Role.BATCH and graph.vars[v].shape), default=1)
     scores = [n for n in graph.nodes if n.primitive == "dot_general"
