@@ -10,11 +10,12 @@ Nothing executes: every figure comes from the shared cost model, the grid pricin
 EP as `autopar/manual/_context_experts.py` says (each configuration traced at its CP
 rank's shapes; EP on the dense proxy).
 
-The grid is restricted so that a row plans in minutes on two cores: sequence
-parallelism and the distributed optimizer on (what long-context and MoE runs use), one
-sequence per microbatch per data-parallel rank, no interleaving, recompute tried in order
-(none, selective, full) where a configuration does not fit, and the pipeline degrees of
-each row (`Row.pp_values`).
+The grid is restricted so that a row plans in minutes on a shared two-core machine:
+sequence parallelism and the distributed optimizer on (what long-context and MoE runs
+use), one sequence per microbatch per data-parallel rank, no interleaving, recompute tried
+in order (none, selective, full) where a configuration does not fit, and each row's
+tensor- and pipeline-parallel degrees (`Row.tp_values`, `Row.pp_values`): the rows
+compare CP (EP) degrees at fixed tp and pp, not the whole grid.
 
 TFLOP/s per GPU counts the traced step's FLOPs at the full sequence (attention's whole
 s x s square, as the traced einsum does) over the predicted step time and the GPUs.
@@ -78,20 +79,28 @@ class Row:
     moe: MoEShape | None = None
     ep_values: tuple[int, ...] | None = None
     cp_values: tuple[int, ...] | None = None  # None: every divisor of the devices
+    tp_values: tuple[int, ...] | None = None  # None: every divisor
 
     @property
     def key(self) -> str:
         return f"{self.name}-{self.seq_len // 1024}k@{self.num_hosts * 8}"
 
 
+# Each row's grid is cut to a few configurations (one tp, one pp) so that the rows plan
+# on a shared two-core machine; `--rows` picks rows, and widening a row's values widens
+# its grid.
 ROWS = (
-    Row("llama-8B", llama.CONFIGS["8B"], 32768, 32, 1, (1,)),
-    Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1,), cp_values=(1, 4, 8, 16)),
-    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (8,), cp_values=(1, 2, 4, 8)),
-    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (8,), cp_values=(1, 2, 4, 8)),
-    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (1,), MIXTRAL_MOE, (1, 2, 4, 8)),
-    Row("mixtral-8x7B", MIXTRAL, 4096, 512, 8, (4,), MIXTRAL_MOE, (1, 8)),
-    Row("deepseek-v3", DEEPSEEK, 4096, 1024, 32, (16,), DEEPSEEK_MOE, (1, 64)),
+    Row("llama-8B", llama.CONFIGS["8B"], 32768, 32, 1, (1,), cp_values=(1, 2, 4),
+        tp_values=(2,)),
+    Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1,), cp_values=(1, 2, 4, 8),
+        tp_values=(8,)),
+    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (4,), cp_values=(1, 2),
+        tp_values=(8,)),
+    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
+        tp_values=(8,)),
+    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (1,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
+    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4,), DEEPSEEK_MOE, (1, 64),
+        tp_values=(1,)),
 )
 
 
@@ -111,7 +120,7 @@ def run_grid(row: Row, cfg, step, args, cluster):
     attention = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                cfg.num_layers)
     if row.moe is not None:
-        extra = dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None, 1),
+        extra = dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None,),
                      attention=attention, cp_values=(1,))
     else:
         extra = dict(attention=attention, cp_values=row.cp_values)
@@ -119,7 +128,7 @@ def run_grid(row: Row, cfg, step, args, cluster):
     best, results = megatron_grid_search(
         step, *args, cluster=cluster, microbatch_sizes=(1,), sequence_parallel=(True,),
         distributed_optimizer=(True,), virtual_stages=(1,), pp_values=row.pp_values,
-        num_heads=cfg.num_heads, **extra)
+        tp_values=row.tp_values, num_heads=cfg.num_heads, **extra)
     return best, results, time.perf_counter() - start
 
 
@@ -179,9 +188,9 @@ def table(results: list[dict]) -> str:
         "Dry runs on virtual DGX H100 clusters (`dgx-h100` profile), nothing executes. "
         "*With*: the best configuration of the Megatron grid searching context parallelism "
         "(the row's cp values whose 2·cp chunks divide the sequence; ring CP, Megatron's "
-        "default) for the dense rows, expert parallelism (ep, etp = tp or 1) on the MoE's "
-        "dense proxy for the MoE rows; *without*: the best of the same grid's "
-        "configurations at cp = 1 / ep = 1. Speedup: without over with "
+        "default) for the dense rows, expert parallelism (ep; etp = tp) on the MoE's "
+        "dense proxy for the MoE rows, at each row's tp and pp; *without*: the best of "
+        "the same grid's configurations at cp = 1 / ep = 1. Speedup: without over with "
         "(predicted step times). autopar's own plan is listed where run (`--auto`); its "
         "search has no CP or EP choice of its own here. Module docstring of "
         "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",

@@ -75,6 +75,7 @@ def megatron_grid_search(
     moe: MoEShape | None = None,
     ep_values: Sequence[int] | None = None,
     etp_values: Sequence[int | None] | None = None,
+    tp_values: Sequence[int] | None = None,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
@@ -99,6 +100,7 @@ def megatron_grid_search(
     - `attention`: the model's `AttentionShape`; with it the grid tries context
       parallelism, `cp_values` (None: every divisor of the devices whose 2·cp chunks
       divide the sequence; without `attention`: cp = 1 only).
+    - `tp_values`: the tensor-parallel degrees to try (None: every divisor).
     - `moe`: the MoE's `MoEShape` when the step is its dense proxy; with it the grid
       tries `ep_values` (None: every divisor of the experts that divides tp·cp·dp) and
       `etp_values` (None: ``(None, 1)``, i.e. etp = tp or 1).
@@ -143,6 +145,7 @@ def megatron_grid_search(
         num_experts=moe.num_experts if moe is not None else None,
         ep_values=ep_values,
         etp_values=etp_values,
+        tp_values=tp_values,
     )
     results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
     to_cost = [c for c, reason in candidates if not reason]
@@ -258,6 +261,7 @@ def megatron_candidates(
     num_experts: int | None = None,
     ep_values: Sequence[int] | None = None,
     etp_values: Sequence[int | None] | None = None,
+    tp_values: Sequence[int] | None = None,
 ) -> list[tuple[MegatronConfig, str]]:
     """Every configuration of the grid with the rule it breaks ("" when valid).
 
@@ -280,7 +284,7 @@ def megatron_candidates(
     for pp in pps:
         if pp < 1 or num_devices % pp:
             continue
-        for tp, cp in _tp_cp(num_devices // pp, cp_values):
+        for tp, cp in _tp_cp(num_devices // pp, cp_values, tp_values):
             dp = num_devices // (pp * tp * cp)
             base = MegatronConfig(dp=dp, tp=tp, pp=pp, cp=cp)
             reason = (_degree_rule(base, devices_per_host, num_layers, num_heads)
@@ -363,10 +367,12 @@ def megatron_configs(
     ]
 
 
-def _tp_cp(devices: int, cp_values) -> list[tuple[int, int]]:
-    """(tp, cp) pairs whose product divides `devices`, tp first as before, each cp of
-    `cp_values` (in order) that divides what tp leaves."""
-    return [(tp, cp) for tp in _divisors(devices) for cp in dict.fromkeys(cp_values)
+def _tp_cp(devices: int, cp_values, tp_values=None) -> list[tuple[int, int]]:
+    """(tp, cp) pairs whose product divides `devices`, tp first as before (those of
+    `tp_values` only, when given), each cp of `cp_values` (in order) that divides what tp
+    leaves."""
+    tps = [tp for tp in _divisors(devices) if tp_values is None or tp in tp_values]
+    return [(tp, cp) for tp in tps for cp in dict.fromkeys(cp_values)
             if cp >= 1 and (devices // tp) % cp == 0]
 
 
