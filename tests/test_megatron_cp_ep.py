@@ -59,6 +59,10 @@ def test_bad_sequence_and_missing_shapes_fail_before_planning():
     step, state, batch = _step()
     with pytest.raises(ValueError, match=r"pass attention=AttentionShape"):
         megatron_plan(step, state, batch, cluster=_h100(), dp=2, tp=2, cp=2)
+    with pytest.raises(ValueError, match=r"3 query head\(s\) per tensor-parallel rank do "
+                       r"not divide by 2"):
+        megatron_plan(step, state, batch, cluster=_h100(), dp=2, tp=2, cp=2,
+                      cp_algorithm="ulysses", attention=AttentionShape(6, 2, 16, 2))
     with pytest.raises(ValueError, match=r"ep=4 must divide the 6 routed experts"):
         megatron_plan(step, state, batch, cluster=_h100(), dp=4, tp=2, ep=4,
                       moe=MoEShape(6, 2, 64, 128, 2, 2))

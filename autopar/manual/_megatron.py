@@ -36,7 +36,7 @@ import numpy as np
 
 from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.cost import boundary_transfer_time, in_flight_microbatches
+from autopar.cost import boundary_transfer_time, check_ulysses_heads, in_flight_microbatches
 from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
 from autopar.inter import assign_layers, partition
@@ -594,6 +594,9 @@ def check_context_experts(graph: OpGraph, config: MegatronConfig,
             "model's attention shape: pass attention=AttentionShape(num_heads, "
             "num_kv_heads, head_dim, num_layers) and trace the step with context_args"
         )
+    if config.cp > 1 and config.cp_algorithm == "ulysses":
+        check_ulysses_heads(attention.num_heads // config.tp,
+                            max(1, attention.num_kv_heads // config.tp), config.cp)
     if moe is not None:
         if moe.num_experts % config.expert_parallel:
             raise ValueError(
