@@ -98,7 +98,7 @@ ROWS = (
         tp_values=(8,)),
     Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
         tp_values=(8,)),
-    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (1,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
+    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (2,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
     Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4,), DEEPSEEK_MOE, (1, 64),
         tp_values=(1,)),
 )

@@ -188,12 +188,17 @@ def megatron_plan_for_graph(
     specs = megatron_specs(graph, config, overrides)
     pinned = residual_specs(graph, config)
     tied = tied_state(graph, tuple(donate_argnums))
-    options = ShardOptions(method="shard", memory_budget=memory_budget)
+    budget = device_budget(cluster, memory_budget)
+    # An MoE's dense proxy holds k experts per layer where EP leaves E/ep: when that is
+    # fewer, the proxy is checked against the budget plus what EP frees (the stages are
+    # checked against the real budget once the expert terms are added).
+    relief = _proxy_relief(outer, moe)
+    options = ShardOptions(method="shard",
+                           memory_budget=budget + relief if relief else memory_budget)
     start = time.perf_counter()
     stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
                           solve_cache=solve_cache)
-    stages = add_context_experts(stages, graph, cluster, outer, attention, moe,
-                                 device_budget(cluster, memory_budget))
+    stages = add_context_experts(stages, graph, cluster, outer, attention, moe, budget)
     config = outer
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
@@ -655,6 +660,24 @@ def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
             )
         out.append(stage)
     return tuple(out)
+
+
+def _proxy_relief(config: MegatronConfig, moe: MoEShape | None) -> float:
+    """Bytes per device a stage's MoE layers hold fewer than their dense proxy (0 when EP
+    leaves as many experts or more): the proxy's k experts split tp ways against E/ep
+    split etp ways, with their training state, over the most MoE layers a stage holds."""
+    if moe is None:
+        return 0.0
+    from autopar.cost import expert_weight_bytes
+    from autopar.manual._context_experts import GRAD_BYTES
+
+    proxy = expert_weight_bytes(moe.top_k, moe.hidden, moe.expert_ffn, 1, 1, config.tp,
+                                moe.gated)
+    real = expert_weight_bytes(moe.num_experts, moe.hidden, moe.expert_ffn, 1,
+                               config.expert_parallel, config.expert_tensor_parallel,
+                               moe.gated)
+    layers = -(-moe.num_moe_layers // (config.pp * config.virtual_stages))
+    return max(0.0, proxy - real) * layers * (moe.itemsize + GRAD_BYTES) * config.virtual_stages
 
 
 def _sequences(graph: OpGraph, config: MegatronConfig) -> tuple[int, int]:
