@@ -148,8 +148,8 @@ def evaluate(row: Row, auto: bool) -> dict:
 
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
-    except ValueError as err:
-        out["with"] = out["without"] = dict(error=str(err).splitlines()[0][:160])
+    except ValueError as err:  # the first line and the first configuration's reason
+        out["with"] = out["without"] = dict(error=" ".join(str(err).splitlines()[:2])[:300])
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
