@@ -126,7 +126,8 @@ def run_grid(row: Row, cfg, step, args, cluster):
         extra = dict(attention=attention, cp_values=row.cp_values)
     start = time.perf_counter()
     best, results = megatron_grid_search(
-        step, *args, cluster=cluster, microbatch_sizes=(1,), sequence_parallel=(True,),
+        step, *args, cluster=cluster, microbatch_sizes=(1,),
+        sequence_parallel=(False,) if row.tp_values == (1,) else (True,),
         distributed_optimizer=(True,), virtual_stages=(1,), pp_values=row.pp_values,
         tp_values=row.tp_values, num_heads=cfg.num_heads, **extra)
     return best, results, time.perf_counter() - start
