@@ -196,8 +196,13 @@ def megatron_plan_for_graph(
     options = ShardOptions(method="shard",
                            memory_budget=budget + relief if relief else memory_budget)
     start = time.perf_counter()
-    stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
-                          solve_cache=solve_cache)
+    try:
+        stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
+                              solve_cache=solve_cache)
+    except ValueError as err:  # name the configuration asked for, not its (dp·cp, tp) plan
+        if type(err) is not ValueError or config is outer:
+            raise
+        raise ValueError(str(err).replace(config.name, outer.name)) from err
     stages = add_context_experts(stages, graph, cluster, outer, attention, moe, budget)
     config = outer
     timings = {"intra_op_ilp": time.perf_counter() - start}
