@@ -26,6 +26,8 @@ BENCHMARKS = {
     "run_benchmarks": ("run_benchmarks.py", [], "bench_large's rows, then bench_local"),
     "validate_public": ("validate_public.py", [],
                         "the cost model against published training runs (BLOOM, MT-NLG, ...)"),
+    "bench_long_moe": ("bench_long_moe.py", [],
+                       "long context and MoE: the Megatron grid with CP / EP against without"),
     "planning_time": ("planning_time.py", [],
                       "method='auto' planning time by phase, demo to GPT-3 175B"),
     "runtime_overhead": ("runtime_overhead.py", [],

@@ -43,6 +43,19 @@ reduction weighed per microbatch), resharding between operators (sequence parall
 all-gathers), and recompute; the step into m x the slowest device group plus the
 pipeline's fill and drain (and the programs' launches).
 
+Long context and MoE (rows llama3-405b-128k, deepseek-v3-*): the context-parallel row is
+traced at one CP rank's shapes (`autopar.manual.context_args`: batch x cp, sequence / cp)
+and scored with ``MegatronConfig(cp=16)``, ring CP as Megatron runs it; its model FLOPs
+are the traced step's plus the attention the local trace leaves out (each query chunk
+against the whole sequence; counted, like every row here, as the traced einsum counts it:
+the whole s x s square, not the causal half). The MoE rows trace the model's dense proxy
+(a SwiGLU of width (top-k + shared) x expert FFN, the FLOPs per token of the MoE layer)
+with `MoEShape` adding expert parallelism's all-to-alls and the memory of the experts the
+proxy does not hold; their published step time is tokens per step over the published
+tokens/s. DeepSeek-V3's multi-head latent attention is traced as multi-head attention of
+the same width (hidden 7168 over 128 heads); its attention core is under 1% of its FLOPs
+at 4,096 tokens.
+
 Usage: ``python benchmarks/validate_public.py [--rows bloom-176b,...] [--no-write]``
 """
 
@@ -58,11 +71,20 @@ from dataclasses import dataclass
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dataclasses import replace  # noqa: E402
+
 import optax  # noqa: E402
 
-from autopar.cluster import Cluster  # noqa: E402
+from autopar.cluster import Cluster, Link  # noqa: E402
+from autopar.cost import causal_attention_flops  # noqa: E402
 from autopar.graph import trace  # noqa: E402
-from autopar.manual import MegatronConfig, megatron_plan_for_graph  # noqa: E402
+from autopar.manual import (  # noqa: E402
+    AttentionShape,
+    MegatronConfig,
+    MoEShape,
+    context_args,
+    megatron_plan_for_graph,
+)
 from autopar.search import microbatch_args  # noqa: E402
 from examples import gpt, llama  # noqa: E402
 
@@ -96,6 +118,14 @@ class PublishedRun:
     distributed_optimizer: bool = True
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    cp: int = 1
+    cp_algorithm: str = "ring"
+    ep: int | None = None
+    moe: MoEShape | None = None  # the model is this MoE's dense proxy
+    # published throughput as tokens/s per GPU (the MoE reports) instead of TFLOP/s
+    tokens_per_gpu_second: float = 0.0
+    # intra-host bandwidth in bytes/s where the system's differs from the profile's
+    nvlink: float | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -177,6 +207,66 @@ RUNS = (
                  schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES),
 )
 
+# Llama 3 405B at 131,072 tokens (Dubey et al. 2024, Table 4, last row): 16,384 H100, TP8
+# CP16 PP16, 16 sequences per data-parallel rank, 16M tokens per batch, 380 TFLOP/s per GPU
+# (38% BF16 MFU). The degrees fix DP: 16,384 / (8 x 16 x 16) = 8, and 8 x 16 sequences of
+# 131,072 are the 16M tokens (DP4, as sometimes quoted, would cover only 8,192 GPUs). The
+# paper all-gathers K and V per layer (sec. 3.3.2), which `cp_algorithm="all_gather"`
+# prices; Megatron's default, the ring, is the second row.
+LLAMA405_128K = replace(LLAMA405, seq_len=131072)
+LLAMA_128K_SRC = ("Llama 3 Herd of Models (Dubey et al. 2024), Table 4: 405B, 16,384 H100, TP8 "
+                  "CP16 PP16 DP8, sequence 131,072, batch 16 per DP rank (16M tokens), 380 "
+                  "TFLOP/s/GPU "
+                  "(38% BF16 MFU); K/V all-gathered per layer (sec. 3.3.2)")
+
+# DeepSeek-V3 (DeepSeek-AI 2024, technical report): hidden 7168, 61 layers (the first 3
+# dense with FFN 18,432), 128 heads (MLA), vocabulary 129,280; MoE layers: 1 shared + 256
+# routed experts of FFN 2048, top-8 (sec. 4.2). The dense proxy's FFN: (8 + 1) x 2048 =
+# 18,432, the dense layers' own width, so one proxy width serves every layer.
+DEEPSEEK_V3 = llama.LlamaConfig(129280, 4096, 7168, 61, 128, 128, 18432, rope_theta=10000.0,
+                                dtype="bfloat16", master_dtype="float32", layer_markers=True)
+DEEPSEEK_V3_MOE = MoEShape(num_experts=256, top_k=8, expert_ffn=2048, hidden=7168,
+                           num_moe_layers=58, num_layers=61, num_shared=1)
+DEEPSEEK_SRC = ("DeepSeek-V3 Technical Report (DeepSeek-AI 2024): 2,048 H800, PP16 EP64 (8 "
+                "nodes) ZeRO-1 DP, no TP (sec. 3.2); 180K H800 GPU hours per trillion tokens "
+                "(sec. 1, Table 1) = 1,543 tokens/s/GPU; batch 15,360 x 4,096 tokens "
+                "(sec. 4.2); FP8 GEMMs (sec. 3.3), DualPipe overlapping the all-to-all "
+                "(sec. 3.2.1); NVLink 160 GB/s, IB 50 GB/s (sec. 3.2.2)")
+AUTOMODEL_SRC = ("NVIDIA NeMo AutoModel performance summary (docs.nvidia.com/nemo/automodel, "
+                 "Pre-Training, DGX-H100 BF16): DeepSeek V3 671B, {} GPUs, GBS {}, MBS 1, "
+                 "seq 4096, TP1 PP4 CP1 EP64 VP8, FSDP {}, TE + DeepEP: {} s per step, {} "
+                 "tokens/s/GPU, {} TFLOP/s/GPU")
+# H800: NVLink cut to 400 GB/s both ways; DeepSeek-V3 measured 160 GB/s (sec. 3.2.2).
+H800_NVLINK = 160e9
+
+RUNS = RUNS + (
+    PublishedRun("llama3-405b-128k", "Meta Llama 3 (4D parallelism)", LLAMA405_128K, "llama",
+                 "dgx-h100", 16384, 8, 8, 16, 128, 1, 380.0, False, "", LLAMA_128K_SRC,
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES, cp=16,
+                 cp_algorithm="all_gather"),
+    PublishedRun("llama3-405b-128k-ring", "Meta Llama 3 (4D parallelism)", LLAMA405_128K,
+                 "llama", "dgx-h100", 16384, 8, 8, 16, 128, 1, 380.0, False,
+                 "the paper's all-gather (this row: Megatron's ring)", LLAMA_128K_SRC,
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES, cp=16),
+    PublishedRun("deepseek-v3-2048", "DeepSeek-V3 (HAI-LLM)", DEEPSEEK_V3, "llama", "dgx-h100",
+                 2048, 128, 1, 16, 15360, 1, 0.0, False, "FP8 GEMMs, DualPipe, node-limited "
+                 "routing", DEEPSEEK_SRC, sequence_parallel=False, ep=64,
+                 moe=replace(DEEPSEEK_V3_MOE, overlap=True),
+                 tokens_per_gpu_second=1e12 / (180e3 * 3600), nvlink=H800_NVLINK),
+    PublishedRun("deepseek-v3-256", "NeMo AutoModel (FSDP2 + DeepEP)", DEEPSEEK_V3, "llama",
+                 "dgx-h100", 256, 64, 1, 4, 512, 1, 0.0, False, "FSDP (scored as ZeRO-1)",
+                 AUTOMODEL_SRC.format(256, 512, 64, 8.18, "1,002", 250),
+                 sequence_parallel=False, ep=64, moe=DEEPSEEK_V3_MOE,
+                 tokens_per_gpu_second=1002.0, schedule="interleaved_1f1b",
+                 virtual_stages=8),
+    PublishedRun("deepseek-v3-1024", "NeMo AutoModel (FSDP2 + DeepEP)", DEEPSEEK_V3, "llama",
+                 "dgx-h100", 1024, 256, 1, 4, 8192, 1, 0.0, False, "FSDP (scored as ZeRO-1)",
+                 AUTOMODEL_SRC.format(1024, 8192, 256, 37.87, 865, 216),
+                 sequence_parallel=False, ep=64, moe=DEEPSEEK_V3_MOE,
+                 tokens_per_gpu_second=865.0, schedule="interleaved_1f1b",
+                 virtual_stages=8),
+)
+
 
 def _step(run: PublishedRun):
     module = {"gpt": gpt, "llama": llama}[run.family]
@@ -194,33 +284,82 @@ def evaluate(run: PublishedRun) -> dict:
     start = time.perf_counter()
     step, args = _step(run)
     m = run.num_microbatches
-    # one microbatch of every data-parallel replica (dp x micro_batch sequences), as the
-    # scorer plans it; its optimizer update (about 0.1% of the FLOPs here) counts m times
+    # one microbatch of every data-parallel replica (dp x micro_batch sequences; times cp
+    # pieces of a sequence each under context parallelism), as the scorer plans it; its
+    # optimizer update (about 0.1% of the FLOPs here) counts m times
+    args = context_args(args, (1,), run.cp)
     graph = trace(step, *microbatch_args(args, (1,), m), batch_argnums=(1,))
-    model_flops = graph.total_flops * m
-    published = model_flops * (4 / 3 if run.counts_recompute else 1) / (
-        run.tflops_per_gpu * TERA * run.num_gpus)
+    model_flops = (graph.total_flops + _context_flops(run)) * m
+    if run.tokens_per_gpu_second:
+        published = run.global_batch * run.model.seq_len / (
+            run.tokens_per_gpu_second * run.num_gpus)
+    else:
+        published = model_flops * (4 / 3 if run.counts_recompute else 1) / (
+            run.tflops_per_gpu * TERA * run.num_gpus)
     cluster = Cluster.from_profile(run.profile, num_hosts=run.num_gpus // 8)
-    config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp,
+    if run.nvlink:
+        cluster = replace(cluster, intra_host=Link(run.nvlink, cluster.intra_host.latency))
+    config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep,
+                            cp_algorithm=run.cp_algorithm,
                             num_microbatches=run.num_microbatches,
                             sequence_parallel=run.sequence_parallel,
                             distributed_optimizer=run.distributed_optimizer,
                             recompute=run.recompute, schedule=run.schedule,
                             virtual_stages=run.virtual_stages,
                             even_chunks=run.virtual_stages == 1)
+    shapes = dict(attention=_attention(run) if run.cp > 1 else None, moe=run.moe)
     try:
-        plan = megatron_plan_for_graph(graph, cluster, config)
+        plan = megatron_plan_for_graph(graph, cluster, config, **shapes)
     except ValueError as err:  # the published layout may not fit autopar's memory model
         if "does not fit" not in str(err):
             raise
         # time scored with the memory check lifted, and said so in the table
-        plan = megatron_plan_for_graph(graph, cluster, config, memory_budget=UNLIMITED)
+        plan = megatron_plan_for_graph(graph, cluster, config, memory_budget=UNLIMITED,
+                                       **shapes)
         row["note"] = f"does not fit {cluster.device_memory / 2**30:.0f} GiB in autopar's " \
             "memory model; time scored with the memory check lifted"
+    if run.cp > 1:
+        row["note"] = "; ".join(filter(None, (row.get("note"), _causal_note(
+            run, model_flops, plan.predicted_step_time))))
     row.update(predicted=plan.predicted_step_time, published=published,
                seconds=time.perf_counter() - start, config=config.name,
                split=decomposition(plan))
     return row
+
+
+def _attention(run: PublishedRun) -> AttentionShape:
+    model = run.model
+    return AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim,
+                          model.num_layers)
+
+
+def _context_flops(run: PublishedRun) -> float:
+    """Attention FLOPs one microbatch does that its CP-local trace leaves out: per layer,
+    each of the dp x micro_batch sequences' cp query chunks against the whole sequence
+    instead of its own chunk, forward and backward (3 x the forward), counted as the trace
+    counts the core (the whole square)."""
+    if run.cp == 1:
+        return 0.0
+    model, cp = run.model, run.cp
+    sequences = run.dp * run.micro_batch
+    whole = causal_attention_flops(sequences, model.seq_len, model.num_heads,
+                                   model.head_dim, causal=False)
+    local = causal_attention_flops(sequences * cp, model.seq_len // cp, model.num_heads,
+                                   model.head_dim, causal=False)
+    return 3 * model.num_layers * (whole - local)
+
+
+def _causal_note(run: PublishedRun, model_flops: float, predicted: float) -> str:
+    """The published step counted with causal attention (half the square; what the
+    kernels compute), for a long-context row, where the convention moves the figure by a
+    third."""
+    model = run.model
+    square = 3 * model.num_layers * causal_attention_flops(
+        run.global_batch, model.seq_len, model.num_heads, model.head_dim, causal=False)
+    published = (model_flops - square / 2) / (run.tflops_per_gpu * TERA * run.num_gpus)
+    return (f"with the published TFLOP/s counting causal attention (half the s x s square) "
+            f"the published step is {published:.2f} s and predicted/published "
+            f"{predicted / published:.2f}")
 
 
 def decomposition(plan) -> str:
@@ -259,13 +398,25 @@ def table(rows: list[dict]) -> str:
         "published one for the published plan (1 is exact; the aim is within +-20%). The "
         "breakdown column shows where the predicted time goes, stage by stage.",
         "",
+        "Long-context rows (cp) are traced at one CP rank's shapes with attention's extra "
+        "work and K/V traffic added (`autopar/manual/_context_experts.py`); their published "
+        "step counts attention as the traced einsum does, the whole s x s square, and the "
+        "note in the *waits on* column gives it with the causal half, the other "
+        "convention in use (at "
+        "131,072 tokens it moves the published step by 30%). MoE rows (ep) are the "
+        "model's dense proxy with expert parallelism's all-to-alls and expert memory "
+        "added; their published step is tokens per step over the published tokens/s.",
+        "",
         "| run | system | GPUs | plan | predicted s/step | published s/step | "
         "predicted/published | waits on | where the predicted time goes | source |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         run = row["run"]
-        plan = (f"dp{run.dp} tp{run.tp} pp{run.pp}, {run.num_microbatches} microbatches, "
+        plan = (f"dp{run.dp} tp{run.tp} pp{run.pp}"
+                f"{f' cp{run.cp} ({run.cp_algorithm})' if run.cp > 1 else ''}"
+                f"{f' ep{run.ep}' if run.ep else ''}, "
+                f"{run.num_microbatches} microbatches, "
                 f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
                 f"{', zero1' if run.distributed_optimizer else ''}"
                 f"{f', interleaved v={run.virtual_stages}' if run.virtual_stages > 1 else ''}")

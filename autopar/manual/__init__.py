@@ -8,10 +8,17 @@ model as the automatic planner, to compare against it (`autopar.report.compare`)
 - `_sequence.py`: the residual stream's layout (with or without sequence parallelism)
   and the ILP restricted to it;
 - `_megatron.py`: `megatron_plan`, the ILP around the pinned inputs, the stages;
+- `_context_experts.py`: context parallelism (cp) and expert parallelism (ep, etp) priced
+  on the plan of one CP rank's shapes / an MoE's dense proxy;
 - `_grid.py`: `megatron_grid_search` over dp × tp × pp × sequence parallelism × ZeRO-1 ×
   recompute × interleaving × microbatches, pruned by Megatron's rules.
 """
 
+from autopar.manual._context_experts import (
+    AttentionShape,
+    MoEShape,
+    context_args,
+)
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
 from autopar.manual._grid import (
     GridResult,
@@ -42,6 +49,9 @@ from autopar.manual._sequence import (
 )
 
 __all__ = [
+    "AttentionShape",
+    "MoEShape",
+    "context_args",
     "GridResult",
     "Kind",
     "MegatronConfig",

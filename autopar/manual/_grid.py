@@ -14,7 +14,11 @@ before anything is costed (Narayanan et al. 2021, Korthikanti et al. 2022; REFER
 - pp·virtual_stages divides the number of layers (pipelines need `layer_boundary` marks);
 - the batch splits into whole microbatches per data-parallel rank; a pipeline has at least
   as many microbatches as stages, and the interleaved schedule a multiple of pp;
-- sequence parallelism only with tp > 1, interleaving only with pp > 1.
+- sequence parallelism only with tp > 1, interleaving only with pp > 1;
+- context parallelism: cp splits the sequence into 2·cp balanced chunks
+  (seq % (2·cp) == 0), dp·cp·tp·pp devices (tried with the model's `attention` shape);
+- expert parallelism (with a `moe` shape): ep divides the routed experts and ep·etp the
+  tp·cp·dp devices of a stage (Megatron-Core MoE; etp = tp or 1).
 
 Every remaining configuration is planned on the step traced at ITS microbatch size (one
 trace per size, cached), so a configuration costs what `megatron_plan` says it costs.
@@ -35,6 +39,7 @@ from typing import Any
 from autopar._memo import search_scoped
 from autopar.graph import OpGraph, Role, trace
 from autopar.intra import MemoryBudgetError
+from autopar.manual._context_experts import AttentionShape, MoEShape, context_args
 from autopar.manual._layout import MegatronConfig
 from autopar.manual._megatron import megatron_plan_for_graph
 from autopar.plan import Plan
@@ -67,6 +72,12 @@ def megatron_grid_search(
     memory_budget: float | None = None,
     traces: dict[int, OpGraph] | None = None,
     microbatch_counts: Sequence[int] | None = None,
+    attention: AttentionShape | None = None,
+    cp_values: Sequence[int] | None = None,
+    moe: MoEShape | None = None,
+    ep_values: Sequence[int] | None = None,
+    etp_values: Sequence[int | None] | None = None,
+    tp_values: Sequence[int] | None = None,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
@@ -85,9 +96,16 @@ def megatron_grid_search(
     - `num_layers`: layers, for the rule pp·v | layers (None: the forward pass's
       `layer_boundary` marks; unmarked steps are not pipelined).
     - `donate_argnums`, `batch_argnums`, `memory_budget`: as for `megatron_plan`.
-    - `traces`: ``{number of microbatches: the step traced at that microbatch size}``,
-      read and filled (pass a dict to reuse the traces afterwards, e.g. to explain the
-      best plan).
+    - `traces`: ``{number of microbatches: the step traced at that microbatch size}``
+      (``{(microbatches, cp): ...}`` for cp > 1), read and filled (pass a dict to reuse
+      the traces afterwards, e.g. to explain the best plan).
+    - `attention`: the model's `AttentionShape`; with it the grid tries context
+      parallelism, `cp_values` (None: every divisor of the devices whose 2·cp chunks
+      divide the sequence; without `attention`: cp = 1 only).
+    - `tp_values`: the tensor-parallel degrees to try (None: every divisor).
+    - `moe`: the MoE's `MoEShape` when the step is its dense proxy; with it the grid
+      tries `ep_values` (None: every divisor of the experts that divides tp·cp·dp) and
+      `etp_values` (None: ``(None, 1)``, i.e. etp = tp or 1).
 
     **Returns:** ``(best plan, results)``; `results` lists every configuration
     considered, in order, with its predicted step time in seconds or a string saying why
@@ -109,6 +127,9 @@ def megatron_grid_search(
     graphs = _Traces(step_fn, abstract_args, batch_argnums,
                      {} if traces is None else traces)
     graph = graphs(1)
+    seq_len = _sequence_length(graph)
+    if cp_values is None:
+        cp_values = _divisors(cluster.num_devices) if attention is not None else (1,)
     candidates = megatron_candidates(
         cluster.num_devices,
         cluster.devices_per_host,
@@ -121,12 +142,18 @@ def megatron_grid_search(
         distributed_optimizer=distributed_optimizer,
         virtual_stages=virtual_stages,
         microbatch_counts=microbatch_counts,
+        cp_values=cp_values,
+        seq_len=seq_len,
+        num_experts=moe.num_experts if moe is not None else None,
+        ep_values=ep_values,
+        etp_values=etp_values,
+        tp_values=tp_values,
     )
     results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
     to_cost = [c for c, reason in candidates if not reason]
     coster = _Coster(graphs, cluster, recompute, donate_argnums, memory_budget,
                      marked=any(n.primitive == "layer_boundary" for n in graph.nodes),
-                     results=results)
+                     results=results, attention=attention, moe=moe)
     best: Plan | None = None
     for index, config in enumerate(to_cost):
         plan = coster.cost(config, f"grid {index + 1}/{len(to_cost)}")
@@ -152,13 +179,14 @@ class _Traces:
             step_fn, abstract_args, batch_argnums)
         self.graphs = graphs
 
-    def __call__(self, num_microbatches: int) -> OpGraph:
-        if num_microbatches not in self.graphs:
-            args = (self.abstract_args if num_microbatches == 1 else
-                    microbatch_args(self.abstract_args, self.batch_argnums, num_microbatches))
-            self.graphs[num_microbatches] = trace(self.step_fn, *args,
-                                                  batch_argnums=self.batch_argnums)
-        return self.graphs[num_microbatches]
+    def __call__(self, num_microbatches: int, cp: int = 1) -> OpGraph:
+        key = num_microbatches if cp == 1 else (num_microbatches, cp)
+        if key not in self.graphs:
+            args = context_args(self.abstract_args, self.batch_argnums, cp)
+            if num_microbatches > 1:
+                args = microbatch_args(args, self.batch_argnums, num_microbatches)
+            self.graphs[key] = trace(self.step_fn, *args, batch_argnums=self.batch_argnums)
+        return self.graphs[key]
 
 
 class _Coster:
@@ -167,7 +195,8 @@ class _Coster:
     configurations fit with how many microbatches (more only add time)."""
 
     def __init__(self, graphs: _Traces, cluster, recompute, donate_argnums, memory_budget,
-                 *, marked: bool, results: list[GridResult]):
+                 *, marked: bool, results: list[GridResult], attention=None, moe=None):
+        self.attention, self.moe = attention, moe
         self.graphs, self.cluster, self.recompute = graphs, cluster, recompute
         self.donate_argnums, self.memory_budget = donate_argnums, memory_budget
         self.marked, self.results = marked, results
@@ -191,9 +220,10 @@ class _Coster:
                 continue
             try:
                 plan = megatron_plan_for_graph(
-                    self.graphs(candidate.num_microbatches), self.cluster, candidate,
-                    donate_argnums=self.donate_argnums, memory_budget=self.memory_budget,
-                    solve_cache=self.solve_cache,
+                    self.graphs(candidate.num_microbatches, candidate.cp), self.cluster,
+                    candidate, donate_argnums=self.donate_argnums,
+                    memory_budget=self.memory_budget, solve_cache=self.solve_cache,
+                    attention=self.attention, moe=self.moe,
                 )
             except ValueError as err:  # MemoryBudgetError is a ValueError
                 self.results.append((candidate, f"{type(err).__name__}: {err}"))
@@ -228,6 +258,12 @@ def megatron_candidates(
     distributed_optimizer: Sequence[bool] = (False,),
     virtual_stages: Sequence[int] = (1,),
     microbatch_counts: Sequence[int] | None = None,
+    cp_values: Sequence[int] = (1,),
+    seq_len: int | None = None,
+    num_experts: int | None = None,
+    ep_values: Sequence[int] | None = None,
+    etp_values: Sequence[int | None] | None = None,
+    tp_values: Sequence[int] | None = None,
 ) -> list[tuple[MegatronConfig, str]]:
     """Every configuration of the grid with the rule it breaks ("" when valid).
 
@@ -238,7 +274,10 @@ def megatron_candidates(
     **Arguments:** the cluster's `num_devices` and `devices_per_host`, the global
     `batch_size` (None: no microbatching), `num_layers` (None or 1: no pipelining; the
     number of `layer_boundary`-marked layers), `num_heads` (None: unchecked), and the
-    values to try, as `megatron_grid_search` takes them.
+    values to try, as `megatron_grid_search` takes them; `cp_values` with the sequence
+    length `seq_len` (None: unchecked), and with `num_experts` (None: no MoE) the
+    `ep_values` / `etp_values` (None: every ep dividing the experts and tp·cp·dp; etp = tp
+    or 1).
 
     **Returns:** ``[(config, reason)]`` in enumeration order, recompute left "none".
     """
@@ -247,25 +286,38 @@ def megatron_candidates(
     for pp in pps:
         if pp < 1 or num_devices % pp:
             continue
-        for tp in _divisors(num_devices // pp):
-            dp = num_devices // (pp * tp)
-            base = MegatronConfig(dp=dp, tp=tp, pp=pp)
-            reason = _degree_rule(base, devices_per_host, num_layers, num_heads)
+        for tp, cp in _tp_cp(num_devices // pp, cp_values, tp_values):
+            dp = num_devices // (pp * tp * cp)
+            base = MegatronConfig(dp=dp, tp=tp, pp=pp, cp=cp)
+            reason = (_degree_rule(base, devices_per_host, num_layers, num_heads)
+                      or _context_rule(cp, seq_len))
             if reason:
                 out.append((base, f"{PRUNED}: {reason}"))
                 continue
-            for v in dict.fromkeys(virtual_stages):
-                if v > 1 and pp == 1:
-                    continue
-                if v > 1 and num_layers and num_layers % (pp * v):
-                    out.append((replace(base, virtual_stages=v, schedule="interleaved_1f1b"),
-                                f"{PRUNED}: pp*v = {pp * v} model chunks do not divide the "
-                                f"{num_layers} layers"))
-                    continue
-                for m in _microbatch_counts(dp, batch_size, microbatch_sizes,
-                                            microbatch_counts):
-                    out += _with_options(base, v, m, sequence_parallel,
-                                         distributed_optimizer)
+            for expert_base in _expert_configs(base, num_experts, ep_values, etp_values):
+                out += _with_virtual(expert_base, num_layers, batch_size, microbatch_sizes,
+                                     microbatch_counts, sequence_parallel,
+                                     distributed_optimizer, virtual_stages)
+    return out
+
+
+def _with_virtual(base, num_layers, batch_size, microbatch_sizes, microbatch_counts,
+                  sequence_parallel, distributed_optimizer, virtual_stages):
+    """`base` with every interleaving and microbatch count, each with its options."""
+    out: list[tuple[MegatronConfig, str]] = []
+    pp, dp = base.pp, base.dp
+    for v in dict.fromkeys(virtual_stages):
+        if v > 1 and pp == 1:
+            continue
+        if v > 1 and num_layers and num_layers % (pp * v):
+            out.append((replace(base, virtual_stages=v, schedule="interleaved_1f1b"),
+                        f"{PRUNED}: pp*v = {pp * v} model chunks do not divide the "
+                        f"{num_layers} layers"))
+            continue
+        for m in _microbatch_counts(dp, batch_size, microbatch_sizes,
+                                    microbatch_counts):
+            out += _with_options(base, v, m, sequence_parallel,
+                                 distributed_optimizer)
     return out
 
 
@@ -315,6 +367,45 @@ def megatron_configs(
             microbatch_counts=microbatch_counts,
         ) if not reason
     ]
+
+
+def _tp_cp(devices: int, cp_values, tp_values=None) -> list[tuple[int, int]]:
+    """(tp, cp) pairs whose product divides `devices`, tp first as before (those of
+    `tp_values` only, when given), each cp of `cp_values` (in order) that divides what tp
+    leaves."""
+    tps = [tp for tp in _divisors(devices) if tp_values is None or tp in tp_values]
+    return [(tp, cp) for tp in tps for cp in dict.fromkeys(cp_values)
+            if cp >= 1 and (devices // tp) % cp == 0]
+
+
+def _context_rule(cp: int, seq_len: int | None) -> str:
+    """Why Megatron would not split this sequence over cp devices, or ""."""
+    if cp > 1 and seq_len is not None and seq_len % (2 * cp):
+        return (f"cp={cp} needs the sequence ({seq_len}) in 2*cp = {2 * cp} equal chunks "
+                "(Megatron's load-balanced context parallelism)")
+    return ""
+
+
+def _expert_configs(base: MegatronConfig, num_experts, ep_values, etp_values):
+    """`base` with each valid (ep, etp) when the model has `num_experts` routed experts
+    (ep dividing them, ep·etp dividing tp·cp·dp; etp None means tp); `base` alone
+    without experts."""
+    if num_experts is None:
+        return [base]
+    group = base.tp * base.cp * base.dp
+    eps = _divisors(group) if ep_values is None else list(dict.fromkeys(ep_values))
+    etps = (None, 1) if etp_values is None else tuple(dict.fromkeys(etp_values))
+    out = []
+    for ep in eps:
+        if num_experts % ep:
+            continue
+        for etp in etps:
+            if etp == 1 and base.tp == 1:
+                continue  # the same as etp = tp
+            if group % (ep * (etp or base.tp)):
+                continue
+            out.append(replace(base, ep=ep, etp=etp))
+    return out
 
 
 def _degree_rule(config: MegatronConfig, devices_per_host: int, num_layers, num_heads) -> str:
@@ -382,6 +473,13 @@ def _microbatch_counts(dp, batch_size, microbatch_sizes, microbatch_counts=None)
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _sequence_length(graph: OpGraph) -> int | None:
+    """The sequence length of the (batch, sequence) batch inputs, or None."""
+    sizes = [graph.vars[v].shape[1] for v in graph.invars
+             if graph.vars[v].role is Role.BATCH and len(graph.vars[v].shape) >= 2]
+    return max(sizes) if sizes else None
 
 
 def _batch_size(graph: OpGraph) -> int | None:

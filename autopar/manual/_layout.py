@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.choices import REMATS, SCHEDULES, Remat, Schedule, check_choice
 from autopar.cluster._mesh import Spec, replicated, spec_str
+from autopar.cost._context import CP_ALGORITHMS, CPAlgorithm
 from autopar.graph import OpGraph, Role
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
 
@@ -56,6 +57,19 @@ class MegatronConfig:
       ``--recompute-granularity``: "none", "selective" (the attention core; Korthikanti et
       al. 2022) or "full" (all but the layer input); costed by `autopar.cost`'s recompute
       formulas and run by the pipeline runtime (needs layer marks).
+    - `cp`: context-parallel degree (Megatron-LM's ``--context-parallel-size``): every
+      sequence split into 2·cp load-balanced chunks over cp devices; dp·cp·tp·pp devices,
+      rank order TP, CP, DP, PP from the innermost. Priced, not run: the step is traced
+      at one CP rank's shapes (`context_args`) and attention's extra work, K/V traffic
+      and buffers are added (`_context_experts.py`).
+    - `cp_algorithm`: how K/V reach every CP rank: "ring" (Megatron's default
+      ``--cp-comm-type p2p``), "all_gather" (``allgather``, Llama 3) or "ulysses" (``a2a``).
+    - `ep`, `etp`: Megatron-Core MoE's expert-model-parallel and expert-tensor-parallel
+      sizes. The expert grid etp × ep × expert-dp covers each stage's tp·cp·dp devices
+      (Megatron-Core's "parallel folding"), so ep·etp must divide tp·cp·dp; with
+      etp = tp (the default) that is Megatron's classic rule, EP carved from DP × CP.
+      None (ep): a traced MoE's experts split over the whole data axis where it divides
+      them (GShard's layout); with `MoEShape` (a dense proxy) one device holds all.
     """
 
     dp: int
@@ -68,9 +82,13 @@ class MegatronConfig:
     recompute: Remat = "none"
     virtual_stages: int = 1
     even_chunks: bool = True
+    cp: int = 1
+    cp_algorithm: CPAlgorithm = "ring"
+    ep: int | None = None
+    etp: int | None = None
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -79,6 +97,22 @@ class MegatronConfig:
                 "sequence_parallel=True splits the sequence over the tensor-parallel devices, "
                 "but tp=1; use tp > 1 or sequence_parallel=False"
             )
+        for name in ("ep", "etp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+        group = self.tp * self.cp * self.dp
+        experts = self.expert_parallel * self.expert_tensor_parallel
+        if group % experts:
+            raise ValueError(
+                f"ep*etp = {self.expert_parallel}*{self.expert_tensor_parallel} = {experts} "
+                f"must divide tp*cp*dp = {self.tp}*{self.cp}*{self.dp} = {group} (Megatron-Core "
+                "MoE: the expert grid etp x ep x expert-dp is carved from each pipeline "
+                "stage's tensor x context x data-parallel devices); choose ep and etp whose "
+                f"product divides {group}"
+            )
+        check_choice("cp_algorithm", self.cp_algorithm, CP_ALGORITHMS)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, REMATS)
         if self.virtual_stages > 1:
@@ -105,7 +139,24 @@ class MegatronConfig:
 
     @property
     def num_devices(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def expert_parallel(self) -> int:
+        """The EP degree: `ep`, or 1 when unset."""
+        return self.ep or 1
+
+    @property
+    def expert_tensor_parallel(self) -> int:
+        """The expert-TP degree: `etp`, or tp when unset (experts split like the MLP)."""
+        return self.etp or self.tp
+
+    def data_config(self) -> MegatronConfig:
+        """The (dp·cp, tp) configuration the step is planned with: CP ranks are data
+        ranks of the locally traced step (`_context_experts.context_args`)."""
+        if self.cp == 1:
+            return self
+        return replace(self, dp=self.dp * self.cp, cp=1)
 
     @property
     def name(self) -> str:
@@ -119,10 +170,16 @@ class MegatronConfig:
                 (f",recompute={self.recompute}", self.recompute != "none"),
                 (f",v={self.virtual_stages}", self.virtual_stages > 1),
                 (",uneven", self.virtual_stages > 1 and not self.even_chunks),
+                (f",ep={self.ep}", self.ep is not None),
+                (f",etp={self.etp}", self.etp is not None),
             )
             if on
         )
-        return f"megatron(dp={self.dp},tp={self.tp},pp={self.pp}{extras})"
+        context = ""
+        if self.cp > 1:
+            context = f",cp={self.cp}" + (
+                f"({self.cp_algorithm})" if self.cp_algorithm != "ring" else "")
+        return f"megatron(dp={self.dp},tp={self.tp},pp={self.pp}{context}{extras})"
 
 
 def megatron_specs(

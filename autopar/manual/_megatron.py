@@ -26,6 +26,7 @@ consecutive (inside a host), then DP, then PP outermost: stage s owns devices
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -36,7 +37,7 @@ import numpy as np
 from autopar._memo import search_scoped
 from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.cost import boundary_transfer_time, in_flight_microbatches
+from autopar.cost import boundary_transfer_time, check_ulysses_heads, in_flight_microbatches
 from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
 from autopar.inter import assign_layers, partition
@@ -48,6 +49,15 @@ from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
 from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
+from autopar.manual._context_experts import (
+    AttentionShape,
+    MoEShape,
+    context_args,
+    context_terms,
+    expert_terms,
+    with_terms,
+)
+from autopar.manual._dataflow import classify_parameters
 from autopar.manual._layout import (
     AXIS_NAMES,
     MegatronConfig,
@@ -82,8 +92,14 @@ def megatron_plan(
     batch_argnums: Sequence[int] = (1,),
     overrides: Mapping[str, Any] | None = None,
     memory_budget: float | None = None,
+    cp: int = 1,
+    cp_algorithm: str = "ring",
+    ep: int | None = None,
+    etp: int | None = None,
+    attention: AttentionShape | None = None,
+    moe: MoEShape | None = None,
 ) -> Plan:
-    """A Megatron-LM style plan of `step_fn` with dp x tp x pp devices.
+    """A Megatron-LM style plan of `step_fn` with dp x cp x tp x pp devices.
 
     **Arguments:**
     - `step_fn`, `abstract_args`: the train step and its arguments (arrays or
@@ -97,6 +113,9 @@ def megatron_plan(
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
       dimension (None, an axis name "data"/"model", or a tuple of them).
     - `memory_budget`: bytes per device; default: the cluster's device memory.
+    - `cp`, `cp_algorithm`, `ep`, `etp`: see `MegatronConfig`; `attention`, `moe`: see
+      `megatron_plan_for_graph` (with cp > 1 the step is traced at one CP rank's shapes,
+      `context_args`, and the plan is priced, not run).
 
     **Returns:** the `Plan` (method ``megatron(dp=..,tp=..,pp=..)``, with ``,sp`` under
     sequence parallelism). Raises ValueError when dp·tp·pp is not the number of devices,
@@ -116,20 +135,20 @@ def megatron_plan(
         dp=dp, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
         schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
-        even_chunks=even_chunks,
+        even_chunks=even_chunks, cp=cp, cp_algorithm=cp_algorithm, ep=ep, etp=etp,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
     start = time.perf_counter()
-    args = abstract_args
+    args = context_args(abstract_args, tuple(batch_argnums), config.cp)
     if config.pp > 1 or config.num_microbatches > 1:
         # The pipeline runtime runs the step traced at one microbatch.
-        args = microbatch_args(abstract_args, tuple(batch_argnums), config.num_microbatches)
+        args = microbatch_args(args, tuple(batch_argnums), config.num_microbatches)
     graph = trace(step_fn, *args, batch_argnums=tuple(batch_argnums))
     trace_time = time.perf_counter() - start
     plan = megatron_plan_for_graph(
         graph, cluster, config, donate_argnums=donate_argnums, overrides=overrides,
-        memory_budget=memory_budget,
+        memory_budget=memory_budget, attention=attention, moe=moe,
     )
     plan.timings["trace"] = trace_time
     return plan
@@ -144,8 +163,16 @@ def megatron_plan_for_graph(
     overrides: Mapping[str, Any] | None = None,
     memory_budget: float | None = None,
     solve_cache: dict | None = None,
+    attention: AttentionShape | None = None,
+    moe: MoEShape | None = None,
 ) -> Plan:
     """`megatron_plan` for an already traced step (the grid search traces once).
+
+    With ``config.cp > 1`` the step must be traced at one CP rank's shapes
+    (`context_args`: batch × cp, sequence / cp) and `attention` given: the plan is made
+    on the (dp·cp, tp) mesh and CP's attention work, K/V traffic and buffers are added
+    per stage (`_context_experts.py`). With `moe` the step is the MoE model's dense proxy
+    (`MoEShape.proxy_ffn`) and EP's all-to-alls and expert memory are added.
 
     `solve_cache`: a dict kept across calls on the same `graph` object (the grid search
     passes one): each layer's ILP is keyed by everything it is built from (the layer's
@@ -158,16 +185,33 @@ def megatron_plan_for_graph(
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
     config.check_microbatches()
+    check_context_experts(graph, config, attention, moe)
+    outer, config = config, config.data_config()
     specs = megatron_specs(graph, config, overrides)
     pinned = residual_specs(graph, config)
     tied = tied_state(graph, tuple(donate_argnums))
-    options = ShardOptions(method="shard", memory_budget=memory_budget)
+    budget = device_budget(cluster, memory_budget)
+    # An MoE's dense proxy holds k experts per layer where EP leaves E/ep: when that is
+    # fewer, the proxy is checked against the budget plus what EP frees (the stages are
+    # checked against the real budget once the expert terms are added).
+    relief = _proxy_relief(outer, moe)
+    options = ShardOptions(method="shard",
+                           memory_budget=budget + relief if relief else memory_budget)
     start = time.perf_counter()
-    stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
-                          solve_cache=solve_cache)
+    try:
+        stages = build_stages(graph, cluster, config, specs, tied, options, pinned=pinned,
+                              solve_cache=solve_cache)
+    except ValueError as err:  # name the configuration asked for, not its (dp·cp, tp) plan
+        if type(err) is not ValueError or config is outer:
+            raise
+        raise ValueError(str(err).replace(config.name, outer.name)) from err
+    stages = add_context_experts(stages, graph, cluster, outer, attention, moe, budget)
+    config = outer
     timings = {"intra_op_ilp": time.perf_counter() - start}
     first = stages[0].sharding
     pipelined = _layer_wise(graph, config)
+    priced = (f"{config.name}: context parallelism is priced, not run: the plan holds one "
+              "CP rank's shapes (batch x cp, sequence / cp)",) if config.cp > 1 else ()
     return Plan(
         method=config.name,
         cluster=cluster.to_json(),
@@ -176,7 +220,8 @@ def megatron_plan_for_graph(
         graph_fingerprint=graph_fingerprint(graph) if pipelined else first.graph_fingerprint,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule,
-        warnings=tuple(dict.fromkeys(w for s in stages for w in s.sharding.warnings)),
+        warnings=tuple(dict.fromkeys(w for s in stages for w in s.sharding.warnings))
+        + priced,
         timings=timings,
         runtime="pipeline" if pipelined else "spmd",
         arg_names=graph.arg_names,
@@ -202,10 +247,13 @@ def _pipeline_inputs(graph: OpGraph, stages) -> tuple:
 
 
 def check_devices(cluster, config: MegatronConfig) -> None:
-    """Raise ValueError unless dp·tp·pp is the cluster's number of devices."""
+    """Raise ValueError unless dp·cp·tp·pp is the cluster's number of devices."""
     if config.num_devices != cluster.num_devices:
+        degrees = "dp*tp*pp" if config.cp == 1 else "dp*cp*tp*pp"
+        values = (f"{config.dp}*{config.tp}*{config.pp}" if config.cp == 1 else
+                  f"{config.dp}*{config.cp}*{config.tp}*{config.pp}")
         raise ValueError(
-            f"dp*tp*pp = {config.dp}*{config.tp}*{config.pp} = {config.num_devices} devices, "
+            f"{degrees} = {values} = {config.num_devices} devices, "
             f"but cluster {cluster.name!r} has {cluster.num_devices} "
             f"({cluster.num_hosts} host(s) x {cluster.devices_per_host}); choose degrees "
             f"whose product is {cluster.num_devices}"
@@ -544,3 +592,144 @@ def _operand_edges(built, graph: OpGraph) -> list[tuple[int, int, int]]:
         "build_problem changed how it orders edges; update _operand_edges to match"
     )
     return edges
+
+
+def check_context_experts(graph: OpGraph, config: MegatronConfig,
+                          attention: AttentionShape | None, moe: MoEShape | None) -> None:
+    """Raise ValueError, before anything is planned, when CP or EP cannot be priced on
+    this step: cp > 1 without `attention`; a traced MoE (parameters with an expert
+    dimension) with an ep other than its data axis or an etp other than tp; `moe` whose
+    experts ep does not divide."""
+    if config.cp > 1 and attention is None:
+        raise ValueError(
+            f"cp={config.cp} prices attention over the whole sequence, which needs the "
+            "model's attention shape: pass attention=AttentionShape(num_heads, "
+            "num_kv_heads, head_dim, num_layers) and trace the step with context_args"
+        )
+    if config.cp > 1 and config.cp_algorithm == "ulysses":
+        check_ulysses_heads(attention.num_heads // config.tp,
+                            max(1, attention.num_kv_heads // config.tp), config.cp)
+    if moe is not None:
+        if moe.num_experts % config.expert_parallel:
+            raise ValueError(
+                f"ep={config.expert_parallel} must divide the {moe.num_experts} routed "
+                "experts (num_experts % ep == 0, each EP rank holding the same number); "
+                "choose an ep dividing the number of experts"
+            )
+        return
+    traced_experts = any(p.expert_dim is not None
+                         for p in classify_parameters(graph).values())
+    data = config.dp * config.cp
+    laid_out = config.ep in (None, data) and config.etp in (None, config.tp)
+    if traced_experts and not laid_out:
+        raise ValueError(
+            f"this step's experts are traced, and its Megatron stage mesh splits them over "
+            f"its one data axis of dp*cp = {data} devices and their FFN over tp; ep="
+            f"{config.ep}, etp={config.etp} cannot be laid out. Use ep=None or ep={data} "
+            "and etp=None, or price the model as a dense proxy with moe=MoEShape(...)"
+        )
+
+
+def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
+                        attention: AttentionShape | None, moe: MoEShape | None,
+                        budget: float) -> tuple[Stage, ...]:
+    """`stages` with what CP (`context_terms`) and EP on a dense proxy (`expert_terms`)
+    add per microbatch, each stage's share by the attention layers it holds; raises
+    `MemoryBudgetError`-like ValueError when the added memory no longer fits."""
+    if config.cp == 1 and moe is None:
+        return stages
+    micro_batch, seq_len = _sequences(graph, config)
+    counts = _attention_layers(graph, stages, seq_len // config.cp,
+                               attention.num_heads if attention is not None else None)
+    out, before = [], 0
+    for s, (stage, layers) in enumerate(zip(stages, counts)):
+        terms = []
+        if config.cp > 1:
+            terms.append(context_terms(config, cluster, attention, micro_batch, seq_len,
+                                       layers, s))
+        if moe is not None:
+            dense = moe.num_layers - moe.num_moe_layers
+            moe_layers = max(0, min(before + layers, moe.num_layers) - max(before, dense))
+            zero1 = (config.dp * config.cp * config.tp
+                     // (config.expert_parallel * config.expert_tensor_parallel)
+                     if config.distributed_optimizer else 1)
+            terms.append(expert_terms(config, cluster, moe, micro_batch, seq_len, moe_layers,
+                                      s, stage.sharding.cost.compute, zero1))
+        before += layers
+        for term in terms:
+            stage = with_terms(stage, term)
+        if stage.memory_per_device > budget:
+            raise ValueError(
+                f"the Megatron layout {config.name} does not fit stage {s} in "
+                f"{budget / 2**30:.2f} GiB per device: it needs "
+                f"{stage.memory_per_device / 2**30:.2f} GiB with context-parallel K/V "
+                "buffers and expert weights; use a larger tp, cp, ep or pp, or recompute"
+            )
+        out.append(stage)
+    return tuple(out)
+
+
+def _proxy_relief(config: MegatronConfig, moe: MoEShape | None) -> float:
+    """Bytes per device a stage's MoE layers hold fewer than their dense proxy (0 when EP
+    leaves as many experts or more): the proxy's k experts split tp ways against E/ep
+    split etp ways, with their training state, over the most MoE layers a stage holds."""
+    if moe is None:
+        return 0.0
+    from autopar.cost import expert_weight_bytes
+    from autopar.manual._context_experts import GRAD_BYTES
+
+    proxy = expert_weight_bytes(moe.top_k, moe.hidden, moe.expert_ffn, 1, 1, config.tp,
+                                moe.gated)
+    real = expert_weight_bytes(moe.num_experts, moe.hidden, moe.expert_ffn, 1,
+                               config.expert_parallel, config.expert_tensor_parallel,
+                               moe.gated)
+    layers = -(-moe.num_moe_layers // (config.pp * config.virtual_stages))
+    return max(0.0, proxy - real) * layers * (moe.itemsize + GRAD_BYTES) * config.virtual_stages
+
+
+def _sequences(graph: OpGraph, config: MegatronConfig) -> tuple[int, int]:
+    """(sequences per data-parallel rank per microbatch, full sequence length) from the
+    step's (batch, sequence) inputs, traced at one CP rank's shapes."""
+    shapes = [graph.vars[v].shape for v in graph.invars
+              if graph.vars[v].role is Role.BATCH and len(graph.vars[v].shape) >= 2]
+    if not shapes:
+        raise ValueError(
+            "context and expert parallelism price (batch, sequence) inputs, and this step "
+            "has none; pass the tokens as a batch input of shape (batch, sequence)"
+        )
+    batch, local = max(shapes)[:2]
+    return max(1, batch // (config.dp * config.cp)), local * config.cp
+
+
+def _attention_layers(graph: OpGraph, stages, local_seq: int,
+                      num_heads: int | None = None) -> list[int]:
+    """Attention layers per stage: forward dot products whose result has two dimensions
+    of the (local) sequence length s and whose operands one each (``q·kᵀ``, the scores),
+    one per attention layer (with `num_heads`, only results of batch · heads · s² elements,
+    so that a hidden size equal to s is not taken for one), counted in the stage's layers
+    (all of them in a one-stage plan; without layer marks, half of them: the backward's
+    ``dO·vᵀ`` has that form too)."""
+    batch = max((graph.vars[v].shape[0] for v in graph.invars
+                 if graph.vars[v].role is Role.BATCH and graph.vars[v].shape), default=1)
+    scores = [n for n in graph.nodes if n.primitive == "dot_general"
+              and _square(graph.vars[n.outputs[0]].shape, local_seq)
+              and all(graph.vars[v].shape.count(local_seq) == 1 for v in n.inputs)
+              and (num_heads is None or math.prod(graph.vars[n.outputs[0]].shape)
+                   == batch * num_heads * local_seq ** 2)]
+    try:
+        layers = assign_layers(graph)
+    except ValueError:
+        layers = None
+    if layers is None or layers.num_layers == 1:  # no marks: forward and backward as one
+        return [len(scores) // 2] + [0] * (len(stages) - 1)
+    per_layer: dict[int, int] = {}
+    for n in scores:
+        if layers.phase[n.id] == "forward":
+            per_layer[layers.layer[n.id]] = per_layer.get(layers.layer[n.id], 0) + 1
+    if len(stages) == 1 and stages[0].layers == (0, 1):
+        return [sum(per_layer.values())]
+    return [sum(per_layer.get(k, 0) for k in range(*st.layers)) for st in stages]
+
+
+def _square(shape, size: int) -> bool:
+    return len(shape) >= 3 and tuple(shape).count(size) >= 2

@@ -1,0 +1,248 @@
+"""Long context and MoE on virtual DGX H100 clusters: the Megatron grid with context /
+expert parallelism against the grid without, and autopar's own plan where asked.
+
+In: rows (a Llama at 32k or 128k tokens; a Mixtral-8x7B-like or DeepSeek-V3-like MoE as
+its dense proxy, `autopar.manual.MoEShape`), each on a number of DGX H100 hosts. Out: a
+table in ``docs/benchmarks.md`` (section "Long context and MoE"): per row the best grid
+configuration and its predicted step time and TFLOP/s per GPU with CP (or EP) and
+without, their ratio, and, with ``--auto ROW``, `autopar.plan`'s plan of the same step.
+Nothing executes: every figure comes from the shared cost model, the grid pricing CP and
+EP as `autopar/manual/_context_experts.py` says (each configuration traced at its CP
+rank's shapes; EP on the dense proxy).
+
+The grid is restricted so that a row plans in minutes on a shared two-core machine:
+sequence parallelism and the distributed optimizer on (what long-context and MoE runs
+use), one sequence per microbatch per data-parallel rank, no interleaving, recompute tried
+in order (none, selective, full) where a configuration does not fit, and each row's
+tensor- and pipeline-parallel degrees (`Row.tp_values`, `Row.pp_values`): the rows
+compare CP (EP) degrees at fixed tp and pp, not the whole grid.
+
+TFLOP/s per GPU counts the traced step's FLOPs at the full sequence (attention's whole
+s x s square, as the traced einsum does) over the predicted step time and the GPUs.
+
+Usage: ``python -m benchmarks bench_long_moe [--rows KEY,...] [--auto KEY,...]
+[--no-write] [--save FILE] [--load FILE ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import optax  # noqa: E402
+
+from autopar.cluster import Cluster  # noqa: E402
+from autopar.graph import trace  # noqa: E402
+from autopar.manual import AttentionShape, MoEShape, megatron_grid_search  # noqa: E402
+from autopar.search import plan  # noqa: E402
+from examples import llama  # noqa: E402
+
+SECTION = "## Long context and MoE: the Megatron grid with CP / EP"
+TERA = 1e12
+PROFILE = "dgx-h100"
+
+# Mixtral 8x7B (Jiang et al. 2024): hidden 4096, 32 layers, 32 heads, 8 K/V heads, 8
+# experts of SwiGLU width 14,336, top-2, vocabulary 32,000. Its dense proxy: width 2 x
+# 14,336.
+MIXTRAL = llama.LlamaConfig(32000, 4096, 4096, 32, 32, 8, 2 * 14336, rope_theta=1e6)
+MIXTRAL_MOE = MoEShape(num_experts=8, top_k=2, expert_ffn=14336, hidden=4096,
+                       num_moe_layers=32, num_layers=32)
+# DeepSeek-V3-like (DeepSeek-AI 2024, sec. 4.2), as benchmarks/validate_public.py traces it:
+# MLA as multi-head attention of the same width; (8 + 1) x 2048 = 18,432, the dense layers'
+# width.
+DEEPSEEK = llama.LlamaConfig(129280, 4096, 7168, 61, 128, 128, 18432)
+DEEPSEEK_MOE = MoEShape(num_experts=256, top_k=8, expert_ffn=2048, hidden=7168,
+                        num_moe_layers=58, num_layers=61, num_shared=1)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A model (`LlamaConfig`, a dense proxy when `moe` is set) at `seq_len` tokens,
+    `global_batch` sequences per step, on `num_hosts` DGX H100 hosts; the grid's pipeline
+    degrees `pp_values` and expert degrees `ep_values`."""
+
+    name: str
+    model: llama.LlamaConfig
+    seq_len: int
+    global_batch: int
+    num_hosts: int
+    pp_values: tuple[int, ...] = (1,)
+    moe: MoEShape | None = None
+    ep_values: tuple[int, ...] | None = None
+    cp_values: tuple[int, ...] | None = None  # None: every divisor of the devices
+    tp_values: tuple[int, ...] | None = None  # None: every divisor
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.seq_len // 1024}k@{self.num_hosts * 8}"
+
+
+# Each row's grid is cut to a few configurations (one tp, one pp) so that the rows plan
+# on a shared two-core machine; `--rows` picks rows, and widening a row's values widens
+# its grid.
+ROWS = (
+    Row("llama-8B", llama.CONFIGS["8B"], 32768, 32, 1, (1,), cp_values=(1, 2, 4),
+        tp_values=(2,)),
+    Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1,), cp_values=(1, 2, 4, 8),
+        tp_values=(8,)),
+    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (4,), cp_values=(1, 2),
+        tp_values=(8,)),
+    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
+        tp_values=(8,)),
+    Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (2,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
+    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4,), DEEPSEEK_MOE, (1, 64),
+        tp_values=(1,)),
+)
+
+
+def model_step(row: Row):
+    """The row's train step (bf16, fp32 master weights and moments, layer marks) and its
+    abstract arguments at the full sequence."""
+    cfg = dataclasses.replace(row.model, seq_len=row.seq_len, dtype="bfloat16",
+                              master_dtype="float32", layer_markers=True)
+    optimizer = optax.adamw(1e-4)
+    return cfg, llama.make_train_step(cfg, optimizer), (
+        llama.abstract_state(cfg, optimizer), llama.abstract_batch(cfg, row.global_batch))
+
+
+def run_grid(row: Row, cfg, step, args, cluster):
+    """The grid with CP (dense rows) or EP (MoE rows): ``(best plan, results, seconds)``;
+    its configurations at cp = 1 / ep = 1 are the grid without."""
+    attention = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                               cfg.num_layers)
+    if row.moe is not None:
+        extra = dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None,),
+                     attention=attention, cp_values=(1,))
+    else:
+        extra = dict(attention=attention, cp_values=row.cp_values)
+    start = time.perf_counter()
+    best, results = megatron_grid_search(
+        step, *args, cluster=cluster, microbatch_sizes=(1,),
+        sequence_parallel=(False,) if row.tp_values == (1,) else (True,),
+        distributed_optimizer=(True,), virtual_stages=(1,), pp_values=row.pp_values,
+        tp_values=row.tp_values, num_heads=cfg.num_heads, **extra)
+    return best, results, time.perf_counter() - start
+
+
+def _extended(config) -> bool:
+    return config.cp > 1 or config.expert_parallel > 1
+
+
+def evaluate(row: Row, auto: bool) -> dict:
+    cfg, step, args = model_step(row)
+    cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
+    flops = trace(step, *args, batch_argnums=(1,)).total_flops
+    out = {"row": row.key}
+
+    def result(config, seconds, **more):
+        return dict(config=config.name, seconds=seconds,
+                    tflops=flops / seconds / cluster.num_devices / TERA, **more)
+
+    try:
+        best, results, seconds = run_grid(row, cfg, step, args, cluster)
+    except ValueError as err:  # the first line and the first configuration's reason
+        out["with"] = out["without"] = dict(error=" ".join(str(err).splitlines()[:2])[:300])
+    else:
+        costed = [(c, t) for c, t in results if isinstance(t, float)]
+        out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
+                             planning=seconds)
+        plain = [(c, t) for c, t in costed if not _extended(c)]
+        out["without"] = (result(*min(plain, key=lambda ct: ct[1])) if plain else
+                          dict(error="no configuration without CP/EP fits"))
+    print(row.key, out, flush=True)
+    if auto:
+        start = time.perf_counter()
+        try:
+            p = plan(step, *args, cluster=cluster, cache=False)
+            out["auto"] = dict(config=f"{p.num_stages} stage(s), mesh "
+                               f"{tuple(p.stages[0].mesh.shape)}, {p.num_microbatches} mb",
+                               seconds=p.predicted_step_time,
+                               tflops=flops / p.predicted_step_time / cluster.num_devices
+                               / TERA, planning=time.perf_counter() - start)
+        except ValueError as err:
+            out["auto"] = dict(error=str(err).splitlines()[0][:160])
+        print(row.key, "auto", out["auto"], flush=True)
+    return out
+
+
+def _cell(result: dict | None) -> str:
+    if result is None:
+        return "not run | — | —"
+    if "error" in result:
+        return f"no plan: {result['error']} | — | —"
+    return (f"`{result['config']}` | {result['seconds']:.3g} | {result['tflops']:.0f}")
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        SECTION,
+        "",
+        "Dry runs on virtual DGX H100 clusters (`dgx-h100` profile), nothing executes. "
+        "*With*: the best configuration of the Megatron grid searching context parallelism "
+        "(the row's cp values whose 2·cp chunks divide the sequence; ring CP, Megatron's "
+        "default) for the dense rows, expert parallelism (ep; etp = tp) on the MoE's "
+        "dense proxy for the MoE rows, at each row's tp and pp; *without*: the best of "
+        "the same grid's configurations at cp = 1 / ep = 1. Speedup: without over with "
+        "(predicted step times). autopar's own plan is listed where run (`--auto`); its "
+        "search has no CP or EP choice of its own here. Module docstring of "
+        "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",
+        "",
+        "| row | best with CP/EP | s/step | TFLOP/s/GPU | best without | s/step | "
+        "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        with_, without = r.get("with"), r.get("without")
+        speedup = "—"
+        if with_ and without and "seconds" in with_ and "seconds" in without:
+            speedup = f"{without['seconds'] / with_['seconds']:.2f}"
+        lines.append(f"| {r['row']} | {_cell(with_)} | {_cell(without)} | {speedup} | "
+                     f"{_cell(r.get('auto'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(r.key for r in ROWS))
+    parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--save", help="also write the results to this JSON file")
+    parser.add_argument("--load", nargs="*", default=(),
+                        help="JSON files of results saved earlier (--save) to table with "
+                        "this run's, in row order (processes can run disjoint --rows)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    wanted, auto = args.rows.split(","), set(filter(None, args.auto.split(",")))
+    unknown = [k for k in wanted if k not in {r.key for r in ROWS}]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown}; choose from "
+                         f"{', '.join(r.key for r in ROWS)}")
+    loaded = {}
+    for path in args.load:
+        with open(path) as f:
+            loaded.update({r["row"]: r for r in json.load(f)})
+    fresh = [evaluate(row, row.key in auto) for row in ROWS
+             if row.key in wanted and row.key not in loaded]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(fresh, f, indent=1)
+    by_key = {**loaded, **{r["row"]: r for r in fresh}}
+    section = table([by_key[r.key] for r in ROWS if r.key in by_key])
+    print(section)
+    if not args.no_write:
+        from benchmarks._results import write_section
+
+        write_section("bench_long_moe", section)
+
+
+if __name__ == "__main__":
+    main()

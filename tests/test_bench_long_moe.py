@@ -1,0 +1,28 @@
+"""benchmarks/bench_long_moe.py on a tiny Llama: one grid gives the best configuration with
+context parallelism and the best without (its cp = 1 configurations), and the table says
+both."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_long_moe  # noqa: E402
+import pytest  # noqa: E402
+
+from examples import llama  # noqa: E402
+
+
+@pytest.mark.extended  # a dozen grid configurations: about 20 s on an idle 2-core machine
+def test_tiny_row_with_and_without_context_parallelism():
+    row = bench_long_moe.Row("llama-tiny", llama.CONFIGS["tiny"], 64, 8, 1, (1,),
+                             cp_values=(1, 2))
+    result = bench_long_moe.evaluate(row, auto=False)
+    best, plain = result["with"], result["without"]
+    assert best["seconds"] <= plain["seconds"]
+    assert "cp=" not in plain["config"]
+    assert best["costed"] >= 2
+    text = bench_long_moe.table([result])
+    assert f"| {row.key} |" in text and plain["config"] in text
