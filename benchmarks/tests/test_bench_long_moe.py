@@ -4,15 +4,10 @@ both."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import bench_long_moe
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_long_moe  # noqa: E402
-import pytest  # noqa: E402
-
-from examples import llama  # noqa: E402
+from examples import llama
 
 
 @pytest.mark.extended  # a dozen grid configurations: about 20 s on an idle 2-core machine
