@@ -491,7 +491,8 @@ def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> f
             continue
         var = graph.vars[node.inputs[copy.operand]]
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
-        total += backend.layout_copy_seconds(ctx.cluster, nbytes, copy.fan_in, copy.fused)
+        total += backend.layout_copy_seconds(ctx.cluster, nbytes, copy.fan_in, copy.fused,
+                                             copy.strided)
     return total
 
 
