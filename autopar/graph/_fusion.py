@@ -34,7 +34,7 @@ read by the backward pass, or `x` in ``x - mean(x)``, is written once and read a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,21 +107,35 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MIN_FUSED_SEQUENCE = 128
 
 
-def attention_core(graph: OpGraph) -> frozenset[int]:
+def attention_core(graph: OpGraph, outputs: bool = False) -> frozenset[int]:
     """Variables a fused attention kernel (FlashAttention; Dao et al. 2022) never writes to
     device memory: the results of operations shaped (..., s, s) with at least 3
     dimensions and s >= `MIN_FUSED_SEQUENCE` — the scores, mask, softmax and, backward,
     their gradients, per batch and head. The kernel streams Q, K and V through on-chip
     memory in tiles and keeps only the softmax statistics; the FLOPs of the two matmuls
     remain. Weights are 2-D and never match; the step's inputs and outputs are never
-    core."""
-    outputs = set(graph.outvars)
+    core, unless `outputs` (a layer's sub-graph, whose outputs include what its backward
+    reads: the kernel's backward recomputes those too)."""
+    outputs = set() if outputs else set(graph.outvars)
     core = set()
     for node in graph.nodes:
         for v in node.outputs:
             shape = graph.vars[v].shape
             if (len(shape) >= 3 and shape[-1] == shape[-2] >= MIN_FUSED_SEQUENCE
                     and v not in outputs):
+                core.add(v)
+    # A product laid out with its two sequence dimensions elsewhere (a grouped-query
+    # attention's ``bqngd,bknd`` scores come out of the dot as (b, n, q, k, g) and are
+    # transposed to (b, n, g, q, k)) is core too when it makes or is made from a core value.
+    inputs = set(graph.invars)
+    for node in graph.nodes:
+        if not any(v in core for v in (*node.inputs, *node.outputs)):
+            continue
+        for v in (*node.inputs, *node.outputs):
+            shape = graph.vars[v].shape
+            sizes = [d for d in shape if d >= MIN_FUSED_SEQUENCE]
+            if (len(shape) >= 3 and v not in outputs and v not in inputs
+                    and any(sizes.count(d) >= 2 for d in sizes)):
                 core.add(v)
     return frozenset(core)
 
@@ -312,7 +326,7 @@ def _fuses(var: int, producer: Node | None, consumer: Node, single_use: bool, de
 
 def stored_residuals(
     graph: OpGraph, forward: Sequence[int], kept: Iterable[int], leaving: Iterable[int] = (),
-    free: Callable[[int], bool] = lambda v: False,
+    free: Callable[[int], bool] = lambda v: False, core: Collection[int] = (),
 ) -> set[int]:
     """The values a forward pass writes to device memory for its backward, when the
     backward reads `kept` (values the `forward` nodes make; `leaving`: forward values read
@@ -328,7 +342,10 @@ def stored_residuals(
     centred input, a broadcast mask) is never written: the backward's own fusion
     recomputes it from what the chain reads, so those reads are stored in its place,
     found by walking back through such values. Values for which `free(v)` holds
-    (parameters, optimizer state, constants: held anyway) are left out.
+    (parameters, optimizer state, constants: held anyway) are left out. Values in
+    `core` (a fused attention kernel's scores and softmax, `attention_core`) are never
+    written: the kernel's backward recomputes them from what they are made of (Q, K, V;
+    Dao et al. 2022, FlashAttention, sec. 3.1), which is stored in their place.
 
     **Example:** for ``gelu(x @ w1 + b1) @ w2`` the backward reads the GELU's input and
     its inner tanh and powers, and its output; stored are the dot's result ``x @ w1`` (the
@@ -352,8 +369,12 @@ def stored_residuals(
             consumer.primitive
         ) in ("elementwise", "reduce")
 
+    core = frozenset(core)
+
     def written(v: int) -> bool:
         producer = producer_of.get(v)
+        if v in core and producer is not None:
+            return False
         if producer is None or fusion_kind(producer.primitive) != "elementwise":
             return True
         return v in leaving or any(

@@ -69,6 +69,7 @@ def peak_live_bytes(
     mesh,
     donated: Collection[int] = (),
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
+    free: Collection[int] = (),
 ) -> float:
     """Largest live bytes per device at any program point of `graph` under these layouts.
 
@@ -77,17 +78,23 @@ def peak_live_bytes(
     - `donated`: input variable ids whose buffers the step's outputs reuse.
     - `operand_specs`: (node id, operand position, layout) of operands resharded for their
       consumer (`ShardingPlan.operand_specs`).
+    - `free`: variable ids that never occupy device memory (a fused attention kernel's
+      scores and softmax, `autopar.graph.attention_core`): counted as 0 bytes.
 
     **Returns:** bytes per device (float).
     """
-    return _walk(graph, var_specs, mesh, donated, operand_specs)[0]
+    return _walk(graph, var_specs, mesh, donated, operand_specs, free=free)[0]
 
 
-def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
+def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=()):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
 
+    free = frozenset(free)
+
     def nbytes(v: int, spec=None) -> float:
+        if v in free:
+            return 0.0
         var = graph.vars[v]
         spec = var_specs[v] if spec is None else spec
         if spec is None or not var.shape:
