@@ -112,7 +112,7 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
         for position, v in enumerate(node.inputs):
             b = buffer.get(v, v)
             # A read of a slice made at production is no read of the value itself.
-            use = made[v] if (node.id, position) in sliced else node.id
+            use = made.get(v, node.id) if (node.id, position) in sliced else node.id
             last_use[b] = max(last_use.get(b, -1), use)
     for v in returned:
         last_use[buffer.get(v, v)] = end
@@ -277,7 +277,7 @@ def _reshard_temporaries(graph: OpGraph, operand_specs, var_specs, mesh, nbytes,
     for node_id, position, spec in operand_specs:
         v = graph.nodes[node_id].inputs[position]
         key = (v, spec)
-        first = made[v] if (node_id, position) in sliced else node_id
+        first = made.get(v, node_id) if (node_id, position) in sliced else node_id
         if key in spans:
             was, last, size = spans[key]
             spans[key] = (min(was, first), max(last, node_id), size)
