@@ -344,7 +344,17 @@ def _chunk_bounds(num_layers: int, config: MegatronConfig) -> list[tuple[int, in
             "choose pp and virtual_stages whose product divides the number of layers, or "
             "pass even_chunks=False to split them as evenly as the marks allow"
         )
-    edges = [round(i * num_layers / chunks) for i in range(chunks + 1)]
+    if config.even_chunks and num_layers > num_marked:
+        # Megatron-LM gives every stage num_layers / pp transformer layers, the embedding
+        # riding with the first and the output head (the piece after the last mark) with
+        # the last (Narayanan et al. 2021, sec. 2; Shoeybi et al. 2019): the head is no
+        # transformer layer of its own in the split. Counting it as one (n + 1 pieces
+        # over the chunks) gave some middle stage an extra layer: 129 pieces of the 1T
+        # model over 64 stages made one stage 3 layers for Megatron's 2, and the
+        # pipeline runs at its slowest stage.
+        edges = [round(i * num_marked / chunks) for i in range(chunks)] + [num_layers]
+    else:
+        edges = [round(i * num_layers / chunks) for i in range(chunks + 1)]
     return [(a, b) for a, b in zip(edges, edges[1:])]
 
 
