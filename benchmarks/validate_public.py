@@ -153,6 +153,11 @@ BLOOM_SRC = ("BigScience, 'The Technology Behind BLOOM Training' (Hugging Face b
 MTNLG_SRC = ("Smith et al. 2022 (Megatron-Turing NLG 530B, sec. 2.3 and Fig. 4): TP8 PP35, "
              "batch 1920, micro-batch 1; 126 TFLOP/s per GPU on 280 DGX A100 (2240 GPUs), "
              "113 on 420 (3360); Megatron-DeepSpeed, activation recompute")
+# The same report's middle point (Smith et al. 2022, sec. 2.4: 60.1 / 50.2 / 44.4 s per
+# iteration on 280 / 350 / 420 DGX A100, i.e. 126 / 121 / 113 TFLOP/s per GPU).
+MTNLG_2800_SRC = ("Smith et al. 2022 (Megatron-Turing NLG 530B, sec. 2.4): TP8 PP35, batch 1920, "
+                  "micro-batch 1; 50.2 s per iteration, 121 TFLOP/s per GPU on 350 DGX A100 "
+                  "(2800 GPUs); Megatron-DeepSpeed, activation recompute")
 LLAMA_SRC = ("Llama 3 Herd of Models (Dubey et al. 2024), Table 4: 405B on H100, TP8 CP1 PP16, "
              "sequence 8192; 430 TFLOP/s/GPU (43% BF16 MFU) on 8192 GPUs with DP64, 400 "
              "(41%) on 16384 with DP128; interleaved pipeline schedule")
@@ -180,6 +185,9 @@ RUNS = (
                  sequence_parallel=False),
     PublishedRun("mtnlg-530b-2240", "Megatron-DeepSpeed (Microsoft/NVIDIA)", MTNLG, "gpt",
                  "dgx-a100-80g", 2240, 8, 8, 35, 1920, 1, 126.0, True, "", MTNLG_SRC,
+                 recompute="full", sequence_parallel=False),
+    PublishedRun("mtnlg-530b-2800", "Megatron-DeepSpeed (Microsoft/NVIDIA)", MTNLG, "gpt",
+                 "dgx-a100-80g", 2800, 10, 8, 35, 1920, 1, 121.0, True, "", MTNLG_2800_SRC,
                  recompute="full", sequence_parallel=False),
     PublishedRun("mtnlg-530b-3360", "Megatron-DeepSpeed (Microsoft/NVIDIA)", MTNLG, "gpt",
                  "dgx-a100-80g", 3360, 12, 8, 35, 1920, 1, 113.0, True, "", MTNLG_SRC,

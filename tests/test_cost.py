@@ -254,7 +254,7 @@ def test_node_cost_by_hand(a100):
     assert kernel_seconds(a100, False) == 0.0
     assert unfused_bytes([None, 4.0], [8.0, 2.0]) == 14.0
     cpu = Cluster.from_profile("cpu-local-measured")
-    copies = [(1e6, 1, False), (4e6, 2, True)]
+    copies = [(1e6, 1, False, True), (4e6, 2, True, True), (2e6, 1, False, False)]
     backend = backend_for(cpu)
     seconds = layout_copy_seconds(cpu, copies)
     assert seconds > 0

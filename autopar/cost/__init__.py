@@ -85,6 +85,7 @@ from autopar.cost._links import (
 from autopar.cost._memory import (
     MEMORY_PARTS,
     StageMemory,
+    device_group_memory,
     gradient_bytes,
     sharded_bytes,
     stage_memory,
@@ -171,6 +172,7 @@ __all__ = [
     "stage_dispatch_time",
     "stage_memory",
     "stage_memory_parts",
+    "device_group_memory",
     "StageMemory",
     "MEMORY_PARTS",
     "tasks_per_step",

@@ -116,3 +116,24 @@ def stage_memory(costs: Sequence[LayerCost], in_flight: int) -> float:
     every layer, the kept activations of every microbatch in flight, and the working memory
     of the one layer running at a time (the total of `autopar.cost.stage_memory_parts`)."""
     return stage_memory_parts(costs, in_flight).total
+
+
+def device_group_memory(chunks: Sequence[StageMemory]) -> StageMemory:
+    """A device group's memory when it holds several pipeline chunks (the interleaved
+    schedule's v model chunks per device; Narayanan et al. 2021, sec. 2.2): the state,
+    gradient sums and kept activations of every chunk (each chunk's `in_flight` already
+    counts the chunk-microbatches its schedule keeps: `in_flight_microbatches`), and the
+    working memory of the one chunk running at a time, the largest.
+
+    **Example:** two chunks of 10 GB state, 2 GB gradients, 30 GB / 20 GB activations and
+    5 GB / 3 GB working memory: 20 + 4 + 50 + 5 = 79 GB.
+    """
+    if not chunks:
+        raise ValueError("device_group_memory needs at least one chunk")
+    return StageMemory(
+        state=math.fsum(c.state for c in chunks),
+        gradients=math.fsum(c.gradients for c in chunks),
+        activations=math.fsum(c.activations for c in chunks),
+        working=max(c.working for c in chunks),
+        in_flight=math.fsum(c.in_flight for c in chunks),
+    )

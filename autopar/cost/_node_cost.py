@@ -55,13 +55,15 @@ def reductions_seconds(reductions: Iterable[tuple[str, float, Any, bool]], clust
                for kind, nbytes, axes, combined in reductions)
 
 
-def layout_copy_seconds(cluster: Cluster, copies: Iterable[tuple[float, int, bool]]) -> float:
+def layout_copy_seconds(cluster: Cluster,
+                        copies: Iterable[tuple[float, int, bool, bool]]) -> float:
     """Seconds a node's layout copies add on `cluster`: each ``(bytes per device, fan-in,
-    fused)`` priced by its backend's `layout_copy_seconds` (`autopar.cost.backends`)."""
+    fused, strided)`` priced by its backend's `layout_copy_seconds` (`autopar.cost.backends`;
+    strided False: a scan's per-iteration slice of a stacked operand)."""
     backend = backend_for(cluster)
     total = 0.0
-    for nbytes, fan_in, fused in copies:
-        total += backend.layout_copy_seconds(cluster, nbytes, fan_in, fused)
+    for nbytes, fan_in, fused, strided in copies:
+        total += backend.layout_copy_seconds(cluster, nbytes, fan_in, fused, strided)
     return total
 
 

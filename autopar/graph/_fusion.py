@@ -34,7 +34,7 @@ read by the backward pass, or `x` in ``x - mean(x)``, is written once and read a
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,21 +110,35 @@ _CACHE: weakref.WeakKeyDictionary = declare(
 MIN_FUSED_SEQUENCE = 128
 
 
-def attention_core(graph: OpGraph) -> frozenset[int]:
+def attention_core(graph: OpGraph, outputs: bool = False) -> frozenset[int]:
     """Variables a fused attention kernel (FlashAttention; Dao et al. 2022) never writes to
     device memory: the results of operations shaped (..., s, s) with at least 3
     dimensions and s >= `MIN_FUSED_SEQUENCE` — the scores, mask, softmax and, backward,
     their gradients, per batch and head. The kernel streams Q, K and V through on-chip
     memory in tiles and keeps only the softmax statistics; the FLOPs of the two matmuls
     remain. Weights are 2-D and never match; the step's inputs and outputs are never
-    core."""
-    outputs = set(graph.outvars)
+    core, unless `outputs` (a layer's sub-graph, whose outputs include what its backward
+    reads: the kernel's backward recomputes those too)."""
+    outputs = set() if outputs else set(graph.outvars)
     core = set()
     for node in graph.nodes:
         for v in node.outputs:
             shape = graph.vars[v].shape
             if (len(shape) >= 3 and shape[-1] == shape[-2] >= MIN_FUSED_SEQUENCE
                     and v not in outputs):
+                core.add(v)
+    # A product laid out with its two sequence dimensions elsewhere (a grouped-query
+    # attention's ``bqngd,bknd`` scores come out of the dot as (b, n, q, k, g) and are
+    # transposed to (b, n, g, q, k)) is core too when it makes or is made from a core value.
+    inputs = set(graph.invars)
+    for node in graph.nodes:
+        if not any(v in core for v in (*node.inputs, *node.outputs)):
+            continue
+        for v in (*node.inputs, *node.outputs):
+            shape = graph.vars[v].shape
+            sizes = [d for d in shape if d >= MIN_FUSED_SEQUENCE]
+            if (len(shape) >= 3 and v not in outputs and v not in inputs
+                    and any(sizes.count(d) >= 2 for d in sizes)):
                 core.add(v)
     return frozenset(core)
 
@@ -219,22 +233,72 @@ def _compute(graph: OpGraph) -> FusionTraffic:
     outputs = set(graph.outvars)
     depth = _depths(graph, consumers, outputs)
     producer_of = {v: node for node in graph.nodes for v in node.outputs}
+    by_id = {node.id: node for node in graph.nodes}
+
+    def readers(var: int) -> list[Node]:
+        """The nodes reading `var`, through bitcast reshapes."""
+        found = []
+        for c in consumers[var]:
+            node = by_id[c]
+            if _is_bitcast(node) and node.outputs[0] not in outputs:
+                found.extend(readers(node.outputs[0]))
+            else:
+                found.append(node)
+        return found
+
+    readers_of = [readers(v) for v in range(len(consumers))]
+    num_readers = [len(r) for r in readers_of]
+
+    def source(var: int) -> int:
+        """`var` through the bitcast reshapes that made it."""
+        while var in producer_of and _is_bitcast(producer_of[var]) and var not in outputs:
+            var = producer_of[var].inputs[0]
+        return var
 
     def fused(var: int, consumer: Node) -> bool:
-        return _fuses(var, producer_of.get(var), consumer, consumers, depth, outputs)
+        var = source(var)
+        producer = producer_of.get(var)
+        if producer is not None and (fusion_kind(producer.primitive) == "matmul"
+                                     or producer.id in epilogue):
+            return _in_epilogue(var, producer, consumer)
+        return _fuses(var, producer, consumer, num_readers[var] == 1, depth, outputs)
+
+    def _in_epilogue(var: int, producer: Node, consumer: Node) -> bool:
+        """A GEMM's result, or a value its epilogue makes, stays in the GEMM's kernel
+        when every reader is an elementwise op of that kernel (at the GEMM's depth; any
+        number of them: the epilogue reads it from registers); a reduction, another
+        kernel or a later pass among its readers makes the kernel write it, and every
+        reader read it."""
+        d = depth[producer.id]
+        return var not in outputs and all(
+            fusion_kind(r.primitive) == "elementwise" and depth[r.id] == d
+            for r in readers_of[var]) and any(r is consumer for r in readers_of[var])
+
+    # Elementwise nodes running in a GEMM's kernel (its epilogue), in program order.
+    epilogue: set[int] = set()
+    for node in graph.nodes:
+        if fusion_kind(node.primitive) != "elementwise" or _is_bitcast(node):
+            continue
+        for v in node.inputs:
+            v = source(v)
+            producer = producer_of.get(v)
+            if producer is not None and (fusion_kind(producer.primitive) == "matmul"
+                                         or producer.id in epilogue) \
+                    and _in_epilogue(v, producer, node):
+                epilogue.add(node.id)
+                break
 
     def boundary(node: Node) -> bool:
-        return fusion_kind(node.primitive) == "boundary"
+        return fusion_kind(node.primitive) == "boundary" or _is_bitcast(node)
 
-    by_id = {node.id: node for node in graph.nodes}
     reads = {
         node.id: tuple(not boundary(node) and not fused(v, node) for v in node.inputs)
         for node in graph.nodes
     }
     writes = {
         node.id: tuple(
-            not boundary(node)
-            and (v in outputs or any(not fused(v, by_id[c]) for c in consumers[v]))
+            (v in outputs and fusion_kind(node.primitive) != "boundary") if boundary(node)
+            else (v in outputs or any(not fused(v, c) for c in readers_of[v]))
             for v in node.outputs
         )
         for node in graph.nodes
@@ -242,11 +306,19 @@ def _compute(graph: OpGraph) -> FusionTraffic:
     return FusionTraffic(reads, writes)
 
 
-def _fuses(var: int, producer: Node | None, consumer: Node, consumers, depth, outputs) -> bool:
-    """Whether `var` (made by `producer`) stays inside the kernel that runs `consumer`."""
+def _is_bitcast(node: Node) -> bool:
+    """A row-major `reshape` (no `dimensions` permutation): XLA lowers it to a bitcast of
+    its operand's buffer, no kernel and no bytes of its own; its readers read (or fuse
+    with) its operand."""
+    return node.primitive == "reshape" and not node.params.get("dimensions")
+
+
+def _fuses(var: int, producer: Node | None, consumer: Node, single_use: bool, depth,
+           outputs) -> bool:
+    """Whether `var` (made by `producer`, read by one node or several: `single_use`)
+    stays inside the kernel that runs `consumer`."""
     if producer is None:
         return False
-    single_use = len(consumers[var]) == 1
     p, c = fusion_kind(producer.primitive), fusion_kind(consumer.primitive)
     if p == "matmul":  # epilogue
         return single_use and c == "elementwise" and var not in outputs
@@ -259,7 +331,7 @@ def _fuses(var: int, producer: Node | None, consumer: Node, consumers, depth, ou
 
 def stored_residuals(
     graph: OpGraph, forward: Sequence[int], kept: Iterable[int], leaving: Iterable[int] = (),
-    free: Callable[[int], bool] = lambda v: False,
+    free: Callable[[int], bool] = lambda v: False, core: Collection[int] = (),
 ) -> set[int]:
     """The values a forward pass writes to device memory for its backward, when the
     backward reads `kept` (values the `forward` nodes make; `leaving`: forward values read
@@ -275,7 +347,10 @@ def stored_residuals(
     centred input, a broadcast mask) is never written: the backward's own fusion
     recomputes it from what the chain reads, so those reads are stored in its place,
     found by walking back through such values. Values for which `free(v)` holds
-    (parameters, optimizer state, constants: held anyway) are left out.
+    (parameters, optimizer state, constants: held anyway) are left out. Values in
+    `core` (a fused attention kernel's scores and softmax, `attention_core`) are never
+    written: the kernel's backward recomputes them from what they are made of (Q, K, V;
+    Dao et al. 2022, FlashAttention, sec. 3.1), which is stored in their place.
 
     **Example:** for ``gelu(x @ w1 + b1) @ w2`` the backward reads the GELU's input and
     its inner tanh and powers, and its output; stored are the dot's result ``x @ w1`` (the
@@ -299,12 +374,16 @@ def stored_residuals(
             consumer.primitive
         ) in ("elementwise", "reduce")
 
+    core = frozenset(core)
+
     def written(v: int) -> bool:
         producer = producer_of.get(v)
+        if v in core and producer is not None:
+            return False
         if producer is None or fusion_kind(producer.primitive) != "elementwise":
             return True
         return v in leaving or any(
-            not _fuses(v, producer, by_id[c], consumers, depth, leaving)
+            not _fuses(v, producer, by_id[c], len(consumers[v]) == 1, depth, leaving)
             and not duplicated(producer, by_id[c])
             for c in consumers[v]
         )
@@ -356,8 +435,8 @@ def _depths_of(nodes: Sequence[Node], consumers, outputs) -> dict[int, int]:
         depth[node.id] = d
         for v in node.outputs:
             epilogue = (
-                kinds[node.id] == "matmul" and len(consumers[v]) == 1 and v not in outputs
-                and kinds[consumers[v][0]] == "elementwise"
+                kinds[node.id] == "matmul" and len(consumers[v]) >= 1 and v not in outputs
+                and all(kinds[c] == "elementwise" for c in consumers[v])
             )
             var_depth[v] = d + int(kinds[node.id] != "elementwise" and not epilogue)
     return depth

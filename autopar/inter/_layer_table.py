@@ -20,7 +20,7 @@ import time
 from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
-from autopar.graph import OpGraph, Role, stored_residuals
+from autopar.graph import OpGraph, Role, attention_core, stored_residuals
 from autopar.graph._opgraph import dtype_itemsize
 from autopar.inter import _range_cache, _repricing
 from autopar.inter._compact_specs import _CompactSpecs
@@ -42,6 +42,7 @@ from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import partition
 from autopar.inter.passes._remat import STATE_ROLES, fused_recompute, recompute
 from autopar.intra._ilp import MemoryBudgetError
+from autopar.intra._liveness import peak_live_bytes
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
@@ -244,9 +245,17 @@ class LayerCostTable:
         # The backward reruns the kept values its forward made inside a fusion
         # (`fused_recompute`, what `with_remat` lowers for every layer): their FLOPs.
         fused = layer_fused_seconds(self, layer, sub, plan)
+        # The layer's peak as XLA holds it (`peak_live_bytes`: values die after their last
+        # reader, fused ones are never written, a fused attention kernel's scores never
+        # exist), not the ILP's linear bound (every value materialised at once), which
+        # for an 8k-token attention layer counts every (s, s) tensor of its forward and
+        # backward together.
+        peak = peak_live_bytes(sub, plan.var_specs, plan.mesh,
+                               operand_specs=plan.operand_specs,
+                               free=self._attention_core(sub))
         cost = LayerCost(
             plan.cost.total + fused,
-            plan.cost.memory_per_device,
+            min(plan.cost.memory_per_device, peak),
             _activation_bytes(sub, plan, self.kept_for_backward(layer)),
             _state_bytes(sub, plan),
             _gradient_bytes(sub, plan, self.per_layer),
@@ -400,6 +409,13 @@ class LayerCostTable:
         have found one (the graph is a layer of the same structure)."""
         return self._plans[(self.fingerprints[layer], shape, level)]
 
+    def _attention_core(self, sub: OpGraph) -> frozenset[int]:
+        """The values a fused attention kernel never writes (`attention_core`), on a
+        cluster that runs one (`Cluster.fused_attention`); else none."""
+        if not getattr(self.cluster, "fused_attention", False):
+            return frozenset()
+        return attention_core(sub, outputs=True)
+
     def kept_for_backward(self, layer: int) -> set[int]:
         """What a microbatch in flight keeps on the stage for the layer's backward: of the
         values its forward computes and its backward reads, those the forward writes to
@@ -414,6 +430,7 @@ class LayerCostTable:
             self._kept[layer] = frozenset(stored_residuals(
                 sub, fwd.nodes, set(fwd.outputs) & bwd_inputs, leaving,
                 free=lambda v: sub.vars[v].role in STATE_ROLES,
+                core=self._attention_core(sub),
             ))
         return set(self._kept[layer])
 

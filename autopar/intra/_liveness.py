@@ -69,6 +69,7 @@ def peak_live_bytes(
     mesh,
     donated: Collection[int] = (),
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
+    free: Collection[int] = (),
 ) -> float:
     """Largest live bytes per device at any program point of `graph` under these layouts.
 
@@ -77,17 +78,23 @@ def peak_live_bytes(
     - `donated`: input variable ids whose buffers the step's outputs reuse.
     - `operand_specs`: (node id, operand position, layout) of operands resharded for their
       consumer (`ShardingPlan.operand_specs`).
+    - `free`: variable ids that never occupy device memory (a fused attention kernel's
+      scores and softmax, `autopar.graph.attention_core`): counted as 0 bytes.
 
     **Returns:** bytes per device (float).
     """
-    return _walk(graph, var_specs, mesh, donated, operand_specs)[0]
+    return _walk(graph, var_specs, mesh, donated, operand_specs, free=free)[0]
 
 
-def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
+def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=()):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
 
+    free = frozenset(free)
+
     def nbytes(v: int, spec=None) -> float:
+        if v in free:
+            return 0.0
         var = graph.vars[v]
         spec = var_specs[v] if spec is None else spec
         if spec is None or not var.shape:
@@ -105,7 +112,7 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
         for position, v in enumerate(node.inputs):
             b = buffer.get(v, v)
             # A read of a slice made at production is no read of the value itself.
-            use = made[v] if (node.id, position) in sliced else node.id
+            use = made.get(v, node.id) if (node.id, position) in sliced else node.id
             last_use[b] = max(last_use.get(b, -1), use)
     for v in returned:
         last_use[buffer.get(v, v)] = end
@@ -270,7 +277,7 @@ def _reshard_temporaries(graph: OpGraph, operand_specs, var_specs, mesh, nbytes,
     for node_id, position, spec in operand_specs:
         v = graph.nodes[node_id].inputs[position]
         key = (v, spec)
-        first = made[v] if (node_id, position) in sliced else node_id
+        first = made.get(v, node_id) if (node_id, position) in sliced else node_id
         if key in spans:
             was, last, size = spans[key]
             spans[key] = (min(was, first), max(last, node_id), size)

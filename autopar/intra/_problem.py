@@ -300,12 +300,14 @@ _CANNOT_FOLLOW = object()
 
 
 def _finished(strategies: list[Strategy], extra) -> tuple[Strategy, ...]:
-    """`strategies` with the scan markers' compute zeroed and the node's weights applied."""
-    weight, scan_marker = extra
-    if scan_marker:
-        # Slicing a stacked operand and stacking results fuse into the body's
-        # operations (XLA reads and writes the slices in place): no time of their own.
-        strategies = [replace(s, compute_cost=0.0) for s in strategies]
+    """`strategies` with the node's weights applied.
+
+    A scan marker moves no bytes of its own (`autopar.graph.fusion_traffic` puts it on
+    the loop's boundary) and launches no kernel (`kernel_roots`): its compute is only
+    what its backend charges for the loop's slices (XLA:CPU copies every iteration's
+    slice of a stacked operand, `autopar.cost.backends._xla_cpu.scan_slice_copies`;
+    XLA:GPU reads them in place: 0)."""
+    weight, _ = extra
     if weight is not None:
         strategies = [_weighted(s, *weight) for s in strategies]
     return tuple(strategies)

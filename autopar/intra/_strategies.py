@@ -509,7 +509,7 @@ def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> f
             continue
         var = graph.vars[node.inputs[copy.operand]]
         nbytes = bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
-        copies.append((nbytes, copy.fan_in, copy.fused))
+        copies.append((nbytes, copy.fan_in, copy.fused, copy.strided))
     return layout_copy_seconds(ctx.cluster, copies)
 
 

@@ -37,7 +37,12 @@ import numpy as np
 from autopar._memo import search_scoped
 from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
-from autopar.cost import boundary_transfer_time, check_ulysses_heads, in_flight_microbatches
+from autopar.cost import (
+    boundary_transfer_time,
+    check_ulysses_heads,
+    device_group_memory,
+    in_flight_microbatches,
+)
 from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
 from autopar.inter import assign_layers, partition
@@ -339,11 +344,37 @@ def _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
     # Activations entering a stage from the one before (and their gradients back), as the
     # stage DP of method="auto" charges them (`boundary_transfer_time`).
     crossing = boundary_bytes(graph, layers)
-    return tuple(
+    stages = [
         _pipeline_stage(table, graph, part, s, layer_range, cluster, config, options, tied,
                         crossing)
         for s, layer_range in enumerate(bounds)
-    )
+    ]
+    return tuple(_device_groups_fit(stages, cluster, config, options))
+
+
+def _device_groups_fit(stages, cluster, config, options) -> list:
+    """`stages` (one per chunk) with each chunk's memory the device group's that holds it
+    (`device_group_memory` of the group's v chunks), checked against the budget: a
+    ValueError naming the fix when a group does not fit."""
+    budget = device_budget(cluster, options.memory_budget)
+    result = list(stages)
+    for group in range(config.pp):
+        members = range(group, len(stages), config.pp)
+        parts = device_group_memory([stages[s].memory_parts for s in members])
+        if parts.total > budget:
+            raise ValueError(
+                f"the Megatron layout {config.name} does not fit device group {group} "
+                f"({len(members)} chunk(s)) in {budget / 2**30:.2f} GiB per device: it "
+                f"needs {parts.total / 2**30:.2f} GiB (state {parts.state / 2**30:.2f}, "
+                f"gradients {parts.gradients / 2**30:.2f}, activations "
+                f"{parts.activations / 2**30:.2f} for {parts.in_flight:g} chunk-"
+                f"microbatch(es) in flight ({config.schedule}), working "
+                f"{parts.working / 2**30:.2f}); use a larger tp or pp, more microbatches, "
+                "sequence parallelism, recompute, or a larger memory budget"
+            )
+        for s in members:
+            result[s] = replace(result[s], predicted_memory=parts.total, memory_parts=parts)
+    return result
 
 
 def _chunk_bounds(num_layers: int, config: MegatronConfig) -> list[tuple[int, int]]:
@@ -368,7 +399,17 @@ def _chunk_bounds(num_layers: int, config: MegatronConfig) -> list[tuple[int, in
             "choose pp and virtual_stages whose product divides the number of layers, or "
             "pass even_chunks=False to split them as evenly as the marks allow"
         )
-    edges = [round(i * num_layers / chunks) for i in range(chunks + 1)]
+    if config.even_chunks and num_layers > num_marked:
+        # Megatron-LM gives every stage num_layers / pp transformer layers, the embedding
+        # riding with the first and the output head (the piece after the last mark) with
+        # the last (Narayanan et al. 2021, sec. 2; Shoeybi et al. 2019): the head is no
+        # transformer layer of its own in the split. Counting it as one (n + 1 pieces
+        # over the chunks) gave some middle stage an extra layer: 129 pieces of the 1T
+        # model over 64 stages made one stage 3 layers for Megatron's 2, and the
+        # pipeline runs at its slowest stage.
+        edges = [round(i * num_marked / chunks) for i in range(chunks)] + [num_layers]
+    else:
+        edges = [round(i * num_layers / chunks) for i in range(chunks + 1)]
     return [(a, b) for a, b in zip(edges, edges[1:])]
 
 
@@ -426,8 +467,8 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
         table, range(*layer_range), shape, 0, in_flight, budget / config.virtual_stages,
         config.recompute,
     )
-    # A device group holds all its chunks: budget each chunk a 1/v share.
-    memory = fit.memory * config.virtual_stages
+    # The device group holds all its chunks: `_device_groups_fit` sums them.
+    memory = fit.memory
     if memory > budget:
         raise ValueError(
             f"the Megatron layout {config.name} does not fit stage {s} (layers "
@@ -446,7 +487,7 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
         crossing[layer_range[0]], cluster, config.dp * config.tp
     ) if s > 0 else 0.0
     return Stage(layer_range, sharding, remat, seconds, memory, transfer,
-                 memory_parts=fit.parts.scaled(config.virtual_stages))
+                 memory_parts=fit.parts)
 
 
 def plan_keeping_state(

@@ -16,11 +16,14 @@ class LayoutCopy:
     """Operand `operand` of a node is copied into another memory order; the loop that
     copies it reads `fan_in` bytes per byte of the operand (1: the operand alone; more
     when the copy runs inside the elementwise fusion that makes the operand), and
-    `fused` says whether it does."""
+    `fused` says whether it does. `strided=False`: a straight copy in the same order
+    (a loop's ``dynamic-slice`` of a stacked operand, every iteration), whose bytes
+    move at `hbm_bandwidth`."""
 
     operand: int
     fan_in: float = 1.0
     fused: bool = False
+    strided: bool = True
 
 
 def cluster_field(cluster, name: str) -> Any:
@@ -53,7 +56,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def layout_copy_seconds(self, cluster, nbytes: float, fan_in: float = 1.0,
-                            fused: bool = False) -> float:
+                            fused: bool = False, strided: bool = True) -> float:
         """Seconds one `LayoutCopy` of `nbytes` per device adds on `cluster`."""
 
     @abc.abstractmethod

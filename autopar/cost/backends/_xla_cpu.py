@@ -10,6 +10,11 @@
   tasks' launches on the same cores (`host_work_per_step`, `task_device_overhead`).
 - Collectives inside a program (`collective_latency_by_group`) rendezvous once per
   collective, and a merged collective still pays per operand (`combined_operand_latency`).
+- Scanned layers (`scan_slice_copies`): a `scan`'s while loop slices every stacked operand
+  (`xs`: the layers' weights forward, the stacked residuals and weights backward) with a
+  ``dynamic-slice`` that XLA:CPU materialises before the body's kernels read it, each
+  iteration, where the unrolled twin reads the weights in place (`scan_slice_time`,
+  priced as a straight copy whenever the profile prices layout copies).
 
 A profile without a field (``cpu-local``) charges nothing for that behaviour.
 """
@@ -26,6 +31,8 @@ from autopar.cost._links import group_collective_latency
 from autopar.cost._schedule import simulate_shared, tasks_per_step
 from autopar.cost.backends._base import Backend, LayoutCopy, cluster_field
 from autopar.cost.backends._xla_cpu_layout import layout_copies
+
+SCAN_SLICE = "scan_slice"  # `autopar.intra._scan`'s marker (cost/ imports nothing of intra/)
 
 
 def transpose_bandwidth(cluster, bytes_read: float) -> float:
@@ -70,6 +77,31 @@ def layout_copy_time(nbytes: float, cluster, fan_in: float = 1.0,
     return max(0.0, seconds)
 
 
+def scan_slice_copies(node) -> tuple[LayoutCopy, ...]:
+    """The copy XLA:CPU makes of a scan's stacked operand, slice by slice (module
+    docstring): one straight copy of operand 0 of an opened scan's ``scan_slice`` marker
+    (`autopar.intra._scan`), whose bytes per device are the whole stack's, so the copy
+    prices every iteration's slice once. () for any other node; a carry or a loop
+    invariant (``scan_enter``) is read in place, and the body writes its stacked results
+    (``scan_stack``) in place with ``dynamic-update-slice``."""
+    if node.primitive != SCAN_SLICE:
+        return ()
+    return (LayoutCopy(0, strided=False),)
+
+
+def scan_slice_time(nbytes: float, cluster) -> float:
+    """Seconds a scan's ``dynamic-slice`` copies of a stacked operand of `nbytes` per
+    device (all its iterations) take: read once and written once at `hbm_bandwidth`,
+    ``2 · nbytes / hbm_bandwidth``.
+
+    **Example:** 4 layers of a 1 MiB weight stacked (4 MiB per device) at 2.4 GB/s:
+    ``8 MiB / 2.4e9`` s ≈ 3.5 ms per pass over the stack.
+    """
+    if nbytes < 0:
+        raise ValueError(f"scan_slice_time needs nbytes >= 0, got {nbytes}")
+    return 2.0 * nbytes / cluster.hbm_bandwidth
+
+
 def returned_gradient_time(nbytes: float, cluster) -> float:
     """Seconds a pipeline's backward task pays, per microbatch, to return the `nbytes`
     per device of weight gradients (its running sums) on XLA:CPU (a profile with
@@ -111,13 +143,15 @@ class XlaCpu(Backend):
     name = "xla:cpu"
 
     def layout_copies(self, graph, node) -> tuple[LayoutCopy, ...]:
-        return layout_copies(graph, node)
+        return scan_slice_copies(node) or layout_copies(graph, node)
 
     def prices_layout_copies(self, cluster) -> bool:
         return cluster_field(cluster, "transpose_bandwidth") is not None
 
     def layout_copy_seconds(self, cluster, nbytes: float, fan_in: float = 1.0,
-                            fused: bool = False) -> float:
+                            fused: bool = False, strided: bool = True) -> float:
+        if not strided:
+            return scan_slice_time(nbytes, cluster)
         return layout_copy_time(nbytes, cluster, fan_in, fused)
 
     def returned_gradient_seconds(self, cluster, nbytes: float) -> float:

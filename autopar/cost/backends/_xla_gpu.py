@@ -30,7 +30,7 @@ class XlaGpu(Backend):
         return False
 
     def layout_copy_seconds(self, cluster, nbytes: float, fan_in: float = 1.0,
-                            fused: bool = False) -> float:
+                            fused: bool = False, strided: bool = True) -> float:
         return 0.0
 
     def returned_gradient_seconds(self, cluster, nbytes: float) -> float:
