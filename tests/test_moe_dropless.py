@@ -150,10 +150,15 @@ def test_expert_parallel_plan_compiles_to_dispatch_and_combine_all_to_alls(refer
     losses, _ = run_steps(par, state, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     counted = count_collectives(compiled_hlo(par, state, batch))
+    base = autopar.autoparallel(step, plan=searched, donate_argnums=(), cache=False)
+    base(state, batch)
+    before = count_collectives(compiled_hlo(base, state, batch)).get("all_to_all", (0, 0.0))
     # The forward and backward layer scans (two while bodies): a dispatch and a combine
     # for each of the 3 forward and 3 token-gradient GEMMs, two dispatches for each of the
-    # 3 weight gradients: 18, none merged by XLA.
-    assert counted["all_to_all"][0] == 18, counted
+    # 3 weight gradients: 18 more than the searched plan's own, none merged by XLA. The
+    # hand-made EP layout may add a few resharding all-to-alls where it meets the searched
+    # layouts around it (which layouts those are depends on the search's costs).
+    assert 18 <= counted["all_to_all"][0] - before[0] <= 24, (counted, before)
 
 
 def test_cli_names_and_published_shapes():
