@@ -114,7 +114,10 @@ def attention_core(graph: OpGraph) -> frozenset[int]:
     their gradients, per batch and head. The kernel streams Q, K and V through on-chip
     memory in tiles and keeps only the softmax statistics; the FLOPs of the two matmuls
     remain. Weights are 2-D and never match; the step's inputs and outputs are never
-    core."""
+    core. Cached per graph object (keyed by its node count)."""
+    cached = _CORE.get(graph)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
     outputs = set(graph.outvars)
     core = set()
     for node in graph.nodes:
@@ -123,7 +126,11 @@ def attention_core(graph: OpGraph) -> frozenset[int]:
             if (len(shape) >= 3 and shape[-1] == shape[-2] >= MIN_FUSED_SEQUENCE
                     and v not in outputs):
                 core.add(v)
-    return frozenset(core)
+    _CORE[graph] = (len(graph.nodes), frozenset(core))
+    return _CORE[graph][1]
+
+
+_CORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def fusion_traffic(graph: OpGraph, fused_attention: bool = False) -> FusionTraffic:

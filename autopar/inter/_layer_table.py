@@ -247,7 +247,8 @@ class LayerCostTable:
         cost = LayerCost(
             plan.cost.total + fused,
             plan.cost.memory_per_device,
-            _activation_bytes(sub, plan, self.kept_for_backward(layer)),
+            _activation_bytes(sub, plan, self.kept_for_backward(layer),
+                              getattr(self.cluster, "fused_attention", False)),
             _state_bytes(sub, plan),
             _gradient_bytes(sub, plan, self.per_layer),
         )

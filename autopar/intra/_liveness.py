@@ -39,7 +39,9 @@ from that model in four ways, each modelled here:
 
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
-either. Non-donated inputs are live all step. Constants are not counted (XLA folds them into the
+either. On a cluster whose attention runs as one fused kernel (`fused_attention`), the
+values inside it (`attention_core`: scores, probabilities, their gradients) hold only their
+per-row softmax statistics. Non-donated inputs are live all step. Constants are not counted (XLA folds them into the
 program).
 """
 
@@ -48,8 +50,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from autopar.cluster._mesh import spec_axes
-from autopar.cost import bytes_per_device
-from autopar.graph import OpGraph, Role
+from autopar.cost import bytes_per_device, fused_attention_bytes
+from autopar.graph import OpGraph, Role, attention_core
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._rules import ELEMENTWISE
 from autopar.intra._strategies import step_effects
@@ -69,6 +71,7 @@ def peak_live_bytes(
     mesh,
     donated: Collection[int] = (),
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
+    fused_attention: bool = False,
 ) -> float:
     """Largest live bytes per device at any program point of `graph` under these layouts.
 
@@ -77,19 +80,28 @@ def peak_live_bytes(
     - `donated`: input variable ids whose buffers the step's outputs reuse.
     - `operand_specs`: (node id, operand position, layout) of operands resharded for their
       consumer (`ShardingPlan.operand_specs`).
+    - `fused_attention`: attention runs as one fused kernel (`Cluster.fused_attention`):
+      each value of `attention_core` holds only its per-row softmax statistics
+      (`autopar.cost.fused_attention_bytes`).
 
     **Returns:** bytes per device (float).
     """
-    return _walk(graph, var_specs, mesh, donated, operand_specs)[0]
+    return _walk(graph, var_specs, mesh, donated, operand_specs,
+                 fused_attention=fused_attention)[0]
 
 
-def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False):
+def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False,
+          fused_attention=False):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
+
+    core = attention_core(graph) if fused_attention else frozenset()
 
     def nbytes(v: int, spec=None) -> float:
         var = graph.vars[v]
         spec = var_specs[v] if spec is None else spec
+        if v in core:
+            return fused_attention_bytes(var.shape, spec, mesh)
         if spec is None or not var.shape:
             return float(var.nbytes)
         return bytes_per_device(var.shape, var.dtype, spec, mesh)
