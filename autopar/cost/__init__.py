@@ -15,6 +15,7 @@ latency of collectives inside a program; XLA:GPU's charges none of those. A new
 accelerator is one backend module and one profile.
 """
 
+from autopar.cost._attention_memory import fused_attention_bytes
 from autopar.cost._collective import (
     COMBINE_THRESHOLD_BYTES,
     collective_time,
@@ -153,6 +154,7 @@ __all__ = [
     "moe_all_to_all_time",
     "overlap_saving",
     "routed_activation_bytes",
+    "fused_attention_bytes",
     "COLLECTIVE_KINDS",
     "COMBINE_THRESHOLD_BYTES",
     "combined_bucket_count",

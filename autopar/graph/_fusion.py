@@ -118,7 +118,23 @@ def attention_core(graph: OpGraph, outputs: bool = False) -> frozenset[int]:
     memory in tiles and keeps only the softmax statistics; the FLOPs of the two matmuls
     remain. Weights are 2-D and never match; the step's inputs and outputs are never
     core, unless `outputs` (a layer's sub-graph, whose outputs include what its backward
-    reads: the kernel's backward recomputes those too)."""
+    reads: the kernel's backward recomputes those too). Cached per graph object and
+    `outputs` (keyed by the graph's node count)."""
+    cached = _CORE.get(graph, {}).get(outputs)
+    if cached is not None and cached[0] == len(graph.nodes):
+        return cached[1]
+    found = _attention_core(graph, outputs)
+    _CORE.setdefault(graph, {})[outputs] = (len(graph.nodes), found)
+    return found
+
+
+_CORE: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "graph.attention_core",
+    "graph -> {outputs flag: (node count, attention core variable ids)}")
+
+
+def _attention_core(graph: OpGraph, outputs: bool) -> frozenset[int]:
+    """`attention_core`, uncached."""
     outputs = set() if outputs else set(graph.outvars)
     core = set()
     for node in graph.nodes:

@@ -20,6 +20,7 @@ from autopar.cost import (
     bytes_per_device,
     crossing_bytes,
     full_recompute_cost,
+    fused_attention_bytes,
     fused_rerun_seconds,
     gradient_bytes,
     planned_rerun_seconds,
@@ -28,7 +29,7 @@ from autopar.cost import (
     selective_recompute_cost,
     sharded_bytes,
 )
-from autopar.graph import OpGraph, Role, fusion_traffic, trace_jaxpr
+from autopar.graph import OpGraph, Role, attention_core, fusion_traffic, trace_jaxpr
 from autopar.inter.passes._deferred import stacked_layout
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition
@@ -142,13 +143,19 @@ def _gradient_bytes(sub: OpGraph, plan: ShardingPlan, part: Partition) -> float:
     return gradient_bytes(held, plan.mesh)
 
 
-def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int]) -> float:
-    """Bytes per device the layer's forward keeps for its backward (one microbatch)."""
+def _activation_bytes(sub: OpGraph, plan: ShardingPlan, kept: set[int],
+                      fused_attention: bool = False) -> float:
+    """Bytes per device the layer's forward keeps for its backward (one microbatch); with
+    `fused_attention`, a kept value inside the fused attention kernel (`attention_core`)
+    is kept as its per-row softmax statistics (`fused_attention_bytes`)."""
+    core = attention_core(sub) if fused_attention else frozenset()
+    held = [v for v in kept if plan.var_specs[v] is not None and sub.vars[v].shape]
     return sharded_bytes(
-        ((sub.vars[v].shape, sub.vars[v].dtype, plan.var_specs[v]) for v in kept
-         if plan.var_specs[v] is not None and sub.vars[v].shape),
+        ((sub.vars[v].shape, sub.vars[v].dtype, plan.var_specs[v]) for v in held
+         if v not in core),
         plan.mesh,
-    )
+    ) + sum(fused_attention_bytes(sub.vars[v].shape, plan.var_specs[v], plan.mesh)
+            for v in held if v in core)
 
 
 def layer_fused_seconds(table, layer: int, solved_on: OpGraph, plan: ShardingPlan) -> float:

@@ -41,6 +41,7 @@ from autopar.inter.passes._deferred import gradient_roots, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import partition
 from autopar.inter.passes._remat import STATE_ROLES, fused_recompute, recompute
+from autopar.intra._context import ContextParallelError
 from autopar.intra._ilp import MemoryBudgetError
 from autopar.intra._liveness import peak_live_bytes
 from autopar.intra._options import ShardOptions
@@ -104,6 +105,9 @@ class LayerCostTable:
         self._matching: dict[int, bool] = {}  # layer -> `_matches_reference`
         self._priced_plans: set[int] = set()  # ids of the plans `_priced` made
         self.num_priced = 0  # layer costs found by pricing the reference's layouts
+        # A forced `context_parallel` no layout of a layer meets on a mesh: that (layer,
+        # mesh) has no plan; the first such error names the tensor for the caller.
+        self.context_errors: list[ContextParallelError] = []
         self.options = options
         self.solve = solve
         self.axis_names = axis_names
@@ -256,7 +260,8 @@ class LayerCostTable:
         cost = LayerCost(
             plan.cost.total + fused,
             min(plan.cost.memory_per_device, peak),
-            _activation_bytes(sub, plan, self.kept_for_backward(layer)),
+            _activation_bytes(sub, plan, self.kept_for_backward(layer),
+                              getattr(self.cluster, "fused_attention", False)),
             _state_bytes(sub, plan),
             _gradient_bytes(sub, plan, self.per_layer),
         )
@@ -281,13 +286,20 @@ class LayerCostTable:
         if self.solve is not None:
             try:
                 plan = self.solve(sub, mesh, ties, weights)
-            except MemoryBudgetError:
+            except MemoryBudgetError as err:
+                if isinstance(err, ContextParallelError):
+                    self.context_errors.append(err)
                 return None, None
         else:
-            prepared = prepare_on_mesh(
-                sub, self.cluster, mesh, self.options, ties, weights=weights,
-                footprint=self.footprint(layer, shape, footprint_budget, peak_budget, price),
-            )
+            try:
+                prepared = prepare_on_mesh(
+                    sub, self.cluster, mesh, self.options, ties, weights=weights,
+                    footprint=self.footprint(layer, shape, footprint_budget, peak_budget,
+                                             price),
+                )
+            except ContextParallelError as err:  # no plan on this mesh; others may have
+                self.context_errors.append(err)
+                return None, None
             solution = yield prepared
             if isinstance(solution, MemoryBudgetError):
                 return None, None

@@ -39,8 +39,10 @@ from that model in four ways, each modelled here:
 
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
-either. Non-donated inputs are live all step. Constants are not counted (XLA folds them into the
-program).
+either. On a cluster whose attention runs as one fused kernel (`fused_attention`), the
+values inside it (`attention_core`: scores, probabilities, their gradients) hold only their
+per-row softmax statistics. Non-donated inputs are live all step. Constants are not
+counted (XLA folds them into the program).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from autopar.cluster._mesh import spec_axes
-from autopar.cost import bytes_per_device
-from autopar.graph import OpGraph, Role
+from autopar.cost import bytes_per_device, fused_attention_bytes
+from autopar.graph import OpGraph, Role, attention_core
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._rules import ELEMENTWISE
 from autopar.intra._strategies import step_effects
@@ -70,6 +72,7 @@ def peak_live_bytes(
     donated: Collection[int] = (),
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
     free: Collection[int] = (),
+    fused_attention: bool = False,
 ) -> float:
     """Largest live bytes per device at any program point of `graph` under these layouts.
 
@@ -78,25 +81,32 @@ def peak_live_bytes(
     - `donated`: input variable ids whose buffers the step's outputs reuse.
     - `operand_specs`: (node id, operand position, layout) of operands resharded for their
       consumer (`ShardingPlan.operand_specs`).
-    - `free`: variable ids that never occupy device memory (a fused attention kernel's
-      scores and softmax, `autopar.graph.attention_core`): counted as 0 bytes.
+    - `free`: variable ids that never occupy device memory: counted as 0 bytes.
+    - `fused_attention`: attention runs as one fused kernel (`Cluster.fused_attention`):
+      each value of `attention_core` holds only its per-row softmax statistics
+      (`autopar.cost.fused_attention_bytes`).
 
     **Returns:** bytes per device (float).
     """
-    return _walk(graph, var_specs, mesh, donated, operand_specs, free=free)[0]
+    return _walk(graph, var_specs, mesh, donated, operand_specs, free=free,
+                 fused_attention=fused_attention)[0]
 
 
-def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=()):
+def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=(),
+          fused_attention=False):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
 
     free = frozenset(free)
+    core = attention_core(graph) if fused_attention else frozenset()
 
     def nbytes(v: int, spec=None) -> float:
         if v in free:
             return 0.0
         var = graph.vars[v]
         spec = var_specs[v] if spec is None else spec
+        if v in core:
+            return fused_attention_bytes(var.shape, spec, mesh)
         if spec is None or not var.shape:
             return float(var.nbytes)
         return bytes_per_device(var.shape, var.dtype, spec, mesh)

@@ -18,8 +18,8 @@ import numpy as np
 
 from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
-from autopar.cost import memory_budget
-from autopar.graph import OpGraph, Role, fusion_traffic
+from autopar.cost import fused_attention_bytes, memory_budget
+from autopar.graph import OpGraph, Role, attention_core, fusion_traffic
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
@@ -148,7 +148,8 @@ def build_problem(
     edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
     node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
     node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
-    groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points)
+    groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points,
+                            getattr(cluster, "fused_attention", False))
     budget = memory_budget(cluster, options.memory_budget)
     problem = ShardingProblem(
         node_costs=node_costs,
@@ -535,20 +536,23 @@ _SPEC_LISTS: dict[tuple[Spec, ...], _SpecList] = declare(
 _SPEC_LIST_LIMIT = 200_000
 
 
-def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int):
+def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int,
+                   fused_attention: bool = False):
     """Groups of ILP nodes live together at the program points with the most live bytes.
 
     Graph inputs are live throughout; an activation is live from its producer to its last
-    consumer (a liveness estimate in program order). The same on every mesh (it reads
+    consumer (a liveness estimate in program order); with `fused_attention`, a value
+    inside the fused attention kernel (`attention_core`) weighs its per-row statistics
+    (`fused_attention_bytes`) in choosing the points. The same on every mesh (it reads
     sizes of whole tensors and which ILP node makes each), so computed once per graph and
     numbering of the ILP nodes (the stage DP builds a layer's problem on many meshes).
     """
     if num_points <= 0:
         return ()
-    key = (num_points, tuple(sorted(source_of.items())))
+    key = (num_points, tuple(sorted(source_of.items())), fused_attention)
     by_key = _MEMORY_GROUPS.setdefault(graph, {})
     if key not in by_key:
-        by_key[key] = _live_groups(graph, source_of, num_points)
+        by_key[key] = _live_groups(graph, source_of, num_points, fused_attention)
     return by_key[key]
 
 
@@ -558,7 +562,13 @@ _MEMORY_GROUPS: weakref.WeakKeyDictionary = declare(
     "graph -> {(points, ILP node of each var): groups}")
 
 
-def _live_groups(graph: OpGraph, source_of, num_points: int):
+def _live_groups(graph: OpGraph, source_of, num_points: int, fused_attention: bool = False):
+    core = attention_core(graph) if fused_attention else frozenset()
+
+    def nbytes(v: int) -> float:
+        var = graph.vars[v]
+        return fused_attention_bytes(var.shape, None, None) if v in core else var.nbytes
+
     last_use = {}
     for node in graph.nodes:
         for v in node.inputs:
@@ -573,12 +583,12 @@ def _live_groups(graph: OpGraph, source_of, num_points: int):
         for v in node.outputs:
             if v in last_use:
                 live[v] = source_of[v][0]
-                live_bytes += graph.vars[v].nbytes
+                live_bytes += nbytes(v)
         points.append((live_bytes, node.id, tuple(sorted(set(live.values())))))
         for v in set(node.inputs) | set(node.outputs):
             if v in live and last_use.get(v, -1) <= node.id:
                 del live[v]
-                live_bytes -= graph.vars[v].nbytes
+                live_bytes -= nbytes(v)
     points.sort(key=lambda p: (-p[0], p[1]))
     groups = []
     for _, _, members in points[:num_points]:

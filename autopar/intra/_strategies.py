@@ -20,6 +20,7 @@ from autopar.cost import (
     MATMUL_PRIMITIVES,
     batch_feed_seconds,
     bytes_per_device,
+    fused_attention_bytes,
     kernel_seconds,
     layout_copy_seconds,
     node_compute_seconds,
@@ -33,6 +34,7 @@ from autopar.graph import (
     Node,
     OpGraph,
     Role,
+    attention_core,
     fusion_kind,
     fusion_traffic,
     kernel_roots,
@@ -223,6 +225,8 @@ def node_strategies(
         out_bytes = sum(
             bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
         )
+        fused = getattr(ctx.cluster, "fused_attention", False)
+        held = held_bytes(graph, out_vars, out_specs, mesh, fused)
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
                               getattr(ctx.cluster, "fused_attention", False))
         matmul = node.primitive in MATMUL_PRIMITIVES
@@ -236,7 +240,7 @@ def node_strategies(
         name = _assignment_name(assignment)
         partial = reduced_axes(sig, assignment)
         if not partial:
-            strategies.append(Strategy(name, in_specs, out_specs, compute, 0.0, out_bytes))
+            strategies.append(Strategy(name, in_specs, out_specs, compute, 0.0, held))
             continue
         # Partial results: reduce them with an all-reduce, or (one summed result) with a
         # reduce-scatter that leaves the result split along a free dimension.
@@ -247,13 +251,13 @@ def node_strategies(
         )
         comm = _reductions_seconds(reduce, ctx)
         strategies.append(
-            Strategy(name, in_specs, out_specs, compute, comm, out_bytes, reduce)
+            Strategy(name, in_specs, out_specs, compute, comm, held, reduce)
         )
         if len(out_vars) == 1 and set(partial) == {"sum"}:
             strategies.extend(
                 _reduce_scatter_variants(
                     name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx,
-                    combined,
+                    combined, fused and out_vars[0].id in attention_core(graph),
                 )
             )
     extra_rule = EXTRA_STRATEGIES.get(node.primitive)
@@ -301,13 +305,14 @@ def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
 
 
 def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
-                             combined=False):
+                             combined=False, on_chip=False):
     """The strategy that leaves the summed result split over the reduced `axes`.
 
     `work` is (FLOPs per device, bytes accessed per device, dtype, is a matmul, writes in
     place, `_extra_seconds`, GEMM shape or None) of the node when it computes the whole
     partial result; `combined`: its reduction merges with the step's other independent
-    ones (`step_effects`).
+    ones (`step_effects`); `on_chip`: the result is inside a fused attention kernel
+    (`held_bytes`), held as its per-row statistics.
     """
     mesh = ctx.mesh
     split = mesh.axis_size(axes)
@@ -347,9 +352,9 @@ def _reduce_scatter_variants(name, in_specs, out_spec, out_var, axes, work, ctx,
         if dim_axes or size % split:
             continue
         new_spec = tuple(tuple(axes) if d == dim else s for d, s in enumerate(out_spec))
-        yield Strategy(
-            f"{name} rs:{dim}", in_specs, (new_spec,), compute, comm, full_bytes / split, reduce
-        )
+        held = (fused_attention_bytes(out_var.shape, new_spec, mesh) if on_chip
+                else full_bytes / split)
+        yield Strategy(f"{name} rs:{dim}", in_specs, (new_spec,), compute, comm, held, reduce)
         return
 
 
@@ -421,9 +426,8 @@ def follow_strategies(
             return None
         used = set(spec_axes(spec))
         parallelism = math.prod(ctx.mesh.axis_size(a) for a in used) if used else 1
-        out_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, ctx.mesh) for v, s in zip(out_vars, out_specs)
-        )
+        held = held_bytes(graph, out_vars, out_specs, ctx.mesh,
+                          getattr(ctx.cluster, "fused_attention", False))
         accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
                               getattr(ctx.cluster, "fused_attention", False))
         compute = node_compute_seconds(
@@ -433,11 +437,24 @@ def follow_strategies(
             extra_seconds=_extra_seconds(node, graph, in_specs, ctx),
         )
         strategy = Strategy(
-            _assignment_name(assignment), in_specs, out_specs, compute, 0.0, out_bytes
+            _assignment_name(assignment), in_specs, out_specs, compute, 0.0, held
         )
         cache[spec] = strategy
         result.append(strategy)
     return result
+
+
+def held_bytes(graph: OpGraph, out_vars, out_specs, mesh, fused_attention: bool) -> float:
+    """Bytes per device the results `out_vars` (graph variables) at `out_specs` hold in
+    device memory; with `fused_attention`, a value inside the fused attention kernel
+    (`attention_core`) holds only its per-row softmax statistics
+    (`autopar.cost.fused_attention_bytes`)."""
+    core = attention_core(graph) if fused_attention else frozenset()
+    return sum(
+        fused_attention_bytes(v.shape, s, mesh) if v.id in core
+        else bytes_per_device(v.shape, v.dtype, s, mesh)
+        for v, s in zip(out_vars, out_specs)
+    )
 
 
 def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMesh,

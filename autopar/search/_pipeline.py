@@ -46,6 +46,7 @@ from autopar.inter import (
     scan_layers,
 )
 from autopar.inter.passes import per_iteration
+from autopar.intra._context import ContextParallelError
 from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size, microbatch_args
@@ -352,6 +353,11 @@ class _PipelineSearch:
             choice, layers, table = self._stage_dp(num_micro, mb_graph, reference,
                                                    keep_layouts)
         except ValueError as err:
+            blocked = getattr(self.table, "context_errors", None)
+            if blocked and not isinstance(err, ContextParallelError):
+                # The forced CP ruled layers out on some meshes: name the tensor first.
+                err = ContextParallelError(f"{blocked[0]}. No pipeline plan without those "
+                                           f"meshes: {err}")
             self.errors[num_micro] = err
             log.info("%d microbatch(es): no plan (%s)", num_micro, str(err).split(";")[0])
             return [], self.table

@@ -44,7 +44,8 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
         graph, cluster, options=shard_options(options, cluster, method),
         tied=tied, mesh_shape=options.mesh_shape, fixed=fixed,
     )
-    sharding = _with_live_peak(graph, sharding, tied if options.donate_argnums else ())
+    sharding = _with_live_peak(graph, sharding, tied if options.donate_argnums else (),
+                               cluster)
     seconds = time.perf_counter() - start
     log.info("intra-op planning: %.2f s, mesh %s", seconds, sharding.mesh.shape)
     return Plan(
@@ -59,7 +60,7 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
     )
 
 
-def _with_live_peak(graph: OpGraph, sharding, tied) -> object:
+def _with_live_peak(graph: OpGraph, sharding, tied, cluster=None) -> object:
     """The plan with its predicted peak memory per device from the liveness of the chosen
     layouts (`peak_live_bytes`: donated state reused, fused values never written, resharded
     operands as temporaries) in place of the ILP's coarser bound; checked against XLA's
@@ -67,6 +68,7 @@ def _with_live_peak(graph: OpGraph, sharding, tied) -> object:
     peak = peak_live_bytes(
         graph, sharding.var_specs, sharding.mesh, donated=[u for _, u in tied],
         operand_specs=sharding.operand_specs,
+        fused_attention=getattr(cluster, "fused_attention", False),
     )
     return dataclasses.replace(
         sharding, cost=dataclasses.replace(sharding.cost, memory_per_device=peak)
