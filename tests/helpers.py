@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
+import optax
 
+import autopar
 from autopar.lower import count_collectives
+from examples import gpt
 
 # XLA:CPU has no reduce-scatter: it lowers one as an all-reduce and a dynamic-slice, with
 # the same bytes on the wire as the plan counts for the reduce-scatter; where the slices
@@ -15,6 +21,25 @@ from autopar.lower import count_collectives
 # vocabulary-parallel embedding lookup, table P('x', None), indices P('y'), result
 # P('y', 'x', None)).
 EQUIVALENT_KINDS = {"reduce_scatter": {"all_reduce", "send_recv"}}
+
+
+@functools.cache
+def cluster(profile: str = "cpu-local", num_hosts: int | None = None,
+            devices_per_host: int | None = None) -> autopar.Cluster:
+    """A built-in profile's `Cluster`, read once per process (a frozen record: tests share
+    it)."""
+    return autopar.Cluster.from_profile(profile, num_hosts, devices_per_host)
+
+
+# The tiny GPT with layer marks: 4 blocks + head = 5 layers.
+GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+
+
+def tiny_gpt_step(cfg=GPT, optimizer=None, batch_size: int = 8):
+    """(train step, abstract (state, batch)) of the tiny GPT (default: AdamW at 1e-2)."""
+    optimizer = optimizer or optax.adamw(1e-2)
+    step = gpt.make_train_step(cfg, optimizer)
+    return step, (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, batch_size))
 
 
 def run_steps(step, state, batch, num_steps=3):

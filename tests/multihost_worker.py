@@ -56,6 +56,17 @@ def model_for(mode: str) -> tuple[dict, int]:
     return {}, GLOBAL_BATCH
 
 
+def initial_state(cfg, optimizer):
+    """The GPT's state of key 0 as one compiled program (op by op, the initialisers compile
+    dozens of small programs); the workers and tests/test_multihost.py's references start
+    from it alike."""
+    import jax
+
+    from examples import gpt
+
+    return jax.jit(lambda key: gpt.init_state(cfg, optimizer, key))(jax.random.key(0))
+
+
 # "disagree": process 0 asks for the shard plan above, the others for a 1-D mesh; every
 # process must end up running process 0's plan.
 OTHER_PROCESSES_DISAGREE = dict(method="shard", mesh_shape=(8,))
@@ -83,6 +94,7 @@ def main() -> None:
 
     optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
     made: dict = {}  # mode -> its decorated step
+    states: dict = {}  # GPT config changes -> the initial state (no plan donates it)
     for mode in args.modes.split(","):
         changes, global_rows = model_for(mode)
         cfg = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True, **changes)
@@ -90,7 +102,10 @@ def main() -> None:
         full = jax.tree.map(np.asarray, gpt.make_batch(cfg, global_rows, jax.random.key(1)))
         rows = global_rows // info.num_processes
         mine = slice(info.process_id * rows, (info.process_id + 1) * rows)
-        state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+        key = tuple(sorted(changes.items()))
+        if key not in states:
+            states[key] = initial_state(cfg, optimizer)
+        state = states[key]
         batch = global_batch(jax.tree.map(lambda x, mine=mine: x[mine], full))
         if mode == "checkpoint":
             _checkpoint_across_plans(step, state, batch, args, info, made)

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import cluster as _cluster
 
 import autopar
 from autopar.search._cache import PlanCache
@@ -19,10 +20,6 @@ def _setup(batch_size=16):
     state = mlp.init_state(CFG, OPT, jax.random.key(0))
     batch = mlp.make_batch(CFG, batch_size, jax.random.key(1))
     return mlp.make_train_step(CFG, OPT), state, batch
-
-
-def _cluster():
-    return autopar.Cluster.from_profile("cpu-local")
 
 
 def test_same_shapes_do_not_trace_again_and_new_shapes_do():

@@ -23,7 +23,13 @@ import jax
 import optax
 import pytest
 from helpers import run_steps
-from multihost_worker import FOUR_STAGE_SCHEDULES, LEARNING_RATE, PLAN_OPTIONS, model_for
+from multihost_worker import (
+    FOUR_STAGE_SCHEDULES,
+    LEARNING_RATE,
+    PLAN_OPTIONS,
+    initial_state,
+    model_for,
+)
 
 import autopar
 from autopar.distributed import LOST_PROCESS_EXIT_CODE, launch, process_info_from_env
@@ -113,14 +119,25 @@ def _results(out: Path, mode: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference_losses(started_run):
+def single_device_losses():
+    """The losses of 6 steps on one device (the checkpoint run's; the first 3 are every
+    3-step run's)."""
+    optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
+    state = initial_state(GPT, optimizer)
+    batch = gpt.make_batch(GPT, 8, jax.random.key(1))
+    losses, _ = run_steps(jax.jit(gpt.make_train_step(GPT, optimizer)), state, batch, 6)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def reference_losses(started_run, single_device_losses):
     """Losses on one device and with the same plan options on 8 devices in this process
     (while the worker runs: `started_run`)."""
     optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
     step = gpt.make_train_step(GPT, optimizer)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
+    state = initial_state(GPT, optimizer)
     batch = gpt.make_batch(GPT, 8, jax.random.key(1))
-    single, _ = run_steps(jax.jit(step), state, batch)
+    single = single_device_losses[:3]
     cluster = autopar.Cluster.from_profile("cpu-local", NUM_PROCESSES, DEVICES_PER_PROCESS)
     eight = {}
     for mode, options in PLAN_OPTIONS.items():
@@ -142,16 +159,13 @@ def test_losses_match_one_process(reference_losses, multihost_run, mode):
                                                  rel=1e-5)
 
 
-def test_checkpoint_restored_under_another_plan_continues_training(multihost_run):
+def test_checkpoint_restored_under_another_plan_continues_training(multihost_run,
+                                                                    single_device_losses):
     """3 steps under the 1-stage (2, 4) plan, saved by both processes, restored under the
     2-stage plan (one stage per process): the 6 losses are those of 6 steps on one device."""
-    optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
-    batch = gpt.make_batch(GPT, 8, jax.random.key(1))
-    single, _ = run_steps(jax.jit(gpt.make_train_step(GPT, optimizer)), state, batch, 6)
     for result in _results(multihost_run, "checkpoint"):
         assert result["stages"] == 2
-        assert result["losses"] == pytest.approx(single, rel=1e-5)
+        assert result["losses"] == pytest.approx(single_device_losses, rel=1e-5)
 
 
 def test_interleaved_plan_alternates_between_processes(multihost_run):
@@ -172,7 +186,7 @@ def test_four_stages_across_processes_match_one_device(tmp_path):
     modes = [f"4stages_{s}" for s in FOUR_STAGE_SCHEDULES]
     changes, rows = model_for(modes[0])
     cfg = dataclasses.replace(GPT, **changes)
-    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    state = initial_state(cfg, optimizer)
     batch = gpt.make_batch(cfg, rows, jax.random.key(1))
     single, _ = run_steps(jax.jit(gpt.make_train_step(cfg, optimizer)), state, batch)
     out = _launch(tmp_path, modes, timeout=2700)
@@ -193,7 +207,7 @@ def test_four_stages_across_processes_match_one_device(tmp_path):
 def test_zero_bubble_across_processes(tmp_path):
     """ZB-H1 with one stage per process: the losses of one device."""
     optimizer = optax.adamw(LEARNING_RATE, eps=1e-6)
-    state = gpt.init_state(GPT, optimizer, jax.random.key(0))
+    state = initial_state(GPT, optimizer)
     batch = gpt.make_batch(GPT, 8, jax.random.key(1))
     single, _ = run_steps(jax.jit(gpt.make_train_step(GPT, optimizer)), state, batch)
     out = _launch(tmp_path, EXTENDED_MODES)

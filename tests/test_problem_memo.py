@@ -16,8 +16,8 @@ from itertools import permutations, product
 
 import numpy as np
 import pytest
+from helpers import cluster as _cluster
 
-import autopar
 from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
 from autopar.graph import trace
@@ -39,10 +39,6 @@ from autopar.intra._strategies import (
 def _gpt():
     named = named_model("gpt-tiny", batch_size=8)
     return trace(named.train_step, named.abstract_state, named.abstract_batch)
-
-
-def _cluster():
-    return autopar.Cluster.from_profile("cpu-local")
 
 
 def _fresh_problem(graph, mesh, cluster, weights=None):

@@ -163,6 +163,10 @@ def test_cli_sets_cpu_device_count(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
 
 
+# Extended tier (CI time): test_cli_profiles_two_processes_as_two_hosts runs the same
+# command in two fresh processes (`--devices 2`, no XLA_FLAGS) and checks the same: each
+# process makes its 2 devices itself, says where it wrote, and the profile reloads.
+@pytest.mark.extended
 def test_cli_profiles_requested_devices_in_own_process(tmp_path):
     """A fresh process: the CLI itself makes the 2 virtual CPU devices it measures."""
     out = tmp_path / "two.json"
@@ -200,13 +204,15 @@ def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    for process, (_, stderr) in zip(processes, results):
+    for process, (stdout, stderr), out in zip(processes, results, outs):
         assert process.returncode == 0, stderr
+        assert f"wrote {out}" in stdout
     assert "inter-host all_reduce     on 2 devices" in results[0][1]
     data = [json.loads(out.read_text()) for out in outs]
     assert data[0] == data[1]  # every process writes process 0's figures
     cluster = Cluster.from_profile(outs[0])
     assert (cluster.num_hosts, cluster.devices_per_host) == (2, 2)
+    assert cluster.intra_host.bandwidth > 0
     assert "inter_host" in data[0]["measured"]
     assert "one device on each of 2 hosts" in data[0]["note"]
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import cluster as _cluster
 from helpers import run_steps
 from jax import lax
 from jax.sharding import NamedSharding
@@ -30,10 +31,6 @@ from autopar.lower import jax_mesh
 
 RNG_IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
 MESH_SHAPE = (2, 4)
-
-
-def _cluster():
-    return autopar.Cluster.from_profile("cpu-local")
 
 
 def _strategies(fn, *args, primitive):
