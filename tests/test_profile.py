@@ -47,7 +47,10 @@ def test_quick_profile_predicts_unseen_all_reduce(quick_profile, devices):
     cluster = replace(Cluster.from_profile(path), collective_latency_by_group=None)
     assert cluster.num_hosts == 1 and cluster.devices_per_host == len(devices)
     assert UNSEEN_SIZE not in QUICK.message_sizes
-    fresh = time_collective("all_reduce", UNSEEN_SIZE, devices, replace(QUICK, repeats=9))
+    # The other test process shares the two cores and only ever slows a timing down: the
+    # fastest of three timings is the collective's own time.
+    fresh = min((time_collective("all_reduce", UNSEEN_SIZE, devices, replace(QUICK, repeats=9))
+                 for _ in range(3)), key=lambda t: t.seconds)
     mesh = LogicalMesh.create((len(devices),), axis_names=("x",))
     predicted = collective_time("all_reduce", fresh.nbytes, cluster, mesh, ("x",))
     ratio = predicted / fresh.seconds
