@@ -32,6 +32,7 @@ from autopar.cluster._cluster import Cluster
 from autopar.cluster._mesh import LogicalMesh
 from autopar.cost._collective import collective_time
 from autopar.cost._compute import compute_time
+from autopar.cost._context import _check_positive  # one check for both formula modules
 
 # The busiest device's routed tokens over the mean. 1.0 is the balanced routing that
 # auxiliary-loss (GShard, Switch, Mixtral) and bias-based (DeepSeek-V3, sec. 2.1.2)
@@ -164,9 +165,3 @@ def check_imbalance(imbalance: float) -> None:
             f"token imbalance is the busiest device's tokens over the mean, so >= 1; got "
             f"{imbalance}"
         )
-
-
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")

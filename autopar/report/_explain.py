@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from autopar.cluster._mesh import spec_axes, spec_str
 from autopar.graph._opgraph import dtype_itemsize
+from autopar.report._why import _bytes as _fmt_bytes
 from autopar.report._why import (
     alternatives_lines,
     batch_lines,
@@ -23,14 +24,6 @@ def _fmt_time(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.3f} ms"
     return f"{seconds * 1e6:.1f} us"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _group(path: str) -> str:
