@@ -86,11 +86,18 @@ def _tally(skip: Iterable, part_of: Mapping[int, str]):
 
 def task_working_bytes(fn, args: Sequence) -> int:
     """Bytes per device a task's program allocates beyond its arguments while it runs:
-    XLA's `memory_analysis()` of `fn`'s executable for `args` (temp + output - alias:
-    its temporaries and its results, less the results written into donated arguments).
-    `fn` is a `jax.jit`; its executable for these arguments is already compiled (the
-    lookup reuses it)."""
-    stats = fn.lower(*args).compile().memory_analysis()
+    XLA's `memory_analysis()` of `fn`'s executable for `args` (`executable_working_bytes`).
+    `fn` is a `jax.jit`; this compiles it ahead of time for `args` (a separate compile from
+    the one its first call makes: a caller that runs the program too should dispatch the
+    compiled executable instead, as the pipeline runtime does)."""
+    return executable_working_bytes(fn.lower(*args).compile())
+
+
+def executable_working_bytes(executable) -> int:
+    """Bytes per device a compiled program allocates beyond its arguments while it runs:
+    XLA's `memory_analysis()` (temp + output - alias: its temporaries and its results,
+    less the results written into donated arguments); 0 on a backend without it."""
+    stats = executable.memory_analysis()
     if stats is None:  # a backend without the analysis
         return 0
     return stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes

@@ -43,7 +43,7 @@ from autopar.graph import OpGraph, Role
 from autopar.inter.passes import Partition, Segment, split_backward, stacked_layout
 from autopar.lower import jax_mesh, lower_segment
 from autopar.runtime._fused import FusedStep
-from autopar.runtime._memory import MemoryRecorder, MemorySample, task_working_bytes
+from autopar.runtime._memory import MemoryRecorder, MemorySample, executable_working_bytes
 from autopar.runtime._values import MicrobatchValues, readers_by_stage
 
 
@@ -133,7 +133,8 @@ class PipelineExecutable:
         self.per_microbatch = frozenset(per_microbatch)
         self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
-        self._working: dict[tuple, int] = {}  # (phase, stage, id(program)) -> bytes per device
+        # (phase, stage, id(program)) -> (working bytes per device, compiled executable)
+        self._working: dict[tuple, tuple] = {}
         self.virtual_stages = _virtual_stages(schedule, self.meshes)
         self.group_orders = device_orders(
             schedule, partition.num_stages, num_microbatches, self.virtual_stages
@@ -279,12 +280,13 @@ class PipelineExecutable:
         for compiled in self.apply:
             start = time.perf_counter()
             args = self._fetch(step_env, compiled)
+            fn = compiled.fn
             if recorder:
-                self._sample_running(
+                fn = self._sample_running(
                     recorder, ("apply", compiled.segment.stage, 0),
                     functools.partial(self._held, step_env, step_values), compiled.fn, args,
                 )
-            outs = compiled.fn(*args)
+            outs = fn(*args)
             del args
             for v, x in zip(compiled.segment.outputs, outs):
                 step_env[v] = x
@@ -352,22 +354,28 @@ class PipelineExecutable:
         }
 
     def _sample_running(self, recorder: MemoryRecorder, task: tuple, held, fn,
-                        args: list) -> None:
+                        args: list):
         """Sample while task (phase, stage, microbatch) runs: its arguments in place
         (`held()`: the step's arrays by part), and its program's working memory
-        (`task_working_bytes`, once per program) on every device of its stage."""
+        (`executable_working_bytes`) on every device of its stage. The program is compiled
+        ahead of time once per (phase, stage, program) for its memory analysis; that
+        executable is returned for the dispatch, so a recorded step compiles each program
+        once, not once for the analysis and again on its first call."""
         phase, stage, i = task
         key = (phase, stage, id(fn))
         if key not in self._working:
-            self._working[key] = task_working_bytes(fn, args)
-        working = {d.id: self._working[key] for d in self.meshes[stage].devices.flat}
+            executable = fn.lower(*args).compile()
+            self._working[key] = (executable_working_bytes(executable), executable)
+        working_bytes, executable = self._working[key]
+        working = {d.id: working_bytes for d in self.meshes[stage].devices.flat}
         recorder.sample(stage, phase, i, held(), working)
+        return executable
 
     def _run_task(self, phase: str, stage: int, values: MicrobatchValues,
                   step_values: _StepValues, sums: dict, running=None) -> list:
         """Dispatch one task (returns at once, its outputs still being computed).
         `running(fn, args)`, when given, is called just before the dispatch (a memory
-        sample while the task runs)."""
+        sample while the task runs) and returns the program to dispatch (`fn` compiled)."""
         compiled = self.tasks[(phase, stage)]
         seg = compiled.segment
         if not seg.nodes:
@@ -382,9 +390,10 @@ class PipelineExecutable:
         if compiled.sums and all(v in sums for v in compiled.sums):
             args += [sums[v] for v in compiled.sums]
             fn = compiled.fn_sum
+        summing = fn is compiled.fn_sum
         if running is not None:
-            running(fn, args)
-        if fn is compiled.fn_sum:
+            fn = running(fn, args)
+        if summing:
             for v in compiled.sums:
                 del sums[v]  # donated to the program, which returns the new sum
         outs = fn(*args)
