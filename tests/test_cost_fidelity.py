@@ -12,6 +12,7 @@ from autopar.cost import (
     collective_time,
     compute_time,
     device_flops,
+    fusion_boundary_bytes,
     gemm_efficiency,
     group_collective_latency,
     intra_link,
@@ -608,8 +609,9 @@ def test_fused_attention_keeps_the_scores_on_chip(a100):
     def hbm_bytes(fused):
         traffic = fusion_traffic(graph, fused_attention=fused)
         return sum(
-            traffic.hbm_bytes(n.id, [graph.vars[v].nbytes for v in n.inputs],
-                              [graph.vars[v].nbytes for v in n.outputs])
+            fusion_boundary_bytes([graph.vars[v].nbytes for v in n.inputs],
+                                  [graph.vars[v].nbytes for v in n.outputs],
+                                  traffic.reads[n.id], traffic.writes[n.id])
             for n in graph.nodes
         )
 

@@ -21,6 +21,7 @@ from autopar.cost import (
     batch_feed_seconds,
     bytes_per_device,
     fused_attention_bytes,
+    fusion_boundary_bytes,
     kernel_seconds,
     layout_copy_seconds,
     node_compute_seconds,
@@ -472,7 +473,8 @@ def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMes
     if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
             or graph.nodes[node.id] is not node:
         return unfused_bytes(in_bytes, out_bytes)  # not in this graph
-    return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
+    return fusion_boundary_bytes(in_bytes, out_bytes, traffic.reads[node.id],
+                                 traffic.writes[node.id])
 
 
 def _gemm_shape(node: Node, in_vars, in_specs, mesh: LogicalMesh
