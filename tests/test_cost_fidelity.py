@@ -187,7 +187,7 @@ def test_without_table_every_gemm_at_matmul_efficiency(a100):
 
 
 def test_profiler_fits_the_table_from_its_matmul_sizes():
-    from autopar.profile._measure import _gemm_table
+    from autopar.profile._fit import gemm_table as _gemm_table
 
     measured = {"float32": {256: 1e9, 512: 2e9, 1024: 4e9}, "bfloat16": {256: 1e9, 512: 1e9}}
     # sizes both dtypes measured; float32 at 1/4 and 2/4 of its best, bfloat16 at 1 and 1
@@ -873,7 +873,7 @@ def test_each_collective_kind_at_its_measured_bandwidth():
 
 def test_profiler_fits_each_kind_against_the_common_fit():
     from autopar.cost import CollectiveSample
-    from autopar.profile._measure import _kind_scales
+    from autopar.profile._fit import kind_scales as _kind_scales
 
     # all-reduce samples at 2 GB/s, all-to-all ones at 0.5 GB/s, 20 us latency per step
     samples = []
