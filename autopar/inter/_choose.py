@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import LogicalMesh
 from autopar.cost import (
     boundary_transfer_time,
     memory_budget,
@@ -39,7 +39,7 @@ from autopar.inter._stage_dp import StagePlan, plan_stages
 from autopar.inter._submesh import SubmeshShape, submesh_shapes
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
-from autopar.intra._sharding_plan import ShardingPlan
+from autopar.intra import ShardingPlan
 
 log = logging.getLogger("autopar")
 

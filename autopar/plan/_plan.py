@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.choices import Remat, Runtime, Schedule
-from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
+from autopar.cluster import LogicalMesh, Spec, spec_str
 from autopar.cost import (
     DEFAULT_PHASE_SHARES,
     StageMemory,

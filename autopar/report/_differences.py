@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cluster._mesh import spec_str
+from autopar.cluster import spec_str
 from autopar.report._explain import _fmt_bytes, _fmt_time, _group, _short
 
 
