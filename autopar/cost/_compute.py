@@ -12,7 +12,7 @@ import numpy as np
 from autopar._memo import declare, memo
 from autopar.cluster import Cluster, LogicalMesh, Spec
 from autopar.cost._links import device_flops, write_bandwidth
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import dtype_itemsize
 
 
 def compute_time(

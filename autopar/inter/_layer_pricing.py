@@ -73,7 +73,7 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
     boundaries) and its own collectives (a row-parallel dot's all-reduce), plus the
     resharding of its operands the plan does (sequence parallelism's all-gathers): exactly
     what the forward cost."""
-    from autopar.intra._reshard import reshard_time
+    from autopar.intra import reshard_time
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
     ctx = CostContext(cluster, plan.mesh)

@@ -20,8 +20,7 @@ import time
 from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
 from autopar.cluster import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
-from autopar.graph import OpGraph, Role, attention_core, stored_residuals
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import OpGraph, Role, attention_core, dtype_itemsize, stored_residuals
 from autopar.inter import _range_cache, _repricing
 from autopar.inter._compact_specs import _CompactSpecs
 from autopar.inter._ilp_driver import drive
@@ -41,9 +40,13 @@ from autopar.inter.passes._deferred import gradient_roots, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import partition
 from autopar.inter.passes._remat import STATE_ROLES, fused_recompute, recompute
-from autopar.intra import MemoryBudgetError, ShardingPlan, ShardOptions
-from autopar.intra._context import ContextParallelError
-from autopar.intra._liveness import peak_live_bytes
+from autopar.intra import (
+    ContextParallelError,
+    MemoryBudgetError,
+    ShardingPlan,
+    ShardOptions,
+    peak_live_bytes,
+)
 from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout

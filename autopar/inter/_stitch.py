@@ -16,9 +16,9 @@ from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.cost import repriced_copy_seconds
 from autopar.cost.backends import backend_for
 from autopar.graph import OpGraph, Role
+from autopar.intra import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._context import combine
 from autopar.intra._reshard import reshard_collectives, reshard_time
-from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import CostContext, _layout_seconds
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from autopar.cluster._mesh import spec_axes
+from autopar.cluster import spec_axes
 from autopar.cost import bytes_per_device, fused_attention_bytes
 from autopar.graph import OpGraph, Role, attention_core
 from autopar.intra._reshard import reshard_collectives

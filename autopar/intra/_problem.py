@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar._memo import declare
-from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
+from autopar.cluster import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import fused_attention_bytes, memory_budget
 from autopar.graph import OpGraph, Role, attention_core, fusion_traffic
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length

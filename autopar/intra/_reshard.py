@@ -37,7 +37,7 @@ import math
 from autopar._memo import declare, memo
 from autopar.cluster import LogicalMesh, Spec
 from autopar.cost import collectives_seconds
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import dtype_itemsize
 from autopar.intra._strategies import Collective
 
 Digit = tuple[str, int, int]  # (mesh axis, position in the axis with 0 the major, size)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar._memo import declare
-from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
+from autopar.cluster import LogicalMesh, Spec, spec_axes
 from autopar.cost import (
     MATMUL_PRIMITIVES,
     batch_feed_seconds,

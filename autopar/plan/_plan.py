@@ -24,7 +24,7 @@ from autopar.cost import (
     pipelined_step_time,
 )
 from autopar.graph import OpGraph, Role
-from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
+from autopar.intra import ShardingPlan, graph_fingerprint
 
 PLAN_FORMAT_VERSION = 1
 

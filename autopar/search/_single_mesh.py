@@ -11,8 +11,7 @@ import logging
 import time
 
 from autopar.graph import OpGraph, tied_state
-from autopar.intra import ShardOptions, plan_sharding
-from autopar.intra._liveness import peak_live_bytes
+from autopar.intra import ShardOptions, peak_live_bytes, plan_sharding
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions
