@@ -67,3 +67,15 @@ def test_the_plan_command_exits_quietly(tmp_path):
     done = _run(["-m", "autopar.app.cli", "plan", "--model", "mlp-tiny", "--profile",
                  "cpu-local", "--out", str(tmp_path / "plan.json")], tmp_path)
     _assert_clean(done, "planned mlp-tiny")
+
+
+@pytest.mark.extended  # the demo GPT trains beside one device (minutes on 2 busy cores);
+# in the default run `test_the_plan_command_exits_quietly` covers the CLI process's exit and
+# `test_a_script_that_planned_exits_quietly` an `autoparallel` step held until exit.
+def test_the_readme_demo_prints_nothing_after_its_last_line(tmp_path):
+    """`autopar demo`, the README's first command (two steps on one fixed mesh, so that no
+    search runs): its last line is "demo finished in ... s", and nothing reaches stderr
+    after it."""
+    done = _run(["-m", "autopar.app.cli", "demo", "--steps", "2", "--method", "shard",
+                 "--mesh-shape", "8", "--no-pictures", "--out-dir", str(tmp_path)], tmp_path)
+    _assert_clean(done, "demo finished in")

@@ -12,6 +12,7 @@ from autopar.cost import (
     collective_time,
     compute_time,
     device_flops,
+    fusion_boundary_bytes,
     gemm_efficiency,
     group_collective_latency,
     intra_link,
@@ -186,7 +187,7 @@ def test_without_table_every_gemm_at_matmul_efficiency(a100):
 
 
 def test_profiler_fits_the_table_from_its_matmul_sizes():
-    from autopar.profile._measure import _gemm_table
+    from autopar.profile._fit import gemm_table as _gemm_table
 
     measured = {"float32": {256: 1e9, 512: 2e9, 1024: 4e9}, "bfloat16": {256: 1e9, 512: 1e9}}
     # sizes both dtypes measured; float32 at 1/4 and 2/4 of its best, bfloat16 at 1 and 1
@@ -608,8 +609,9 @@ def test_fused_attention_keeps_the_scores_on_chip(a100):
     def hbm_bytes(fused):
         traffic = fusion_traffic(graph, fused_attention=fused)
         return sum(
-            traffic.hbm_bytes(n.id, [graph.vars[v].nbytes for v in n.inputs],
-                              [graph.vars[v].nbytes for v in n.outputs])
+            fusion_boundary_bytes([graph.vars[v].nbytes for v in n.inputs],
+                                  [graph.vars[v].nbytes for v in n.outputs],
+                                  traffic.reads[n.id], traffic.writes[n.id])
             for n in graph.nodes
         )
 
@@ -871,7 +873,7 @@ def test_each_collective_kind_at_its_measured_bandwidth():
 
 def test_profiler_fits_each_kind_against_the_common_fit():
     from autopar.cost import CollectiveSample
-    from autopar.profile._measure import _kind_scales
+    from autopar.profile._fit import kind_scales as _kind_scales
 
     # all-reduce samples at 2 GB/s, all-to-all ones at 0.5 GB/s, 20 us latency per step
     samples = []

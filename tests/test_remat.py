@@ -30,6 +30,7 @@ from autopar.cost import (
     device_flops,
     full_recompute_cost,
     fused_rerun_seconds,
+    fusion_boundary_bytes,
     selective_recompute_cost,
     stage_memory,
     stage_memory_parts,
@@ -135,8 +136,9 @@ def test_layer_table_prices_full_as_one_forward_and_the_input():
         node = sub.nodes[n]
         if node.primitive == "layer_boundary":
             continue  # a marker: no work
-        accessed = traffic.hbm_bytes(n, [sub.vars[v].nbytes for v in node.inputs],
-                                     [sub.vars[v].nbytes for v in node.outputs])
+        accessed = fusion_boundary_bytes([sub.vars[v].nbytes for v in node.inputs],
+                                         [sub.vars[v].nbytes for v in node.outputs],
+                                         traffic.reads[n], traffic.writes[n])
         dtype = rate_dtype(node.primitive, [sub.vars[v].dtype for v in node.inputs],
                            sub.vars[node.outputs[0]].dtype)
         by_hand += compute_time(node.flops, accessed, cluster, dtype,

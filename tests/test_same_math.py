@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import autopar
-from autopar.cost import compute_time
+from autopar.cost import compute_time, fusion_boundary_bytes
 from autopar.cost._compute import MATMUL_PRIMITIVES, rate_dtype
 from autopar.cost.backends import XLA_CPU, backend_for
 from autopar.graph import Role, fusion_traffic, trace
@@ -57,8 +57,10 @@ def predicted_compute(graph, cluster, fused_attention: bool = False) -> float:
         outs = [graph.vars[v].nbytes for v in node.outputs]
         dtype = rate_dtype(node.primitive, [graph.vars[v].dtype for v in node.inputs],
                            graph.vars[node.outputs[0]].dtype)
-        seconds = compute_time(node.flops, traffic.hbm_bytes(node.id, ins, outs), cluster,
-                               dtype, matmul=node.primitive in MATMUL_PRIMITIVES)
+        accessed = fusion_boundary_bytes(ins, outs, traffic.reads[node.id],
+                                         traffic.writes[node.id])
+        seconds = compute_time(node.flops, accessed, cluster, dtype,
+                               matmul=node.primitive in MATMUL_PRIMITIVES)
         total += weights.get(node.id, (1.0, 1.0))[0] * seconds
     return total
 

@@ -312,7 +312,7 @@ def _joiner(compiled: _Compiled, options: PlanOptions) -> Callable:
 def _named(mesh, spec, var):
     from jax.sharding import NamedSharding
 
-    from autopar.cluster._mesh import replicated, to_partition_spec
+    from autopar.cluster import replicated, to_partition_spec
 
     return NamedSharding(mesh, to_partition_spec(spec or replicated(len(var.shape))))
 

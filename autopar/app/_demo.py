@@ -81,7 +81,6 @@ def run_demo(
     import jax
     import optax
 
-    from autopar.app._autoparallel import autoparallel
     from autopar.cluster import Cluster
 
     gpt = load_example("gpt")
@@ -96,25 +95,14 @@ def run_demo(
     )
     init = jax.jit(lambda key: gpt.init_state(cfg, optimizer, key))
     batch = jax.jit(lambda key: gpt.make_batch(cfg, DEMO_BATCH_SIZE, key))(jax.random.key(1))
-    seconds = {}
-
-    step = autoparallel(
-        train_step, cluster=cluster, method=method, mesh_shape=mesh_shape,
-        num_microbatches=DEMO_MICROBATCHES,
-        donate=True,  # the new state reuses the old one's buffers: one state less in memory
-    )
-    start = time.perf_counter()
-    losses = _train(step, init(jax.random.key(0)), batch, num_steps, seconds)
-    seconds["autopar, all steps"] = time.perf_counter() - start
+    step, losses, seconds = _train_planned(train_step, cluster, method, mesh_shape, init,
+                                           batch, num_steps)
     echo("")
     explained = step.explain()  # beside the plans a user would write by hand
     echo(explained)
     echo("")
 
-    one_device = jax.devices()[0]
-    reference = jax.jit(train_step)
-    state = jax.device_put(init(jax.random.key(0)), one_device)
-    reference_losses = _train(reference, state, jax.device_put(batch, one_device), num_steps, {})
+    reference_losses = _one_device_losses(train_step, init, batch, num_steps)
     _print_losses(losses, reference_losses, echo)
     echo(", ".join(f"{name}: {value:.2f} s" for name, value in seconds.items()))
     if num_steps > 1:
@@ -123,16 +111,54 @@ def run_demo(
         measured = seconds["later steps"] / (num_steps - 1)
         echo(step_time_comparison(step.plan.predicted_step_time, measured,
                                   step.plan.cluster.get("name")))
-    timeline = None
-    if step.plan.runtime == "pipeline" and pictures:
-        # Two more steps, recording when each stage's tasks ran, for the schedule picture:
-        # the first recorded step compiles the per-task programs (the runtime runs a
-        # pipelined step as one program otherwise), so the picture shows the second.
-        state = init(jax.random.key(0))
-        for _ in range(2):
-            (state, _), timeline = step.record_timeline(state, batch)
+    timeline = _timeline(step, init, batch) if pictures else None
     files = _write_files(step.plan, Path(out_dir), pictures, echo, timeline, explained)
     return DemoResult(step.plan, tuple(losses), tuple(reference_losses), files, seconds)
+
+
+def _train_planned(train_step, cluster, method, mesh_shape, init, batch, num_steps: int):
+    """The step under `autoparallel` trained `num_steps` steps. **Returns:** (the
+    decorated step, its losses, {phase: seconds})."""
+    import jax
+
+    from autopar.app._autoparallel import autoparallel
+
+    seconds = {}
+    step = autoparallel(
+        train_step, cluster=cluster, method=method, mesh_shape=mesh_shape,
+        num_microbatches=DEMO_MICROBATCHES,
+        donate=True,  # the new state reuses the old one's buffers: one state less in memory
+    )
+    start = time.perf_counter()
+    losses = _train(step, init(jax.random.key(0)), batch, num_steps, seconds)
+    seconds["autopar, all steps"] = time.perf_counter() - start
+    return step, losses, seconds
+
+
+def _one_device_losses(train_step, init, batch, num_steps: int) -> list[float]:
+    """The losses of the same steps under plain `jax.jit` on the first device."""
+    import jax
+
+    one_device = jax.devices()[0]
+    reference = jax.jit(train_step)
+    state = jax.device_put(init(jax.random.key(0)), one_device)
+    return _train(reference, state, jax.device_put(batch, one_device), num_steps, {})
+
+
+def _timeline(step, init, batch):
+    """A pipelined plan's recorded task timeline for the schedule picture; None for a
+    plan that runs as one program. Two more steps, recording when each stage's tasks ran:
+    the first recorded step compiles the per-task programs (the runtime runs a pipelined
+    step as one program otherwise), so the picture shows the second."""
+    import jax
+
+    if step.plan.runtime != "pipeline":
+        return None
+    timeline = None
+    state = init(jax.random.key(0))
+    for _ in range(2):
+        (state, _), timeline = step.record_timeline(state, batch)
+    return timeline
 
 
 def _train(step, state, batch, num_steps: int, seconds: dict) -> list[float]:

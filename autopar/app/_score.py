@@ -22,10 +22,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.cluster._mesh import spec_str
+from autopar.cluster import spec_str
 from autopar.graph import abstract_args
 from autopar.plan import Plan
-from autopar.report._differences import time_split
+from autopar.report import time_split
 from autopar.report._explain import _fmt_time
 from autopar.search import plan as search_plan
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from autopar.cost import tasks_per_step
+from autopar.cost import core_share, tasks_cpu_seconds, tasks_per_step
 
 # The probe's shape: layers of transformer-like parameter counts (12 leaves each: six
 # dense sublayers' weights and biases), split into two stages of two layers, with an
@@ -116,14 +116,12 @@ def measure_task_overhead(cluster, log: Callable[[str], None]) -> TaskOverhead |
 
 
 def predicted_work(plan, cluster) -> float:
-    """CPU seconds per step the cost model predicts for `plan`'s tasks' work: each stage's
-    seconds per microbatch (`PredictedCost.total` and its recompute, once-per-step parts
-    included) times the
+    """CPU seconds per step the cost model predicts for `plan`'s tasks' work
+    (`autopar.cost.tasks_cpu_seconds`): each stage's seconds per microbatch
+    (`PredictedCost.total` and its recompute, once-per-step parts included) times the
     microbatches and its devices, at the share of a core each device gets while all run
-    (``host_cores / devices_per_host``, the rate the profile's figures were measured at;
-    one core per device where they do not share)."""
-    share = 1.0
-    if cluster.host_cores and cluster.host_cores < cluster.devices_per_host:
-        share = cluster.host_cores / cluster.devices_per_host
-    return sum((stage.sharding.cost.total + stage.recompute_time) * plan.num_microbatches
-               * stage.mesh.num_devices * share for stage in plan.stages)
+    (`autopar.cost.core_share`, the rate the profile's figures were measured at)."""
+    share = core_share(cluster.host_cores, cluster.devices_per_host)
+    stages = [(stage.sharding.cost.total + stage.recompute_time, stage.mesh.num_devices)
+              for stage in plan.stages]
+    return tasks_cpu_seconds(stages, plan.num_microbatches, share)

@@ -127,8 +127,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     use_virtual_cpu_devices(args.devices or DEFAULT_CPU_DEVICES)
     if args.coordinator:
         _initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    from autopar.cluster._profiles import local_profile_path
-    from autopar.profile._measure import FULL, QUICK, measure_profile
+    from autopar.cluster import local_profile_path
+    from autopar.profile import FULL, QUICK, measure_profile
 
     out = args.out or local_profile_path()
     start = time.perf_counter()
@@ -171,7 +171,7 @@ def _with_task_overhead(result):
 
 def _devices(per_process: int | None) -> list:
     """The first `per_process` devices of every process (all if None), in cluster order."""
-    from autopar.cluster._cluster import local_devices
+    from autopar.cluster import local_devices
 
     devices = local_devices()
     if per_process is None:
@@ -468,18 +468,15 @@ def _load_yours(path, graph_for):
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from autopar.app._compare import Comparison
     from autopar.app._examples import named_model
     from autopar.cluster import Cluster
     from autopar.graph import trace
-    from autopar.manual import megatron_grid_search, megatron_plan_for_graph
-    from autopar.report import compare, explain_differences
+    from autopar.report import compare
     from autopar.search import microbatch_args, plan
 
     model = named_model(args.model, args.batch, layer_markers=True, seq_len=args.seq_len)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
     budget = {"memory_budget": args.memory_budget}
-    num_heads = getattr(model.config, "num_heads", None)
     start = time.perf_counter()
     abstract = (model.abstract_state, model.abstract_batch)
     graphs = {}
@@ -490,30 +487,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         return graphs[m]
 
     seconds = {}
-    if args.configs is None:
-        t = time.perf_counter()
-        sizes = args.microbatch_sizes or (1, 2, 4, 8)
-        hand, grid = megatron_grid_search(model.train_step, *abstract, cluster=cluster,
-                                          num_heads=num_heads, microbatch_sizes=sizes,
-                                          num_layers=getattr(model.config, "num_layers", None),
-                                          traces=graphs, **budget)
-        seconds["Megatron grid"] = time.perf_counter() - t
-        hands = [hand]
-        _print_grid(grid)
-    else:
-        t = time.perf_counter()
-        hands = []
-        for config in args.configs:
-            try:
-                hand = megatron_plan_for_graph(graph_for(config.num_microbatches), cluster,
-                                               config, **budget)
-            except (ValueError, NotImplementedError) as err:
-                print(f"skipped {config.name}: {err}")
-                continue
-            hands.append(hand)
-            print(f"{config.name}: predicted {hand.predicted_step_time!r} s")
-        seconds["Megatron configs"] = time.perf_counter() - t
-        hands.sort(key=lambda p: p.predicted_step_time)
+    hands = _megatron_plans(args, model, cluster, budget, graphs, graph_for, seconds)
     auto = None
     if not args.no_auto:
         t = time.perf_counter()
@@ -526,6 +500,51 @@ def _run_compare(args: argparse.Namespace) -> int:
     if not plans:
         raise ValueError("no plan to compare: every configuration was skipped (see above)")
     print(compare(plans, flops=graph_for(1).total_flops))
+    _print_why(args, hands, auto, yours, graph_for, cluster, seconds)
+    print("planning time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
+          + f"; compare in all {time.perf_counter() - start:.1f} s")
+    print(f"compared {len(plans)} plan(s) of {args.model} on {cluster.num_hosts} x "
+          f"{cluster.devices_per_host} {cluster.name}")
+    return 0
+
+
+def _megatron_plans(args, model, cluster, budget, graphs, graph_for, seconds) -> list:
+    """`compare`'s hand-written plans, fastest first: the best of the Megatron grid (its
+    table printed), or each of `args.configs` that applies; their planning time added to
+    `seconds`."""
+    from autopar.manual import megatron_grid_search, megatron_plan_for_graph
+
+    t = time.perf_counter()
+    if args.configs is None:
+        sizes = args.microbatch_sizes or (1, 2, 4, 8)
+        hand, grid = megatron_grid_search(
+            model.train_step, model.abstract_state, model.abstract_batch, cluster=cluster,
+            num_heads=getattr(model.config, "num_heads", None), microbatch_sizes=sizes,
+            num_layers=getattr(model.config, "num_layers", None), traces=graphs, **budget)
+        seconds["Megatron grid"] = time.perf_counter() - t
+        _print_grid(grid)
+        return [hand]
+    hands = []
+    for config in args.configs:
+        try:
+            hand = megatron_plan_for_graph(graph_for(config.num_microbatches), cluster,
+                                           config, **budget)
+        except (ValueError, NotImplementedError) as err:
+            print(f"skipped {config.name}: {err}")
+            continue
+        hands.append(hand)
+        print(f"{config.name}: predicted {hand.predicted_step_time!r} s")
+    seconds["Megatron configs"] = time.perf_counter() - t
+    hands.sort(key=lambda p: p.predicted_step_time)
+    return hands
+
+
+def _print_why(args, hands, auto, yours, graph_for, cluster, seconds) -> None:
+    """Why autopar's plan differs from the best hand-written one (and its pictures under
+    `args.out`), and what it changes in `yours`."""
+    from autopar.app._compare import Comparison
+    from autopar.report import explain_differences
+
     if auto is not None and hands:
         hand = hands[0]
         print(f"\nwhy they differ (best Megatron plan {hand.method} vs autopar):")
@@ -547,11 +566,6 @@ def _run_compare(args: argparse.Namespace) -> int:
             second_graph=graph_for(auto.num_microbatches),
             devices_per_host=cluster.devices_per_host,
         ))
-    print("planning time: " + ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
-          + f"; compare in all {time.perf_counter() - start:.1f} s")
-    print(f"compared {len(plans)} plan(s) of {args.model} on {cluster.num_hosts} x "
-          f"{cluster.devices_per_host} {cluster.name}")
-    return 0
 
 
 def _print_grid(grid) -> None:

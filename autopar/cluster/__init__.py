@@ -7,10 +7,19 @@ formulas it fits).
 """
 
 from autopar.cluster._cluster import Cluster, Link, local_devices
-from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_str, to_partition_spec
+from autopar.cluster._mesh import (
+    DEFAULT_AXIS_NAMES,
+    LogicalMesh,
+    Spec,
+    replicated,
+    spec_axes,
+    spec_str,
+    to_partition_spec,
+)
 from autopar.cluster._profiles import available_profiles, local_profile_path, profile_dirs
 
 __all__ = [
+    "DEFAULT_AXIS_NAMES",
     "Cluster",
     "Link",
     "LogicalMesh",
@@ -20,6 +29,7 @@ __all__ = [
     "local_profile_path",
     "profile_dirs",
     "replicated",
+    "spec_axes",
     "spec_str",
     "to_partition_spec",
 ]

@@ -421,7 +421,8 @@ def _gemm_shape_problems(table) -> list[str]:
     return problems
 
 
-def _check_cluster(cluster: Cluster) -> None:
+def _compute_problems(cluster: Cluster) -> list[str]:
+    """Sizes, FLOP/s, memory and bandwidths, the GEMM efficiency table."""
     problems = []
     for name in ("num_hosts", "devices_per_host"):
         value = getattr(cluster, name)
@@ -446,8 +447,12 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"gemm_efficiency sizes must be > 0 and increasing, got {sizes}")
         if not all(0 < eff <= 1 for _, eff in table):
             problems.append(f"gemm_efficiency fractions must be in (0, 1], got {table}")
-    problems += _gemm_shape_problems(cluster.gemm_shapes)
-    problems += _kind_scale_problems(cluster.collective_bandwidth_by_kind)
+    return problems
+
+
+def _measured_table_problems(cluster: Cluster) -> list[str]:
+    """`host_cores` and the measured tables of latency by group and transposing copies."""
+    problems = []
     cores = cluster.host_cores
     if cores is not None and (not isinstance(cores, (int, np.integer)) or cores < 1):
         problems.append(f"host_cores must be an integer >= 1 or None, got {cores!r}")
@@ -467,6 +472,12 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"transpose_bandwidth sizes must be > 0 and increasing, got {sizes}")
         if not all(np.isfinite(rate) and rate > 0 for _, rate in table):
             problems.append(f"transpose_bandwidth rates must be finite and > 0, got {table}")
+    return problems
+
+
+def _overhead_problems(cluster: Cluster) -> list[str]:
+    """Per-task and per-kernel seconds, overlap and the merged collectives' latency share."""
+    problems = []
     if not (np.isfinite(cluster.dispatch_overhead) and cluster.dispatch_overhead >= 0):
         problems.append(
             f"dispatch_overhead must be a finite number of seconds >= 0, got "
@@ -488,6 +499,12 @@ def _check_cluster(cluster: Cluster) -> None:
         problems.append(
             f"combined_operand_latency must be in [0, 1], got {cluster.combined_operand_latency!r}"
         )
+    return problems
+
+
+def _link_problems(cluster: Cluster) -> list[str]:
+    """NICs, the links within and across hosts, and the links by group size."""
+    problems = []
     nics = cluster.nics_per_host
     if nics is not None and (not isinstance(nics, (int, np.integer)) or nics < 1):
         problems.append(f"nics_per_host must be an integer >= 1 or None, got {nics!r}")
@@ -501,5 +518,14 @@ def _check_cluster(cluster: Cluster) -> None:
             problems.append(f"intra_host_by_group needs distinct group sizes >= 2, got {sizes}")
         if not all(isinstance(link, Link) for _, link in by_group):
             problems.append(f"intra_host_by_group values must be Links, got {by_group!r}")
+    return problems
+
+
+def _check_cluster(cluster: Cluster) -> None:
+    """Raise a ValueError naming every field of `cluster` out of its range."""
+    problems = (_compute_problems(cluster) + _gemm_shape_problems(cluster.gemm_shapes)
+                + _kind_scale_problems(cluster.collective_bandwidth_by_kind)
+                + _measured_table_problems(cluster) + _overhead_problems(cluster)
+                + _link_problems(cluster))
     if problems:
         raise ValueError(f"invalid cluster {cluster.name!r}: " + "; ".join(problems))

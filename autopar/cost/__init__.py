@@ -19,6 +19,7 @@ from autopar.cost._attention_memory import fused_attention_bytes
 from autopar.cost._collective import (
     COMBINE_THRESHOLD_BYTES,
     collective_time,
+    collectives_seconds,
     combined_bucket_count,
     combined_collective_time,
     link_for,
@@ -94,11 +95,13 @@ from autopar.cost._memory import (
 )
 from autopar.cost._node_cost import (
     batch_feed_seconds,
+    fusion_boundary_bytes,
     kernel_seconds,
     layout_copy_seconds,
     node_compute_seconds,
     reduction_seconds,
     reductions_seconds,
+    repriced_copy_seconds,
     unfused_bytes,
 )
 from autopar.cost._overlap import exposed_time, hideable_weight
@@ -125,6 +128,7 @@ from autopar.cost._remat import (
     stage_recompute_seconds,
 )
 from autopar.cost._schedule import tasks_per_step
+from autopar.cost._task_work import core_share, tasks_cpu_seconds
 
 __all__ = [
     "CP_ALGORITHMS",
@@ -178,6 +182,8 @@ __all__ = [
     "StageMemory",
     "MEMORY_PARTS",
     "tasks_per_step",
+    "core_share",
+    "tasks_cpu_seconds",
     "full_recompute_cost",
     "fused_rerun_seconds",
     "gradient_bytes",
@@ -194,6 +200,7 @@ __all__ = [
     "alpha_beta_terms",
     "bytes_per_device",
     "collective_time",
+    "collectives_seconds",
     "compute_time",
     "exposed_time",
     "fit_link",
@@ -213,10 +220,12 @@ __all__ = [
     "rail_share",
     "write_bandwidth",
     "batch_feed_seconds",
+    "fusion_boundary_bytes",
     "kernel_seconds",
     "layout_copy_seconds",
     "node_compute_seconds",
     "reduction_seconds",
     "reductions_seconds",
+    "repriced_copy_seconds",
     "unfused_bytes",
 ]

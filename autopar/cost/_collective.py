@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from autopar.cluster._cluster import Cluster, Link
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import Cluster, Link, LogicalMesh
 from autopar.cost._formulas import (
     AlphaBetaTerms,
     CollectiveKind,
@@ -89,6 +88,27 @@ def collective_time(
 COMBINE_THRESHOLD_BYTES = 30 * 1024 * 1024
 COMBINE_MAX_OPERANDS = 256
 COMBINED_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter"})
+
+
+def collectives_seconds(collectives: Iterable[tuple[CollectiveKind, float, tuple[str, ...]]],
+                        cluster: Cluster, mesh: LogicalMesh, memo: dict | None = None) -> float:
+    """Seconds of collectives run one after another on `mesh` (a resharding's steps): the
+    sum of `collective_time` of each ``(kind, bytes, axes)``.
+
+    `memo`, if given, is a dict for this one (mesh, cluster) pair; each collective's seconds
+    are kept there under ``("collective", kind, bytes, axes)`` (tensors of many shapes share
+    their collectives: issue 18, `collective_time` was a fifth of gpt-39B's search).
+    """
+    seconds = 0.0
+    for kind, nbytes, axes in collectives:
+        if memo is None:
+            seconds += collective_time(kind, nbytes, cluster, mesh, axes)
+            continue
+        key = ("collective", kind, nbytes, axes)
+        if key not in memo:
+            memo[key] = collective_time(kind, nbytes, cluster, mesh, axes)
+        seconds += memo[key]
+    return seconds
 
 
 def combined_collective_time(

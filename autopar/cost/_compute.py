@@ -10,10 +10,9 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, as JAX doe
 import numpy as np
 
 from autopar._memo import declare, memo
-from autopar.cluster._cluster import Cluster
-from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cluster import Cluster, LogicalMesh, Spec
 from autopar.cost._links import device_flops, write_bandwidth
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import dtype_itemsize
 
 
 def compute_time(

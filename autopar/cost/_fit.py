@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.cluster._cluster import Link
+from autopar.cluster import Link
 from autopar.cost._formulas import CollectiveKind, alpha_beta_terms
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy, as JAX does)
 import numpy as np
 
-from autopar.cluster._cluster import Cluster, Link
+from autopar.cluster import Cluster, Link
 
 
 def nearest_group_entry(table: Sequence[tuple[int, Any]], group_size: int) -> Any:

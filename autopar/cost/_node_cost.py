@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from autopar.cluster._cluster import Cluster
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import Cluster, LogicalMesh
 from autopar.cost._collective import collective_time, combined_collective_time
 from autopar.cost._compute import compute_time, kernel_launch_time
 from autopar.cost.backends import backend_for
@@ -83,3 +82,25 @@ def unfused_bytes(in_bytes: Sequence[float | None], out_bytes: Sequence[float]) 
     """Bytes per device a node moves outside any fusion: every operand (None, a constant,
     counts 0) and every result."""
     return float(sum(b or 0 for b in in_bytes) + sum(out_bytes))
+
+
+def repriced_copy_seconds(copies: Iterable[tuple[float, float, float]]) -> float:
+    """Seconds a stage's layout copies cost beyond what its layers' ILPs charged them: for
+    each node's ``(weight, seconds on the stage's graph, seconds on its layer's graph)``
+    (both `layout_copy_seconds`, at the same operand layouts), the weight times the
+    difference. A layer's graph starts at the layer's inputs, so its copies' fan-in stops
+    there; on the stage's graph it reaches back over the layer edge."""
+    extra = 0.0
+    for weight, on_stage, on_layer in copies:
+        extra += weight * (on_stage - on_layer)
+    return extra
+
+
+def fusion_boundary_bytes(in_bytes: Sequence[float | None], out_bytes: Sequence[float | None],
+                          reads: Sequence[bool], writes: Sequence[bool]) -> float:
+    """Bytes per device a node moves to and from device memory inside a fusion: the
+    operands it reads from memory (`reads[i]`, `autopar.graph.FusionTraffic.reads`) and the
+    results it writes there (`writes[j]`); None entries (constants) count 0."""
+    read = sum(b or 0 for b, hbm in zip(in_bytes, reads) if hbm)
+    written = sum(b or 0 for b, hbm in zip(out_bytes, writes) if hbm)
+    return float(read + written)

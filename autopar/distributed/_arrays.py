@@ -63,7 +63,7 @@ def global_batch(local_batch: Any, sharding: jax.sharding.Sharding | None = None
 
 
 def _rows_over_all_devices(ndim: int) -> NamedSharding:
-    from autopar.cluster._cluster import local_devices
+    from autopar.cluster import local_devices
 
     if ndim == 0:
         raise ValueError("a batch leaf is a scalar; every batch leaf needs rows on dim 0")

@@ -16,7 +16,7 @@ from autopar.graph._fusion import (
     stored_residuals,
 )
 from autopar.graph._markers import grad, layer_boundary, marking_layers, value_and_grad
-from autopar.graph._opgraph import Node, OpGraph, Role, Var
+from autopar.graph._opgraph import Node, OpGraph, Role, Var, dtype_itemsize
 from autopar.graph._stacked import StackedSplit, split_stacked
 from autopar.graph._state import tied_state
 from autopar.graph._trace import abstract_args, trace, trace_jaxpr
@@ -34,6 +34,7 @@ __all__ = [
     "fusion_traffic",
     "kernel_roots",
     "attention_core",
+    "dtype_itemsize",
     "grad",
     "layer_boundary",
     "marking_layers",

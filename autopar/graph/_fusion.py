@@ -3,9 +3,9 @@
 In: an `OpGraph`. Out: `FusionTraffic`, per node and operand whether the operand is read
 from device memory, and per result whether it is written there. A node inside a fusion
 reads and writes only what crosses the fusion's boundary; the cost model charges a node
-those bytes (plus its FLOPs), so the per-node ILP keeps per-node costs while a chain of
-elementwise ops costs about one read of its inputs and one write of its outputs
-(REFERENCES.md, "Compute on GPUs"), not one round trip per op.
+those bytes (`autopar.cost.fusion_boundary_bytes`) plus its FLOPs, so the per-node ILP
+keeps per-node costs while a chain of elementwise ops costs about one read of its inputs
+and one write of its outputs (REFERENCES.md, "Compute on GPUs"), not one round trip per op.
 
 Every primitive has a fusion kind (`FUSION_KINDS`, a registry with a default):
 
@@ -91,13 +91,6 @@ class FusionTraffic:
 
     reads: Mapping[int, tuple[bool, ...]]
     writes: Mapping[int, tuple[bool, ...]]
-
-    def hbm_bytes(self, node_id: int, in_bytes, out_bytes) -> float:
-        """The node's bytes that cross its fusion's boundary, given per operand and per
-        result bytes (None entries count 0)."""
-        read = sum(b or 0 for b, hbm in zip(in_bytes, self.reads[node_id]) if hbm)
-        written = sum(b or 0 for b, hbm in zip(out_bytes, self.writes[node_id]) if hbm)
-        return float(read + written)
 
 
 _CACHE: weakref.WeakKeyDictionary = declare(

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import LogicalMesh
 from autopar.cost import (
     boundary_transfer_time,
     memory_budget,
@@ -39,7 +39,7 @@ from autopar.inter._stage_dp import StagePlan, plan_stages
 from autopar.inter._submesh import SubmeshShape, submesh_shapes
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
-from autopar.intra._sharding_plan import ShardingPlan
+from autopar.intra import ShardingPlan
 
 log = logging.getLogger("autopar")
 
@@ -103,7 +103,7 @@ def choose_stages(
     the same arguments (`layer_cost_table`), so that a re-run with other restrictions
     solves no layer ILP twice.
     """
-    schedule, logical_shapes = options.schedule, options.logical_shapes
+    schedule = options.schedule
     budget = memory_budget(cluster, options.shard.memory_budget)
     start_time = time.perf_counter()
     if table is None:
@@ -114,22 +114,9 @@ def choose_stages(
         cluster.num_hosts, cluster.devices_per_host
     )
     crossing = boundary_bytes(graph, layers)
-    stage_cost = inner = _StageCosts(
-        table, all_submeshes, logical_shapes, schedule, num_microbatches, budget,
-        options.remat, crossing, prune=options.prune_by_bound,
-    )
-    restricted = allowed is not None or range_shapes is not None
-    if restricted:
-        stage_cost = _Restricted(stage_cost, allowed, range_shapes)
     start_time = time.perf_counter()
-    if options.prune_by_bound:
-        _bound_search(inner, stage_cost, table, layers.num_layers, cluster, all_submeshes,
-                      logical_shapes, options.num_stages, restricted)
-    dp = plan_stages(
-        layers.num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
-        num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
-        memory_budget=budget, num_positions=stage_cost.num_positions,
-    )
+    dp = _stage_dp(table, layers.num_layers, cluster, num_microbatches, options, budget,
+                   all_submeshes, crossing, allowed, range_shapes)
     dp_seconds = time.perf_counter() - start_time
     _log_dp(table, dp, dp_seconds)
     ilp_seconds = table.ilp_seconds
@@ -138,7 +125,40 @@ def choose_stages(
     part = partition(graph, layers, list(stage_layers))
     stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
     stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
-    # This call's share (a table handed in has the ILPs of earlier calls in its counts).
+    timings = _call_timings(table, before, clustering, dp_seconds, ilp_seconds, stitching)
+    return _pipeline_choice(table, dp, stage_layers, all_submeshes, stage_plans, part,
+                            crossing, num_microbatches, schedule,
+                            num_layer_ilps=table.num_ilps - before[0], timings=timings)
+
+
+def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches: int,
+              options: StageOptions, budget: float, all_submeshes, crossing, allowed,
+              range_shapes):
+    """Alpa's stage DP (`plan_stages`) over `_StageCosts` of the table's layers (under
+    `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`."""
+    logical_shapes = options.logical_shapes
+    stage_cost = inner = _StageCosts(
+        table, all_submeshes, logical_shapes, options.schedule, num_microbatches, budget,
+        options.remat, crossing, prune=options.prune_by_bound,
+    )
+    restricted = allowed is not None or range_shapes is not None
+    if restricted:
+        stage_cost = _Restricted(stage_cost, allowed, range_shapes)
+    if options.prune_by_bound:
+        _bound_search(inner, stage_cost, table, num_layers, cluster, all_submeshes,
+                      logical_shapes, options.num_stages, restricted)
+    return plan_stages(
+        num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
+        num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
+        memory_budget=budget, num_positions=stage_cost.num_positions,
+    )
+
+
+def _call_timings(table: LayerCostTable, before: tuple, clustering: float, dp_seconds: float,
+                  ilp_seconds: float, stitching: float) -> dict:
+    """`choose_stages`'s seconds by planning phase and its layer-cost counts: this call's
+    share (a table handed in has the ILPs of earlier calls in its counts; `before` holds
+    them: ILPs, ILP seconds, hits, priced)."""
     ilps_before, ilp_seconds_before, hits_before, priced_before = before
     timings = dict(zip(PLANNING_PHASES, (
         clustering, table.ilp_seconds - ilp_seconds_before,
@@ -147,9 +167,7 @@ def choose_stages(
     timings.update({"layer ILPs solved": table.num_ilps - ilps_before,
                     "layer costs reused": table.num_hits - hits_before,
                     "layer costs priced": table.num_priced - priced_before})
-    return _pipeline_choice(table, dp, stage_layers, all_submeshes, stage_plans, part,
-                            crossing, num_microbatches, schedule,
-                            num_layer_ilps=table.num_ilps - ilps_before, timings=timings)
+    return timings
 
 
 def _bound_search(inner: _StageCosts, stage_cost, table: LayerCostTable, num_layers: int,

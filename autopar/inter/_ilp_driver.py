@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from autopar.intra._ilp import MemoryBudgetError, solve
+from autopar.intra import MemoryBudgetError, solve
 from autopar.intra._planner import PreparedILP
 from autopar.intra._pool import WorkerDied
 

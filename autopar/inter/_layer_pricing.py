@@ -22,6 +22,7 @@ from autopar.cost import (
     full_recompute_cost,
     fused_attention_bytes,
     fused_rerun_seconds,
+    fusion_boundary_bytes,
     gradient_bytes,
     planned_rerun_seconds,
     rate_dtype,
@@ -34,8 +35,8 @@ from autopar.inter.passes._deferred import stacked_layout
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition
 from autopar.inter.passes._remat import STATE_ROLES, in_core, scan_body, score_shapes
+from autopar.intra import ShardingPlan
 from autopar.intra._problem import unstacked_spec
-from autopar.intra._sharding_plan import ShardingPlan
 
 
 def _scan_rerun_seconds(node, nbytes, graph: OpGraph, core_only: bool, cluster) -> float:
@@ -52,8 +53,9 @@ def _scan_rerun_seconds(node, nbytes, graph: OpGraph, core_only: bool, cluster) 
         if core_only and not any(in_core(o.shape, scores) for o in outs):
             continue
         ins = [body.vars[v] for v in b.inputs]
-        hbm = traffic.hbm_bytes(
-            b.id, [0 if i.role is Role.CONST else i.nbytes for i in ins], [o.nbytes for o in outs]
+        hbm = fusion_boundary_bytes(
+            [0 if i.role is Role.CONST else i.nbytes for i in ins], [o.nbytes for o in outs],
+            traffic.reads[b.id], traffic.writes[b.id],
         )
         dtype = rate_dtype(b.primitive, [i.dtype for i in ins],
                            outs[0].dtype if outs else "float32")
@@ -71,7 +73,7 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
     boundaries) and its own collectives (a row-parallel dot's all-reduce), plus the
     resharding of its operands the plan does (sequence parallelism's all-gathers): exactly
     what the forward cost."""
-    from autopar.intra._reshard import reshard_time
+    from autopar.intra import reshard_time
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
     ctx = CostContext(cluster, plan.mesh)

@@ -18,10 +18,9 @@ import math
 import time
 
 from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
-from autopar.graph import OpGraph, Role, attention_core, stored_residuals
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import OpGraph, Role, attention_core, dtype_itemsize, stored_residuals
 from autopar.inter import _range_cache, _repricing
 from autopar.inter._compact_specs import _CompactSpecs
 from autopar.inter._ilp_driver import drive
@@ -41,14 +40,16 @@ from autopar.inter.passes._deferred import gradient_roots, step_weights
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import partition
 from autopar.inter.passes._remat import STATE_ROLES, fused_recompute, recompute
-from autopar.intra._context import ContextParallelError
-from autopar.intra._ilp import MemoryBudgetError
-from autopar.intra._liveness import peak_live_bytes
-from autopar.intra._options import ShardOptions
+from autopar.intra import (
+    ContextParallelError,
+    MemoryBudgetError,
+    ShardingPlan,
+    ShardOptions,
+    peak_live_bytes,
+)
 from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout
-from autopar.intra._sharding_plan import ShardingPlan
 
 
 class LayerCostTable:
@@ -94,7 +95,22 @@ class LayerCostTable:
         self.memory_levels = memory_levels
         self.cluster = cluster
         self.in_flight = in_flight or (lambda shape: 1)
-        if reference is not None and reference.per_layer.num_stages != layers.num_layers:
+        self.options = options
+        self.solve = solve
+        self.axis_names = axis_names
+        self.num_microbatches = num_microbatches
+        self.tied = tied
+        # A forced `context_parallel` no layout of a layer meets on a mesh: that (layer,
+        # mesh) has no plan; the first such error names the tensor for the caller.
+        self.context_errors: list[ContextParallelError] = []
+        self._init_reference(reference, layers.num_layers, keep_layouts)
+        self._init_layers(graph, layers)
+        self._init_caches()
+
+    def _init_reference(self, reference: LayerCostTable | None, num_layers: int,
+                        keep_layouts: bool) -> None:
+        """What pricing the `reference` table's layouts needs (`__init__`)."""
+        if reference is not None and reference.per_layer.num_stages != num_layers:
             reference = None  # other layers: nothing to share
         self.reference = reference
         # id(plan) -> (plan, its `chosen_layout`), for tables that use this one as theirs.
@@ -105,26 +121,25 @@ class LayerCostTable:
         self._matching: dict[int, bool] = {}  # layer -> `_matches_reference`
         self._priced_plans: set[int] = set()  # ids of the plans `_priced` made
         self.num_priced = 0  # layer costs found by pricing the reference's layouts
-        # A forced `context_parallel` no layout of a layer meets on a mesh: that (layer,
-        # mesh) has no plan; the first such error names the tensor for the caller.
-        self.context_errors: list[ContextParallelError] = []
-        self.options = options
-        self.solve = solve
-        self.axis_names = axis_names
-        self.num_microbatches = num_microbatches
+
+    def _init_layers(self, graph, layers: LayerAssignment) -> None:
+        """Each layer's sub-graph, its nodes' weights per microbatch (what runs once per
+        step weighs 1/`num_microbatches`), and its structure's fingerprint."""
         self.per_layer = partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)])
-        self.tied = tied
         self.weights = []
         for k, sub in enumerate(self.per_layer.stage_graphs):
             phases = {i: layers.phase[full] for full, i in self.per_layer.node_index[k].items()}
             self.weights.append(
-                step_weights(sub, phases, self.per_layer.deferrable, num_microbatches,
-                             overlap=cluster.overlap)
+                step_weights(sub, phases, self.per_layer.deferrable, self.num_microbatches,
+                             overlap=self.cluster.overlap)
             )
         self.fingerprints = [
             structural_fingerprint(g) + repr(sorted(w.items()))
             for g, w in zip(self.per_layer.stage_graphs, self.weights)
         ]
+
+    def _init_caches(self) -> None:
+        """The table's memo tables and counters, empty."""
         self._cache: dict[tuple, LayerCost | None] = {}  # (fingerprint, shape, level)
         self._plans: dict[tuple, tuple[ShardingPlan, OpGraph]] = {}
         self._remat_cache: dict[tuple, LayerCost] = {}

@@ -18,7 +18,7 @@ from autopar.choices import (
     check_choice,
 )
 from autopar.inter._submesh import SubmeshShape
-from autopar.intra._options import ShardOptions
+from autopar.intra import ShardOptions
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ this table's layer graph (`price_layout`, the same cost model on these shapes). 
 
 from __future__ import annotations
 
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import LogicalMesh
 from autopar.inter._layer_graphs import _tied_in
 from autopar.intra._planner import price_layout
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from autopar.cluster._mesh import LogicalMesh, Spec, replicated
+from autopar.cluster import LogicalMesh, Spec, replicated
+from autopar.cost import repriced_copy_seconds
 from autopar.cost.backends import backend_for
 from autopar.graph import OpGraph, Role
+from autopar.intra import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._context import combine
 from autopar.intra._reshard import reshard_collectives, reshard_time
-from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
 from autopar.intra._strategies import CostContext, _layout_seconds
 
 
@@ -175,15 +176,15 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
     layer's dot results). A layer's ILP sees its own graph, which starts at the layer's
     inputs, so its copies' fan-in stops there: each node's copies are priced on both
     graphs by the ILP's own function (`_layout_seconds`), at the layouts the layer's plan
-    takes the operands in, and the difference added (`weights` per stage node, as for the
-    resharding). 0 where the cluster's backend prices no copies (XLA:GPU, or XLA:CPU
-    without `transpose_bandwidth`)."""
+    takes the operands in, and the difference added (`autopar.cost.repriced_copy_seconds`;
+    `weights` per stage node, as for the resharding). 0 where the cluster's backend
+    prices no copies (XLA:GPU, or XLA:CPU without `transpose_bandwidth`)."""
     backend = backend_for(cluster)
     if not backend.prices_layout_copies(cluster):
         return 0.0
     ctx = CostContext(cluster, mesh)
     stage_nodes = {n.id: n for n in stage_graph.nodes}
-    extra = 0.0
+    copies = []
     for layer_graph, layer_index, _, _ in layer_parts:
         layer_nodes = {n.id: n for n in layer_graph.nodes}
         for full, sub in layer_index.items():
@@ -191,10 +192,10 @@ def _copies_across_layers(found: _Stitched, stage_graph, stage_index, layer_part
             if not backend.layout_copies(stage_graph, node):
                 continue
             specs = [found.expected.get((node.id, p)) for p in range(len(node.inputs))]
-            extra += weights.get(node.id, 1.0) * (
-                _layout_seconds(node, stage_graph, specs, ctx)
-                - _layout_seconds(layer_nodes[sub], layer_graph, specs, ctx))
-    return extra
+            copies.append((weights.get(node.id, 1.0),
+                           _layout_seconds(node, stage_graph, specs, ctx),
+                           _layout_seconds(layer_nodes[sub], layer_graph, specs, ctx)))
+    return repriced_copy_seconds(copies)
 
 
 def _edge_resharding(found: _Stitched, stage_graph, mesh, cluster, weights, cache) -> list:

@@ -41,7 +41,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cluster import LogicalMesh, Spec
 from autopar.graph import Node, OpGraph, Role
 from autopar.intra._ilp_problem import MemoryBudgetError
 

@@ -52,6 +52,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -211,25 +213,83 @@ def solve(
     _check_options(time_limit, formulation)
     solver_name = resolve_solver(solver)
     start = time.perf_counter()
+    built = _build(problem, solver, solver_name, formulation)
+    build_time = time.perf_counter() - start
+    start = time.perf_counter()
+    ilp_choice, status, tie_break, tie_break_time = _run(
+        problem, built, solver, time_limit, msg, formulation)
+    solve_time = time.perf_counter() - start
+    choice = built.reduction.recover(ilp_choice)
+    _prefer_lower_indices(built.graph, built.groups, built.budget, choice)
+    choices = tuple(int(built.strategy_of[v][choice[int(built.root[v])]])
+                    for v in range(problem.num_nodes))
+    stats = SolveStats(
+        num_nodes=problem.num_nodes,
+        num_nodes_after_merge=built.num_merged,
+        num_ilp_nodes=len(built.model.node_columns),
+        num_variables_before_merge=_alpa_variable_count(problem),
+        num_variables=len(built.model.cost),
+        num_constraints=len(built.model.rows),
+        build_time=build_time,
+        solve_time=solve_time,
+        solver=solver_name if built.model.cost else "none",
+        formulation=formulation,
+        tie_break=tie_break,
+        tie_break_time=tie_break_time,
+    )
+    return Solution(choices, evaluate(problem, choices), status, stats)
+
+
+@dataclass(frozen=True)
+class _Built:
+    """`solve`'s model of a problem: followers resolved (`root`, `strategy_of`) and merged
+    into `graph` (`num_merged` nodes), the memory `budget` and its `groups`, the graph
+    `reduction`, the ILP `model` and the solver's own model of it (`built`; None for a
+    model without variables)."""
+
+    root: Any
+    strategy_of: Any
+    graph: CostGraph
+    num_merged: int
+    budget: float | None
+    groups: list[MemoryGroup]
+    reduction: Any
+    model: Any
+    built: Any
+    solver_name: str
+
+
+def _build(problem: ShardingProblem, solver: SolverName, solver_name: str,
+           formulation: Formulation) -> _Built:
+    """Followers merged, the graph reduced under the budget, the ILP built."""
     root, strategy_of = resolve_followers(problem)
     graph = merge_followers(problem, root, strategy_of)
-    num_merged = len(graph.node_cost)
     budget = _limit(problem)
     groups = _budget_groups(problem, root, strategy_of, solver)
     reduction = reduce_graph(graph, groups, budget)
     model = sharding_model(reduction.graph, reduction.groups, budget, formulation)
     built = build_solver_model(model, solver_name) if model.cost else None
-    build_time = time.perf_counter() - start
-    start, cpu_start = time.perf_counter(), time.process_time()
+    return _Built(root, strategy_of, graph, len(graph.node_cost), budget, groups, reduction,
+                  model, built, solver_name)
+
+
+def _run(problem: ShardingProblem, built: _Built, solver: SolverName, time_limit: float,
+         msg: bool, formulation: Formulation) -> tuple[dict, str, str, float]:
+    """The ILP solved within `time_limit` CPU seconds of this process, then its ties broken
+    canonically in what is left. **Returns:** (the reduced graph's choice, the solver's
+    status, how ties were broken, the tie-break's seconds)."""
+    cpu_start = time.process_time()
+    reduction, model, solver_name, budget = (built.reduction, built.model, built.solver_name,
+                                             built.budget)
 
     def within_incumbent(relaxed, duals):
         remaining = time_limit - (time.process_time() - cpu_start)
         return _solve_within_incumbent(reduction, model, relaxed, duals, solver_name,
                                        remaining, msg, budget, formulation)
 
-    values, status = run_model(built, time_limit, msg, fractional=within_incumbent)
+    values, status = run_model(built.built, time_limit, msg, fractional=within_incumbent)
     if status == "infeasible":
-        assert groups, "a sharding ILP without memory constraints is always feasible"
+        assert built.groups, "a sharding ILP without memory constraints is always feasible"
         raise _infeasible(problem, solver)
     if status == "no_solution":
         raise RuntimeError(
@@ -238,34 +298,17 @@ def solve(
         )
     ilp_choice = node_choices(model, values)
     tie_break, tie_break_time = "canonical", 0.0
-    if built is not None and status == "time_limit":
+    if built.built is not None and status == "time_limit":
         tie_break = "skipped"
-    elif built is not None:
+    elif built.built is not None:
         tie_start = time.perf_counter()
         remaining = time_limit - (time.process_time() - cpu_start)  # CPU s, as HiGHS's
         ilp_choice, tie_break = _break_ties(
-            reduction, model, built, ilp_choice, solver_name, remaining, msg, budget, formulation
+            reduction, model, built.built, ilp_choice, solver_name, remaining, msg, budget,
+            formulation
         )
         tie_break_time = time.perf_counter() - tie_start
-    solve_time = time.perf_counter() - start
-    choice = reduction.recover(ilp_choice)
-    _prefer_lower_indices(graph, groups, budget, choice)
-    choices = tuple(int(strategy_of[v][choice[int(root[v])]]) for v in range(problem.num_nodes))
-    stats = SolveStats(
-        num_nodes=problem.num_nodes,
-        num_nodes_after_merge=num_merged,
-        num_ilp_nodes=len(model.node_columns),
-        num_variables_before_merge=_alpa_variable_count(problem),
-        num_variables=len(model.cost),
-        num_constraints=len(model.rows),
-        build_time=build_time,
-        solve_time=solve_time,
-        solver=solver_name if model.cost else "none",
-        formulation=formulation,
-        tie_break=tie_break,
-        tie_break_time=tie_break_time,
-    )
-    return Solution(choices, evaluate(problem, choices), status, stats)
+    return ilp_choice, status, tie_break, tie_break_time
 
 
 def _prefer_lower_indices(

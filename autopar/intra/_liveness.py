@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from autopar.cluster._mesh import spec_axes
+from autopar.cluster import spec_axes
 from autopar.cost import bytes_per_device, fused_attention_bytes
 from autopar.graph import OpGraph, Role, attention_core
 from autopar.intra._reshard import reshard_collectives
@@ -97,43 +97,13 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
 
-    free = frozenset(free)
-    core = attention_core(graph) if fused_attention else frozenset()
-
-    def nbytes(v: int, spec=None) -> float:
-        if v in free:
-            return 0.0
-        var = graph.vars[v]
-        spec = var_specs[v] if spec is None else spec
-        if v in core:
-            return fused_attention_bytes(var.shape, spec, mesh)
-        if spec is None or not var.shape:
-            return float(var.nbytes)
-        return bytes_per_device(var.shape, var.dtype, spec, mesh)
-
+    nbytes = _byte_counter(graph, var_specs, mesh, frozenset(free), fused_attention)
     consumers = graph.consumers()
     returned = set(graph.outvars)
     buffer = _buffers(graph)  # var -> the var whose buffer holds it
     sliced = _sliced_reads(graph, operand_specs, var_specs, mesh)
     made = _made_at(graph)
-    last_use: dict[int, int] = {}
-    end = len(graph.nodes)
-    for node in graph.nodes:
-        for position, v in enumerate(node.inputs):
-            b = buffer.get(v, v)
-            # A read of a slice made at production is no read of the value itself.
-            use = made.get(v, node.id) if (node.id, position) in sliced else node.id
-            last_use[b] = max(last_use.get(b, -1), use)
-    for v in returned:
-        last_use[buffer.get(v, v)] = end
-    # Reductions XLA's combiner merges run as one collective after the last of them is
-    # made, reducing each buffer in place: each stays live until then at least.
-    combined = _combined_reductions(graph, var_specs)
-    if combined:
-        bucket = max(made[v] for v in combined)
-        for v in combined:
-            b = buffer.get(v, v)
-            last_use[b] = max(last_use.get(b, -1), bucket)
+    last_use = _last_uses(graph, var_specs, buffer, sliced, made, returned)
     fused = _fused_values(graph, consumers, returned)
     copy_bytes = _layout_copy_bytes(graph, consumers, operand_specs, nbytes)
     # Temporaries: (first node, last node, bytes), live from before the first to after the
@@ -145,17 +115,7 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
     starting: dict[int, list[int]] = {}
     for t, (first, _, _) in enumerate(temporaries):
         starting.setdefault(first, []).append(t)
-    donated = set(donated)
-    always = 0.0  # non-donated inputs
-    live: dict[int, float] = {}
-    for v in dict.fromkeys(graph.invars):
-        if graph.vars[v].role is Role.CONST:
-            continue
-        if v in donated and v not in returned:
-            if v in last_use:
-                live[v] = nbytes(v)
-        else:
-            always += nbytes(v)
+    always, live = _live_inputs(graph, set(donated), returned, last_use, nbytes)
     current = sum(live.values())
     peak = always + current
     at_peak = (-1, dict(live), [], always) if record else None
@@ -179,6 +139,66 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
             active.remove(t)
             current -= temporaries[t][2]
     return peak, at_peak
+
+
+def _byte_counter(graph, var_specs, mesh, free: frozenset, fused_attention: bool):
+    """``nbytes(var, spec=None)``: bytes per device a variable holds at `spec` (default its
+    own layout): 0 for `free` ones, the softmax statistics for the fused attention core."""
+    core = attention_core(graph) if fused_attention else frozenset()
+
+    def nbytes(v: int, spec=None) -> float:
+        if v in free:
+            return 0.0
+        var = graph.vars[v]
+        spec = var_specs[v] if spec is None else spec
+        if v in core:
+            return fused_attention_bytes(var.shape, spec, mesh)
+        if spec is None or not var.shape:
+            return float(var.nbytes)
+        return bytes_per_device(var.shape, var.dtype, spec, mesh)
+
+    return nbytes
+
+
+def _last_uses(graph, var_specs, buffer, sliced, made, returned) -> dict[int, int]:
+    """Buffer -> the last node that reads it (`len(graph.nodes)` for a returned one; the
+    combined all-reduce's node for the reductions XLA merges)."""
+    last_use: dict[int, int] = {}
+    end = len(graph.nodes)
+    for node in graph.nodes:
+        for position, v in enumerate(node.inputs):
+            b = buffer.get(v, v)
+            # A read of a slice made at production is no read of the value itself.
+            use = made.get(v, node.id) if (node.id, position) in sliced else node.id
+            last_use[b] = max(last_use.get(b, -1), use)
+    for v in returned:
+        last_use[buffer.get(v, v)] = end
+    # Reductions XLA's combiner merges run as one collective after the last of them is
+    # made, reducing each buffer in place: each stays live until then at least.
+    combined = _combined_reductions(graph, var_specs)
+    if combined:
+        bucket = max(made[v] for v in combined)
+        for v in combined:
+            b = buffer.get(v, v)
+            last_use[b] = max(last_use.get(b, -1), bucket)
+    return last_use
+
+
+def _live_inputs(graph, donated: set, returned: set, last_use, nbytes
+                 ) -> tuple[float, dict[int, float]]:
+    """(bytes of the inputs live all step: those not donated, or returned; {donated input:
+    bytes} live until their last use)."""
+    always = 0.0  # non-donated inputs
+    live: dict[int, float] = {}
+    for v in dict.fromkeys(graph.invars):
+        if graph.vars[v].role is Role.CONST:
+            continue
+        if v in donated and v not in returned:
+            if v in last_use:
+                live[v] = nbytes(v)
+        else:
+            always += nbytes(v)
+    return always, live
 
 
 def _combined_reductions(graph: OpGraph, var_specs) -> list[int]:

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from autopar._memo import declare
-from autopar.cluster._mesh import LogicalMesh, Spec, replicated
+from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
 from autopar.intra._context import describe_context
 from autopar.intra._ilp import (
@@ -456,7 +456,59 @@ def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) 
 
 
 def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied):
+    """The `ShardingPlan` of the ILP's `choices` on `graph`: every variable's spec, each
+    node's strategy, the operands resharded along edges, returned state in its input's
+    layout (`tied`), and the predicted cost with its collectives."""
     chosen = [n.strategies[c] for n, c in zip(built.ilp_nodes, choices)]
+    var_specs, node_strategies = _chosen_specs(graph, built, chosen)
+    compute = sum(s.compute_cost for s in chosen)
+    communication = sum(s.comm_cost for s in chosen)
+    collectives = _CollectiveTally()
+    for s in chosen:
+        for c in s.collectives:
+            collectives.add(c)
+    problem = built.problem
+    operand_specs, resharding = _operand_resharding(graph, mesh, built, choices, chosen,
+                                                    var_specs, collectives)
+    # Returned state takes its input's layout, so that the next step needs no resharding;
+    # the ILP charged this move on the tie edge.
+    for out_var, in_var in tied:
+        var = graph.vars[out_var]
+        producer = built.ilp_nodes[built.source_of[out_var][0]].node
+        for c in reshard_collectives(
+            var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh
+        ):
+            collectives.add(c, built.weight(producer))
+    output_specs = {out_var: var_specs[in_var] for out_var, in_var in tied}
+    constrained = tuple(
+        v
+        for node in graph.nodes
+        for v in node.outputs
+        if len(graph.vars[v].shape) > 0
+    )
+    cost = PredictedCost(
+        compute=compute,
+        communication=communication,
+        resharding=resharding,
+        memory_per_device=float(peak_memory(problem, choices)),
+        collectives=collectives.totals(),
+    )
+    return ShardingPlan(
+        mesh=mesh,
+        var_specs=tuple(var_specs),
+        output_overrides=tuple(sorted(output_specs.items())),
+        operand_specs=tuple(operand_specs),
+        node_strategies=tuple(node_strategies),
+        constrained=constrained,
+        cost=cost,
+        graph_fingerprint=graph_fingerprint(graph),
+        warnings=tuple(built.warnings),
+    )
+
+
+def _chosen_specs(graph: OpGraph, built: BuiltProblem, chosen) -> tuple[list, list[str]]:
+    """Each variable's spec as its producer's chosen strategy makes it, and each graph
+    node's strategy name."""
     var_specs: list = [None] * len(graph.vars)
     for v, (index, k) in built.source_of.items():
         var_specs[v] = chosen[index].out_specs[k]
@@ -464,26 +516,34 @@ def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tie
     for ilp_node, strategy in zip(built.ilp_nodes, chosen):
         if ilp_node.node is not None:
             node_strategies[ilp_node.node] = strategy.name
+    return var_specs, node_strategies
 
-    compute = sum(s.compute_cost for s in chosen)
-    communication = sum(s.comm_cost for s in chosen)
-    collectives: dict[str, list] = {}
 
-    def add(c, weight=1.0):
-        # Counts and bytes per planned unit: a collective run once per step in a stage
-        # planned per microbatch counts 1/microbatches.
+class _CollectiveTally:
+    """Collectives by kind: ``[count, bytes]`` per planned unit (a collective run once per
+    step in a stage planned per microbatch counts 1/microbatches: its `weight`)."""
+
+    def __init__(self):
+        self.by_kind: dict[str, list] = {}
+
+    def add(self, c, weight: float = 1.0) -> None:
         weight *= c.weight
-        entry = collectives.setdefault(c.kind, [0.0, 0.0])
+        entry = self.by_kind.setdefault(c.kind, [0.0, 0.0])
         entry[0] += weight
         entry[1] += weight * c.nbytes
 
-    for s in chosen:
-        for c in s.collectives:
-            add(c)
+    def totals(self) -> dict[str, tuple[float, float]]:
+        return {k: (n, b) for k, (n, b) in self.by_kind.items()}
+
+
+def _operand_resharding(graph: OpGraph, mesh, built: BuiltProblem, choices, chosen,
+                        var_specs, collectives: _CollectiveTally) -> tuple[list, float]:
+    """Spec changes along edges: the lowering pins each resharded operand, and their
+    collectives are predicted for the check against compiled HLO. A value several nodes
+    take in the same new layout is resharded once (`once_per_layout`). **Returns:** the
+    (node, operand, spec) pins and the seconds of resharding the ILP's edges charge, the
+    tie edges included; adds the operands' collectives to `collectives`."""
     problem = built.problem
-    # Spec changes along edges: the lowering pins each resharded operand, and their
-    # collectives are predicted for the check against compiled HLO. A value several nodes
-    # take in the same new layout is resharded once (`once_per_layout`).
     operand_specs = []
     edge_seconds = [float(m[choices[u], choices[v]])
                     for (u, v), m in zip(problem.edges, problem.edge_costs)]
@@ -505,38 +565,5 @@ def _graph_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tie
             continue
         dst = keys[e][1]
         for c in reshard_collectives(var.shape, var.dtype, var_specs[var.id], dst, mesh):
-            add(c, built.weight(ilp_node.node))
-    # Returned state takes its input's layout, so that the next step needs no resharding;
-    # the ILP charged this move on the tie edge.
-    for out_var, in_var in tied:
-        var = graph.vars[out_var]
-        producer = built.ilp_nodes[built.source_of[out_var][0]].node
-        for c in reshard_collectives(
-            var.shape, var.dtype, var_specs[out_var], var_specs[in_var], mesh
-        ):
-            add(c, built.weight(producer))
-    output_specs = {out_var: var_specs[in_var] for out_var, in_var in tied}
-    constrained = tuple(
-        v
-        for node in graph.nodes
-        for v in node.outputs
-        if len(graph.vars[v].shape) > 0
-    )
-    cost = PredictedCost(
-        compute=compute,
-        communication=communication,
-        resharding=resharding,
-        memory_per_device=float(peak_memory(problem, choices)),
-        collectives={k: (n, b) for k, (n, b) in collectives.items()},
-    )
-    return ShardingPlan(
-        mesh=mesh,
-        var_specs=tuple(var_specs),
-        output_overrides=tuple(sorted(output_specs.items())),
-        operand_specs=tuple(operand_specs),
-        node_strategies=tuple(node_strategies),
-        constrained=constrained,
-        cost=cost,
-        graph_fingerprint=graph_fingerprint(graph),
-        warnings=tuple(built.warnings),
-    )
+            collectives.add(c, built.weight(ilp_node.node))
+    return operand_specs, resharding

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from autopar._memo import declare
-from autopar.cluster._mesh import LogicalMesh, Spec, replicated, spec_axes
+from autopar.cluster import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import fused_attention_bytes, memory_budget
 from autopar.graph import OpGraph, Role, attention_core, fusion_traffic
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
@@ -258,21 +258,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         cut = node.primitive not in SCAN_MARKERS and constrains(node, graph, cp_mode,
                                                                 seq_len, score_ids)
         if options.merge_followers and not annotated and not cut:
-            leader = _leader(node, graph, candidates, ilp_nodes, source_of)
-            if leader is not None:
-                main, u, k = leader
-                specs = out_specs(u, k)
-                fkey = ("follow", key, main, specs, extra)
-                strategies = memo.get(fkey)
-                if strategies is None:
-                    found = follow_strategies(node, graph, sig, main, specs, ctx)
-                    strategies = memo[fkey] = (
-                        _CANNOT_FOLLOW if found is None else _finished(found, extra)
-                    )
-                if strategies is _CANNOT_FOLLOW:
-                    strategies = None
-                if strategies is not None:
-                    followers[index] = (u, np.arange(len(specs)))
+            strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
+                                      ilp_nodes, source_of, out_specs, followers)
         if strategies is None:
             okey = ("own", key, extra)
             strategies = memo.get(okey)
@@ -280,13 +267,7 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                 found = node_strategies(node, graph, sig, ctx)
                 strategies = memo[okey] = _finished(found, extra)
         if annotated:
-            var = graph.vars[node.outputs[0]]
-
-            def reshard_seconds(src, dst, var=var):
-                return reshard_time(var.shape, var.dtype, src, dst, ctx.mesh, ctx.cluster)
-
-            strategies = annotated_strategies(node, var, list(strategies), ctx.mesh,
-                                              options.annotations, reshard_seconds)
+            strategies = _annotated(node, graph, strategies, ctx, options)
         if cut:
             strategies = keep_strategies(node, graph, list(strategies), cp_mode, seq_len,
                                          score_ids, ctx.mesh)
@@ -294,6 +275,41 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))
     return missing
+
+
+def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes, source_of,
+                 out_specs, followers):
+    """The strategies of `node` as a follower of its leader's result (`_leader`,
+    `follow_strategies`, memoised in `memo`), its entry added to `followers`; None when
+    it has no leader or cannot follow it."""
+    leader = _leader(node, graph, candidates, ilp_nodes, source_of)
+    if leader is None:
+        return None
+    main, u, k = leader
+    specs = out_specs(u, k)
+    fkey = ("follow", key, main, specs, extra)
+    strategies = memo.get(fkey)
+    if strategies is None:
+        found = follow_strategies(node, graph, sig, main, specs, ctx)
+        strategies = memo[fkey] = (
+            _CANNOT_FOLLOW if found is None else _finished(found, extra)
+        )
+    if strategies is _CANNOT_FOLLOW:
+        return None
+    followers[len(ilp_nodes)] = (u, np.arange(len(specs)))
+    return strategies
+
+
+def _annotated(node, graph, strategies, ctx, options):
+    """A sharding annotation's strategies under `options.annotations` ("keep" or "hint";
+    `annotated_strategies`), a resharding of its result priced by `reshard_time`."""
+    var = graph.vars[node.outputs[0]]
+
+    def reshard_seconds(src, dst, var=var):
+        return reshard_time(var.shape, var.dtype, src, dst, ctx.mesh, ctx.cluster)
+
+    return annotated_strategies(node, var, list(strategies), ctx.mesh, options.annotations,
+                                reshard_seconds)
 
 
 # Memoised for a node that cannot follow its leader (`follow_strategies` gave None).

@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 
 from autopar._memo import declare, memo
-from autopar.cluster._mesh import LogicalMesh, Spec
-from autopar.cost import collective_time
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.cluster import LogicalMesh, Spec
+from autopar.cost import collectives_seconds
+from autopar.graph import dtype_itemsize
 from autopar.intra._strategies import Collective
 
 Digit = tuple[str, int, int]  # (mesh axis, position in the axis with 0 the major, size)
@@ -338,7 +338,8 @@ def reshard_time(
     cluster,
     cache: dict | None = None,
 ) -> float:
-    """Seconds to reshard a tensor from `src` to `dst` on `mesh`.
+    """Seconds to reshard a tensor from `src` to `dst` on `mesh`: its
+    `reshard_collectives` priced by `autopar.cost.collectives_seconds`.
 
     `cache`, if given, memoises results for one (mesh, cluster) pair.
     """
@@ -348,16 +349,8 @@ def reshard_time(
     if cache is not None and key in cache:
         return cache[key]
     collectives = reshard_collectives(shape, dtype, src, dst, mesh)
-    if cache is None:
-        return sum(collective_time(c.kind, c.nbytes, cluster, mesh, c.axes) for c in collectives)
-    seconds = 0.0
-    for c in collectives:
-        # One collective's time depends on (kind, bytes, axes) alone on this mesh and
-        # cluster; tensors of many shapes share them (issue 18: collective_time was a fifth
-        # of gpt-39B's search).
-        ckey = ("collective", c.kind, c.nbytes, c.axes)
-        if ckey not in cache:
-            cache[ckey] = collective_time(c.kind, c.nbytes, cluster, mesh, c.axes)
-        seconds += cache[ckey]
-    cache[key] = seconds
+    seconds = collectives_seconds(((c.kind, c.nbytes, c.axes) for c in collectives),
+                                  cluster, mesh, cache)
+    if cache is not None:
+        cache[key] = seconds
     return seconds

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cluster import LogicalMesh, Spec
 from autopar.graph import ANNOTATION_PRIMITIVES
 from autopar.intra._rules import OpInfo, register
 from autopar.intra._signature import Signature

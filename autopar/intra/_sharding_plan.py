@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cluster import LogicalMesh, Spec
 from autopar.graph import ANNOTATION_PRIMITIVES, OpGraph, Role
 from autopar.intra._context import NO_CONTEXT, ContextSplit
 from autopar.intra._rules_annotations import user_sharding

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from autopar.cluster._mesh import LogicalMesh, Spec
+from autopar.cluster import LogicalMesh, Spec
 
 Labels = tuple[str | None, ...]
 

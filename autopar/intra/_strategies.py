@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar._memo import declare
-from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes
+from autopar.cluster import LogicalMesh, Spec, spec_axes
 from autopar.cost import (
     MATMUL_PRIMITIVES,
     batch_feed_seconds,
     bytes_per_device,
     fused_attention_bytes,
+    fusion_boundary_bytes,
     kernel_seconds,
     layout_copy_seconds,
     node_compute_seconds,
@@ -212,58 +213,66 @@ def node_strategies(
     strategies = []
     dtype = _rate_dtype(node, in_vars, out_vars)
     for assignment in assignments:
-        in_specs = tuple(
-            None if var.role is Role.CONST else spec_for(labels, len(var.shape), assignment)
-            for labels, var in zip(sig.inputs, in_vars)
-        )
-        out_specs = tuple(
-            spec_for(labels, len(var.shape), assignment)
-            for labels, var in zip(sig.outputs, out_vars)
-        )
-        used_axes = {a for axes in assignment.values() for a in axes}
-        parallelism = math.prod(mesh.axis_size(a) for a in used_axes) if used_axes else 1
-        out_bytes = sum(
-            bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
-        )
-        fused = getattr(ctx.cluster, "fused_attention", False)
-        held = held_bytes(graph, out_vars, out_specs, mesh, fused)
-        accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
-                              getattr(ctx.cluster, "fused_attention", False))
-        matmul = node.primitive in MATMUL_PRIMITIVES
-        in_place = node.id in ctx.in_place and graph.nodes[node.id] is node
-        extra = _extra_seconds(node, graph, in_specs, ctx)
-        shape = _gemm_shape(node, in_vars, in_specs, mesh)
-        work = (node.flops / parallelism, accessed, dtype, matmul, in_place, extra, shape)
-        compute = node_compute_seconds(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
-                                       in_place=in_place, gemm_shape=shape,
-                                       extra_seconds=extra)
-        name = _assignment_name(assignment)
-        partial = reduced_axes(sig, assignment)
-        if not partial:
-            strategies.append(Strategy(name, in_specs, out_specs, compute, 0.0, held))
-            continue
-        # Partial results: reduce them with an all-reduce, or (one summed result) with a
-        # reduce-scatter that leaves the result split along a free dimension.
-        combined = _combined(node, graph, ctx)
-        reduce = tuple(
-            Collective("all_reduce", axes, out_bytes, combined=combined)
-            for axes in partial.values()
-        )
-        comm = _reductions_seconds(reduce, ctx)
-        strategies.append(
-            Strategy(name, in_specs, out_specs, compute, comm, held, reduce)
-        )
-        if len(out_vars) == 1 and set(partial) == {"sum"}:
-            strategies.extend(
-                _reduce_scatter_variants(
-                    name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx,
-                    combined, fused and out_vars[0].id in attention_core(graph),
-                )
-            )
+        strategies.extend(_assignment_strategies(node, graph, sig, ctx, assignment, in_vars,
+                                                 out_vars, dtype))
     extra_rule = EXTRA_STRATEGIES.get(node.primitive)
     if extra_rule is not None:
         strategies.extend(extra_rule(node, graph, ctx))
     return _dedupe(strategies)
+
+
+def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: CostContext,
+                           assignment, in_vars, out_vars, dtype) -> list[Strategy]:
+    """The strategies of one assignment of mesh axes to `sig`'s labels: the node's specs
+    and compute under it and, where it leaves partial results, their all-reduce (and,
+    for one summed result, the reduce-scatter variants)."""
+    mesh = ctx.mesh
+    in_specs = tuple(
+        None if var.role is Role.CONST else spec_for(labels, len(var.shape), assignment)
+        for labels, var in zip(sig.inputs, in_vars)
+    )
+    out_specs = tuple(
+        spec_for(labels, len(var.shape), assignment)
+        for labels, var in zip(sig.outputs, out_vars)
+    )
+    used_axes = {a for axes in assignment.values() for a in axes}
+    parallelism = math.prod(mesh.axis_size(a) for a in used_axes) if used_axes else 1
+    out_bytes = sum(
+        bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(out_vars, out_specs)
+    )
+    fused = getattr(ctx.cluster, "fused_attention", False)
+    held = held_bytes(graph, out_vars, out_specs, mesh, fused)
+    accessed = _hbm_bytes(node, graph, in_specs, out_specs, mesh,
+                          getattr(ctx.cluster, "fused_attention", False))
+    matmul = node.primitive in MATMUL_PRIMITIVES
+    in_place = node.id in ctx.in_place and graph.nodes[node.id] is node
+    extra = _extra_seconds(node, graph, in_specs, ctx)
+    shape = _gemm_shape(node, in_vars, in_specs, mesh)
+    work = (node.flops / parallelism, accessed, dtype, matmul, in_place, extra, shape)
+    compute = node_compute_seconds(work[0], work[1], ctx.cluster, dtype, matmul=matmul,
+                                   in_place=in_place, gemm_shape=shape,
+                                   extra_seconds=extra)
+    name = _assignment_name(assignment)
+    partial = reduced_axes(sig, assignment)
+    if not partial:
+        return [Strategy(name, in_specs, out_specs, compute, 0.0, held)]
+    # Partial results: reduce them with an all-reduce, or (one summed result) with a
+    # reduce-scatter that leaves the result split along a free dimension.
+    combined = _combined(node, graph, ctx)
+    reduce = tuple(
+        Collective("all_reduce", axes, out_bytes, combined=combined)
+        for axes in partial.values()
+    )
+    comm = _reductions_seconds(reduce, ctx)
+    found = [Strategy(name, in_specs, out_specs, compute, comm, held, reduce)]
+    if len(out_vars) == 1 and set(partial) == {"sum"}:
+        found.extend(
+            _reduce_scatter_variants(
+                name, in_specs, out_specs[0], out_vars[0], partial["sum"], work, ctx,
+                combined, fused and out_vars[0].id in attention_core(graph),
+            )
+        )
+    return found
 
 
 # Strategies a primitive has beyond its signature's label assignments, keyed by primitive
@@ -472,7 +481,8 @@ def _hbm_bytes(node: Node, graph: OpGraph, in_specs, out_specs, mesh: LogicalMes
     if traffic.reads.get(node.id) is None or len(graph.nodes) <= node.id \
             or graph.nodes[node.id] is not node:
         return unfused_bytes(in_bytes, out_bytes)  # not in this graph
-    return traffic.hbm_bytes(node.id, in_bytes, out_bytes)
+    return fusion_boundary_bytes(in_bytes, out_bytes, traffic.reads[node.id],
+                                 traffic.writes[node.id])
 
 
 def _gemm_shape(node: Node, in_vars, in_specs, mesh: LogicalMesh

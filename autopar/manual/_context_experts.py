@@ -46,10 +46,11 @@ from typing import Any
 
 import jax
 
-from autopar.cluster._mesh import LogicalMesh
+from autopar.cluster import LogicalMesh
 from autopar.cost import (
     DEFAULT_OVERLAP_EFFICIENCY,
     DEFAULT_TOKEN_IMBALANCE,
+    causal_attention_flops,
     check_load_balanced_sequence,
     check_ulysses_heads,
     compute_time,
@@ -61,7 +62,6 @@ from autopar.cost import (
     overlap_saving,
     routed_activation_bytes,
 )
-from autopar.cost._context import causal_attention_flops
 
 CONTEXT_AXIS = "context"
 EXPERT_AXIS = "expert"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.choices import REMATS, SCHEDULES, Remat, Schedule, check_choice
-from autopar.cluster._mesh import Spec, replicated, spec_str
-from autopar.cost._context import CP_ALGORITHMS, CPAlgorithm
+from autopar.cluster import Spec, replicated, spec_str
+from autopar.cost import CP_ALGORITHMS, CPAlgorithm
 from autopar.graph import OpGraph, Role
 from autopar.manual._dataflow import Kind, Placement, classify_parameters
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar._memo import declare
-from autopar.cluster._mesh import Spec, spec_str
+from autopar.cluster import Spec, spec_str
 from autopar.graph import OpGraph, Role
 from autopar.intra._problem import BuiltProblem
 from autopar.manual._dataflow import Kind, classify_parameters, split_dimensions

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.choices import Remat, Runtime, Schedule
-from autopar.cluster._mesh import LogicalMesh, Spec, spec_str
+from autopar.cluster import LogicalMesh, Spec, spec_str
 from autopar.cost import (
     DEFAULT_PHASE_SHARES,
     StageMemory,
@@ -24,7 +24,7 @@ from autopar.cost import (
     pipelined_step_time,
 )
 from autopar.graph import OpGraph, Role
-from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
+from autopar.intra import ShardingPlan, graph_fingerprint
 
 PLAN_FORMAT_VERSION = 1
 

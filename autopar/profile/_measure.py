@@ -39,10 +39,16 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.cluster._cluster import Cluster, Link, local_devices
-from autopar.cluster._profiles import builtin_profile_for
-from autopar.cost._fit import CollectiveSample, fit_link
-from autopar.cost._formulas import COLLECTIVE_KINDS, CollectiveKind
+from autopar.cluster import Cluster, local_devices
+from autopar.cost import COLLECTIVE_KINDS, CollectiveKind, CollectiveSample
+from autopar.profile._fit import (
+    RawFigures,
+    fit_links,
+    fitted_cluster,
+    measured_json,
+    note_alone,
+    profile_note,
+)
 
 AXIS = "d"
 GROUPS = "g"  # the mesh axis over concurrent groups of a collective
@@ -198,6 +204,28 @@ def measure_profile(
     if accelerator:  # its L2 cache holds what a CPU's memory bandwidth probe moves
         options = dataclasses.replace(
             options, bandwidth_bytes=options.bandwidth_bytes * ACCELERATOR_BANDWIDTH_SCALE)
+    raw = _measure_devices(devices, hosts, mine, alone, accelerator, options, log)
+    links = fit_links(raw, mine[0].device_kind, alone, log)
+    cluster = fitted_cluster(raw, links, len(hosts), len(mine), mine[0].device_kind,
+                             _device_memory(mine), _shared_cores(mine))
+    by_group = links.by_group or ()
+    for level, link in (("intra_host", links.intra), ("inter_host", links.inter),
+                        *((f"intra_host, groups of {n}", link) for n, link in by_group)):
+        log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
+            f"bandwidth {link.bandwidth / 1e9:.3f} GB/s per device")
+    measured = measured_json(raw, links, time.perf_counter() - start)
+    if links.base is None:
+        note = profile_note(len(hosts), bool(raw.inter))
+    else:
+        note = note_alone(links.base)
+    result = ProfileResult(cluster, note, measured)
+    return ProfileResult.from_json(_from_process_zero(result.to_json()))
+
+
+def _measure_devices(devices, hosts, mine, alone: bool, accelerator: bool,
+                     options: ProfileOptions, log) -> RawFigures:
+    """Every measurement of `measure_profile`, in its order: this process's devices
+    (`mine`), then one device per host for the inter-host level (best effort)."""
     flops = {dtype: measure_matmul(dtype, mine, options, log) for dtype in MATMUL_DTYPES}
     gemm_dtype = "bfloat16" if accelerator else MATMUL_DTYPES[0]
     shapes = measure_gemm_shapes(gemm_dtype, mine, options, log)
@@ -214,105 +242,8 @@ def measure_profile(
         across = dataclasses.replace(options, device_counts=(len(leaders),))
         inter = measure_collectives(leaders, across, log, "inter-host")
     extra = _accelerator_figures(mine, options, log) if accelerator else {}
-    if alone:  # nothing to communicate with: the links of the built-in profile of its kind
-        base = builtin_profile_for(mine[0].device_kind)
-        intra_link, inter_link, by_group = base.intra_host, base.inter_host, None
-        log(f"one device: links taken from the built-in profile {base.name!r}, not measured")
-    else:
-        base = None
-        intra_link = fit_link(intra or inter)
-        inter_link = fit_link(inter) if inter else intra_link
-        by_group = _fit_by_group(intra)
-    by_kind = _kind_scales(intra, intra_link) if intra else None
-    cluster = Cluster(
-        name="local-measured",
-        num_hosts=len(hosts),
-        devices_per_host=len(mine),
-        device_kind=mine[0].device_kind,
-        device_memory=_device_memory(mine),
-        peak_flops={dtype: max(by_size.values()) for dtype, by_size in flops.items()},
-        matmul_efficiency=1.0,
-        gemm_efficiency=_gemm_table(flops),
-        gemm_shapes=_shape_table(shapes, max(flops[gemm_dtype].values())),
-        collective_bandwidth_by_kind=by_kind,
-        hbm_bandwidth=hbm,
-        inplace_bandwidth=inplace,
-        intra_host=intra_link,
-        inter_host=inter_link,
-        dispatch_overhead=dispatch,
-        intra_host_by_group=by_group,
-        combined_operand_latency=combined,
-        transpose_bandwidth=transpose,
-        collective_latency_by_group=latency,
-        host_cores=_shared_cores(mine),
-        nics_per_host=base.nics_per_host if base else None,
-        kernel_overhead=extra.get("kernel_overhead", 0.0),
-    )
-    for level, link in (("intra_host", intra_link), ("inter_host", inter_link),
-                        *((f"intra_host, groups of {n}", link) for n, link in by_group or ())):
-        log(f"fit {level}: latency {link.latency * 1e6:.1f} us, "
-            f"bandwidth {link.bandwidth / 1e9:.3f} GB/s per device")
-    measured = {"seconds": round(time.perf_counter() - start, 2),
-                "matmul_flops_per_device": flops, **extra.get("measured", {})}
-    if shapes:
-        measured[f"gemm_shapes_{gemm_dtype}"] = [[*shape, rate] for shape, rate in shapes.items()]
-    for level, samples, link in (("intra_host", intra, intra_link),
-                                 ("inter_host", inter, inter_link)):
-        if samples:
-            measured[level] = _samples_json(samples, link)
-    note = _note(len(hosts), bool(inter)) if base is None else _note_alone(base)
-    result = ProfileResult(cluster, note, measured)
-    return ProfileResult.from_json(_from_process_zero(result.to_json()))
-
-
-def _fit_by_group(samples: Sequence[CollectiveSample]) -> tuple[tuple[int, Link], ...] | None:
-    """One `Link` per measured group size (`Cluster.intra_host_by_group`); a size whose
-    samples do not fit (too noisy) is left out; None without at least one fit."""
-    fits = []
-    for n in sorted({s.num_devices for s in samples}):
-        try:
-            fits.append((n, fit_link([s for s in samples if s.num_devices == n])))
-        except ValueError:
-            continue
-    return tuple(fits) or None
-
-
-def _kind_scales(samples: Sequence[CollectiveSample], link: Link
-                 ) -> tuple[tuple[str, float], ...] | None:
-    """`Cluster.collective_bandwidth_by_kind`: per collective kind, the bandwidth of the
-    alpha-beta fit of its samples alone over `link`'s (the fit of all of them); a kind
-    too noisy to fit is left out; None without one fit."""
-    scales = []
-    for kind in COLLECTIVE_KINDS:
-        try:
-            fit = fit_link([s for s in samples if s.kind == kind])
-        except ValueError:
-            continue
-        scales.append((kind, round(fit.bandwidth / link.bandwidth, 3)))
-    return tuple(scales) or None
-
-
-def _gemm_table(flops: dict[str, dict[int, float]]) -> tuple[tuple[float, float], ...] | None:
-    """The measured fraction of the best rate by matmul size, averaged over dtypes: the
-    profile's `gemm_efficiency` (None with fewer than two sizes)."""
-    sizes = sorted(set.intersection(*(set(by_size) for by_size in flops.values())))
-    if len(sizes) < 2:
-        return None
-    fractions = [
-        sum(by_size[n] / max(by_size.values()) for by_size in flops.values()) / len(flops)
-        for n in sizes
-    ]
-    return tuple((float(n), round(f, 3)) for n, f in zip(sizes, fractions))
-
-
-def _shape_table(rates: dict[tuple[int, int, int], float], peak: float):
-    """The profile's `gemm_shapes`, ``((M, N, K, fraction of peak), ...)``, from measured
-    rates by shape (fractions capped at 1: a shape may beat the best square); None when
-    nothing was measured."""
-    if not rates:
-        return None
-    return tuple((float(m), float(n), float(k), round(min(1.0, rate / peak), 4))
-                 for (m, n, k), rate in sorted(rates.items()))
+    return RawFigures(flops, gemm_dtype, shapes, hbm, inplace, dispatch, combined, transpose,
+                       latency, intra, inter, extra)
 
 
 # Independent GEMMs per program of `measure_gemm_shapes` at most: its 64 programs compile
@@ -757,30 +688,9 @@ def _device_memory(devices: Sequence) -> float:
     return float(physical // len(devices))
 
 
-def _note(num_hosts: int, measured_inter: bool) -> str:
-    base = (
-        "Measured by `autopar profile`. peak_flops are the fastest measured matmuls with all "
-        "devices busy, so matmul_efficiency is 1. "
-    )
-    if measured_inter:
-        return base + f"inter_host was measured with one device on each of {num_hosts} hosts."
-    return base + (
-        "One process: only the intra-host level could be measured, so inter_host is a copy "
-        "of intra_host."
-    )
-
-
 def _on_cpu(devices: Sequence) -> bool:
     """Whether `devices` are CPU devices (XLA:CPU's virtual devices), not accelerators."""
     return devices[0].platform == "cpu"
-
-
-def _note_alone(base: Cluster) -> str:
-    return (
-        "Measured by `autopar profile` on one device. peak_flops are the fastest measured "
-        "matmuls, so matmul_efficiency is 1. With nothing to communicate with, intra_host, "
-        f"inter_host and nics_per_host are the built-in profile {base.name!r}'s, not measured."
-    )
 
 
 def _accelerator_figures(devices: Sequence, options: ProfileOptions,
@@ -811,22 +721,6 @@ def _from_process_zero(data: dict) -> dict:
     buffer = payload if jax.process_index() == 0 else np.zeros(size, np.uint8)
     buffer = multihost_utils.broadcast_one_to_all(buffer)
     return json.loads(np.asarray(buffer, dtype=np.uint8).tobytes().decode())
-
-
-def _samples_json(samples: Sequence[CollectiveSample], link: Link) -> dict:
-    ratios = [s.predicted(link) / s.seconds for s in samples]
-    per_kind = {}
-    for kind in COLLECTIVE_KINDS:
-        of_kind = [s for s in samples if s.kind == kind]
-        try:
-            per_kind[kind] = fit_link(of_kind).to_json()
-        except ValueError as e:  # diagnostics only: a kind too noisy to fit on its own
-            per_kind[kind] = {"error": str(e)}
-    return {
-        "fit_predicted_over_measured": {"min": min(ratios), "max": max(ratios)},
-        "fit_per_kind": per_kind,
-        "samples": [[s.kind, s.num_devices, s.nbytes, s.seconds] for s in samples],
-    }
 
 
 def _size_str(nbytes: float) -> str:

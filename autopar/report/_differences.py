@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.cluster._mesh import spec_str
+from autopar.cluster import spec_str
 from autopar.report._explain import _fmt_bytes, _fmt_time, _group, _short
 
 
@@ -202,7 +202,7 @@ def layer_groups(plan, graph=None, *, num_weights: int = 3, num_activations: int
     largest weights and, with the `graph` it runs, of its largest matmul results."""
     import numpy as np
 
-    from autopar.graph._opgraph import dtype_itemsize
+    from autopar.graph import dtype_itemsize
 
     lines = []
     for s, stage in enumerate(plan.stages):

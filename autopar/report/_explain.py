@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from autopar.cluster._mesh import spec_axes, spec_str
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.cluster import spec_axes, spec_str
+from autopar.graph import dtype_itemsize
 from autopar.report._why import _bytes as _fmt_bytes
 from autopar.report._why import (
     alternatives_lines,

@@ -28,7 +28,7 @@ from autopar.choices import SCHEDULES, Schedule, check_choice
 from autopar.cost import DEFAULT_PHASE_SHARES, stage_dispatch_time
 from autopar.cost._schedule import simulate
 from autopar.report._pictures import new_figure
-from autopar.runtime._pipeline import TaskRecord as RuntimeTaskRecord
+from autopar.runtime import TaskRecord as RuntimeTaskRecord
 
 Kind = Literal["forward", "backward", "weight", "apply"]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.cluster._mesh import LogicalMesh, Spec, spec_axes, spec_str
+from autopar.cluster import LogicalMesh, Spec, spec_axes, spec_str
 from autopar.report._explain import _group, _short
 
 # Rows and columns sampled per weight: enough to show every shard boundary of meshes up to

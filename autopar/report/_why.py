@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from autopar.cluster._mesh import spec_axes
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.cluster import spec_axes
+from autopar.graph import dtype_itemsize
 
 # What the planning-time keys of `Plan.timings` mean, in the order shown; keys whose time
 # another key already contains are left out (`OVERLAPPING`), so the parts add up.

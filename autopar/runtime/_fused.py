@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.cluster import replicated, to_partition_spec
 from autopar.lower import segment_body
 
 

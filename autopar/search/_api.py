@@ -13,7 +13,7 @@ from autopar._memo import search_scoped
 from autopar._progress import phase
 from autopar.graph import OpGraph, split_stacked, trace, without_annotations
 from autopar.inter import auto_layers, scan_layers
-from autopar.intra._sharding_plan import graph_fingerprint
+from autopar.intra import graph_fingerprint
 from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
 from autopar.search._feasibility import check_fits

@@ -23,8 +23,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.cost._lower_bound import least_devices, least_memory_per_device
 from autopar.cost._units import format_gib
-from autopar.graph import abstract_args
-from autopar.graph._opgraph import dtype_itemsize
+from autopar.graph import abstract_args, dtype_itemsize
 from autopar.graph._trace import OPT_STATE_KEYS, PARAM_KEYS, _is_float
 from autopar.intra import MemoryBudgetError
 

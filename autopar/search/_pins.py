@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autopar.cluster._mesh import DEFAULT_AXIS_NAMES, LogicalMesh, Spec
+from autopar.cluster import DEFAULT_AXIS_NAMES, LogicalMesh, Spec
 from autopar.graph import OpGraph, Role
 from autopar.intra._rules_annotations import axis_map
 

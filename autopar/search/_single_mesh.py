@@ -11,9 +11,7 @@ import logging
 import time
 
 from autopar.graph import OpGraph, tied_state
-from autopar.intra._liveness import peak_live_bytes
-from autopar.intra._options import ShardOptions
-from autopar.intra._planner import plan_sharding
+from autopar.intra import ShardOptions, peak_live_bytes, plan_sharding
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions

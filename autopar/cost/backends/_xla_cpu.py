@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from autopar.choices import Schedule
-from autopar.cluster._cluster import Cluster
+from autopar.cluster import Cluster
 from autopar.cost._links import group_collective_latency
 from autopar.cost._schedule import simulate_shared, tasks_per_step
 from autopar.cost.backends._base import Backend, LayoutCopy, cluster_field

@@ -54,8 +54,8 @@ from collections.abc import Sequence
 
 from autopar._memo import declare
 from autopar.cost.backends._base import LayoutCopy
+from autopar.graph import Node, OpGraph, Role, dtype_itemsize
 from autopar.graph._fusion import EXPENSIVE_ELEMENTWISE, fusion_kind
-from autopar.graph._opgraph import Node, OpGraph, Role, dtype_itemsize
 
 
 def layout_copies(graph: OpGraph, node: Node) -> tuple[LayoutCopy, ...]:

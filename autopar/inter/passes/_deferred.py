@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from autopar.cluster._mesh import Spec, replicated
+from autopar.cluster import Spec, replicated
 from autopar.cost import hideable_weight
 from autopar.graph import OpGraph, Role
 from autopar.inter.passes._layers import LayerAssignment, accumulated_values
