@@ -126,7 +126,8 @@ def prepare_on_mesh(
 def finish_on_mesh(prepared: PreparedILP, solution) -> ShardingPlan:
     """The `ShardingPlan` of a solution of `prepared.problem`."""
     graph, mesh, built = prepared.graph, prepared.mesh, prepared.built
-    plan = _to_plan(graph, mesh, prepared.cluster, built, solution.choices, prepared.tied)
+    plan = _to_plan(graph, mesh, prepared.cluster, built, solution.choices, prepared.tied,
+                    prepared.options.context_parallel)
     stats = dict(plan.stats)
     stats.update(
         build_time=prepared.build_time,
@@ -444,14 +445,15 @@ def once_per_layout(keys: Sequence[tuple]) -> list[bool]:
     return charged
 
 
-def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
+def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied,
+             cp_mode: str = "auto") -> ShardingPlan:
     if built.expansion is None:
         plan = _graph_plan(graph, mesh, cluster, built, choices, tied)
         return dataclasses.replace(
-            plan, context_parallel=describe_context(graph, plan.var_specs, mesh))
+            plan, context_parallel=describe_context(graph, plan.var_specs, mesh, cp_mode))
     expansion = built.expansion
     plan = _graph_plan(expansion.graph, mesh, cluster, built, choices, expansion.tied)
-    context = describe_context(expansion.graph, plan.var_specs, mesh)
+    context = describe_context(expansion.graph, plan.var_specs, mesh, cp_mode)
     return dataclasses.replace(collapse_plan(plan, expansion), context_parallel=context)
 
 
