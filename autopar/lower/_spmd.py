@@ -261,6 +261,9 @@ def segment_body(
     on_input, on_output = constraint_hooks(plan, mesh)
     graph = with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh)
     node_list = [graph.nodes[i] for i in nodes]
+    if ring_axes(plan):  # the segment's attention by the ring kernel
+        node_list = with_ring(replace(graph, nodes=node_list, invars=tuple(inputs),
+                                      outvars=tuple(outputs)), plan, plan, mesh).nodes
     accumulate = [v for v in outputs if v in set(accumulate)]
 
     def sharding(v, spec=None, stack=True):
