@@ -40,6 +40,7 @@ from autopar.intra._problem import (
     operands,
 )
 from autopar.intra._reshard import reshard_collectives
+from autopar.intra._ring_strategies import chose_ring
 from autopar.intra._rules_annotations import AnnotationMismatch
 from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
@@ -447,6 +448,9 @@ def once_per_layout(keys: Sequence[tuple]) -> list[bool]:
 
 def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied,
              cp_mode: str = "auto") -> ShardingPlan:
+    # the ring's twins share the all-gather's score layouts: their names tell them apart
+    if chose_ring(n.strategies[c].name for n, c in zip(built.ilp_nodes, choices)):
+        cp_mode = "ring"
     if built.expansion is None:
         plan = _graph_plan(graph, mesh, cluster, built, choices, tied)
         return dataclasses.replace(

@@ -3,25 +3,13 @@
 In: a graph (a step, or a planned scan's body), its plan's layouts (`ShardingPlan` or
 `BodyPlan`), the ring's mesh axes and the jax mesh. Out: the graph with each attention's
 forward output and backward gradients computed by `autopar.lower._ring_attention`'s
-kernel (and its VJP) under `shard_map`; the traced dense attention they replace is left
-dead, and XLA removes it.
+kernel (and its VJP) under `shard_map`; the dense attention they replace is dropped.
 
-The traced attention (einsum or `jax.nn.dot_product_attention`) is a *component*: the
-nodes that make or read a score tensor (``[..., S, S]``, `autopar.intra._context`). In
-it:
-
-- the *score dot* ``Q K^T`` (two operands without the score dims, a score result, and
-  an ``exp`` after it): its operands are Q and K;
-- the *output dots*: a score tensor times a ``[..., S, ...]`` operand X, a non-score
-  result. Which dimension of the score the dot contracts (the keys' or the queries'),
-  and whether the score is downstream of the backward's ``dO V^T`` dot, say which
-  result it is: the output O (P·V, keys), dV (P^T·dO, queries), dQ (dS·K, keys) or dK
-  (dS^T·Q, queries).
-
-Dimension labels (batch dims b0, b1…, ``sq``/``sk``, query groups, head size ``d``) are
-propagated through the component from the score dot, so each tensor's layout is known.
-The kernel runs on every device's share: batch and head dims as the plan splits them,
-the sequence over the ring's axes. Each device holds a contiguous share of the sequence;
+Each attention (einsum or `jax.nn.dot_product_attention`) is found and its tensors named
+by `autopar.intra._attention_roles`: its output dot becomes the kernel on Q, K, V, and its
+dQ, dK, dV dots one node running the kernel's VJP on Q, K, V, dO. The kernel runs on
+every device's share: batch and head dims as the plan splits them, the sequence over the
+ring's axes. Each device holds a contiguous share of the sequence;
 for zig-zag load balancing it swaps chunks into zig-zag order (two `ppermute`s per
 tensor) before the ring and back after it (`to_zigzag`, `from_zigzag`).
 
@@ -41,26 +29,28 @@ from jax.sharding import Mesh, PartitionSpec
 
 from autopar.cluster._mesh import replicated
 from autopar.graph import Node, OpGraph, Role
+from autopar.intra._attention_roles import AttentionRoles, attention_components
+from autopar.intra._context import sequence_length
 from autopar.lower._ring_attention import _ring_kernel
 
 
 def with_ring_attention(graph: OpGraph, var_specs, axes: Sequence[str], mesh: Mesh
                         ) -> OpGraph:
     """`graph` with every attention component run by the ring kernel over mesh `axes`."""
-    seq_len = _sequence(graph)
+    seq_len = sequence_length(graph)
     if seq_len is None:
         return graph
-    components = _components(graph, seq_len)
+    components = attention_components(graph, seq_len)
     if not components:
         return graph
     nodes = list(graph.nodes)
     inserted: list[tuple[int, Node]] = []  # (after node position, stand-in)
     dead: set[int] = set()
     for component in components:
-        found = _Attention(graph, component, seq_len)
-        for node_id in component:
-            dead.add(node_id)
-        for stand_in in found.stand_ins(var_specs, tuple(axes), mesh):
+        found = AttentionRoles(graph, component, seq_len)
+        for node in component:
+            dead.add(node.id)
+        for stand_in in _stand_ins(found, var_specs, tuple(axes), mesh):
             inserted.append(stand_in)
     order = []
     position = {n.id: i for i, n in enumerate(nodes)}
@@ -99,314 +89,40 @@ def _check_order(graph: OpGraph, order: Sequence[Node]) -> None:
         ready.update(node.outputs)
 
 
-def _sequence(graph: OpGraph) -> int | None:
-    from autopar.intra._context import sequence_length
-    return sequence_length(graph)
-
-
-def _is_score(shape, seq_len: int) -> bool:
-    return len(shape) >= 4 and sum(d == seq_len for d in shape) >= 2
-
-
-def _components(graph: OpGraph, seq_len: int) -> list[list[int]]:
-    """Node ids of each attention component (module docstring), in graph order."""
-    score = {v.id for v in graph.vars if _is_score(v.shape, seq_len)}
-    parent: dict[int, int] = {}
-
-    def find(x):
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    owner: dict[int, int] = {}
-    members = []
-    for node in graph.nodes:
-        touched = [v for v in (*node.inputs, *node.outputs) if v in score]
-        if not touched:
-            continue
-        members.append(node.id)
-        for v in touched:
-            if v in owner:
-                parent[find(node.id)] = find(owner[v])
-            else:
-                owner[v] = node.id
-    groups: dict[int, list[int]] = {}
-    for n in members:
-        groups.setdefault(find(n), []).append(n)
+def _stand_ins(roles: AttentionRoles, var_specs, axes: tuple[str, ...], mesh: Mesh
+               ) -> list[Node]:
+    """The ring kernel's nodes for one attention: the output from Q, K, V, and dQ, dK,
+    dV together from Q, K, V, dO (each placed by `with_ring_attention`)."""
+    q, k = roles.q_var, roles.k_var
+    v = roles.v_var
+    layout = _Layout(roles.labels[q], roles.labels[k], roles.labels[v])
+    spec = _CanonicalSpecs(layout, var_specs[q] or replicated(len(roles.labels[q])),
+                           axes)
     out = []
-    for group in groups.values():
-        if any(graph.nodes[n].primitive == "exp" for n in group):
-            out.append(sorted(group))
+    if "o" in roles.roles:
+        o_dot = roles.roles["o"][0]
+        o = o_dot.outputs[0]
+        out.append(_stand_in(o_dot, (q, k, v), (o,),
+                             RingForward(mesh, axes, layout, spec, roles.labels[o])))
+    grads = [r for r in ("dq", "dk", "dv") if r in roles.roles]
+    if grads:
+        if len(grads) != 3:
+            raise roles._error(f"the backward has {grads}, not dq, dk and dv")
+        dv_dot, _, do_pos = roles.roles["dv"]
+        do = dv_dot.inputs[do_pos]
+        if do not in roles.labels:
+            raise roles._error(f"no layout known for dO of dot #{dv_dot.id}")
+        outs = tuple(roles.roles[r][0].outputs[0] for r in grads)
+        out.append(_stand_in(dv_dot, (q, k, v, do), outs, RingBackward(
+            mesh, axes, layout, spec, roles.labels[do],
+            [roles.labels[u] for u in outs])))
     return out
 
 
-class _Attention:
-    """One component's roles and tensor layouts (module docstring)."""
-
-    def __init__(self, graph: OpGraph, component: list[int], seq_len: int) -> None:
-        self.graph, self.seq_len = graph, seq_len
-        self.nodes = [graph.nodes[n] for n in component]
-        self.score = {v for n in self.nodes for v in (*n.inputs, *n.outputs)
-                      if _is_score(graph.vars[v].shape, seq_len)}
-        dots = [n for n in self.nodes if n.primitive == "dot_general"]
-        score_dots = [n for n in dots if n.outputs[0] in self.score
-                      and not any(v in self.score for v in n.inputs)]
-        exp_ancestors = self._ancestors([n for n in self.nodes if n.primitive == "exp"])
-        forward = [n for n in score_dots if n.id in exp_ancestors]
-        if len(forward) != 1:
-            raise self._error(f"{len(forward)} score dots Q K^T before a softmax, not one")
-        self.qk = forward[0]
-        grad_side = self._descendants([n for n in score_dots if n is not self.qk])
-        self.labels: dict[int, tuple[str, ...]] = {}
-        self._seed()
-        self._propagate()
-        self.roles: dict[str, tuple[Node, int, int]] = {}  # role -> (dot, score op, other op)
-        for node in dots:
-            if node is self.qk or node.outputs[0] in self.score:
-                continue
-            s_pos = 0 if node.inputs[0] in self.score else 1
-            (contract, _), = [node.params["dimension_numbers"]]
-            s_contract = contract[s_pos]
-            lab = self.labels.get(node.inputs[s_pos])
-            if lab is None:
-                raise self._error(f"no layout known for the score operand of dot #{node.id}")
-            keys = "sk" in [lab[d] for d in s_contract]
-            grad = node.id in grad_side
-            role = {(False, True): "o", (False, False): "dv", (True, True): "dq",
-                    (True, False): "dk"}[grad, keys]
-            if role in self.roles:
-                raise self._error(f"two dots compute {role} (#{self.roles[role][0].id}, "
-                                  f"#{node.id})")
-            self.roles[role] = (node, s_pos, 1 - s_pos)
-        for role in ("o", "dv", "dq", "dk"):
-            if role in self.roles:
-                node = self.roles[role][0]
-                if node.outputs[0] not in self.labels:
-                    raise self._error(f"no layout known for the result of dot #{node.id}")
-
-    # -- structure ---------------------------------------------------------------------
-
-    def _error(self, why: str) -> ValueError:
-        first = self.nodes[0]
-        source = f" ({first.source})" if first.source else ""
-        return ValueError(
-            f"context_parallel='ring' cannot run the attention at {first.primitive} "
-            f"#{first.id}{source} with the ring kernel: {why}. The ring replaces causal "
-            "softmax attention (einsum or jax.nn.dot_product_attention); use "
-            "context_parallel='allgather' for this attention"
-        )
-
-    def _ancestors(self, roots: list[Node]) -> set[int]:
-        made_by = {v: n for n in self.nodes for v in n.outputs}
-        seen, stack = set(), list(roots)
-        while stack:
-            node = stack.pop()
-            for v in node.inputs:
-                up = made_by.get(v)
-                if up is not None and up.id not in seen:
-                    seen.add(up.id)
-                    stack.append(up)
-        return seen
-
-    def _descendants(self, roots: list[Node]) -> set[int]:
-        readers: dict[int, list[Node]] = {}
-        for n in self.nodes:
-            for v in n.inputs:
-                readers.setdefault(v, []).append(n)
-        seen, stack = {n.id for n in roots}, list(roots)
-        while stack:
-            node = stack.pop()
-            for v in node.outputs:
-                for r in readers.get(v, []):
-                    if r.id not in seen:
-                        seen.add(r.id)
-                        stack.append(r)
-        return seen
-
-    # -- dimension labels --------------------------------------------------------------
-
-    def _seed(self) -> None:
-        """Labels of the score dot's operands and result from its dimension numbers: the
-        side whose sequence the softmax reduces (its ``reduce_max``) is K."""
-        node, shape = self.qk, lambda v: self.graph.vars[v].shape
-        (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-        if len(lc) != 1 or len(rc) != 1:
-            raise self._error(f"the score dot #{node.id} contracts {len(lc)} dimensions")
-        side_labels = []
-        for side, (v, c, b) in enumerate(zip(node.inputs, (lc, rc), (lb, rb))):
-            lab = [""] * len(shape(v))
-            for i, d in enumerate(b):
-                lab[d] = f"b{i}"
-            lab[c[0]] = "d"
-            free = [d for d in range(len(lab)) if not lab[d]]
-            seq = [d for d in free if shape(v)[d] == self.seq_len]
-            if len(seq) != 1:
-                raise self._error(f"operand {side} of the score dot #{node.id} has "
-                                  f"{len(seq)} sequence dimensions, not one")
-            g = 0
-            for d in free:
-                lab[d] = f"s{side}" if d == seq[0] else f"g{side}{g}"
-                g += d != seq[0]
-            side_labels.append(lab)
-        self.labels[node.inputs[0]] = tuple(side_labels[0])
-        self.labels[node.inputs[1]] = tuple(side_labels[1])
-        self.labels[node.outputs[0]] = _dot_out(*side_labels, lc, rc, lb, rb)
-        self._propagate()
-        reduced = {self.labels[n.inputs[0]][a] for n in self.nodes
-                   if n.primitive == "reduce_max" and n.inputs[0] in self.labels
-                   for a in n.params["axes"]}
-        if len(reduced) != 1 or not reduced <= {"s0", "s1"}:
-            raise self._error(f"the softmax reduces {sorted(reduced)}, not one sequence")
-        key = int(next(iter(reduced))[1])
-        if any(lab.startswith(f"g{key}") for lab in side_labels[key]):
-            raise self._error("the keys have dimensions besides batch, sequence and head")
-        q, k = node.inputs[1 - key], node.inputs[key]
-        self.q_var, self.k_var = q, k
-        rename = {f"s{key}": "sk", f"s{1 - key}": "sq"}
-
-        def renamed(lab):
-            if lab.startswith("g"):
-                return f"g{lab[2:]}"
-            return rename.get(lab, lab)
-
-        self.labels = {v: tuple(renamed(x) for x in lab) for v, lab in self.labels.items()}
-
-    def _propagate(self) -> None:
-        for _ in range(4):
-            changed = False
-            for node in self.nodes:
-                changed |= self._rule(node)
-            if not changed:
-                return
-
-    def _set(self, v: int, lab) -> bool:
-        lab = tuple(lab)
-        if v in self.labels or "" in lab or len(set(lab)) != len(lab):
-            return False
-        self.labels[v] = lab
-        return True
-
-    def _rule(self, node: Node) -> bool:
-        vars_, labels = self.graph.vars, self.labels
-        p, changed = node.primitive, False
-        if p == "transpose":
-            (x,), (y,) = node.inputs, node.outputs
-            perm = node.params["permutation"]
-            if x in labels:
-                changed |= self._set(y, [labels[x][i] for i in perm])
-            if y in labels and x not in labels:
-                inv = [0] * len(perm)
-                for i, j in enumerate(perm):
-                    inv[j] = i
-                changed |= self._set(x, [labels[y][i] for i in inv])
-        elif p == "dot_general":
-            (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-            a, b = node.inputs
-            out = node.outputs[0]
-            if a in labels and b in labels:
-                changed |= self._set(out, _dot_out(labels[a], labels[b], lc, rc, lb, rb))
-            for known, unknown, kc, uc, kb, ub in ((a, b, lc, rc, lb, rb),
-                                                  (b, a, rc, lc, rb, lb)):
-                # a score times a [.., S, .., head size] operand: its one free dim is d
-                if known in self.score and known in labels and unknown not in labels:
-                    lab = [""] * len(vars_[unknown].shape)
-                    for x, y in (*zip(kb, ub), *zip(kc, uc)):
-                        lab[y] = labels[known][x]
-                    if lab.count("") == 1:
-                        lab[lab.index("")] = "d"
-                    changed |= self._set(unknown, lab)
-            if a in labels and b in labels:
-                changed |= self._set(out, _dot_out(labels[a], labels[b], lc, rc, lb, rb))
-            for known, unknown, kc, uc, kb, ub, first in (
-                    (a, b, lc, rc, lb, rb, True), (b, a, rc, lc, rb, lb, False)):
-                if known in labels and unknown not in labels and out in labels:
-                    changed |= self._set(unknown, _dot_operand(
-                        labels[known], labels[out], vars_[unknown].shape, kc, uc, kb, ub,
-                        first, len(vars_[known].shape)))
-        elif p == "broadcast_in_dim":
-            (x, *_), (y,) = node.inputs, node.outputs
-            dims = node.params["broadcast_dimensions"]
-            if y in labels and x not in labels and len(dims) == len(vars_[x].shape):
-                changed |= self._set(x, [labels[y][d] for d in dims])
-        elif p in ("reduce_max", "reduce_sum", "reduce_min", "argmax"):
-            (x,), (y, *_) = node.inputs, node.outputs
-            axes = node.params["axes"]
-            if x in labels:
-                changed |= self._set(y, [lab for d, lab in enumerate(labels[x])
-                                         if d not in axes])
-        else:  # elementwise: operands and results of one shape share a layout
-            group = [v for v in (*node.inputs, *node.outputs)
-                     if vars_[v].role is not Role.CONST]
-            by_shape: dict[tuple, list[int]] = {}
-            for v in group:
-                by_shape.setdefault(vars_[v].shape, []).append(v)
-            for same in by_shape.values():
-                known = next((labels[v] for v in same if v in labels), None)
-                if known is not None:
-                    for v in same:
-                        changed |= self._set(v, known)
-        return changed
-
-    # -- stand-ins ---------------------------------------------------------------------
-
-    def stand_ins(self, var_specs, axes: tuple[str, ...], mesh: Mesh) -> list[Node]:
-        q, k = self.q_var, self.k_var
-        if "o" not in self.roles:
-            raise self._error("no output dot P V")
-        o_dot, _, v_pos = self.roles["o"]
-        v = o_dot.inputs[v_pos]
-        if v not in self.labels:
-            raise self._error(f"no layout known for V of dot #{o_dot.id}")
-        layout = _Layout(self.labels[q], self.labels[k], self.labels[v])
-        spec = _CanonicalSpecs(layout, var_specs[q] or replicated(len(self.labels[q])),
-                               axes)
-        out = []
-        o = o_dot.outputs[0]
-        out.append(self._node(o_dot, (q, k, v), (o,),
-                              RingForward(mesh, axes, layout, spec, self.labels[o])))
-        grads = [r for r in ("dq", "dk", "dv") if r in self.roles]
-        if grads:
-            if len(grads) != 3:
-                raise self._error(f"the backward has {grads}, not dq, dk and dv")
-            dv_dot, _, do_pos = self.roles["dv"]
-            do = dv_dot.inputs[do_pos]
-            if do not in self.labels:
-                raise self._error(f"no layout known for dO of dot #{dv_dot.id}")
-            outs = tuple(self.roles[r][0].outputs[0] for r in grads)
-            out.append(self._node(dv_dot, (q, k, v, do), outs, RingBackward(
-                mesh, axes, layout, spec, self.labels[do],
-                [self.labels[u] for u in outs])))
-        return out
-
-    def _node(self, like: Node, inputs, outputs, prim) -> Node:
-        # a negative id: the plan's operand constraints (keyed by node id) are not its own
-        return replace(like, id=-1 - like.id, primitive="ring_attention", inputs=inputs,
-                       outputs=outputs, params={}, prim=prim)
-
-
-def _dot_out(lhs, rhs, lc, rc, lb, rb) -> tuple[str, ...]:
-    out = [lhs[d] for d in lb]
-    out += [lab for d, lab in enumerate(lhs) if d not in lc and d not in lb]
-    out += [lab for d, lab in enumerate(rhs) if d not in rc and d not in rb]
-    return tuple(out)
-
-
-def _dot_operand(known, out, shape, kc, uc, kb, ub, known_is_lhs, known_rank):
-    """Labels of a dot's unknown operand from its other operand's and its result's."""
-    lab = [""] * len(shape)
-    for a, b in zip(kb, ub):
-        lab[b] = known[a]
-    for a, b in zip(kc, uc):
-        lab[b] = known[a]
-    num_batch = len(kb)
-    known_free = known_rank - len(kc) - len(kb)
-    free_out = out[num_batch + known_free:] if known_is_lhs else out[num_batch:
-                                                                     len(out) - known_free]
-    free = [d for d in range(len(shape)) if d not in uc and d not in ub]
-    for d, name in zip(free, free_out):
-        lab[d] = name
-    return lab
+def _stand_in(like: Node, inputs, outputs, prim) -> Node:
+    # a negative id: the plan's operand constraints (keyed by node id) are not its own
+    return replace(like, id=-1 - like.id, primitive="ring_attention", inputs=inputs,
+                   outputs=outputs, params={}, prim=prim)
 
 
 class _Layout:
