@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from autopar._memo import declare
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
-from autopar.intra._context import describe_context
+from autopar.intra._context import describe_context, sequence_length
 from autopar.intra._ilp import (
     MemoryBudgetError,
     Solution,
@@ -40,7 +40,7 @@ from autopar.intra._problem import (
     operands,
 )
 from autopar.intra._reshard import reshard_collectives
-from autopar.intra._ring_strategies import chose_ring
+from autopar.intra._ring_strategies import chose_ring, ring_dots
 from autopar.intra._rules_annotations import AnnotationMismatch
 from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
@@ -82,7 +82,28 @@ def plan_on_mesh(
     """
     prepared = prepare_on_mesh(graph, cluster, mesh, options, tied, fixed, weights, footprint)
     solution = solve(prepared.problem, **prepared.solve_args)
-    return finish_on_mesh(prepared, solution)
+    plan = finish_on_mesh(prepared, solution)
+    if options.context_parallel == "auto" and mesh.num_devices > 1:
+        ring = _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint)
+        if ring is not None and ring.stats["objective"] < plan.stats["objective"]:
+            return ring
+    return plan
+
+
+def _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint):
+    """Under "auto", the plan with every dot of attention on the ring (its exact price,
+    `autopar.intra._ring_strategies`), or None where the ring cannot run. The auto ILP
+    offers the ring only on the score dot, at an upper bound (mixing twins would price
+    half a ring), so a mesh's plan is the cheaper of the two."""
+    if not ring_dots(graph, sequence_length(graph)):
+        return None
+    ring_options = dataclasses.replace(options, context_parallel="ring")
+    try:
+        prepared = prepare_on_mesh(graph, cluster, mesh, ring_options, tied, fixed, weights,
+                                   footprint)
+        return finish_on_mesh(prepared, solve(prepared.problem, **prepared.solve_args))
+    except MemoryBudgetError:  # ContextParallelError too: no ring on this mesh
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

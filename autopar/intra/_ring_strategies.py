@@ -17,10 +17,14 @@ of it), priced as the ring runs:
   swaps of dO in and dQ, dK, dV out;
 - the dK and dV dots, which contract the split queries, reduce nothing.
 
-A twin's strategy name ends in `RING`; the plan's context split is "ring" when the
-forward score dot's chosen strategy is one (`chose_ring`). Under `context_parallel=
-"ring"` the twins replace the all-gather strategies of these dots; under "auto" they are
-added beside them, and the ILP prices both.
+A twin's strategy name ends in `RING`; the plan's context split is "ring" when a chosen
+strategy is one (`chose_ring`). Under `context_parallel="ring"` the twins replace the
+all-gather strategies of all six dots. Under "auto" only the forward score dot gets a
+twin, beside its other strategies, and it pays both directions' exposed ring time and
+swaps: were every dot offered one, the ILP would mix them (the twins that save a gather
+without the ones that pay for the ring), and no program runs half a ring. The other dots
+then keep the all-gather's layouts and their gathers are still charged, so "auto" prices
+the ring as an upper bound.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ def ring_strategies(node: Node, graph: OpGraph, role: str, roles: AttentionRoles
                     strategies: list, ctx, forced: bool) -> list:
     """`strategies` with the ring twins of `node` added (module docstring); with
     `forced`, the twins alone where there are any."""
-    twins = [t for s in strategies if (t := _twin(node, graph, role, roles, s, ctx))]
+    if not forced and role != "qk":
+        return strategies
+    twins = [t for s in strategies
+             if (t := _twin(node, graph, role, roles, s, ctx, both=not forced))]
     if forced:
         return twins or strategies
     return [*strategies, *twins]
@@ -79,7 +86,8 @@ def chose_ring(strategy_names) -> bool:
     return any(name.endswith(RING) for name in strategy_names)
 
 
-def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy, ctx):
+def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy, ctx,
+          both: bool = False):
     mesh = ctx.mesh
     score_pos = _score_position(node, roles)
     score_var = node.outputs[0] if score_pos is None else node.inputs[score_pos]
@@ -108,9 +116,10 @@ def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy
         out_bytes = bytes_per_device(var.shape, var.dtype, out_specs[0], mesh)
     fraction = ring_compute_fraction(cp)
     compute = strategy.compute_cost * fraction
-    if role in ("qk", "dp"):
-        comm += _ring_exposed(node, graph, roles, in_specs, compute, cp, axes, ctx,
-                              backward=role == "dp")
+    if role == "qk" or role == "dp":
+        directions = (False, True) if both else (role == "dp",)
+        comm += sum(_ring_exposed(node, graph, roles, in_specs, compute, cp, axes, ctx,
+                                  backward) for backward in directions)
     return type(strategy)(strategy.name + RING, tuple(in_specs), tuple(out_specs), compute,
                           comm, out_bytes, collectives)
 
