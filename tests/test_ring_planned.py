@@ -89,3 +89,19 @@ def test_auto_takes_the_ring_where_it_pays():
     assert auto.stages[0].sharding.context_parallel.algorithm == "ring"
     assert auto.predicted_step_time == plans["ring"].predicted_step_time
     assert auto.predicted_step_time < plans["allgather"].predicted_step_time
+
+
+@pytest.mark.extended  # two pipeline stages, full remat: ~150 s on 2 loaded cores; the
+# default suite covers the ring's lowering in one program (test_ring_forced_matches...)
+def test_ring_under_pipelining_and_remat_matches_one_device():
+    cfg = dataclasses.replace(CFG, num_layers=2, layer_markers=True)
+    step, state, batch = _setup(cfg)
+    ref, _ = run_steps(jax.jit(step), state, batch)
+    par = autopar.autoparallel(step, cluster=_cpu(), donate_argnums=(), method="auto",
+                               num_stages=2, num_microbatches=2, remat="full",
+                               context_parallel="ring")
+    losses, _ = run_steps(par, state, batch)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert par.plan.runtime == "pipeline" and par.plan.num_stages == 2
+    for stage in par.plan.stages:
+        assert stage.sharding.context_parallel.algorithm == "ring"
