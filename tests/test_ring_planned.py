@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -105,3 +106,26 @@ def test_ring_under_pipelining_and_remat_matches_one_device():
     assert par.plan.runtime == "pipeline" and par.plan.num_stages == 2
     for stage in par.plan.stages:
         assert stage.sharding.context_parallel.algorithm == "ring"
+
+
+def test_attention_the_ring_cannot_run_is_named():
+    """Attention without a causal mask is not what the ring computes: the roles refuse it,
+    naming the node and the fix (so "auto" offers no ring, and a forced ring fails at
+    compile time, before the step runs)."""
+    from autopar.graph import trace
+    from autopar.intra._attention_roles import AttentionRoles, attention_components
+    from autopar.intra._context import sequence_length
+
+    def loss(w, x):
+        q, k, v = (jnp.einsum("bsh,hnd->bsnd", x, w[i]) for i in range(3))
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / 2.0  # head size 4, no mask
+        return jnp.einsum("bnqk,bknd->bqnd", jax.nn.softmax(scores), v).sum()
+
+    w, x = jnp.ones((3, 8, 2, 4)), jnp.ones((1, 16, 8))
+    graph = trace(jax.grad(loss), w, x)
+    seq_len = sequence_length(graph)
+    (component,) = attention_components(graph, seq_len)
+    with pytest.raises(ValueError, match=r"context_parallel='ring' cannot run the attention "
+                                         r"at .* no mask between Q K\^T and the softmax.*"
+                                         r"use context_parallel='allgather'"):
+        AttentionRoles(graph, component, seq_len)

@@ -76,6 +76,7 @@ class AttentionRoles:
         if len(forward) != 1:
             raise self._error(f"{len(forward)} score dots Q K^T before a softmax, not one")
         self.qk = forward[0]
+        self._check_softmax_input(exp_ancestors)
         grad_side = self._descendants([n for n in score_dots if n is not self.qk])
         self.labels: dict[int, tuple[str, ...]] = {}
         self._seed()
@@ -104,6 +105,28 @@ class AttentionRoles:
                 node = self.roles[role][0]
                 if node.outputs[0] not in self.labels:
                     raise self._error(f"no layout known for the result of dot #{node.id}")
+
+    def _check_softmax_input(self, exp_ancestors: set[int]) -> None:
+        """The scores between ``Q K^T`` and the softmax are scaled by 1/sqrt(head size)
+        and masked (a `select_n`), as the ring kernel's causal attention is: the check
+        is of the pattern, not of the mask's values."""
+        after_qk = self._descendants([self.qk])
+        chain = [n for n in self.nodes if n.id in exp_ancestors and n.id in after_qk]
+        if not any(n.primitive == "select_n" for n in chain):
+            raise self._error("no mask between Q K^T and the softmax (the ring is causal)")
+        q_shape = self.graph.vars[self.qk.inputs[0]].shape
+        (lc, _), _ = self.qk.params["dimension_numbers"]
+        head = q_shape[lc[0]]
+        for n in chain:
+            consts = [self.graph.vars[v] for v in n.inputs
+                      if self.graph.vars[v].role is Role.CONST and not self.graph.vars[v].shape]
+            if n.primitive not in ("mul", "div") or not consts or consts[0].value is None:
+                continue
+            value = float(consts[0].value)
+            scale = 1 / value if n.primitive == "div" else value
+            if abs(scale * head**0.5 - 1) < 1e-3:
+                return
+        raise self._error(f"no scale 1/sqrt({head}) of the scores before the softmax")
 
     def _value_operand(self, score_dots: list[Node]) -> int:
         """V: the other operand of the output dot P·V, or (a backward whose forward is

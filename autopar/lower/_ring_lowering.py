@@ -13,8 +13,9 @@ ring's axes. Each device holds a contiguous share of the sequence;
 for zig-zag load balancing it swaps chunks into zig-zag order (two `ppermute`s per
 tensor) before the ring and back after it (`to_zigzag`, `from_zigzag`).
 
-Assumes causal attention with scale ``1/sqrt(head size)``, as the kernel computes; a
-component that does not match the pattern above raises a ValueError naming its node.
+Runs causal attention with scale ``1/sqrt(head size)``, as the kernel computes: the roles
+check that the scores are scaled so and masked before the softmax (the pattern, not the
+mask's values), and an attention that does not match raises a ValueError naming its node.
 """
 
 from __future__ import annotations
