@@ -2,7 +2,8 @@
 and with the search's own choice (einsum attention; `jax.nn.dot_product_attention` in
 scanned, rematerialised layers); the compiled HLO has the algorithm's collective; the plan
 names the CP it chose; a CP request that cannot hold errors before any state is used.
-The ring's kernel has tests of its own (tests/test_ring_attention.py).
+The ring's kernel has tests of its own (tests/test_ring_attention.py); the ring planned
+and lowered in place of the traced attention is tested in tests/test_ring_planned.py.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def _check_layouts(sharding, graph, mode):
 def test_search_choice_matches_one_device(reference):
     par, losses, _, _ = _run(CFG, "auto")
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
-    assert par.plan.stages[0].sharding.context_parallel.algorithm in ("none", "allgather",
-                                                                      "ulysses")
+    assert par.plan.stages[0].sharding.context_parallel.algorithm in (
+        "none", "allgather", "ulysses", "ring")
 
 
 def test_none_keeps_attention_whole():
@@ -116,9 +117,6 @@ def test_scanned_remat_dot_product_attention_allgather_matches_one_device():
 def test_bad_requests_error_clearly_before_state_is_used():
     with pytest.raises(ValueError, match="unknown context_parallel 'zigzag'"):
         autopar.PlanOptions(context_parallel="zigzag")
-    with pytest.raises(ValueError, match="context_parallel='ring' is not planned yet.*"
-                                         "'allgather'"):
-        autopar.PlanOptions(context_parallel="ring")
     # 8 heads of 4 key/value heads, batch 2: on 8 devices no mesh splits the score tensor
     # [batch, kv heads, group, S, S] by heads over every axis the sequence uses.
     cfg = dataclasses.replace(CFG, num_heads=2, num_kv_heads=1, num_layers=1, seq_len=64,

@@ -24,8 +24,10 @@ from autopar.cost import (
     moe_all_to_all_time,
     overlap_saving,
     ring_attention_time,
+    ring_compute_fraction,
     routed_activation_bytes,
     ulysses_time,
+    zigzag_swap_time,
 )
 
 NVLINK_BW, NVLINK_LAT = 450e9, 5e-6
@@ -90,6 +92,16 @@ def test_ring_across_hosts_takes_the_rail():
     block = 2**20
     forward, _ = ring_attention_time(0.0, block, _h100(2), _mesh(16), "cp")
     assert forward == pytest.approx(15 * (RAIL_LAT + block / RAIL_BW))
+
+
+def test_ring_skips_the_masked_blocks_and_swaps_halves():
+    # cp = 4, chunks of c tokens: own block 4c^2 + 3 half blocks 2c^2, of 16c^2 dense
+    assert ring_compute_fraction(4) == pytest.approx((4 + 3 * 2) / 16)
+    assert ring_compute_fraction(1) == 1.0
+    # a 4 MiB share: its two 2 MiB halves, one send/recv each, inside a host
+    share = 4 * 2**20
+    assert zigzag_swap_time(share, _h100(1), _mesh(8), "cp") == pytest.approx(
+        2 * (NVLINK_LAT + share / 2 / NVLINK_BW))
 
 
 def test_ulysses_four_all_to_alls_and_heads_rule():

@@ -187,6 +187,30 @@ def ring_attention_time(attention_compute: float, kv_block: float, cluster: Clus
     return forward, backward
 
 
+def ring_compute_fraction(cp: int) -> float:
+    """The share of the dense score matmuls a zig-zag ring computes under a causal mask:
+    ``(cp + 1) / (2 · cp)``.
+
+    With 2·cp chunks of c tokens, a rank's dense share is its 2c query rows by all
+    2·cp·c keys, ``4·cp·c²``; the ring computes its own block whole (``4c²``, masked
+    inside) and half a block at each of the other cp − 1 steps (``2c²``), so
+    ``(4 + 2(cp − 1)) / (4 cp)``. **Example:** cp = 4: 5/8."""
+    _check_positive(cp=cp)
+    return (cp + 1) / (2 * cp)
+
+
+def zigzag_swap_time(tensor_bytes: float, cluster: Cluster, mesh: LogicalMesh,
+                     axis: str | tuple[str, ...]) -> float:
+    """Seconds to swap one device's contiguous share of a tensor (`tensor_bytes`) into
+    zig-zag order or back: its two halves each go to their rank in one send/recv
+    (``2 · collective_time("send_recv", tensor_bytes / 2)``), as the lowering does
+    (`autopar.lower._ring_lowering.to_zigzag`) when the rest of the model keeps the
+    natural order."""
+    if tensor_bytes < 0:
+        raise ValueError(f"zigzag_swap_time: tensor_bytes must be >= 0, got {tensor_bytes}")
+    return 2 * collective_time("send_recv", tensor_bytes / 2, cluster, mesh, axis)
+
+
 def ring_kv_buffer_bytes(kv_block: float) -> float:
     """Bytes of K/V a ring holds per device: the block it computes on and the one it
     receives, ``2 · kv_block`` (Liu et al. 2023, sec. 3); the backward adds as much for

@@ -24,6 +24,10 @@ What each CP algorithm looks like in those terms, on the mesh axes A it uses:
   and keep both sequences whole, so Q, K and V move from a sequence split to a heads split
   with an all-to-all, and the attention output back (DeepSpeed-Ulysses, Jacobs et al.
   2023).
+- "ring": the layouts of "allgather" (sequence split outside attention, the score
+  tensors' queries split), with the attention itself run by the ring kernel
+  (`autopar.lower._ring_lowering`): K/V blocks passed round the axes A, zig-zag load
+  balanced, so the sequence must split into 2·|A| equal chunks.
 - "none": neither sequence of the score tensors splits and the sequence matmuls keep the
   sequence whole (norms and residuals may still split it, as Megatron's sequence
   parallelism does).
@@ -45,9 +49,8 @@ from autopar.cluster import LogicalMesh, Spec
 from autopar.graph import Node, OpGraph, Role
 from autopar.intra._ilp_problem import MemoryBudgetError
 
-# The algorithms the planner can plan and lower today (`ContextParallel` also names
-# "ring", which needs a ring attention kernel in place of the traced attention).
-PLANNED = ("auto", "none", "allgather", "ulysses")
+# The algorithms the planner can plan and lower (all that `ContextParallel` names).
+PLANNED = ("auto", "none", "allgather", "ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -153,12 +156,15 @@ def _score_ok(spec: Spec, mode: str, shape: Sequence[int], mesh: LogicalMesh) ->
         return False
     if mode == "allgather":
         return bool(query)
+    if mode == "ring":  # zig-zag: the sequence in 2·cp equal chunks
+        cp = math.prod(mesh.axis_size(a) for a in query) if query else 1
+        return bool(query) and shape[-2] % (2 * cp) == 0
     # ulysses: heads split, both sequences whole
     return not query and (any(heads) or all(n == 1 for n in shape[1:-2]))
 
 
 def _sequence_ok(spec: Spec, mode: str) -> bool:
-    return bool(spec[1]) if mode in ("allgather", "ulysses") else not spec[1]
+    return bool(spec[1]) if mode in ("allgather", "ring", "ulysses") else not spec[1]
 
 
 def keep_strategies(node: Node, graph: OpGraph, strategies: list, mode: str,
@@ -193,6 +199,11 @@ def _no_split_message(node: Node, graph: OpGraph, mode: str, seq_len: int,
         what = (f"its head dimensions {var.shape[1:-2]} (or, for a {node.primitive} of the "
                 f"sequence, the sequence {seq_len}) by an axis of mesh {tuple(mesh.shape)}")
         fix = "use a head count divisible by the context-parallel degree, or 'allgather'"
+    elif mode == "ring":
+        what = (f"the sequence {seq_len} in 2·cp equal chunks (zig-zag load balancing) "
+                f"for a ring over axes of mesh {tuple(mesh.shape)}")
+        fix = (f"use a sequence length divisible by twice one of {sizes}, or "
+               "context_parallel='allgather'")
     elif mode == "allgather":
         what = f"the sequence {seq_len} by an axis of mesh {tuple(mesh.shape)}"
         fix = f"use a sequence length divisible by one of {sizes}, or context_parallel='auto'"
@@ -216,9 +227,10 @@ def constrains(node: Node, graph: OpGraph, mode: str, seq_len: int | None,
 
 
 def describe_context(graph: OpGraph, var_specs: Sequence[Spec | None],
-                     mesh: LogicalMesh) -> ContextSplit:
+                     mesh: LogicalMesh, mode: str = "auto") -> ContextSplit:
     """Which context parallelism the layouts `var_specs` of `graph` give attention: that of
-    its first score tensor (the forward scores), read as the module docstring says."""
+    its first score tensor (the forward scores), read as the module docstring says. With
+    `mode` "ring", the all-gather layouts are the ring's."""
     scores = score_vars(graph)
     if not scores:
         return NO_CONTEXT
@@ -229,7 +241,8 @@ def describe_context(graph: OpGraph, var_specs: Sequence[Spec | None],
     if keys:
         return NO_CONTEXT
     if query:
-        return ContextSplit("allgather", _size(mesh, query), tuple(query))
+        algorithm = "ring" if mode == "ring" else "allgather"
+        return ContextSplit(algorithm, _size(mesh, query), tuple(query))
     # Ulysses: heads split inside attention over the axes that split the sequence outside
     # it, read at the layer's first sequence matmul (the query projection).
     seq_len = graph.vars[scores[0]].shape[-1]

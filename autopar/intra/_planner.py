@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
-from autopar.intra._context import describe_context
+from autopar.intra._context import describe_context, sequence_length
 from autopar.intra._ilp import (
     MemoryBudgetError,
     Solution,
@@ -40,6 +40,7 @@ from autopar.intra._problem import (
     operands,
 )
 from autopar.intra._reshard import reshard_collectives
+from autopar.intra._ring_strategies import chose_ring, ring_dots
 from autopar.intra._rules_annotations import AnnotationMismatch
 from autopar.intra._scan import collapse_plan
 from autopar.intra._sharding_plan import PredictedCost, ShardingPlan, graph_fingerprint
@@ -81,7 +82,28 @@ def plan_on_mesh(
     """
     prepared = prepare_on_mesh(graph, cluster, mesh, options, tied, fixed, weights, footprint)
     solution = solve(prepared.problem, **prepared.solve_args)
-    return finish_on_mesh(prepared, solution)
+    plan = finish_on_mesh(prepared, solution)
+    if options.context_parallel == "auto" and mesh.num_devices > 1:
+        ring = _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint)
+        if ring is not None and ring.stats["objective"] < plan.stats["objective"]:
+            return ring
+    return plan
+
+
+def _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint):
+    """Under "auto", the plan with every dot of attention on the ring (its exact price,
+    `autopar.intra._ring_strategies`), or None where the ring cannot run. The auto ILP
+    offers the ring only on the score dot, at an upper bound (mixing twins would price
+    half a ring), so a mesh's plan is the cheaper of the two."""
+    if not ring_dots(graph, sequence_length(graph)):
+        return None
+    ring_options = dataclasses.replace(options, context_parallel="ring")
+    try:
+        prepared = prepare_on_mesh(graph, cluster, mesh, ring_options, tied, fixed, weights,
+                                   footprint)
+        return finish_on_mesh(prepared, solve(prepared.problem, **prepared.solve_args))
+    except MemoryBudgetError:  # ContextParallelError too: no ring on this mesh
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +148,8 @@ def prepare_on_mesh(
 def finish_on_mesh(prepared: PreparedILP, solution) -> ShardingPlan:
     """The `ShardingPlan` of a solution of `prepared.problem`."""
     graph, mesh, built = prepared.graph, prepared.mesh, prepared.built
-    plan = _to_plan(graph, mesh, prepared.cluster, built, solution.choices, prepared.tied)
+    plan = _to_plan(graph, mesh, prepared.cluster, built, solution.choices, prepared.tied,
+                    prepared.options.context_parallel)
     stats = dict(plan.stats)
     stats.update(
         build_time=prepared.build_time,
@@ -444,14 +467,18 @@ def once_per_layout(keys: Sequence[tuple]) -> list[bool]:
     return charged
 
 
-def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied) -> ShardingPlan:
+def _to_plan(graph: OpGraph, mesh, cluster, built: BuiltProblem, choices, tied,
+             cp_mode: str = "auto") -> ShardingPlan:
+    # the ring's twins share the all-gather's score layouts: their names tell them apart
+    if chose_ring(n.strategies[c].name for n, c in zip(built.ilp_nodes, choices)):
+        cp_mode = "ring"
     if built.expansion is None:
         plan = _graph_plan(graph, mesh, cluster, built, choices, tied)
         return dataclasses.replace(
-            plan, context_parallel=describe_context(graph, plan.var_specs, mesh))
+            plan, context_parallel=describe_context(graph, plan.var_specs, mesh, cp_mode))
     expansion = built.expansion
     plan = _graph_plan(expansion.graph, mesh, cluster, built, choices, expansion.tied)
-    context = describe_context(expansion.graph, plan.var_specs, mesh)
+    context = describe_context(expansion.graph, plan.var_specs, mesh, cp_mode)
     return dataclasses.replace(collapse_plan(plan, expansion), context_parallel=context)
 
 

@@ -25,6 +25,7 @@ from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
 from autopar.intra._reshard import reshard_time, shared_reshard_cache
+from autopar.intra._ring_strategies import ring_dots, ring_strategies
 from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES, annotated_strategies
 from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
@@ -227,6 +228,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     cp_mode = options.context_parallel
     seq_len = None if cp_mode == "auto" else sequence_length(graph)
     score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
+    # the ring's dots (`_ring_strategies`): their strategies get ring twins
+    ring = ring_dots(graph, sequence_length(graph)) if cp_mode in ("auto", "ring") else {}
     facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
     memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
     specs_of: dict[tuple[int, int], tuple[Spec, ...]] = {}
@@ -255,8 +258,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         strategies = None
         annotated = node.primitive in ANNOTATION_PRIMITIVES and options.annotations != "ignore"
         # (a scan's slice and stack markers move a layer's values in and out whole)
-        cut = node.primitive not in SCAN_MARKERS and constrains(node, graph, cp_mode,
-                                                                seq_len, score_ids)
+        cut = node.primitive not in SCAN_MARKERS and (
+            constrains(node, graph, cp_mode, seq_len, score_ids) or node.id in ring)
         if options.merge_followers and not annotated and not cut:
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
@@ -271,6 +274,10 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         if cut:
             strategies = keep_strategies(node, graph, list(strategies), cp_mode, seq_len,
                                          score_ids, ctx.mesh)
+        if node.id in ring:
+            role, roles = ring[node.id]
+            strategies = ring_strategies(node, graph, role, roles, list(strategies), ctx,
+                                         forced=cp_mode == "ring")
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))

@@ -20,6 +20,7 @@ from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
 from autopar.intra._scan import opened_body
 from autopar.lower._experts import with_expert_dispatch
+from autopar.lower._ring_lowering import with_ring_attention
 
 
 def local_devices() -> list:
@@ -64,7 +65,8 @@ def lower_sharding_plan(
     """
     plan.check_graph(graph)
     mesh = jax_mesh(plan.mesh, devices)
-    graph = with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh)
+    graph = with_ring(with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh),
+                      plan, plan, mesh)
     in_vars = [graph.vars[v] for v in graph.invars]
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
@@ -126,8 +128,27 @@ def with_scan_bodies(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
     for body_plan in bodies:
         node = nodes[body_plan.node]
         assert node.primitive == "scan", f"node {node.id} is a {node.primitive}, not a scan"
-        nodes[node.id] = replace(node, prim=PlannedScan(node.params, body_plan, mesh))
+        nodes[node.id] = replace(node, prim=PlannedScan(node.params, body_plan, mesh,
+                                                        ring_axes(plan)))
     return replace(graph, nodes=nodes)
+
+
+def ring_axes(plan) -> tuple[str, ...]:
+    """The mesh axes of the plan's ring attention; () when it has none."""
+    context = getattr(plan, "context_parallel", None)
+    if context is None or context.algorithm != "ring":
+        return ()
+    return tuple(context.axes)
+
+
+def with_ring(graph: OpGraph, plan, layouts, mesh: Mesh,
+              axes: tuple[str, ...] | None = None) -> OpGraph:
+    """`graph` with its attention run by the ring kernel when `plan` chose the ring
+    (`autopar.lower._ring_lowering`); `layouts` holds the var specs of `graph`."""
+    axes = ring_axes(plan) if axes is None else axes
+    if not axes:
+        return graph
+    return with_ring_attention(graph, layouts.var_specs, axes, mesh)
 
 
 class PlannedScan:
@@ -135,8 +156,10 @@ class PlannedScan:
 
     multiple_results = True
 
-    def __init__(self, params: Mapping, body_plan, mesh: Mesh) -> None:
-        self.body = with_expert_dispatch(opened_body(params), body_plan, mesh)
+    def __init__(self, params: Mapping, body_plan, mesh: Mesh,
+                 ring: tuple[str, ...] = ()) -> None:
+        self.body = with_ring(with_expert_dispatch(opened_body(params), body_plan, mesh),
+                              None, body_plan, mesh, ring)
         self.body_plan = body_plan
         self.mesh = mesh
 
@@ -238,6 +261,9 @@ def segment_body(
     on_input, on_output = constraint_hooks(plan, mesh)
     graph = with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh)
     node_list = [graph.nodes[i] for i in nodes]
+    if ring_axes(plan):  # the segment's attention by the ring kernel
+        node_list = with_ring(replace(graph, nodes=node_list, invars=tuple(inputs),
+                                      outvars=tuple(outputs)), plan, plan, mesh).nodes
     accumulate = [v for v in outputs if v in set(accumulate)]
 
     def sharding(v, spec=None, stack=True):

@@ -74,7 +74,9 @@ class PlanOptions:
     - `context_parallel`: how attention's sequence may split over a mesh axis: "auto"
       (the ILP chooses, no split included), "none", "allgather" (query sequence split,
       K/V gathered) or "ulysses" (sequence split outside attention, heads inside, with
-      all-to-alls); see `autopar.intra._context`. "ring" is declared but not planned yet.
+      all-to-alls) or "ring" (the all-gather layouts, attention run by the ring kernel:
+      K/V blocks passed round the axis, zig-zag load balanced); see
+      `autopar.intra._context`.
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -153,14 +155,6 @@ class PlanOptions:
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
-        if self.context_parallel == "ring":
-            raise ValueError(
-                "context_parallel='ring' is not planned yet: ring attention replaces the "
-                "traced attention (forward and backward) with a shard_map kernel, which the "
-                "lowering does not do; use context_parallel='allgather' (the same sequence "
-                "split, K/V gathered whole) or 'ulysses', or call "
-                "autopar.lower.ring_attention in a jax.jit program of your own"
-            )
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

@@ -1,0 +1,158 @@
+"""Ring attention in the sharding ILP: the ring's strategies on attention's dots.
+
+In: a graph, its attention sequence length, a node's strategies and the mesh/cluster
+(`CostContext`). Out: `ring_dots` (node id -> its role in one attention,
+`autopar.intra._attention_roles`) and, per such node, `ring_strategies`: for every
+strategy that splits the scores' queries over mesh axes A and keeps their keys whole (the
+all-gather's layout), a *ring twin* whose K/V-side tensor keeps its sequence split over A
+as well, as the ring kernel holds it (no all-gather into the dot, no reduce-scatter out
+of it), priced as the ring runs:
+
+- every dot of the attention computes ``cost.ring_compute_fraction(cp)`` of its dense
+  share (the zig-zag ring skips the masked blocks);
+- the forward score dot ``Q K^T`` also pays the forward ring's exposed communication,
+  ``cost.ring_attention_time`` (forward) less its compute, and the zig-zag swaps of Q,
+  K, V in and the output out (``cost.zigzag_swap_time``);
+- the backward's ``dO V^T`` dot pays the backward ring's exposed communication and the
+  swaps of dO in and dQ, dK, dV out;
+- the dK and dV dots, which contract the split queries, reduce nothing.
+
+A twin's strategy name ends in `RING`; the plan's context split is "ring" when a chosen
+strategy is one (`chose_ring`). Under `context_parallel="ring"` the twins replace the
+all-gather strategies of all six dots. Under "auto" only the forward score dot gets a
+twin, beside its other strategies, and it pays both directions' exposed ring time and
+swaps: were every dot offered one, the ILP would mix them (the twins that save a gather
+without the ones that pay for the ring), and no program runs half a ring. The other dots
+then keep the all-gather's layouts and their gathers are still charged, so "auto" prices
+the ring as an upper bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.cluster._mesh import Spec
+from autopar.cost import (
+    bytes_per_device,
+    kv_block_bytes,
+    ring_attention_time,
+    ring_compute_fraction,
+    zigzag_swap_time,
+)
+from autopar.graph import Node, OpGraph
+from autopar.intra._attention_roles import AttentionRoles, attention_components
+
+RING = " ring"
+
+
+def ring_dots(graph: OpGraph, seq_len: int | None) -> dict[int, tuple[str, AttentionRoles]]:
+    """Node id -> (role, its attention) for the dots the ring runs: "qk" (the forward
+    score dot), "o", "dp" (the backward's ``dO V^T``), "dq", "dk", "dv". An attention
+    the roles cannot name is left out (the ILP offers it no ring)."""
+    if seq_len is None:
+        return {}
+    found: dict[int, tuple[str, AttentionRoles]] = {}
+    for component in attention_components(graph, seq_len):
+        try:
+            roles = AttentionRoles(graph, component, seq_len)
+        except ValueError:
+            continue
+        found[roles.qk.id] = ("qk", roles)
+        for node in component:
+            if (node.primitive == "dot_general" and node is not roles.qk
+                    and node.outputs[0] in roles.score
+                    and not any(v in roles.score for v in node.inputs)):
+                found[node.id] = ("dp", roles)
+        for role, (node, _, _) in roles.roles.items():
+            found[node.id] = (role, roles)
+    return found
+
+
+def ring_strategies(node: Node, graph: OpGraph, role: str, roles: AttentionRoles,
+                    strategies: list, ctx, forced: bool) -> list:
+    """`strategies` with the ring twins of `node` added (module docstring); with
+    `forced`, the twins alone where there are any."""
+    if not forced and role != "qk":
+        return strategies
+    twins = [t for s in strategies
+             if (t := _twin(node, graph, role, roles, s, ctx, both=not forced))]
+    if forced:
+        return twins or strategies
+    return [*strategies, *twins]
+
+
+def chose_ring(strategy_names) -> bool:
+    """Whether a solved plan's strategies (their names) run a ring."""
+    return any(name.endswith(RING) for name in strategy_names)
+
+
+def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy, ctx,
+          both: bool = False):
+    mesh = ctx.mesh
+    score_pos = _score_position(node, roles)
+    score_var = node.outputs[0] if score_pos is None else node.inputs[score_pos]
+    score_spec = (strategy.out_specs[0] if score_pos is None
+                  else strategy.in_specs[score_pos])
+    labels = roles.labels.get(score_var)
+    if score_spec is None or labels is None:
+        return None
+    axes = tuple(score_spec[labels.index("sq")])
+    if not axes or score_spec[labels.index("sk")]:
+        return None
+    cp = math.prod(mesh.axis_size(a) for a in axes)
+    if roles.seq_len % (2 * cp):
+        return None
+    in_specs, out_specs = list(strategy.in_specs), list(strategy.out_specs)
+    for p, v in enumerate(node.inputs):
+        if p != score_pos and in_specs[p] is not None and "sk" in roles.labels.get(v, ()):
+            in_specs[p] = _split(in_specs[p], roles.labels[v].index("sk"), axes)
+    comm, collectives = strategy.comm_cost, strategy.collectives
+    out_bytes = strategy.out_bytes
+    if role in ("dk", "dv"):
+        out = node.outputs[0]
+        out_specs[0] = _split(out_specs[0], roles.labels[out].index("sk"), axes)
+        comm, collectives = 0.0, ()
+        var = graph.vars[out]
+        out_bytes = bytes_per_device(var.shape, var.dtype, out_specs[0], mesh)
+    fraction = ring_compute_fraction(cp)
+    compute = strategy.compute_cost * fraction
+    if role == "qk" or role == "dp":
+        directions = (False, True) if both else (role == "dp",)
+        comm += sum(_ring_exposed(node, graph, roles, in_specs, compute, cp, axes, ctx,
+                                  backward) for backward in directions)
+    return type(strategy)(strategy.name + RING, tuple(in_specs), tuple(out_specs), compute,
+                          comm, out_bytes, collectives)
+
+
+def _ring_exposed(node, graph, roles, in_specs, dot_compute, cp, axes, ctx, backward):
+    """The ring's communication left exposed in one direction, and its zig-zag swaps."""
+    mesh = ctx.mesh
+    k_pos = next(p for p, v in enumerate(node.inputs) if "sk" in roles.labels.get(v, ()))
+    q_pos = 1 - k_pos
+    k_var, q_var = graph.vars[node.inputs[k_pos]], graph.vars[node.inputs[q_pos]]
+    k_bytes = bytes_per_device(k_var.shape, k_var.dtype, in_specs[k_pos], mesh)
+    q_bytes = bytes_per_device(q_var.shape, q_var.dtype, in_specs[q_pos], mesh)
+    itemsize = k_var.nbytes / k_var.size
+    head = k_var.shape[roles.labels[k_var.id].index("d")]
+    rows = k_bytes / (itemsize * (roles.seq_len / cp) * head)
+    block = kv_block_bytes(rows, roles.seq_len, cp, 1, head, itemsize)
+    attention = 2 * dot_compute  # Q K^T and P V (or dO V^T and dS K) alike
+    forward, back = ring_attention_time(attention, block, ctx.cluster, mesh, axes)
+    exposed = back - 2 * attention if backward else forward - attention
+    swaps = sum(zigzag_swap_time(b, ctx.cluster, mesh, axes)
+                for b in (q_bytes, q_bytes, k_bytes, k_bytes))
+    return max(exposed, 0.0) + swaps
+
+
+def _score_position(node: Node, roles: AttentionRoles) -> int | None:
+    """Which operand of `node` is a score tensor; None when its result is."""
+    if node.outputs[0] in roles.score:
+        return None
+    return next(p for p, v in enumerate(node.inputs) if v in roles.score)
+
+
+def _split(spec: Spec, dim: int, axes: tuple[str, ...]) -> Spec:
+    """`spec` with dimension `dim` split over `axes` (and no other dimension on them)."""
+    dims = [tuple(a for a in d if a not in axes) for d in spec]
+    dims[dim] = axes
+    return tuple(dims)
