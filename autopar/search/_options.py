@@ -21,6 +21,7 @@ from autopar.choices import (
     MEMORY_LEVELS,
     METHODS,
     MICROBATCH_CHECKS,
+    MOE_OVERLAPS,
     REMAT_OPTIONS,
     SCHEDULE_OPTIONS,
     SOLVERS,
@@ -29,6 +30,7 @@ from autopar.choices import (
     MemoryLevels,
     Method,
     MicrobatchCheck,
+    MoeOverlap,
     RematOption,
     ScheduleOption,
     SolverName,
@@ -75,6 +77,10 @@ class PlanOptions:
       (the ILP chooses, no split included), "none", "allgather" (query sequence split,
       K/V gathered) or "ulysses" (sequence split outside attention, heads inside, with
       all-to-alls); see `autopar.intra._context`. "ring" is declared but not planned yet.
+    - `moe_overlap`: whether an expert-parallel grouped GEMM runs in two token chunks so
+      one chunk's dispatch/combine all-to-all runs beside the other's compute: "auto"
+      (the ILP chooses per grouped GEMM by predicted time,
+      `autopar.cost.chunked_exchange_time`), "off" or "on".
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -125,6 +131,7 @@ class PlanOptions:
     constraints: Any = dataclasses.field(default=None, hash=False)
     microbatch_check: MicrobatchCheck = "warn"
     context_parallel: ContextParallel = "auto"
+    moe_overlap: MoeOverlap = "auto"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -153,6 +160,7 @@ class PlanOptions:
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
+        check_choice("moe_overlap", self.moe_overlap, MOE_OVERLAPS)
         if self.context_parallel == "ring":
             raise ValueError(
                 "context_parallel='ring' is not planned yet: ring attention replaces the "
