@@ -107,6 +107,25 @@ def test_strategies_per_option_and_their_cost_by_hand():
     assert chunked.cost > whole.cost
 
 
+def test_rerun_prices_the_form_the_plan_chose():
+    """Recompute (`autopar.inter._layer_pricing.rerun_seconds`) looks a node's cost up by
+    the plan's strategy name: each form is found whichever is the cheaper."""
+    from types import SimpleNamespace
+
+    from autopar.inter._layer_pricing import rerun_seconds
+
+    node, graph = _forward_node(8 * 32768, 7168, 2048, 256, jnp.bfloat16)
+    h100 = autopar.Cluster.from_profile("dgx-h100")
+    mesh = LogicalMesh.create((8,), axis_names=("x",))
+    whole, chunked = expert_parallel_strategies(node, graph, CostContext(h100, mesh))
+    for strategy in (whole, chunked):
+        names = [""] * len(graph.nodes)
+        names[node.id] = strategy.name
+        plan = SimpleNamespace(mesh=mesh, operand_specs=(), node_strategies=names,
+                               var_specs=(None,) * len(graph.vars))
+        assert rerun_seconds(graph, plan, [node.id], h100) == pytest.approx(strategy.cost)
+
+
 def test_rows_that_do_not_halve_list_the_whole_exchange_only():
     node, graph = _forward_node(rows=8 * 3)  # 3 rows per device
     ctx = CostContext(autopar.Cluster.from_profile("dgx-h100"),
