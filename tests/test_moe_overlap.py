@@ -166,10 +166,9 @@ def test_chunked_lowering_matches_one_device_and_doubles_the_all_to_alls():
         (strategy,) = expert_parallel_strategies(node, graph, ctx)
         got, hlo = _run(node, graph, operands, strategy, mesh, OVERLAP_CHUNKS)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-        if node is ragged[0]:  # the forward: a dispatch and a combine per chunk
-            whole = count_collectives(_run(node, graph, operands, strategy, mesh, 1)[1])
+        if node is ragged[0]:  # the forward: a dispatch and a combine per chunk (the
+            # whole exchange's 2: tests/test_rules_moe.py)
             assert count_collectives(hlo)["all_to_all"][0] == OVERLAP_CHUNKS * 2
-            assert whole["all_to_all"][0] == 2
 
 
 def _run(node, graph, operands, strategy, mesh, chunks):
