@@ -10,9 +10,10 @@ dispatch → grouped GEMM → combine. With one link stream and one compute stre
 is dispatched while chunk 1 computes and chunk 1's results return while chunk 2
 computes: DeepSeek-V3's dual micro-batch overlap (DeepSeek-AI 2024, arXiv 2412.19437,
 sec. 3.2.1: two micro-batches, one's all-to-all under the other's compute) and
-Megatron-Core's MoE all-to-all overlap (``--overlap-moe-expert-parallel-comm``, the
-dispatch/combine of one micro-batch under another's compute in 1F1B), applied inside one
-grouped GEMM. The price of the split is in the chunk times: each chunk pays its own
+Megatron-Core's "Combined 1F1B" (``--overlap-moe-expert-parallel-comm``: one
+micro-batch's dispatch/combine all-to-all under an adjacent micro-batch's forward or
+backward; docs.nvidia.com/megatron-core, user guide, "Combined 1F1B: Expert-Parallel
+All-to-All Overlap"), applied inside one grouped GEMM. The price of the split is in the chunk times: each chunk pays its own
 collective latency and kernel launch.
 
 What the backend hides (`autopar.cost.backends.Backend.collective_concurrency`): XLA:GPU
