@@ -68,6 +68,14 @@ gathers K/V whole on every device (Llama 3's CP); "ulysses" moves the sequence s
 heads split for attention with all-to-alls (DeepSpeed-Ulysses); "ring" passes K/V blocks
 around a ring of devices (ring attention)."""
 
+MoeOverlap = Literal["auto", "off", "on"]
+"""Whether an expert-parallel grouped GEMM hides its dispatch and combine all-to-alls
+behind its own compute, in two token chunks (chunk 2's dispatch while chunk 1 computes,
+chunk 1's combine while chunk 2 computes: DeepSeek-V3's dual micro-batch overlap,
+Megatron-Core's ``--overlap-moe-expert-parallel-comm``, inside one layer): "auto" lets
+the sharding ILP choose per grouped GEMM by the predicted time; "off" never; "on" always
+where the routed rows split in two."""
+
 METHODS: tuple[str, ...] = get_args(Method)
 MICROBATCH_CHECKS: tuple[str, ...] = get_args(MicrobatchCheck)
 ANNOTATIONS: tuple[str, ...] = get_args(Annotations)
@@ -80,6 +88,7 @@ REMATS: tuple[str, ...] = get_args(Remat)
 REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
 MEMORY_LEVELS: tuple[str, ...] = get_args(MemoryLevels)
 CONTEXT_PARALLEL: tuple[str, ...] = get_args(ContextParallel)
+MOE_OVERLAPS: tuple[str, ...] = get_args(MoeOverlap)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

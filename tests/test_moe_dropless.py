@@ -22,7 +22,7 @@ from helpers import compiled_hlo, run_steps
 import autopar
 from autopar.graph import trace
 from autopar.intra._scan import opened_body
-from autopar.intra._strategies_moe import ep_layout
+from autopar.intra._strategies_moe import OVERLAPPED, ep_layout
 from autopar.lower import count_collectives
 from examples import moe_dropless as moe
 
@@ -105,10 +105,11 @@ def test_tiny_model_on_cpu_keeps_experts_whole(reference):
     assert all(not any(spec) for spec in _expert_specs(plan).values()), _expert_specs(plan)
 
 
-def _expert_parallel(plan, graph):
+def _expert_parallel(plan, graph, overlapped=False):
     """`plan` with every grouped GEMM of its layer scan in the all-to-all layout over all
     of its mesh axes (the layout `autopar.intra._strategies_moe` lists): its operands
-    and result as the strategy says, the rest as planned."""
+    and result as the strategy says, the rest as planned; in two token chunks when
+    `overlapped` (the strategy's `OVERLAPPED` form)."""
     stage = plan.stages[0]
     sharding = stage.sharding
     axes = tuple(a for a, n in zip(sharding.mesh.axis_names, sharding.mesh.shape) if n > 1)
@@ -131,8 +132,10 @@ def _expert_parallel(plan, graph):
             (out,) = node.outputs
             ndim = len(body.vars[out].shape)
             var_specs[out] = tuple(axes if i == out_dim else () for i in range(ndim))
-        bodies.append(dataclasses.replace(body_plan, var_specs=tuple(var_specs),
-                                          operand_specs=tuple(operand_specs)))
+        name = f"ep:{''.join(axes)}" + (OVERLAPPED if overlapped else "")
+        bodies.append(dataclasses.replace(
+            body_plan, var_specs=tuple(var_specs), operand_specs=tuple(operand_specs),
+            strategies=tuple((n, name) for n in sorted(ragged)) if overlapped else ()))
     sharding = dataclasses.replace(sharding, scan_bodies=tuple(bodies))
     stage = dataclasses.replace(stage, sharding=sharding)
     return dataclasses.replace(plan, stages=(stage,)), num_ragged
@@ -159,6 +162,25 @@ def test_expert_parallel_plan_compiles_to_dispatch_and_combine_all_to_alls(refer
     # hand-made EP layout may add a few resharding all-to-alls where it meets the searched
     # layouts around it (which layouts those are depends on the search's costs).
     assert 18 <= counted["all_to_all"][0] - before[0] <= 24, (counted, before)
+
+
+@pytest.mark.extended  # one more compile and run of the EP step (~1 min on 2 cores); the
+# chunked lowering of every grouped GEMM form is checked against one device in the
+# default suite by tests/test_moe_overlap.py
+def test_overlapped_expert_parallel_plan_matches_one_device(reference):
+    step, state, batch, ref_losses = reference
+    searched = autopar.plan(step, state, batch,
+                            cluster=autopar.Cluster.from_profile("cpu-local"),
+                            method="shard", mesh_shape=(8,), cache=False)
+    plan, num_ragged = _expert_parallel(searched, trace(step, state, batch), overlapped=True)
+    assert num_ragged == 9
+    saved = autopar.Plan.from_json(plan.to_json())  # the chunks survive a save
+    par = autopar.autoparallel(step, plan=saved, donate_argnums=(), cache=False)
+    losses, _ = run_steps(par, state, batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    counted = count_collectives(compiled_hlo(par, state, batch))["all_to_all"][0]
+    # twice the whole exchange's 18 (the hand-made test above): each chunk its own
+    assert counted >= 36, counted
 
 
 def test_cli_names_and_published_shapes():

@@ -56,6 +56,11 @@ from autopar.cost._context import (
     ulysses_time,
     zigzag_swap_time,
 )
+from autopar.cost._expert_overlap import (
+    OVERLAP_CHUNKS,
+    chunked_exchange_time,
+    pipelined_exchange_time,
+)
 from autopar.cost._experts import (
     DEFAULT_OVERLAP_EFFICIENCY,
     DEFAULT_TOKEN_IMBALANCE,
@@ -161,6 +166,9 @@ __all__ = [
     "grouped_gemm_time",
     "moe_all_to_all_time",
     "overlap_saving",
+    "OVERLAP_CHUNKS",
+    "chunked_exchange_time",
+    "pipelined_exchange_time",
     "routed_activation_bytes",
     "fused_attention_bytes",
     "COLLECTIVE_KINDS",

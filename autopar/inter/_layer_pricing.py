@@ -75,8 +75,11 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
     what the forward cost."""
     from autopar.intra import reshard_time
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
+    from autopar.intra._strategies_moe import OVERLAPPED
 
-    ctx = CostContext(cluster, plan.mesh)
+    # An expert-parallel grouped GEMM's two forms share their specs, so the strategies
+    # are listed with the one the plan chose ("on": chunked, "off": whole).
+    contexts = {mode: CostContext(cluster, plan.mesh, moe_overlap=mode) for mode in ("on", "off")}
     wanted = set(node_ids)
     operand_specs = {(n, p): spec for n, p, spec in plan.operand_specs if n in wanted}
     # A layer is priced at several levels and remat choices on one mesh: each node's
@@ -85,10 +88,12 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
 
     def strategy_seconds(n: int) -> float:
         node = graph.nodes[n]
-        key = (n, plan.mesh, cluster)
+        mode = "on" if plan.node_strategies[n].endswith(OVERLAPPED) else "off"
+        key = (n, plan.mesh, cluster, mode)
         if key not in by_node:
             costs = by_node[key] = {}
-            for s in node_strategies(node, graph, node_signature(node, graph), ctx):
+            for s in node_strategies(node, graph, node_signature(node, graph),
+                                     contexts[mode]):
                 costs.setdefault(s.name, s.compute_cost + s.comm_cost)  # the first of a name
         # No entry: an identity marker or a node planned without a rule.
         return by_node[key].get(plan.node_strategies[n], 0.0)

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from autopar.choices import (
     ANNOTATIONS,
     CONTEXT_PARALLEL,
+    MOE_OVERLAPS,
     SHARD_METHODS,
     Annotations,
     ContextParallel,
+    MoeOverlap,
     ShardMethod,
     SolverName,
     check_choice,
@@ -37,6 +39,9 @@ class ShardOptions:
       constraint), "hint" (preferred) or "ignore" (`autopar.intra._rules_annotations`).
     - `context_parallel`: how attention's sequence may split (`autopar.choices.
       ContextParallel`; the strategies each value keeps: `autopar.intra._context`).
+    - `moe_overlap`: whether expert-parallel grouped GEMMs may run in two token chunks
+      that overlap all-to-all with compute (`autopar.choices.MoeOverlap`; the strategies:
+      `autopar.intra._strategies_moe`).
     """
 
     method: ShardMethod = "shard"
@@ -48,11 +53,13 @@ class ShardOptions:
     open_scans: bool = True
     annotations: Annotations = "keep"
     context_parallel: ContextParallel = "auto"
+    moe_overlap: MoeOverlap = "auto"
 
     def __post_init__(self):
         check_choice("sharding method", self.method, SHARD_METHODS)
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
+        check_choice("moe_overlap", self.moe_overlap, MOE_OVERLAPS)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"

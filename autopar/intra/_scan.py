@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from autopar.graph import Node, OpGraph, Role, trace_jaxpr
 from autopar.intra._control_flow import ENTER, EXIT, SLICE, STACK
 from autopar.intra._sharding_plan import BodyPlan, ShardingPlan, graph_fingerprint
+from autopar.intra._strategies_moe import OVERLAPPED
 
 SCAN_MARKERS = frozenset({SLICE, ENTER, EXIT, STACK})
 
@@ -218,6 +219,11 @@ def collapse_plan(plan: ShardingPlan, expansion: Expansion) -> ShardingPlan:
                 var_specs=tuple(specs),
                 operand_specs=tuple(body_operands[s.scan]),
                 out_specs=tuple(out_specs),
+                strategies=tuple(
+                    (n, plan.node_strategies[s.node_offset + n])
+                    for n in range(len(s.body.nodes))
+                    if plan.node_strategies[s.node_offset + n].endswith(OVERLAPPED)
+                ),
             )
         )
         length = original.nodes[s.scan].params["length"]

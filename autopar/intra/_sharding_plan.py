@@ -59,12 +59,16 @@ class BodyPlan:
     Ids are those of the body's own graph (`autopar.intra._scan.opened_body`): a spec per
     body variable (None for constants), operands the body reshards (node, operand index,
     spec), and the layout each body result is returned in (a carry: its layout on entry).
+    `strategies`: (body node, strategy name) for the nodes whose strategy the lowering
+    needs beyond their specs (an expert-parallel grouped GEMM run in chunks,
+    `autopar.intra._strategies_moe.OVERLAPPED`).
     """
 
     node: int
     var_specs: tuple[Spec | None, ...]
     operand_specs: tuple[tuple[int, int, Spec], ...]
     out_specs: tuple[Spec | None, ...]
+    strategies: tuple[tuple[int, str], ...] = ()
 
     @property
     def constrained(self) -> tuple[int, ...]:
@@ -77,6 +81,9 @@ class BodyPlan:
             "var_specs": [_spec_json(s) for s in self.var_specs],
             "operand_specs": [[n, p, _spec_json(s)] for n, p, s in self.operand_specs],
             "out_specs": [_spec_json(s) for s in self.out_specs],
+            # additive: bodies without such nodes read and write as before
+            **({"strategies": [[n, name] for n, name in self.strategies]}
+               if self.strategies else {}),
         }
 
     @staticmethod
@@ -86,6 +93,7 @@ class BodyPlan:
             tuple(_spec_from_json(s) for s in d["var_specs"]),
             tuple((int(n), int(p), _spec_from_json(s)) for n, p, s in d["operand_specs"]),
             tuple(_spec_from_json(s) for s in d["out_specs"]),
+            tuple((int(n), str(name)) for n, name in d.get("strategies", ())),
         )
 
 

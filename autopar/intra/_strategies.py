@@ -88,12 +88,14 @@ class CostContext:
     """What node costs depend on besides the node: the cluster, the mesh, and two sets of
     graph node ids (`step_effects`): `combinable`, nodes whose reductions XLA merges with
     their kind's other independent ones; `in_place`, elementwise nodes that write the
-    step's donated state in place. Empty sets: every node is charged on its own."""
+    step's donated state in place. Empty sets: every node is charged on its own.
+    `moe_overlap`: which expert-parallel grouped GEMM forms to list (`ShardOptions`)."""
 
     cluster: object
     mesh: LogicalMesh
     combinable: frozenset = frozenset()
     in_place: frozenset = frozenset()
+    moe_overlap: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,15 @@ device's routed rows over the mean: `autopar.cost.DEFAULT_TOKEN_IMBALANCE`, or a
 ``token_imbalance`` attribute of the cluster object, which no profile sets yet), priced
 by `autopar.cost.all_to_all_time` on the topology; the grouped GEMM's FLOPs divide by
 the EP degree and scale by the imbalance.
+
+Each also comes overlapped (name suffix `OVERLAPPED`) where a device's routed rows split
+into `autopar.cost.OVERLAP_CHUNKS` equal chunks: the chunks are dispatched, computed and
+combined one after the other, so one chunk's all-to-all can run beside another's grouped
+GEMM, priced by `autopar.cost.chunked_exchange_time` with the share of a collective the
+backend runs beside compute (`Backend.collective_concurrency`: the profile's `overlap`
+on XLA:GPU, none on XLA:CPU). The same specs, so "auto" (`CostContext.moe_overlap`)
+keeps the faster of the two; "off" lists only the whole exchange, "on" only the chunked
+one (the whole where the rows do not split).
 `autopar.lower._experts` runs them.
 """
 
@@ -30,10 +39,13 @@ import math
 
 from autopar.cost import (
     DEFAULT_TOKEN_IMBALANCE,
+    OVERLAP_CHUNKS,
     all_to_all_time,
     bytes_per_device,
+    chunked_exchange_time,
     compute_time,
 )
+from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph
 from autopar.intra._rules_moe import ragged_form
 from autopar.intra._strategies import EXTRA_STRATEGIES, Collective, CostContext, Strategy
@@ -91,18 +103,64 @@ def expert_parallel_strategies(node: Node, graph: OpGraph, ctx: CostContext) -> 
         out_spec = tuple(axes if d == out_dim else () for d in range(len(out_var.shape)))
         local = [bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(in_vars, in_specs)]
         out_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
-        # dispatch the routed rows: lhs (form 1), lhs and rhs (form 2); combine: the result
-        moved = [local[0] * imbalance]
-        moved.append(out_bytes * imbalance if form == 1 else local[1] * imbalance)
-        collectives = tuple(Collective("all_to_all", axes, b) for b in moved)
-        comm = sum(all_to_all_time(c.nbytes, ctx.cluster, mesh, axes) for c in collectives)
-        dtype = out_var.dtype
-        compute = compute_time(node.flops / ep * imbalance,
-                               (sum(local) + out_bytes) * imbalance, ctx.cluster, dtype,
-                               matmul=True)
-        strategies.append(Strategy(f"ep:{''.join(axes)}", in_specs, (out_spec,), compute,
-                                   comm, out_bytes, collectives))
+        exchange = _Exchange(node, form, axes, ep, local, out_bytes, out_var.dtype,
+                             imbalance, ctx)
+        name = f"ep:{''.join(axes)}"
+        if ctx.moe_overlap != "on" or not exchange.chunkable(in_vars[0].shape[0]):
+            strategies.append(exchange.strategy(name, in_specs, out_spec, 1))
+        if ctx.moe_overlap != "off" and exchange.chunkable(in_vars[0].shape[0]):
+            strategies.append(exchange.strategy(name + OVERLAPPED, in_specs, out_spec,
+                                                OVERLAP_CHUNKS))
     return strategies
+
+
+# The suffix of an EP strategy run in `OVERLAP_CHUNKS` token chunks (`autopar.lower.
+# _experts` reads it from the plan's strategy names).
+OVERLAPPED = "+overlap"
+
+
+class _Exchange:
+    """The costs of one grouped GEMM's EP strategy over `axes`, whole or in chunks of
+    the routed rows (`autopar.cost.chunked_exchange_time`)."""
+
+    def __init__(self, node, form, axes, ep, local, out_bytes, dtype, imbalance,
+                 ctx) -> None:
+        self.node, self.form, self.axes, self.ep, self.dtype = node, form, axes, ep, dtype
+        self.local, self.out_bytes, self.imbalance, self.ctx = (local, out_bytes,
+                                                                imbalance, ctx)
+
+    def chunkable(self, rows: int) -> bool:
+        """Whether each device's routed rows split into `OVERLAP_CHUNKS` equal chunks."""
+        return (rows // self.ep) % OVERLAP_CHUNKS == 0
+
+    def strategy(self, name, in_specs, out_spec, num_chunks: int) -> Strategy:
+        ctx, imb, n = self.ctx, self.imbalance, num_chunks
+        lhs, rhs = self.local[0], self.local[1]
+        # dispatch the routed rows: lhs (form 1), lhs and rhs (form 2); combine: the result
+        if self.form == 1:
+            dispatched, combined = [lhs * imb / n], [self.out_bytes * imb / n]
+            rows_bytes = (lhs + self.out_bytes) / n + rhs  # the expert weights read whole
+        else:
+            dispatched, combined = [lhs * imb / n, rhs * imb / n], []
+            rows_bytes = (lhs + rhs) / n + self.out_bytes  # the weight gradient whole
+        collectives = tuple(Collective("all_to_all", self.axes, b)
+                            for _ in range(n) for b in (*dispatched, *combined))
+
+        def seconds(moved):
+            return sum(all_to_all_time(b, ctx.cluster, ctx.mesh, self.axes) for b in moved)
+
+        gemm = compute_time(self.node.flops / self.ep * imb / n,
+                            (sum(self.local[2:]) + rows_bytes) * imb, ctx.cluster,
+                            self.dtype, matmul=True)
+        if n == 1:
+            return Strategy(name, in_specs, (out_spec,), gemm,
+                            seconds(dispatched) + seconds(combined), self.out_bytes,
+                            collectives)
+        concurrency = backend_for(ctx.cluster).collective_concurrency(ctx.cluster)
+        total = chunked_exchange_time(seconds(dispatched), gemm, seconds(combined), n,
+                                      concurrency)
+        return Strategy(name, in_specs, (out_spec,), n * gemm, total - n * gemm,
+                        self.out_bytes, collectives)
 
 
 EXTRA_STRATEGIES["ragged_dot_general"] = expert_parallel_strategies

@@ -20,6 +20,15 @@ axes) bound to `ExpertParallelRaggedDot`, which runs it under `jax.shard_map`:
    held it. The weight gradient (form 2) dispatches both operands and keeps its experts'
    block of the result: no combine.
 
+A grouped GEMM whose strategy is overlapped (`autopar.intra._strategies_moe.OVERLAPPED`)
+runs steps 1–4 once per chunk of `autopar.cost.OVERLAP_CHUNKS` equal chunks of each
+device's rows: chunk ``c`` is rows ``[c·R/n, (c+1)·R/n)`` of every device's block of R
+rows, itself sorted by expert, so it routes like a whole exchange of R/n rows per device
+with its own group sizes (`chunk_group_sizes`). Nothing orders one chunk's all-to-alls
+after another chunk's grouped GEMM, so a scheduler that runs collectives asynchronously
+(XLA:GPU's) can send chunk 2 while chunk 1 computes; the results are concatenated (form
+1) or summed (form 2).
+
 A grouped GEMM the plan splits otherwise runs as planned by XLA's SPMD partitioner.
 """
 
@@ -33,14 +42,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from autopar.cluster._mesh import replicated, to_partition_spec
+from autopar.cost import OVERLAP_CHUNKS
 from autopar.graph import OpGraph
 from autopar.intra._rules_moe import ragged_form
-from autopar.intra._strategies_moe import ep_layout
+from autopar.intra._strategies_moe import OVERLAPPED, ep_layout
 
 
 def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
     """`graph` with each node `planned_prim` replaces for `plan` bound to its stand-in."""
     operand_specs = {(n, p): s for n, p, s in plan.operand_specs}
+    strategies = (dict(enumerate(plan.node_strategies)) if hasattr(plan, "node_strategies")
+                  else dict(plan.strategies))
     nodes = list(graph.nodes)
     changed = False
     for node in graph.nodes:
@@ -53,7 +65,8 @@ def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
         ]
         out_specs = [plan.var_specs[v] or replicated(len(graph.vars[v].shape))
                      for v in node.outputs]
-        prim = planned_prim(node, graph, mesh, in_specs, out_specs)
+        chunks = OVERLAP_CHUNKS if strategies.get(node.id, "").endswith(OVERLAPPED) else 1
+        prim = planned_prim(node, graph, mesh, in_specs, out_specs, chunks)
         if prim is not None:
             nodes[node.id] = replace(node, prim=prim)
             changed = True
@@ -67,16 +80,19 @@ def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
 PER_SHARD = frozenset({"top_k"})
 
 
-def planned_prim(node, graph: OpGraph, mesh: Mesh, in_specs, out_specs):
+def planned_prim(node, graph: OpGraph, mesh: Mesh, in_specs, out_specs,
+                 num_chunks: int = 1):
     """The stand-in that runs `node` as planned with these operand and result specs:
-    `ExpertParallelRaggedDot` for a grouped GEMM in the all-to-all layout, `PerShard` for
-    a split `PER_SHARD` primitive; None where XLA's partitioner runs it as planned."""
+    `ExpertParallelRaggedDot` for a grouped GEMM in the all-to-all layout (in
+    `num_chunks` chunks of rows), `PerShard` for a split `PER_SHARD` primitive; None
+    where XLA's partitioner runs it as planned."""
     if node.primitive == "ragged_dot_general":
         layout = ep_layout(node, graph)
         axes = None if layout is None else _ep_axes(in_specs, out_specs[0], layout)
         if axes is None:
             return None
-        return ExpertParallelRaggedDot(node.prim, mesh, axes, in_specs, out_specs[0])
+        return ExpertParallelRaggedDot(node.prim, mesh, axes, in_specs, out_specs[0],
+                                       num_chunks)
     if node.primitive in PER_SHARD and any(any(s) for s in (*in_specs, *out_specs)):
         return PerShard(node.prim, mesh, in_specs, out_specs)
     return None
@@ -117,12 +133,14 @@ def _ep_axes(in_specs, out_spec, layout) -> tuple[str, ...] | None:
 
 class ExpertParallelRaggedDot:
     """Stands in for `ragged_dot_general` in one node: `bind` runs it expert-parallel over
-    `axes` (module docstring)."""
+    `axes` (module docstring), in `num_chunks` chunks of each device's rows."""
 
     multiple_results = False
 
-    def __init__(self, prim, mesh: Mesh, axes, in_specs, out_spec) -> None:
+    def __init__(self, prim, mesh: Mesh, axes, in_specs, out_spec,
+                 num_chunks: int = 1) -> None:
         self.prim = prim
+        self.num_chunks = num_chunks
         self.mesh = mesh
         self.axes = tuple(axes)
         self.in_specs = tuple(to_partition_spec(s) for s in in_specs)
@@ -132,8 +150,7 @@ class ExpertParallelRaggedDot:
         ep = math.prod(self.mesh.shape[a] for a in self.axes)
         form = ragged_form(params)
 
-        def local(lhs, rhs, group_sizes):
-            me = jax.lax.axis_index(self.axes)
+        def exchange(lhs, rhs, group_sizes, me):
             routes = _Routes(group_sizes, ep, me, lhs.shape[0])
             local_groups = jax.lax.dynamic_slice_in_dim(
                 group_sizes, me * routes.groups_per_device, routes.groups_per_device
@@ -145,10 +162,40 @@ class ExpertParallelRaggedDot:
             return self.prim.bind(routes.dispatch(lhs, self.axes),
                                   routes.dispatch(rhs, self.axes), local_groups, **params)
 
+        def local(lhs, rhs, group_sizes):
+            me = jax.lax.axis_index(self.axes)
+            n = self.num_chunks
+            if n == 1 or lhs.shape[0] % n:
+                return exchange(lhs, rhs, group_sizes, me)
+            size = lhs.shape[0] // n
+            parts = []
+            for c in range(n):
+                rows = slice(c * size, (c + 1) * size)
+                sizes = chunk_group_sizes(group_sizes, lhs.shape[0], n, c)
+                parts.append(exchange(lhs[rows], rhs[rows] if form == 2 else rhs, sizes, me))
+            return jnp.concatenate(parts) if form == 1 else sum(parts[1:], parts[0])
+
         return jax.shard_map(
             local, mesh=self.mesh, in_specs=self.in_specs, out_specs=self.out_spec,
             check_vma=False,
         )(lhs, rhs, group_sizes)
+
+
+def chunk_group_sizes(group_sizes, rows: int, num_chunks: int, chunk: int):
+    """Rows of each group in `chunk` of `num_chunks`: the rows ``[chunk·rows/n,
+    (chunk+1)·rows/n)`` of every device's block of `rows` sorted rows.
+
+    **Example:** blocks of 4 rows, groups (3, 5): rows 0–2 and 3–7; chunk 0 of 2 is rows
+    0, 1, 4, 5, so its group sizes are (2, 2); chunk 1's (1, 3).
+    """
+    size = rows // num_chunks
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    starts = ends - group_sizes.astype(jnp.int32)
+
+    def before(r):  # rows of the chunk in the global order before row r
+        return (r // rows) * size + jnp.clip(r % rows - chunk * size, 0, size)
+
+    return (before(ends) - before(starts)).astype(group_sizes.dtype)
 
 
 class _Routes:

@@ -21,6 +21,7 @@ from autopar.choices import (
     MEMORY_LEVELS,
     METHODS,
     MICROBATCH_CHECKS,
+    MOE_OVERLAPS,
     REMAT_OPTIONS,
     SCHEDULE_OPTIONS,
     SOLVERS,
@@ -29,6 +30,7 @@ from autopar.choices import (
     MemoryLevels,
     Method,
     MicrobatchCheck,
+    MoeOverlap,
     RematOption,
     ScheduleOption,
     SolverName,
@@ -77,6 +79,10 @@ class PlanOptions:
       all-to-alls) or "ring" (the all-gather layouts, attention run by the ring kernel:
       K/V blocks passed round the axis, zig-zag load balanced); see
       `autopar.intra._context`.
+    - `moe_overlap`: whether an expert-parallel grouped GEMM runs in two token chunks so
+      one chunk's dispatch/combine all-to-all runs beside the other's compute: "auto"
+      (the ILP chooses per grouped GEMM by predicted time,
+      `autopar.cost.chunked_exchange_time`), "off" or "on".
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -127,6 +133,7 @@ class PlanOptions:
     constraints: Any = dataclasses.field(default=None, hash=False)
     microbatch_check: MicrobatchCheck = "warn"
     context_parallel: ContextParallel = "auto"
+    moe_overlap: MoeOverlap = "auto"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -155,6 +162,7 @@ class PlanOptions:
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
+        check_choice("moe_overlap", self.moe_overlap, MOE_OVERLAPS)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

@@ -27,6 +27,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
         time_limit=options.ilp_time_limit, solver=options.solver,
         annotations=options.annotations,
         context_parallel=options.context_parallel,
+        moe_overlap=options.moe_overlap,
     )
 
 

@@ -84,3 +84,9 @@ class Backend(abc.ABC):
     def merged_latency_share(self, cluster, nbytes: float, threshold: float) -> float:
         """The share of its latency a collective of `nbytes` pays once XLA's combiner
         merged it into buckets of `threshold` bytes (`combined_collective_time`)."""
+
+    @abc.abstractmethod
+    def collective_concurrency(self, cluster) -> float:
+        """The share, in [0, 1], of a collective's time that runs beside independent
+        compute of the same device (`autopar.cost.chunked_exchange_time`: one chunk's
+        all-to-all beside another chunk's grouped GEMM). `cluster` may be JSON."""

@@ -10,6 +10,9 @@
   tasks' launches on the same cores (`host_work_per_step`, `task_device_overhead`).
 - Collectives inside a program (`collective_latency_by_group`) rendezvous once per
   collective, and a merged collective still pays per operand (`combined_operand_latency`).
+- No collective beside compute (`collective_concurrency`, 0): a collective runs on the
+  device's own thread, synchronously (its rendezvous and copies block that device's
+  program), so a chunked expert exchange runs its chunks one after the other.
 - Scanned layers (`scan_slice_copies`): a `scan`'s while loop slices every stacked operand
   (`xs`: the layers' weights forward, the stacked residuals and weights backward) with a
   ``dynamic-slice`` that XLA:CPU materialises before the body's kernels read it, each
@@ -181,6 +184,11 @@ class XlaCpu(Backend):
         `combined_operand_latency`."""
         amortised = cluster.combined_operand_latency
         return amortised + (1.0 - amortised) * min(1.0, nbytes / threshold)
+
+    def collective_concurrency(self, cluster) -> float:
+        """0: XLA:CPU's collectives are synchronous on the device's thread (module
+        docstring), whatever the profile's `overlap` says of gradient reductions."""
+        return 0.0
 
 
 XLA_CPU = XlaCpu()

@@ -7,6 +7,9 @@
   devices' work (`dispatch_overhead` is charged per task by the general model).
 - Collectives pay the ring's alpha-beta latency (NCCL), and a merged collective pays
   its share of one bucket's latency: XLA:GPU's combiners issue one collective per bucket.
+- Collectives run on their own CUDA stream beside independent compute (XLA's latency
+  hiding scheduler issues them asynchronously): the profile's `overlap` share of their
+  time is hidden, the rest taken by the SMs and memory bandwidth NCCL uses.
 
 What GPUs do that is still general (a roofline with optional measured tables, any
 accelerator may measure it) stays in the general model: `kernel_overhead` per kernel
@@ -15,7 +18,7 @@ accelerator may measure it) stays in the general model: `kernel_overhead` per ke
 
 from __future__ import annotations
 
-from autopar.cost.backends._base import Backend, LayoutCopy
+from autopar.cost.backends._base import Backend, LayoutCopy, cluster_field
 
 
 class XlaGpu(Backend):
@@ -45,6 +48,10 @@ class XlaGpu(Backend):
 
     def merged_latency_share(self, cluster, nbytes: float, threshold: float) -> float:
         return min(1.0, nbytes / threshold)
+
+    def collective_concurrency(self, cluster) -> float:
+        """The profile's `overlap` (module docstring)."""
+        return float(cluster_field(cluster, "overlap") or 0.0)
 
 
 XLA_GPU = XlaGpu()

@@ -1,0 +1,90 @@
+"""Why does the search split the expert widths, not the experts, across two DGX H100
+hosts?
+
+    python -m benchmarks.investigations.moe_hosts_ep [--batch 8]
+
+Two DeepSeek-V3 layers (256 routed experts 7168 -> 2048, top-8, a shared expert; 1,024
+tokens a sequence, bf16) planned on one (4, 4) mesh of 2 `dgx-h100` hosts (the x axis
+spans the hosts) twice: searched freely, and with every expert weight pinned split over
+experts on both axes (`constraints=`; the rest searched). Prints each plan's predicted
+step, its compute / collectives / resharding, its collectives by kind (count, bytes) and
+the expert weights' specs, then each grouped GEMM's expert-parallel strategy costs.
+
+Reading it: the expert-parallel plan exchanges its routed rows around each grouped GEMM
+(`autopar.intra._strategies_moe`: a dispatch and a combine for each of the gate, up and
+down projections and the token gradients, two dispatches for each weight gradient), where
+DeepSeek-V3 and Megatron-Core dispatch once before the expert MLP and combine once after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import PartitionSpec  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.graph import trace  # noqa: E402
+from autopar.intra._scan import opened_body  # noqa: E402
+from autopar.intra._strategies import CostContext  # noqa: E402
+from autopar.intra._strategies_moe import expert_parallel_strategies  # noqa: E402
+from examples import moe_dropless as moe  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    cfg = dataclasses.replace(moe.CONFIGS["deepseek-v3"], num_layers=2, vocab_size=32000,
+                              seq_len=1024, dtype="bfloat16")
+    optimizer = optax.adamw(1e-3)
+    step = moe.make_train_step(cfg, optimizer)
+    state, batch = moe.abstract_state(cfg, optimizer), moe.abstract_batch(cfg, args.batch)
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_hosts=2)
+
+    def experts_over_experts(path, leaf):
+        if "experts" in jax.tree_util.keystr(path) and leaf.ndim == 4:
+            return PartitionSpec(None, ("x", "y"), None, None)
+        return None
+
+    pins = (jax.tree_util.tree_map_with_path(experts_over_experts, state), None)
+    for label, extra in (("searched", {}), ("experts pinned over experts",
+                                            {"constraints": pins})):
+        plan = autopar.plan(step, state, batch, cluster=cluster, method="shard",
+                            mesh_shape=(4, 4), cache=False, **extra)
+        cost = plan.stages[0].sharding.cost
+        print(f"{label}: {plan.predicted_step_time * 1e3:.1f} ms predicted (compute "
+              f"{cost.compute * 1e3:.1f}, collectives {cost.communication * 1e3:.1f}, "
+              f"resharding {cost.resharding * 1e3:.1f} ms)")
+        print("  collectives: " + ", ".join(
+            f"{kind} {int(n)} x, {nbytes / 1e9:.2f} GB"
+            for kind, (n, nbytes) in sorted(cost.collectives.items())))
+        print("  expert weights: " + ", ".join(
+            f"{i.path.rsplit('/', 1)[-1]} {i.spec}" for i in plan.inputs
+            if i.path.startswith("params/layers/experts/")))
+    sharding = plan.stages[0].sharding
+    graph = trace(step, state, batch)
+    ctx = CostContext(cluster, sharding.mesh)
+    print("expert-parallel strategies per grouped GEMM (compute + collectives, ms):")
+    for body_plan in sharding.scan_bodies:
+        body = opened_body(graph.nodes[body_plan.node].params)
+        for node in body.nodes:
+            if node.primitive != "ragged_dot_general":
+                continue
+            shapes = [body.vars[v].shape for v in node.inputs[:2]]
+            costs = ", ".join(f"{s.name} {s.compute_cost * 1e3:.3f} + {s.comm_cost * 1e3:.3f}"
+                              for s in expert_parallel_strategies(node, body, ctx))
+            print(f"  {shapes}: {costs}")
+
+
+if __name__ == "__main__":
+    main()
