@@ -136,6 +136,7 @@ def resolve_pins(graph: OpGraph, constraints) -> Callable[[LogicalMesh], dict[in
     def fixed(mesh: LogicalMesh) -> dict[int, Spec]:
         return {pin.var: pin.spec_on(mesh) for pin in pins}
 
+    fixed.pins = tuple(pins)  # for `autopar.search._pin_memory`'s error
     return fixed
 
 
