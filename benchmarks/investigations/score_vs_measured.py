@@ -71,7 +71,7 @@ def hlo_counts(jitted, *args) -> str:
     set beside the cost model's `kernel_overhead` and collectives)."""
     text = jitted.lower(*args).compile().as_text()
     entry = text[text.index("ENTRY"):]
-    found = Counter(re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|"
+    found = Counter(re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|"
                                r"collective-permute)\(", entry))
     operands = sum(len(re.findall(r"f32\[|bf16\[|s32\[", line.split(" all-reduce(")[0]))
                    for line in re.findall(r".* all-reduce\(.*", entry))
