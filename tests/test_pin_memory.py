@@ -18,7 +18,8 @@ BUDGET = 10_000
 def test_a_pin_that_fails_only_by_memory_names_the_tensor_pin_and_figures():
     state, batch = inputs()
     step = make_step()
-    free = autopar.plan(step, state, batch, method="shard", memory_budget=BUDGET, cache=False)
+    free = autopar.plan(step, state, batch, method="shard", memory_budget=BUDGET, cache=False,
+                        mesh_shape=(2, 4))
     assert free.stages[0].sharding.cost.memory_per_device <= BUDGET  # fits without pins
     mesh = mesh24()
     pins = ({"params": {"w1": NamedSharding(mesh, P()), "w2": NamedSharding(mesh, P())}},
@@ -29,4 +30,4 @@ def test_a_pin_that_fails_only_by_memory_names_the_tensor_pin_and_figures():
                r"Raise memory_budget to at least")
     with pytest.raises(MemoryBudgetError, match=message):
         autopar.plan(step, state, batch, method="shard", constraints=pins,
-                     memory_budget=BUDGET, cache=False)
+                     memory_budget=BUDGET, cache=False, mesh_shape=(2, 4))
