@@ -95,6 +95,9 @@ def test_quick_profile_contents(quick_profile, devices):
     assert data["dispatch_overhead"] > 0 and data["measured"]["trivial_call_dispatch"] > 0
     # and its device threads' CPU besides the tasks' work (absent when nothing was left)
     assert cluster.task_device_overhead == data.get("task_device_overhead", 0.0) >= 0
+    # XLA:CPU's cost per kernel of a step-sized program (`autopar.profile._kernel_cpu`),
+    # which the cost model charges once per kernel (`kernel_launch_time`)
+    assert data["kernel_overhead"] > 0 and cluster.kernel_overhead == data["kernel_overhead"]
 
 
 def test_small_matmuls_are_timed_independent_not_chained():

@@ -156,7 +156,9 @@ class Cluster:
     - `kernel_overhead`: seconds each kernel of a program costs besides its work: its
       launch and the gap before the next one, what a chain of tiny dependent kernels takes
       per kernel (`autopar profile` measures it on accelerators,
-      `autopar.profile._accelerator.measure_kernel_floor`). The cost model adds it once
+      `autopar.profile._accelerator.measure_kernel_floor`, and on CPU in a program of a
+      small step's size, every device busy, `autopar.profile._kernel_cpu`: XLA:CPU's
+      thunks cost 12-17 us each there on the 2-core VM). The cost model adds it once
       per kernel, the kernels being the groups `autopar.graph.kernel_roots` makes of a
       program's operators by its fusion model. 0 (the default): kernels cost only their
       work.

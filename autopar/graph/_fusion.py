@@ -200,10 +200,13 @@ def kernel_roots(graph: OpGraph, fused_attention: bool = False) -> frozenset[int
             i = parent[i]
         return i
 
+    boundary = {n.id for n in graph.nodes if fusion_kind(n.primitive) == "boundary"}
     for node in graph.nodes:
         for v, from_memory in zip(node.inputs, traffic.reads[node.id]):
             producer = producer_of.get(v)
-            if producer is not None and not from_memory:
+            # A loop body is its own computation: no kernel spans a scan marker.
+            if producer is not None and not from_memory and producer not in boundary \
+                    and node.id not in boundary:
                 parent[find(producer)] = find(node.id)
     groups: dict[int, list] = {}
     for node in graph.nodes:

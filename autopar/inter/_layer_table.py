@@ -50,6 +50,7 @@ from autopar.intra import (
 from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout
+from autopar.intra._rules_annotations import AnnotationMismatch
 
 
 class LayerCostTable:
@@ -70,6 +71,7 @@ class LayerCostTable:
         reference: LayerCostTable | None = None,
         keep_layouts: bool = False,
         memory_levels: MemoryLevels = "price",
+        fixed=None,
     ):
         """Layers are planned per microbatch: what runs once per step (the update, the
         deferred gradient reductions) weighs 1/`num_microbatches`.
@@ -105,6 +107,7 @@ class LayerCostTable:
         self.context_errors: list[ContextParallelError] = []
         self._init_reference(reference, layers.num_layers, keep_layouts)
         self._init_layers(graph, layers)
+        self._init_pins(fixed)
         self._init_caches()
 
     def _init_reference(self, reference: LayerCostTable | None, num_layers: int,
@@ -137,6 +140,22 @@ class LayerCostTable:
             structural_fingerprint(g) + repr(sorted(w.items()))
             for g, w in zip(self.per_layer.stage_graphs, self.weights)
         ]
+
+    def _init_pins(self, fixed) -> None:
+        """The user's pins and what a layer's ILP could not take for them."""
+        # The user's pins (`autopar.search._pins.resolve_pins`: logical mesh -> {input
+        # var: spec}; None: none). A layer reading a pinned input has an ILP of its own
+        # (the pins name variables, which layers of the same structure do not share).
+        self.fixed = fixed
+        # Meshes a layer's ILP could not take for the user's shardings (pins, kept
+        # annotations): "mesh (shape): why", the first named when no stage plan is left.
+        self.pin_errors: list[str] = []
+        if fixed is not None:
+            pinned = {pin.var for pin in getattr(fixed, "pins", ())}
+            self.fingerprints = [
+                f"{f}/pinned layer {k}" if pinned & set(g.invars) or not pinned else f
+                for k, (f, g) in enumerate(zip(self.fingerprints, self.per_layer.stage_graphs))
+            ]
 
     def _init_caches(self) -> None:
         """The table's memo tables and counters, empty."""
@@ -298,6 +317,11 @@ class LayerCostTable:
         self.num_ilps += 1
         ties = _tied_in(sub, self.tied) + self.chain_ties(layer)
         weights = self.weights[layer]
+        try:
+            pinned = self._pins_on(sub, mesh)
+        except AnnotationMismatch as err:  # this mesh cannot hold a pin: no plan here
+            self.pin_errors.append(f"mesh {shape}: {err}")
+            return None, None
         if self.solve is not None:
             try:
                 plan = self.solve(sub, mesh, ties, weights)
@@ -308,12 +332,16 @@ class LayerCostTable:
         else:
             try:
                 prepared = prepare_on_mesh(
-                    sub, self.cluster, mesh, self.options, ties, weights=weights,
+                    sub, self.cluster, mesh, self.options, ties, fixed=pinned,
+                    weights=weights,
                     footprint=self.footprint(layer, shape, footprint_budget, peak_budget,
                                              price),
                 )
             except ContextParallelError as err:  # no plan on this mesh; others may have
                 self.context_errors.append(err)
+                return None, None
+            except AnnotationMismatch as err:  # a kept annotation this mesh cannot hold
+                self.pin_errors.append(f"mesh {shape}: {err}")
                 return None, None
             solution = yield prepared
             if isinstance(solution, MemoryBudgetError):
@@ -323,6 +351,14 @@ class LayerCostTable:
                 self._layouts[id(plan)] = (plan, chosen_layout(prepared.built,
                                                                solution.choices))
         return self._layer_cost(layer, sub, plan)
+
+    def _pins_on(self, sub: OpGraph, mesh: LogicalMesh):
+        """The user's pins of `sub`'s inputs on `mesh` ({var: spec}; None without pins);
+        raises `AnnotationMismatch` when the mesh cannot hold one of them."""
+        if self.fixed is None:
+            return None
+        inputs = set(sub.invars)
+        return {v: spec for v, spec in self.fixed(mesh).items() if v in inputs} or None
 
     def _compact(self, sub: OpGraph, var_specs):
         """`var_specs` as `_CompactSpecs` over the variables `sub`'s nodes touch: a layer
@@ -565,7 +601,7 @@ class LayerCostTable:
 
 
 def layer_cost_table(graph, layers, cluster, num_microbatches, options: StageOptions, tied, *,
-                     reference=None, keep_layouts=False):
+                     reference=None, keep_layouts=False, fixed=None):
     """The `LayerCostTable` `choose_stages` plans with under `options` (hand it back to
     re-run the DP); `reference` and `keep_layouts` as `LayerCostTable` takes them."""
     schedule = options.schedule
@@ -581,5 +617,5 @@ def layer_cost_table(graph, layers, cluster, num_microbatches, options: StageOpt
     return LayerCostTable(
         graph, layers, cluster, options.shard, tied, num_microbatches=num_microbatches,
         in_flight=in_flight, reference=reference, keep_layouts=keep_layouts,
-        memory_levels=options.memory_levels,
+        memory_levels=options.memory_levels, fixed=fixed,
     )

@@ -22,6 +22,7 @@ from autopar.cost import (
     bytes_per_device,
     fused_attention_bytes,
     fusion_boundary_bytes,
+    kernel_launch_time,
     kernel_seconds,
     layout_copy_seconds,
     node_compute_seconds,
@@ -518,8 +519,19 @@ def _kernel_seconds(node: Node, graph: OpGraph, ctx: CostContext) -> float:
     if not getattr(ctx.cluster, "kernel_overhead", 0.0) or len(graph.nodes) <= node.id \
             or graph.nodes[node.id] is not node:
         return 0.0
+    if node.primitive in _LOOP_SLICES:
+        # Each iteration of the scan's loop slices a stacked operand (``dynamic-slice``)
+        # or writes a stacked result (``dynamic-update-slice``) in a kernel of its own:
+        # one per iteration, the leading dimension of the stacked side. (The scanned twin
+        # of test_same_math's GPT runs 64 + 83 kernels per iteration of its two loops,
+        # where an unrolled layer runs about 100: the difference is these.)
+        stacked = node.inputs[0] if node.primitive == "scan_slice" else node.outputs[0]
+        return kernel_launch_time(ctx.cluster, graph.vars[stacked].shape[0])
     roots = kernel_roots(graph, getattr(ctx.cluster, "fused_attention", False))
     return kernel_seconds(ctx.cluster, node.id in roots)
+
+
+_LOOP_SLICES = ("scan_slice", "scan_stack")  # `autopar.intra._scan`'s markers
 
 
 def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> float:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from autopar.cluster._mesh import LogicalMesh, replicated, to_partition_spec
 from autopar.graph import OpGraph, Role
@@ -67,6 +67,7 @@ def lower_sharding_plan(
     mesh = jax_mesh(plan.mesh, devices)
     graph = with_ring(with_expert_dispatch(with_scan_bodies(graph, plan, mesh), plan, mesh),
                       plan, plan, mesh)
+    graph = with_planned_reshards(graph, plan, mesh)
     in_vars = [graph.vars[v] for v in graph.invars]
     out_vars = [graph.vars[v] for v in graph.outvars]
     in_shardings = named_shardings([plan.var_specs[v] for v in graph.invars], in_vars, mesh)
@@ -74,7 +75,12 @@ def lower_sharding_plan(
     on_input, on_output = constraint_hooks(plan, mesh)
 
     def run(*flat_args):
-        return graph.evaluate(flat_args, on_output, on_input=on_input)
+        # The plan's mesh is the program's, whatever mesh the caller set (`jax.set_mesh`
+        # of an explicit mesh, under which a step's `jax.sharding.reshard` traces).
+        if jax.sharding.get_abstract_mesh().empty:
+            return graph.evaluate(flat_args, on_output, on_input=on_input)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return graph.evaluate(flat_args, on_output, on_input=on_input)
 
     fn = jax.jit(
         run,
@@ -112,6 +118,54 @@ def constraint_hooks(plan, mesh: Mesh):
         ]
 
     return on_input, on_output
+
+
+# Annotations that carry the user's mesh in their result's type (an explicit mesh's
+# `jax.sharding.reshard`): bound as they are, they would put the user's axes into a
+# program that runs on the plan's mesh.
+_TYPED_ANNOTATIONS = ("reshard", "mesh_cast")
+# Equation params that give a result's sharding in its type (`broadcast_in_dim`, `iota`,
+# `reshape`, `dot_general`, ... traced under an explicit mesh); None: the plan's layout.
+_TYPED_PARAMS = ("sharding", "out_sharding")
+
+
+def with_planned_reshards(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
+    """`graph` whose `reshard` / `mesh_cast` nodes constrain their operand to the plan's
+    spec of their result, on the plan's mesh (`PlannedReshard`), in place of binding the
+    user's sharding (the plan already holds it, mapped onto its logical mesh)."""
+    nodes = list(graph.nodes)
+    changed = False
+    for node in graph.nodes:
+        if node.primitive in _TYPED_ANNOTATIONS:
+            spec = plan.var_specs[node.outputs[0]]
+            nodes[node.id] = replace(node, prim=PlannedReshard(mesh, spec))
+            changed = True
+        elif any(_explicit(node.params.get(k)) for k in _TYPED_PARAMS):
+            # Traced under an explicit mesh, the node's result type names its axes.
+            params = {**node.params,
+                      **{k: None for k in _TYPED_PARAMS if _explicit(node.params.get(k))}}
+            nodes[node.id] = replace(node, params=params)
+            changed = True
+    return replace(graph, nodes=nodes) if changed else graph
+
+
+def _explicit(sharding) -> bool:
+    """Whether `sharding` is on a mesh with an explicit axis (its axes enter the type)."""
+    mesh = getattr(sharding, "mesh", None)
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+class PlannedReshard:
+    """Stands in for `reshard_p` / `mesh_cast_p` in one node: `bind` pins its operand to
+    the plan's spec (None: left as it is)."""
+
+    multiple_results = False
+
+    def __init__(self, mesh: Mesh, spec) -> None:
+        self.sharding = None if spec is None else NamedSharding(mesh, to_partition_spec(spec))
+
+    def bind(self, x, **params):
+        return x if self.sharding is None else jax.lax.with_sharding_constraint(x, self.sharding)
 
 
 def with_scan_bodies(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:

@@ -241,7 +241,8 @@ def _measure_devices(devices, hosts, mine, alone: bool, accelerator: bool,
         leaders = [next(d for d in devices if d.process_index == h) for h in hosts]
         across = dataclasses.replace(options, device_counts=(len(leaders),))
         inter = measure_collectives(leaders, across, log, "inter-host")
-    extra = _accelerator_figures(mine, options, log) if accelerator else {}
+    extra = _accelerator_figures(mine, options, log) if accelerator else \
+        _cpu_figures(mine, options, log)
     return RawFigures(flops, gemm_dtype, shapes, hbm, inplace, dispatch, combined, transpose,
                        latency, intra, inter, extra)
 
@@ -708,6 +709,17 @@ def _accelerator_figures(devices: Sequence, options: ProfileOptions,
             "fused_throughput": probes.measure_fused_throughput(devices, options, log),
         },
     }
+
+
+def _cpu_figures(devices: Sequence, options: ProfileOptions,
+                 log: Callable[[str], None]) -> dict:
+    """On CPU devices, the profile's `kernel_overhead`: XLA:CPU's cost per kernel of a
+    step-sized program, every device at once (`autopar.profile._kernel_cpu`)."""
+    from autopar.profile._kernel_cpu import measure_cpu_kernel_overhead
+
+    if len(devices) < 2:
+        return {}
+    return {"kernel_overhead": round(measure_cpu_kernel_overhead(devices, options, log), 9)}
 
 
 def _from_process_zero(data: dict) -> dict:

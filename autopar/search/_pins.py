@@ -103,7 +103,13 @@ class _Pin:
                     f"{sorted(unknown)} this logical mesh lacks"
                 )
         else:
-            mapping = axis_map(self.mesh, mesh)
+            from autopar.intra._rules_annotations import AnnotationMismatch
+
+            try:
+                mapping = axis_map(self.mesh, mesh)
+            except AnnotationMismatch as err:
+                raise AnnotationMismatch(
+                    f"{self.path}: the pin {PartitionSpec(*self.entries)}: {err}") from None
         return tuple(
             sum((mapping[a] for a in _names(self.entries[d] if d < len(self.entries) else None)),
                 ())
@@ -136,6 +142,7 @@ def resolve_pins(graph: OpGraph, constraints) -> Callable[[LogicalMesh], dict[in
     def fixed(mesh: LogicalMesh) -> dict[int, Spec]:
         return {pin.var: pin.spec_on(mesh) for pin in pins}
 
+    fixed.pins = tuple(pins)  # for `autopar.search._pin_memory`'s error
     return fixed
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size, microbatch_args
 from autopar.search._options import PlanOptions
+from autopar.search._pins import resolve_pins
 from autopar.search._schedules import (
     AUTO_VIRTUAL_STAGES,
     dp_schedule,
@@ -115,19 +118,10 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
         )
     if options.method != "auto":
         return _one_mesh(graph, cluster, options, timings), graph
-    held = users_shardings(graph, options)
-    if held and cluster.num_devices > 1:
-        # The stage DP does not take the user's shardings yet: plan them on one mesh.
-        if graph_microbatches > 1:
-            raise ValueError(
-                f"num_microbatches={graph_microbatches} plans pipeline stages, which do not "
-                f"take {held} yet; pass num_microbatches='auto' (or 1), or drop them "
-                "(annotations='ignore', constraints=None)"
-            )
-        plan = _one_mesh(graph, cluster, options, timings)
-        warning = (f"planned on one mesh without pipeline stages: the stage search does not "
-                   f"take {held} yet")
-        return dataclasses.replace(plan, warnings=(*plan.warnings, warning)), graph
+    if users_shardings(graph, options) and options.share_layouts:
+        # The user's shardings hold in every layer ILP (pins mapped onto each stage's
+        # mesh by `LayerCostTable(fixed=...)`); another count's layouts, priced, may not.
+        options = dataclasses.replace(options, share_layouts=False)
     has_boundary = any(n.primitive == "grad_boundary" for n in graph.nodes)
     if not has_boundary and options.num_microbatches not in ("auto", 1):
         raise ValueError(
@@ -149,6 +143,16 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
         plan = dataclasses.replace(plan, warnings=(*plan.warnings, warning))
     return plan, run_graph
+
+
+def _largest(unheld: list[str], shown: int = 2) -> str:
+    """The distinct reasons of `LayerCostTable.pin_errors`, those of the largest meshes
+    first (a one-device mesh's reason says least), at most `shown` of them."""
+    distinct = list(dict.fromkeys(unheld))
+    distinct.sort(key=lambda line: -math.prod(
+        int(n) for n in re.findall(r"\d+", line.split(":")[0])))
+    more = f"; and {len(distinct) - shown} more" if len(distinct) > shown else ""
+    return "; ".join(distinct[:shown]) + more
 
 
 def users_shardings(graph: OpGraph, options: PlanOptions) -> str:
@@ -353,6 +357,14 @@ class _PipelineSearch:
             choice, layers, table = self._stage_dp(num_micro, mb_graph, reference,
                                                    keep_layouts)
         except ValueError as err:
+            unheld = getattr(self.table, "pin_errors", None)
+            if unheld and not isinstance(err, ContextParallelError):
+                # The user's shardings ruled meshes out: say which and why.
+                err = ValueError(
+                    f"no pipeline plan of {num_micro} microbatch(es) holds the user's "
+                    f"shardings: no stage mesh left could take them ({_largest(unheld)}). "
+                    "Fix the pin or its mesh, or plan with method='shard' on one mesh of its "
+                    f"shape. ({err})")
             blocked = getattr(self.table, "context_errors", None)
             if blocked and not isinstance(err, ContextParallelError):
                 # The forced CP ruled layers out on some meshes: name the tensor first.
@@ -374,7 +386,8 @@ class _PipelineSearch:
                  f" ({choice.timings['layer costs priced']} layer costs from the layouts of "
                  f"the {reference.num_microbatches}-microbatch search, priced)")
         found = [_Candidate(choice, mb_graph, num_micro, schedule, latency)]
-        if options.schedule == "auto" and self.scan_length is None:
+        if options.schedule == "auto" and self.scan_length is None \
+                and not users_shardings(mb_graph, options):  # its tables hold no pins
             start = time.perf_counter()
             found += self.interleaved_candidates(mb_graph, layers, num_micro,
                                                  len(choice.stage_layers), reference)
@@ -406,7 +419,8 @@ class _PipelineSearch:
         if table is None:
             table = layer_cost_table(mb_graph, layers, self.dp_cluster, num_micro,
                                      self.stage_options, tied, reference=reference,
-                                     keep_layouts=keep_layouts)
+                                     keep_layouts=keep_layouts,
+                                     fixed=resolve_pins(mb_graph, options.constraints))
             if reference is not None:
                 self.traced[num_micro] = (mb_graph, layers, table)
         else:

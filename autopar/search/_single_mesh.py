@@ -11,10 +11,12 @@ import logging
 import time
 
 from autopar.graph import OpGraph, tied_state
-from autopar.intra import ShardOptions, peak_live_bytes, plan_sharding
+from autopar.intra import MemoryBudgetError, ShardOptions, peak_live_bytes, plan_sharding
+from autopar.intra._planner import mesh_shapes
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions
+from autopar.search._pin_memory import pin_memory_error
 from autopar.search._pins import resolve_pins
 
 log = logging.getLogger("autopar")
@@ -39,10 +41,17 @@ def plan_one_mesh(graph: OpGraph, cluster, options: PlanOptions) -> Plan:
     fixed = resolve_pins(graph, options.constraints)  # checked before any planning
     start = time.perf_counter()
     tied = tied_state(graph, options.donate_argnums)
-    sharding = plan_sharding(
-        graph, cluster, options=shard_options(options, cluster, method),
-        tied=tied, mesh_shape=options.mesh_shape, fixed=fixed,
-    )
+    try:
+        sharding = plan_sharding(
+            graph, cluster, options=shard_options(options, cluster, method),
+            tied=tied, mesh_shape=options.mesh_shape, fixed=fixed,
+        )
+    except MemoryBudgetError as err:
+        if fixed is None:
+            raise
+        shapes = [options.mesh_shape] if options.mesh_shape is not None else \
+            mesh_shapes(cluster.num_devices)
+        raise pin_memory_error(err, graph, fixed.pins, shapes) from err
     sharding = _with_live_peak(graph, sharding, tied if options.donate_argnums else (),
                                cluster)
     seconds = time.perf_counter() - start

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -33,6 +35,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.profile._kernel_cpu import entry_kernels  # noqa: E402
+from autopar.profile._measure import usable_cores  # noqa: E402
 
 
 def fsdp_shardings(state, batch, mesh):
@@ -48,14 +52,31 @@ def fsdp_shardings(state, batch, mesh):
             jax.tree.map(lambda x: NamedSharding(mesh, P("data")), batch))
 
 
-def time_steps(step, state, batch, n):
+def time_steps(step, state, batch, n, cpu=None):
+    """`n` steps; their wall seconds (and, into `cpu`, this process's CPU seconds over the
+    cores it may use: what the 8 device threads kept the cores busy)."""
     times = []
     for _ in range(n):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append((time.process_time() - start_cpu) / usable_cores())
     return state, times
+
+
+def hlo_counts(jitted, *args) -> str:
+    """Kernels and collectives of a compiled program's entry computation (XLA's count, to
+    set beside the cost model's `kernel_overhead` and collectives)."""
+    text = jitted.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    found = Counter(re.findall(r" (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                               r"collective-permute)\(", entry))
+    operands = sum(len(re.findall(r"f32\[|bf16\[|s32\[", line.split(" all-reduce(")[0]))
+                   for line in re.findall(r".* all-reduce\(.*", entry))
+    return (f"{entry_kernels(text)} kernels, collectives {dict(sorted(found.items()))}, "
+            f"all-reduce operands {operands} (XLA:CPU rendezvouses once per operand)")
 
 
 def main(argv=None) -> None:
@@ -86,23 +107,32 @@ def main(argv=None) -> None:
     ours_state = jax.tree.map(lambda x: x.copy(), state)
     state, _ = time_steps(hand, state, batch, 3)  # compile and warm up
     ours_state, _ = time_steps(ours, ours_state, batch, 3)
-    hand_times, ours_times = [], []
+    hand_times, ours_times, hand_cpu, ours_cpu = [], [], [], []
+    load_before = os.getloadavg()
     for _ in range(args.rounds):
-        state, t = time_steps(hand, state, batch, args.steps)
+        state, t = time_steps(hand, state, batch, args.steps, hand_cpu)
         hand_times += t
-        ours_state, t = time_steps(ours, ours_state, batch, args.steps)
+        ours_state, t = time_steps(ours, ours_state, batch, args.steps, ours_cpu)
         ours_times += t
-    rows = [("hand FSDP (autopar.score)", theirs.predicted_step_time, hand_times),
-            ("autopar method='shard'", ours.plan.predicted_step_time, ours_times)]
+    load_after = os.getloadavg()
+    rows = [("hand FSDP (autopar.score)", theirs.predicted_step_time, hand_times, hand_cpu),
+            ("autopar method='shard'", ours.plan.predicted_step_time, ours_times, ours_cpu)]
     devices = jax.devices()
     print(f"GPT {args.config}, batch {args.batch}, profile {args.profile}, "
           f"{len(devices)} {devices[0].platform} devices, "
           f"{args.rounds} rounds x {args.steps} steps")
-    print(f"{'plan':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}")
-    for name, predicted, times in rows:
+    print(f"load average (1, 5, 15 min) before timing {load_before}, after {load_after} "
+          f"on {os.cpu_count()} cores (the wall clock is only meaningful near 0)")
+    print(f"{'plan':<28}{'predicted':>12}{'measured':>12}{'ratio':>8}{'cpu/core':>12}")
+    for name, predicted, times, cpu in rows:
         measured = statistics.median(times)
         print(f"{name:<28}{predicted * 1e3:>10.3f}ms{measured * 1e3:>10.3f}ms"
-              f"{measured / predicted:>8.2f}")
+              f"{measured / predicted:>8.2f}{statistics.median(cpu) * 1e3:>10.3f}ms")
+    print("(cpu/core: this process's CPU seconds per step over the cores it may use; "
+          "below the wall time, the cores idled at the step's rendezvous)")
+    print(f"profile: kernel_overhead {cluster.kernel_overhead * 1e6:.2f} us per kernel")
+    print(f"hand FSDP program: {hlo_counts(hand, *abstract)}")
+    print(f"hand FSDP as scored: {theirs.stages[0].sharding.cost.collectives}")
     print()
     print(autopar.compare([theirs, ours.plan]))
 
