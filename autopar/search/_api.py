@@ -54,9 +54,16 @@ def plan(fn: Callable, *args: Any, cluster: Any = None, cache: Any = None, **opt
 
 
 @search_scoped
-def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
+def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None,
+           recorder=None):
     """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
     plan runs at (one microbatch for a pipelined plan, the whole batch otherwise).
+
+    `recorder`: an object whose ``candidates(plans, chosen, errors)`` the pipeline search
+    calls once with every candidate plan it priced (one per microbatch count and schedule
+    it kept), the index of the one it chose, and ``{microbatch count: why no plan}``
+    (`autopar.space` records the explored space so); it sees nothing on a cache hit, so
+    pass ``cache=False`` with it.
 
     `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
     search; the key covers the traced program, the cluster, the options and autopar's code.
@@ -81,7 +88,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings), _heap_frozen():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
-                                        microbatches)
+                                        microbatches, recorder=recorder)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
     result = _with_context_warnings(result, options)
     if cache and key is not None:

@@ -99,11 +99,12 @@ class _Candidate:
 
 
 def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict,
-                graph_microbatches: int = 1):
+                graph_microbatches: int = 1, recorder=None):
     """The plan for `fn(*args)` and the graph it runs (see the module docstring).
 
     `graph_microbatches`: `graph` is one of that many microbatches of the step rather
     than the whole step (a search of that fixed count traced it so; `autopar.search._api`).
+    `recorder`: told every candidate the pipeline search priced (`autopar.search.search`).
     """
     options.check_cluster(cluster)
     if graph_microbatches > 1 and (options.method != "auto" or cluster.num_devices == 1
@@ -144,6 +145,7 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     if options.mesh_shape is not None:
         warnings.warn(MESH_SHAPE_WARNING.format(options.mesh_shape), stacklevel=4)
     search = _PipelineSearch(fn, args, cluster, options, timings)
+    search.recorder = recorder
     plan, run_graph = search.run(graph, graph_microbatches)
     if options.mesh_shape is not None:
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
@@ -243,6 +245,7 @@ class _PipelineSearch:
         self.table = None  # the layer cost table of the count being searched
         # count -> (its graph, layers, layer cost table), kept for a second search of it
         self.traced: dict[int, tuple] = {}
+        self.recorder = None  # told the candidates (`search_plan`)
 
     # -- the flow ---------------------------------------------------------------------
 
@@ -271,7 +274,13 @@ class _PipelineSearch:
             best = pick(candidates)
         else:
             best, scan_ranges = self.pick_regrouped(candidates)
-        return self.plan_of(best, scan_ranges), best.graph
+        chosen = self.plan_of(best, scan_ranges)
+        if self.recorder is not None:  # the explored space (`autopar.space`)
+            plans = [chosen if c is best else self.plan_of(c) for c in candidates]
+            self.recorder.candidates(plans, next((i for i, c in enumerate(candidates)
+                                                  if c is best), None),
+                                     {m: str(err) for m, err in self.errors.items()})
+        return chosen, best.graph
 
     def stage_choices(self, rows: int | None, pretraced=None) -> list[_Candidate]:
         """The stage DP's choice for each microbatch count that has a plan; raises the last
