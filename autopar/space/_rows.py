@@ -41,7 +41,8 @@ COLUMNS = {
     "meshes": "per stage, its logical mesh shape",
     "num_microbatches": "microbatches per step",
     "schedule": "pipeline schedule",
-    "remat": "what layers recompute, e.g. 'none', 'selective x12', 'full x4, none x8'",
+    "remat": "what layers recompute: Megatron's --recompute-granularity, or autopar's "
+             "choices counted, e.g. 'none', 'selective x12', 'full x4, none x8'",
     "step_time": "predicted seconds per step",
     "compute": "seconds per step the slowest device group computes",
     "communication": "seconds per step of its collectives (node reductions + resharding)",
@@ -86,7 +87,7 @@ def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool
         meshes=[list(s.mesh.shape) for s in plan.stages],
         num_microbatches=plan.num_microbatches,
         schedule=plan.schedule,
-        remat=remat_text(plan),
+        remat=remat_text(plan) if config is None else config.recompute,
         step_time=step,
         bubble=plan.bubble_fraction * step,
         other=step - sum(parts.values()) - plan.bubble_fraction * step,
