@@ -99,12 +99,13 @@ class _Candidate:
 
 
 def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict,
-                graph_microbatches: int = 1, recorder=None):
+                graph_microbatches: int = 1, recorder=None, traces=None):
     """The plan for `fn(*args)` and the graph it runs (see the module docstring).
 
     `graph_microbatches`: `graph` is one of that many microbatches of the step rather
     than the whole step (a search of that fixed count traced it so; `autopar.search._api`).
-    `recorder`: told every candidate the pipeline search priced (`autopar.search.search`).
+    `recorder`: told every candidate the pipeline search priced (`autopar.search.search`);
+    `traces`: the step traced before at microbatch sizes, by count (used when it is marked).
     """
     options.check_cluster(cluster)
     if graph_microbatches > 1 and (options.method != "auto" or cluster.num_devices == 1
@@ -146,6 +147,7 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
         warnings.warn(MESH_SHAPE_WARNING.format(options.mesh_shape), stacklevel=4)
     search = _PipelineSearch(fn, args, cluster, options, timings)
     search.recorder = recorder
+    search.shared_traces = traces or {}
     plan, run_graph = search.run(graph, graph_microbatches)
     if options.mesh_shape is not None:
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
@@ -246,6 +248,7 @@ class _PipelineSearch:
         # count -> (its graph, layers, layer cost table), kept for a second search of it
         self.traced: dict[int, tuple] = {}
         self.recorder = None  # told the candidates (`search_plan`)
+        self.shared_traces: dict = {}  # graphs traced before, by count (`search_plan`)
 
     # -- the flow ---------------------------------------------------------------------
 
@@ -263,6 +266,10 @@ class _PipelineSearch:
             rows = None if rows is None else rows * graph_microbatches
             if has_marks:  # `_trace_microbatch`'s graph (no automatic marks), as it is
                 pretraced[graph_microbatches] = graph
+        if has_marks:  # traced by a caller as `_trace_microbatch` does (no automatic marks)
+            for count, traced in self.shared_traces.items():
+                if isinstance(count, int):  # (count, cp) keys trace a split sequence
+                    pretraced.setdefault(count, traced)
         try:
             candidates = self.stage_choices(rows, pretraced)
         except _NotALayerStack:  # the scan is not in the loss function: layers cut as usual

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar._memo import search_scope
 from autopar._version import __version__
 from autopar.manual import megatron_grid_search
 from autopar.plan import FrontierPoint, Plan
@@ -179,16 +180,24 @@ def explore(
             raise ValueError(f"budget_fractions must be positive numbers, got {f!r}")
     cluster = resolve_cluster(cluster)
     budget = resolved.memory_budget_for(cluster)
+    with search_scope():  # one scope: the grid's memos (per graph, per mesh) serve the search
+        return _explore(step_fn, abstract_args, cluster, resolved, budget, grid or {},
+                        budget_fractions, megatron, model, command)
+
+
+def _explore(step_fn, abstract_args, cluster, resolved: PlanOptions, budget: float,
+             grid: dict, budget_fractions, megatron: bool, model, command) -> Space:
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     rows: list[dict] = []
+    traces: dict = {}  # the step traced by the grid, by microbatch count: the search's too
     if megatron:
-        rows += _grid_rows(step_fn, abstract_args, cluster, resolved, budget, grid or {})
+        rows += _grid_rows(step_fn, abstract_args, cluster, resolved, budget, grid, traces)
         seconds["megatron grid"] = time.perf_counter() - start
     t = time.perf_counter()
     recorder = _Recorder(budget)
     chosen, _ = search(step_fn, abstract_args, cluster, resolved, cache=False,
-                       recorder=recorder)
+                       recorder=recorder, traces=traces)
     if recorder.chosen_row is None:  # one mesh, or a scanned stack regrouped: the plan
         recorder.rows.append(plan_row(chosen, "auto", auto_label(chosen), budget=budget,
                                       chosen=True))
@@ -198,7 +207,7 @@ def explore(
     if budget_fractions is None:
         budget_fractions = DEFAULT_BUDGET_FRACTIONS if memory_bound(chosen, budget) else ()
     rows += _other_budgets(step_fn, abstract_args, cluster, resolved, budget, chosen,
-                           budget_fractions)
+                           budget_fractions, traces)
     seconds["autopar, other budgets"] = time.perf_counter() - t
     rows = _deduplicated(rows)
     header = _header(cluster, budget, model, command, seconds)
@@ -218,7 +227,7 @@ def memory_bound(plan: Plan, budget: float) -> bool:
 
 
 def _grid_rows(step_fn, args, cluster, options: PlanOptions, budget: float,
-               grid: dict) -> list[dict]:
+               grid: dict, traces: dict) -> list[dict]:
     """Every configuration of the grid: priced (its plan's row) or why not."""
     plans: dict = {}
     grid = {"donate_argnums": options.donate_argnums,
@@ -226,7 +235,7 @@ def _grid_rows(step_fn, args, cluster, options: PlanOptions, budget: float,
     try:
         _, results = megatron_grid_search(step_fn, *args, cluster=cluster,
                                           memory_budget=options.memory_budget, plans=plans,
-                                          **grid)
+                                          traces=traces, **grid)
     except ValueError as err:  # no configuration works: every one says why in the text
         log.info("megatron grid: %s", str(err).split("\n")[0])
         return [unpriced_row("megatron", "megatron grid", str(err), budget=budget)]
@@ -243,7 +252,7 @@ def _grid_rows(step_fn, args, cluster, options: PlanOptions, budget: float,
 
 
 def _other_budgets(step_fn, args, cluster, options: PlanOptions, budget: float,
-                   chosen: Plan, fractions) -> list[dict]:
+                   chosen: Plan, fractions, traces: dict) -> list[dict]:
     """autopar's candidates under budgets around its plan's peak (`budget_fractions`)."""
     peak = max(s.memory_per_device for s in chosen.stages)
     rows = []
@@ -255,7 +264,7 @@ def _other_budgets(step_fn, args, cluster, options: PlanOptions, budget: float,
         try:
             plan, _ = search(step_fn, args, cluster,
                              dataclasses.replace(options, memory_budget=other), cache=False,
-                             recorder=recorder)
+                             recorder=recorder, traces=traces)
         except ValueError as err:
             rows.append(unpriced_row("auto", f"auto under {other / 2**30:.3g} GiB",
                                      str(err).split("\n")[0], budget=other))
