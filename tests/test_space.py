@@ -53,6 +53,8 @@ def test_rows_have_the_schema_and_a_header(explored, tmp_path):
                                          "bubble", "other"))
             assert parts == pytest.approx(row["step_time"], rel=1e-9)
             assert row["compute"] > 0 and row["memory_peak"] == max(row["memory_per_stage"])
+            assert sum(row["communication_by_kind"].values()) == pytest.approx(
+                row["communication"], rel=1e-9, abs=1e-15)
         else:
             assert row["reason"] and row["step_time"] is None
     assert sum(r["chosen"] for r in space.rows) == 1

@@ -46,6 +46,8 @@ COLUMNS = {
     "step_time": "predicted seconds per step",
     "compute": "seconds per step the slowest device group computes",
     "communication": "seconds per step of its collectives (node reductions + resharding)",
+    "communication_by_kind": "`communication` by collective kind, shared out by the "
+                             "slowest group's bytes of each (as `autopar compare` splits it)",
     "recompute": "seconds per step of its recompute",
     "transfer": "seconds per step of its cross-stage transfers",
     "bubble": "the schedule's idle share (`Plan.bubble_fraction`) of step_time",
@@ -78,10 +80,15 @@ def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool
         for kind, (count, nbytes) in stage.sharding.cost.collectives.items():
             collective_bytes[kind] = collective_bytes.get(kind, 0.0) + nbytes * m
             collective_counts[kind] = collective_counts.get(kind, 0.0) + count * m
+    nbytes = {k: b for k, (_, b) in cost.collectives.items() if b > 0}
+    total_bytes = sum(nbytes.values())
+    by_kind = ({k: parts["communication"] * b / total_bytes for k, b in sorted(nbytes.items())}
+               if total_bytes > 0 else {"collectives": parts["communication"]})
     row = _empty(source, label, budget, chosen)
     row.update(_config_columns(config))
     row.update(
         feasible=True,
+        communication_by_kind=by_kind,
         virtual_stages=plan.virtual_stages,
         num_stages=plan.num_stages,
         meshes=[list(s.mesh.shape) for s in plan.stages],
