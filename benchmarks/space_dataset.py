@@ -3,6 +3,7 @@
     python -m benchmarks space_dataset                      # the whole suite (hours)
     python -m benchmarks space_dataset --rows gpt-1.3B@dgx-a100-80g:1 --local
     python -m benchmarks space_dataset --queries            # the docs' example queries
+    python -m benchmarks space_dataset --add gpt-1.3B@dgx-a100-80g:2=space/space.jsonl
 
 For each row of `SUITE` (a model on a cluster), `autopar.space.explore` prices the Megatron
 grid and autopar's candidates (docs/space.md); the full space is written as
@@ -209,8 +210,8 @@ def megatron_gap(entry: dict) -> float | None:
 
 def queries(path: Path = SUMMARY) -> str:
     data = json.loads(path.read_text())
-    lines = ["row | best plan under 40 GiB | best Megatron plan | its time over the frontier's",
-             "---|---|---|---"]
+    lines = ["row | best plan under 40 GiB | best Megatron plan | its time over the frontier's "
+             "| autopar's plan | frontier points", "---|---|---|---|---|---"]
     for entry in data["rows"]:
         best = best_under(entry, 40 * GIB)
         mega = entry["best_megatron"]
@@ -221,7 +222,11 @@ def queries(path: Path = SUMMARY) -> str:
                f"{best['memory'] / GIB:.2f} GiB" if best else "none fits")
             + " | " + (f"{mega['label']}: {mega['step_time'] * 1e3:.2f} ms, "
                        f"{mega['memory_peak'] / GIB:.2f} GiB" if mega else "none")
-            + " | " + (f"{gap:.3f}" if gap is not None else "-"))
+            + " | " + (f"{gap:.3f}" if gap is not None else "-")
+            + " | " + (f"{entry['chosen']['step_time'] * 1e3:.2f} ms, "
+                       f"{entry['chosen']['memory_peak'] / GIB:.2f} GiB"
+                       if entry.get("chosen") else "-")
+            + f" | {len(entry['frontier'])}")
     measured = [(e["row"], m) for e in data["rows"] for m in e["measured"]]
     if measured:
         lines += ["", "row | plan | predicted | measured | measured / predicted",
@@ -243,11 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-only", action="store_true", help="only the local row")
     parser.add_argument("--out", default="space-data", help="where the full spaces go")
     parser.add_argument("--summary", default=str(SUMMARY), help="the summary file")
+    parser.add_argument("--add", default=None, metavar="ROW=FILE",
+                        help="merge a space `autopar space --out` wrote for ROW (the same "
+                        "exploration as the row's) into the summary, and exit")
     parser.add_argument("--queries", action="store_true",
                         help="print the docs' example queries against the summary and exit")
     args = parser.parse_args(argv)
     if args.queries:
         print(queries(Path(args.summary)))
+        return 0
+    if args.add:
+        from autopar.space import load
+
+        name, _, path = args.add.partition("=")
+        parse_row(name)
+        merge_summary([summary_of(name, load(path))], Path(args.summary))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     out = Path(args.out)
