@@ -150,11 +150,14 @@ def test_pareto_frontier_by_hand():
         explore(lambda: None, cluster="cpu-local", budget_fractions=(0,))
 
 
-def test_space_command_help(capsys):
+def test_space_command_help_and_budgets(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["space", "--help"])
     assert exit_info.value.code == 0
     assert "space.jsonl" in capsys.readouterr().out
+    assert cli._fractions("0.5,1.5") == (0.5, 1.5) and cli._fractions("none") == ()
+    with pytest.raises(Exception, match="budget fractions"):
+        cli._fractions("0.5,-1")
 
 
 def _any_plan() -> Plan:
