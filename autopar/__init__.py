@@ -31,6 +31,7 @@ This module only re-exports. The parts form a line, each importing only parts be
     checkpoint save a state, restore it onto another plan's shardings (orbax)
     runtime    the pipeline runtime
     report     explain, diff, compare, pictures, Gantt charts
+    space      the explored plan space: every plan priced, its frontier (autopar.space.explore)
     app        autoparallel, the command line, the demo, the examples
 """
 

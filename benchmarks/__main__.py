@@ -34,6 +34,9 @@ BENCHMARKS = {
                          "runtime overhead against jax.jit; pipeline bubbles measured"),
     "parity_sweep": ("parity_sweep.py", [],
                      "random autopar configurations trained against one device"),
+    "space_dataset": ("space_dataset.py", [],
+                      "the plan-space data set: whole priced spaces of a fixed suite, "
+                      "frontiers, measured local plans"),
     "gpu_ground_truth": ("gpu_ground_truth.py", [],
                          "one GPU: measured profile and GPT steps against predictions"),
 }

@@ -14,7 +14,7 @@ ORDER = (
     "choices", "_version", "_progress", "_memo",
     "graph", "cluster", "cost", "profile", "intra", "errors", "inter", "plan", "search",
     "manual",
-    "lower", "distributed", "checkpoint", "runtime", "report", "app",
+    "lower", "distributed", "checkpoint", "runtime", "report", "space", "app",
 )
 
 

@@ -15,6 +15,9 @@ Subcommands import JAX-heavy modules inside ``_run_*``, after the process set-up
     autopar compare --model NAME [--profile P] [--hosts H] [--devices-per-host D]
                     [--batch B] [--seq-len N] [--memory-budget 40GiB] [--yours FILE]
                     [--configs dp2tp4,dp8tp1] [--no-auto] [--quiet | --verbose]
+    autopar space --model NAME [--profile P] [--hosts H] [--devices-per-host D]
+                  [--batch B] [--seq-len N] [--memory-budget 40GiB] [--budgets 0.5,0.75]
+                  [--out DIR] [--quiet | --verbose]
 
 Progress messages of the planner (the ``autopar`` logger, INFO) go to stderr; ``--quiet``
 shows only warnings and errors, ``--verbose`` also the planner's details (DEBUG).
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Alpa-style automatic data, operator and pipeline parallelism for JAX.",
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add_command in (_add_profile, _add_demo, _add_plan, _add_compare, _add_launch):
+    for add_command in (_add_profile, _add_demo, _add_plan, _add_compare, _add_space,
+                        _add_launch):
         add_command(subparsers)
     return parser
 
@@ -581,6 +585,102 @@ def _print_grid(grid) -> None:
             counts[key] = counts.get(key, 0) + 1
     if counts:
         print("  not costed: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+
+
+def _add_space(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "space",
+        help="the whole priced plan space of an example model and its memory/time frontier",
+        description=(
+            "Price every configuration of the Megatron-LM grid (feasible or not, with the "
+            "reason) and every candidate autopar's search keeps (per microbatch count and "
+            "schedule, and for a memory-bound plan under other budgets), each with its "
+            "predicted step time, its breakdown and its peak memory per device; print the "
+            "memory/time frontier around autopar's plan; with --out, write DIR/space.jsonl "
+            "(JSON Lines, docs/space.md) and DIR/space.png (DIR/space.svg without "
+            "matplotlib). A dry run on abstract arguments."
+        ),
+    )
+    parser.add_argument("--model", required=True, metavar="NAME",
+                        help="e.g. gpt-1.3B, llama-8B (see `autopar plan --help`)")
+    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
+                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
+    parser.add_argument("--hosts", type=int, default=None, metavar="H",
+                        help="number of hosts (default: the profile's)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
+                        help="devices per host (default: the profile's)")
+    parser.add_argument("--batch", type=int, default=8, metavar="B",
+                        help="global batch size (default: 8)")
+    parser.add_argument("--microbatch-sizes", type=_mesh_shape, default=None, metavar="1,2,4,8",
+                        help="examples per microbatch per data-parallel rank the grid tries "
+                        "(default: 1,2,4,8)")
+    parser.add_argument("--budgets", type=_fractions, default=None, metavar="0.5,0.75",
+                        help="also search autopar under these fractions of its plan's peak "
+                        "memory (default: 0.5,0.75,1.5 for a memory-bound plan, else none; "
+                        "'none' for none)")
+    parser.add_argument("--no-megatron", action="store_true",
+                        help="leave out the Megatron grid (autopar's candidates only)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write space.jsonl and the picture there")
+    _add_sequence_flag(parser)
+    _add_memory_budget_flag(parser)
+    _add_output_flags(parser)
+    parser.set_defaults(run=_run_space)
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    """``"0.5,0.75"`` -> ``(0.5, 0.75)``; ``"none"`` -> ``()``, for ``--budgets``."""
+    if text == "none":
+        return ()
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        values = (0.0,)
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of budget fractions; write positive numbers separated "
+            "by commas, e.g. 0.5,0.75,1.5, or none")
+    return values
+
+
+def _run_space(args: argparse.Namespace) -> int:
+    from autopar.app._examples import named_model
+    from autopar.cluster import Cluster
+    from autopar.space import explore
+
+    for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    model = named_model(args.model, args.batch, layer_markers=True, seq_len=args.seq_len)
+    cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
+    start = time.perf_counter()
+    grid = {"num_heads": getattr(model.config, "num_heads", None),
+            "num_layers": getattr(model.config, "num_layers", None)}
+    if args.microbatch_sizes:
+        grid["microbatch_sizes"] = args.microbatch_sizes
+    space = explore(model.train_step, model.abstract_state, model.abstract_batch,
+                    cluster=cluster, options={"memory_budget": args.memory_budget},
+                    grid=grid, budget_fractions=args.budgets, megatron=not args.no_megatron,
+                    model=f"{args.model} batch {args.batch}"
+                          + (f" seq {args.seq_len}" if args.seq_len else ""),
+                    command="autopar " + " ".join(sys.argv[1:]))
+    print(space.summary())
+    from autopar.report import frontier_lines
+
+    print("\n".join(frontier_lines(space.plan.frontier(), around=4)))
+    written = []
+    if args.out:
+        from pathlib import Path
+
+        written.append(space.write(Path(args.out) / "space.jsonl"))
+        try:
+            written.append(space.picture(Path(args.out) / "space.png"))
+        except ValueError:  # no matplotlib: the hand-written SVG
+            written.append(space.picture(Path(args.out) / "space.svg"))
+    print(f"explored {args.model} on {cluster.num_hosts} x {cluster.devices_per_host} "
+          f"{cluster.name} in {time.perf_counter() - start:.1f} s: {len(space.rows)} rows"
+          + (f"; wrote {', '.join(map(str, written))}" if written else ""))
+    return 0
 
 
 def _megatron_configs(text: str) -> list:

@@ -78,6 +78,7 @@ def megatron_grid_search(
     ep_values: Sequence[int] | None = None,
     etp_values: Sequence[int | None] | None = None,
     tp_values: Sequence[int] | None = None,
+    plans: dict[MegatronConfig, Plan] | None = None,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
@@ -106,6 +107,8 @@ def megatron_grid_search(
     - `moe`: the MoE's `MoEShape` when the step is its dense proxy; with it the grid
       tries `ep_values` (None: every divisor of the experts that divides tp·cp·dp) and
       `etp_values` (None: ``(None, 1)``, i.e. etp = tp or 1).
+    - `plans`: a dict filled with the plan of every configuration costed (by its config,
+      as `results` names it), for callers that want more than the time (`autopar.space`).
 
     **Returns:** ``(best plan, results)``; `results` lists every configuration
     considered, in order, with its predicted step time in seconds or a string saying why
@@ -153,7 +156,7 @@ def megatron_grid_search(
     to_cost = [c for c, reason in candidates if not reason]
     coster = _Coster(graphs, cluster, recompute, donate_argnums, memory_budget,
                      marked=any(n.primitive == "layer_boundary" for n in graph.nodes),
-                     results=results, attention=attention, moe=moe)
+                     results=results, attention=attention, moe=moe, plans=plans)
     best: Plan | None = None
     for index, config in enumerate(to_cost):
         plan = coster.cost(config, f"grid {index + 1}/{len(to_cost)}")
@@ -195,8 +198,10 @@ class _Coster:
     configurations fit with how many microbatches (more only add time)."""
 
     def __init__(self, graphs: _Traces, cluster, recompute, donate_argnums, memory_budget,
-                 *, marked: bool, results: list[GridResult], attention=None, moe=None):
+                 *, marked: bool, results: list[GridResult], attention=None, moe=None,
+                 plans: dict | None = None):
         self.attention, self.moe = attention, moe
+        self.plans = plans  # config -> plan of every configuration costed, when asked
         self.graphs, self.cluster, self.recompute = graphs, cluster, recompute
         self.donate_argnums, self.memory_budget = donate_argnums, memory_budget
         self.marked, self.results = marked, results
@@ -233,6 +238,8 @@ class _Coster:
                     continue
                 return None
             self.results.append((candidate, plan.predicted_step_time))
+            if self.plans is not None:
+                self.plans[candidate] = plan
             log.info("%s %s: predicted %.4g s (%.0f s)", progress, candidate.name,
                      plan.predicted_step_time, time.perf_counter() - self.start)
             if config.pp == 1:

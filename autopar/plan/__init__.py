@@ -5,6 +5,6 @@ In: the search's (or a hand-made layout's) stages, each a layer range with its
 and its predicted step time (`autopar.cost.pipeline_latency`). Imports nothing downstream.
 """
 
-from autopar.plan._plan import InputInfo, Plan, Stage, input_infos
+from autopar.plan._plan import FrontierPoint, InputInfo, Plan, Stage, input_infos
 
-__all__ = ["InputInfo", "Plan", "Stage", "input_infos"]
+__all__ = ["FrontierPoint", "InputInfo", "Plan", "Stage", "input_infos"]

@@ -30,6 +30,32 @@ PLAN_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
+class FrontierPoint:
+    """One point of the memory/time Pareto frontier of a plan's explored space
+    (`autopar.space.explore`): the fastest plan whose peak memory per device is at most
+    `memory`, so `memory` is also the least budget that buys it.
+
+    `label` names the plan (``auto: 2 stage(s) x (1, 8), 4 mb, 1f1b`` or a Megatron
+    configuration), `source` is ``"auto"`` or ``"megatron"``, `chosen` marks the plan
+    itself."""
+
+    memory: float  # peak bytes per device
+    step_time: float  # predicted seconds per step
+    label: str
+    source: str
+    chosen: bool = False
+
+    def to_json(self) -> dict:
+        return {"memory": self.memory, "step_time": self.step_time, "label": self.label,
+                "source": self.source, "chosen": self.chosen}
+
+    @staticmethod
+    def from_json(d: dict) -> FrontierPoint:
+        return FrontierPoint(float(d["memory"]), float(d["step_time"]), d["label"],
+                             d["source"], bool(d.get("chosen", False)))
+
+
+@dataclass(frozen=True)
 class InputInfo:
     """One flat input of the train step, as reports show it."""
 
@@ -162,6 +188,10 @@ class Plan:
     # schedule simulation takes (`autopar.cost.pipeline_latency`). Empty: a third each
     # (`autopar.cost.DEFAULT_PHASE_SHARES`).
     phase_shares: tuple[float, ...] = ()
+    # The memory/time frontier of the space explored around this plan
+    # (`autopar.space.explore` attaches it; `frontier()`), by memory; empty otherwise.
+    # Not part of the plan's identity.
+    frontier_points: tuple[FrontierPoint, ...] = field(default=(), compare=False)
 
     # ---- derived ---------------------------------------------------------------------
 
@@ -290,6 +320,18 @@ class Plan:
         (`autopar.lower.shardings_by_path`)."""
         return _downstream("lower").shardings_by_path(self, devices)
 
+    def frontier(self) -> tuple[FrontierPoint, ...]:
+        """The memory/time Pareto frontier around this plan, by memory: per point the
+        least budget (peak bytes per device) and the fastest predicted step time it buys.
+        Filled by `autopar.space.explore` (``space.plan.frontier()``); a plan from
+        `autopar.plan` has none and says how to get it."""
+        if not self.frontier_points:
+            raise ValueError(
+                "this plan carries no frontier: it comes from autopar.space.explore(step, "
+                "*args, cluster=...), whose .plan has it (or the command autopar space)"
+            )
+        return self.frontier_points
+
     def explain(self, detail: int = 1) -> str:
         """`autopar.report.explain(self, detail)`."""
         return _downstream("report").explain(self, detail=detail)
@@ -321,6 +363,8 @@ class Plan:
             data["scan_ranges"] = [list(r) for r in self.scan_ranges]
         if self.phase_shares:
             data["phase_shares"] = list(self.phase_shares)
+        if self.frontier_points:  # additive: plans without it unchanged
+            data["frontier"] = [p.to_json() for p in self.frontier_points]
         if timings:
             data["timings"] = self.timings
         return data
@@ -348,6 +392,7 @@ class Plan:
             arg_names=tuple(d.get("arg_names", ())),
             scan_ranges=tuple(tuple(r) for r in d.get("scan_ranges", ())),
             phase_shares=tuple(d.get("phase_shares", ())),
+            frontier_points=tuple(FrontierPoint.from_json(p) for p in d.get("frontier", ())),
         )
 
     def save(self, path: str | Path, *, timings: bool = False) -> None:

@@ -17,6 +17,7 @@ from autopar.report._differences import (
     time_split,
 )
 from autopar.report._explain import diff_plans, explain
+from autopar.report._frontier import frontier_lines, on_frontier, pareto_frontier, plot_space
 from autopar.report._gantt import (
     TaskRecord,
     gantt,
@@ -45,6 +46,10 @@ __all__ = [
     "differences",
     "explain_differences",
     "explain",
+    "frontier_lines",
+    "on_frontier",
+    "pareto_frontier",
+    "plot_space",
     "gantt",
     "gantt_compare",
     "gantt_compare_figure",

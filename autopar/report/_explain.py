@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from autopar.cluster import spec_axes, spec_str
 from autopar.graph import dtype_itemsize
+from autopar.report._frontier import frontier_lines
 from autopar.report._why import _bytes as _fmt_bytes
 from autopar.report._why import (
     alternatives_lines,
@@ -122,6 +123,7 @@ def explain(plan, detail: int = 1, alternatives=None, graph=None) -> str:
         lines.extend(largest)
     if alternatives:
         lines.extend(alternatives_lines(plan, alternatives))
+    lines.extend(frontier_lines(getattr(plan, "frontier_points", ())))
     why = choice_sentences(plan, alternatives or ())
     if why:
         lines.append("why this plan:")

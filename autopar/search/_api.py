@@ -54,18 +54,31 @@ def plan(fn: Callable, *args: Any, cluster: Any = None, cache: Any = None, **opt
 
 
 @search_scoped
-def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None):
+def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cache=None,
+           recorder=None, traces=None):
     """Trace and plan `fn(*args)`. Returns `(plan, graph)`, `graph` traced at the size the
     plan runs at (one microbatch for a pipelined plan, the whole batch otherwise).
+
+    `recorder`: an object whose ``candidates(plans, chosen, errors)`` the pipeline search
+    calls once with every candidate plan it priced (one per microbatch count and schedule
+    it kept), the index of the one it chose, and ``{microbatch count: why no plan}``
+    (`autopar.space` records the explored space so); it sees nothing on a cache hit, so
+    pass ``cache=False`` with it.
+
+    `traces`: ``{number of microbatches: the step traced at that microbatch size}`` as
+    `megatron_grid_search(traces=...)` fills it: a step with `layer_boundary` marks is
+    not traced again at those sizes (`autopar.space` runs the grid, then this search).
 
     `cache`: a `PlanCache` (None: the default on-disk cache, `False`: none). A hit skips the
     search; the key covers the traced program, the cluster, the options and autopar's code.
     """
     check_fits(fn, args, cluster, options)  # "cannot fit" in a second, not after a search
     fn = for_annotations(fn, options)
+    if options.annotations == "ignore":
+        traces = None  # the step traced there kept its annotations
     timings: dict[str, float] = {}
     with phase("trace", timings):
-        graph, microbatches = _search_graph(fn, args, cluster, options)
+        graph, microbatches = _search_graph(fn, args, cluster, options, traces)
     if cache is None:
         cache = PlanCache(version=code_version())
     key = None
@@ -81,7 +94,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings), _heap_frozen():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
-                                        microbatches)
+                                        microbatches, recorder=recorder, traces=traces)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
     result = _with_context_warnings(result, options)
     if cache and key is not None:
@@ -152,12 +165,15 @@ def _heap_frozen():
         gc.unfreeze()
 
 
-def _search_graph(fn, args, cluster, options: PlanOptions) -> tuple[OpGraph, int]:
+def _search_graph(fn, args, cluster, options: PlanOptions,
+                  traces=None) -> tuple[OpGraph, int]:
     """The graph a search starts from, and how many of it make the step: the whole step
     (1), or, for a pipeline search of a fixed count m > 1 on several devices, one
     microbatch (m), which is the graph that search plans: the step is then traced once
     rather than at the whole batch and again per microbatch (half of the demo's tracing).
-    Where the batch does not split into m, the whole step, whose search says so."""
+    Where the batch does not split into m, the whole step, whose search says so.
+    `traces`: graphs traced before, by microbatch count (`search`)."""
+    traces = traces or {}
     count = options.num_microbatches
     if (options.method == "auto" and isinstance(count, int) and count > 1
             and cluster.num_devices > 1):
@@ -166,8 +182,16 @@ def _search_graph(fn, args, cluster, options: PlanOptions) -> tuple[OpGraph, int
         except ValueError:
             pass  # the batch does not split: the whole step's search reports it
         else:
+            if count in traces and _marked(traces[count]):
+                return traces[count], count
             return _trace_microbatch(fn, args, options, count, None), count
+    if 1 in traces:
+        return traces[1], 1
     return trace(fn, *args, batch_argnums=options.batch_argnums), 1
+
+
+def _marked(graph: OpGraph) -> bool:
+    return any(n.primitive == "layer_boundary" for n in graph.nodes)
 
 
 def graph_for_plan(fn, args, plan: Plan, options: PlanOptions, full_graph=None) -> OpGraph:

@@ -102,11 +102,13 @@ class _Candidate:
 
 
 def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings: dict,
-                graph_microbatches: int = 1):
+                graph_microbatches: int = 1, recorder=None, traces=None):
     """The plan for `fn(*args)` and the graph it runs (see the module docstring).
 
     `graph_microbatches`: `graph` is one of that many microbatches of the step rather
     than the whole step (a search of that fixed count traced it so; `autopar.search._api`).
+    `recorder`: told every candidate the pipeline search priced (`autopar.search.search`);
+    `traces`: the step traced before at microbatch sizes, by count (used when it is marked).
     """
     options.check_cluster(cluster)
     if graph_microbatches > 1 and (options.method != "auto" or cluster.num_devices == 1
@@ -138,6 +140,8 @@ def search_plan(fn, args, cluster, options: PlanOptions, graph: OpGraph, timings
     if options.mesh_shape is not None:
         warnings.warn(MESH_SHAPE_WARNING.format(options.mesh_shape), stacklevel=4)
     search = _PipelineSearch(fn, args, cluster, options, timings)
+    search.recorder = recorder
+    search.shared_traces = traces or {}
     plan, run_graph = search.run(graph, graph_microbatches)
     if options.mesh_shape is not None:
         warning = MESH_SHAPE_WARNING.format(options.mesh_shape)
@@ -247,6 +251,8 @@ class _PipelineSearch:
         self.table = None  # the layer cost table of the count being searched
         # count -> (its graph, layers, layer cost table), kept for a second search of it
         self.traced: dict[int, tuple] = {}
+        self.recorder = None  # told the candidates (`search_plan`)
+        self.shared_traces: dict = {}  # graphs traced before, by count (`search_plan`)
 
     # -- the flow ---------------------------------------------------------------------
 
@@ -264,6 +270,10 @@ class _PipelineSearch:
             rows = None if rows is None else rows * graph_microbatches
             if has_marks:  # `_trace_microbatch`'s graph (no automatic marks), as it is
                 pretraced[graph_microbatches] = graph
+        if has_marks:  # traced by a caller as `_trace_microbatch` does (no automatic marks)
+            for count, traced in self.shared_traces.items():
+                if isinstance(count, int):  # (count, cp) keys trace a split sequence
+                    pretraced.setdefault(count, traced)
         try:
             candidates = self.stage_choices(rows, pretraced)
         except _NotALayerStack:  # the scan is not in the loss function: layers cut as usual
@@ -275,7 +285,13 @@ class _PipelineSearch:
             best = pick(candidates)
         else:
             best, scan_ranges = self.pick_regrouped(candidates)
-        return self.plan_of(best, scan_ranges), best.graph
+        chosen = self.plan_of(best, scan_ranges)
+        if self.recorder is not None:  # the explored space (`autopar.space`)
+            plans = [chosen if c is best else self.plan_of(c) for c in candidates]
+            self.recorder.candidates(plans, next((i for i, c in enumerate(candidates)
+                                                  if c is best), None),
+                                     {m: str(err) for m, err in self.errors.items()})
+        return chosen, best.graph
 
     def stage_choices(self, rows: int | None, pretraced=None) -> list[_Candidate]:
         """The stage DP's choice for each microbatch count that has a plan; raises the last

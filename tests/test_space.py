@@ -1,0 +1,171 @@
+"""The explored plan space (`autopar.space`): its rows, its frontier, its file.
+
+One exploration of a 2-layer GPT on 2 CPU devices under a budget its fastest plans do not
+fit (so the plan is memory-bound and a larger budget is searched too) serves every test.
+"""
+
+import dataclasses
+import json
+
+import helpers
+import pytest
+
+import autopar
+from autopar.app import cli
+from autopar.manual._grid import megatron_candidates
+from autopar.plan import FrontierPoint, Plan
+from autopar.report import on_frontier, pareto_frontier
+from autopar.space import COLUMNS, SCHEMA_VERSION, explore, load
+
+CFG = dataclasses.replace(helpers.GPT, num_layers=2, hidden=16, num_heads=2, vocab_size=64,
+                          seq_len=8)
+GRID = dict(microbatch_sizes=(1,), sequence_parallel=(False,),
+            distributed_optimizer=(False, True), recompute=("none", "full"),
+            virtual_stages=(1,), num_heads=2)
+# Between the 4-microbatch plan's peak (about 192 KiB) and the 2-microbatch one's (205 KiB):
+# the fastest plans do not fit, so the plan is memory-bound.
+BUDGET = 200 * 1024
+
+
+@pytest.fixture(scope="module")
+def explored():
+    step, args = helpers.tiny_gpt_step(CFG, batch_size=4)
+    cluster = helpers.cluster("cpu-local", 1, 2)
+    space = explore(step, *args, cluster=cluster, options={"memory_budget": BUDGET},
+                    grid=GRID, budget_fractions=(1.5,), model="gpt 2 layers",
+                    command="test_space")
+    return space, step, args, cluster
+
+
+def test_rows_have_the_schema_and_a_header(explored, tmp_path):
+    space, *_ = explored
+    header = space.header
+    assert header["schema_version"] == SCHEMA_VERSION
+    assert header["autopar_version"] == autopar.__version__
+    assert header["profile"]["name"] == "cpu-local" and len(header["profile"]["sha256"]) == 16
+    assert header["command"] == "test_space" and header["memory_budget"] == BUDGET
+    for row in space.rows:
+        assert set(row) == set(COLUMNS)
+        assert row["source"] in ("auto", "megatron")
+        if row["feasible"]:
+            assert row["step_time"] > 0 and row["memory_peak"] > 0
+            parts = sum(row[k] for k in ("compute", "communication", "recompute", "transfer",
+                                         "bubble", "other"))
+            assert parts == pytest.approx(row["step_time"], rel=1e-9)
+            assert row["compute"] > 0 and row["memory_peak"] == max(row["memory_per_stage"])
+            assert sum(row["communication_by_kind"].values()) == pytest.approx(
+                row["communication"], rel=1e-9, abs=1e-15)
+        else:
+            assert row["reason"] and row["step_time"] is None
+    assert sum(r["chosen"] for r in space.rows) == 1
+
+
+def test_every_grid_configuration_appears_once(explored):
+    space, step, args, cluster = explored
+    names = [r["label"] for r in space.rows if r["source"] == "megatron"]
+    assert len(names) == len(set(names))
+    enumerated = megatron_candidates(
+        cluster.num_devices, cluster.devices_per_host, 4, num_layers=CFG.num_layers,
+        num_heads=2, microbatch_sizes=(1,), distributed_optimizer=(False, True))
+    assert {c.name for c, _ in enumerated} <= set(names)
+    rows = {r["label"]: r for r in space.rows if r["source"] == "megatron"}
+    # Infeasible ones say why: a rule, "not needed", or the memory error.
+    assert any(r["reason"].startswith("pruned") for r in rows.values())
+    assert any("does not fit" in r["reason"] for r in rows.values() if r["reason"])
+    # A priced row is the plan megatron_plan makes of that configuration.
+    row = next(r for r in rows.values() if r["feasible"])
+    hand = autopar.megatron_plan(step, *args, cluster=cluster, dp=row["dp"], tp=row["tp"],
+                                 pp=row["pp"], num_microbatches=row["num_microbatches"],
+                                 distributed_optimizer=row["distributed_optimizer"],
+                                 recompute=row["remat"], memory_budget=BUDGET)
+    assert row["step_time"] == pytest.approx(hand.predicted_step_time, rel=1e-12)
+
+
+def test_the_chosen_plan_is_on_the_frontier(explored):
+    space, *_ = explored
+    chosen = next(r for r in space.rows if r["chosen"])
+    assert chosen["step_time"] == pytest.approx(space.plan.predicted_step_time, rel=1e-12)
+    assert chosen["memory_peak"] <= BUDGET
+    autos = [p for p in space.points() if p.source == "auto"]
+    me = next(p for p in autos if p.chosen)
+    assert on_frontier(me, pareto_frontier(autos))
+    # Nothing explored under the budget is faster.
+    assert all(r["step_time"] >= chosen["step_time"] for r in space.feasible()
+               if r["memory_peak"] <= BUDGET)
+    # A larger budget was searched, and buys a faster plan.
+    assert any(r["budget"] > BUDGET for r in space.feasible("auto"))
+    assert space.best_under(2 * BUDGET)["step_time"] < chosen["step_time"]
+
+
+def test_explain_of_a_memory_bound_plan_shows_the_frontier(explored):
+    space, *_ = explored
+    points = space.plan.frontier()
+    assert len(points) >= 3 and sum(p.chosen for p in points) == 1
+    assert [p.memory for p in points] == sorted(p.memory for p in points)
+    text = space.plan.explain()
+    section = text.split("memory/time frontier")[1].split("\n")[1:]
+    shown = [line for line in section if line.startswith("  budget ")]
+    assert len(shown) >= 3
+    assert sum("<- this plan" in line for line in shown) == 1
+    assert any("x this plan's time" in line for line in shown)
+    # The frontier survives the plan's JSON.
+    assert Plan.from_json(json.loads(json.dumps(space.plan.to_json()))).frontier() == points
+
+
+def test_the_loader_round_trips(explored, tmp_path):
+    space, *_ = explored
+    path = space.write(tmp_path / "space.jsonl")
+    again = load(tmp_path)
+    assert again.header == json.loads(json.dumps(space.header))
+    assert again.rows == json.loads(json.dumps(space.rows))
+    assert again.frontier() == space.frontier()
+    lines = path.read_text().splitlines()
+    lines[0] = lines[0].replace(f'"schema_version": {SCHEMA_VERSION}', '"schema_version": 99')
+    (tmp_path / "old.jsonl").write_text("\n".join(lines))
+    with pytest.raises(ValueError, match="schema version 99"):
+        load(tmp_path / "old.jsonl")
+    with pytest.raises(ValueError, match="no space file"):
+        load(tmp_path / "missing.jsonl")
+
+
+def test_the_picture_with_and_without_matplotlib(explored, tmp_path):
+    space, *_ = explored
+    assert space.picture(tmp_path / "space.png").read_bytes().startswith(b"\x89PNG")
+    from autopar.report._frontier import write_svg
+
+    svg = write_svg(space.points(), tmp_path / "space.svg", budget=BUDGET).read_text()
+    assert svg.startswith("<svg") and svg.count("<circle") == len(space.feasible("auto"))
+
+
+def test_pareto_frontier_by_hand():
+    points = [FrontierPoint(4, 1.0, "a", "auto"), FrontierPoint(2, 2.0, "b", "megatron"),
+              FrontierPoint(3, 2.5, "c", "auto"), FrontierPoint(1, 4.0, "d", "auto"),
+              FrontierPoint(2, 2.0, "e", "auto", chosen=True)]
+    frontier = pareto_frontier(points)
+    assert [p.label for p in frontier] == ["d", "e", "a"]  # c is beaten by b and e
+    assert not on_frontier(points[2], frontier)
+    with pytest.raises(ValueError, match="autopar.space.explore"):
+        Plan.frontier(dataclasses.replace(_any_plan(), frontier_points=()))
+    with pytest.raises(ValueError, match="budget_fractions must be positive"):
+        explore(lambda: None, cluster="cpu-local", budget_fractions=(0,))
+
+
+def test_space_command_help_and_budgets(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["space", "--help"])
+    assert exit_info.value.code == 0
+    assert "space.jsonl" in capsys.readouterr().out
+    assert cli._fractions("0.5,1.5") == (0.5, 1.5) and cli._fractions("none") == ()
+    with pytest.raises(Exception, match="budget fractions"):
+        cli._fractions("0.5,-1")
+
+
+def _any_plan() -> Plan:
+    from autopar.cluster._mesh import LogicalMesh
+    from autopar.intra._sharding_plan import PredictedCost, ShardingPlan
+    from autopar.plan import Stage
+
+    sharding = ShardingPlan(LogicalMesh.create((1,), (0,)), (), (), (),
+                            PredictedCost(1.0, 0.0, 0.0, 1.0), "")
+    return Plan("shard", helpers.cluster("cpu-local", 1, 1).to_json(),
+                (Stage((0, 1), sharding),), (), "")
