@@ -14,8 +14,9 @@ memory), its state and gradient parts within 5% of the plan's, its held activati
 at a fixed microbatch size; within 5%).
 
 Measured/predicted (8 microbatches, peak with working memory; `pytest -s` prints them):
-2 stages 0.986 and 1.061, 1 stage 1.031-1.047 (live arrays alone, the comparison before the
-working memory was measured: 0.80 / 0.75 and 0.70-0.71).
+2 stages 1.022 and 1.114, 1 stage 1.014 (the optimizer update's working memory apart from
+the activations, a backward's fresh gradients as working memory; live arrays alone, the
+comparison before the working memory was measured: 0.80 / 0.75 and 0.70-0.71).
 """
 
 from __future__ import annotations

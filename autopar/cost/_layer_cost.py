@@ -22,6 +22,11 @@ class LayerCost:
     # The layer's gradients, summed over microbatches until the update (deferred ones
     # unreduced, so at their per-device partial-sum size), bytes per device.
     gradient_memory: float = 0.0
+    # Working memory of the layer's optimizer update beyond its state and gradient sums,
+    # bytes per device: the update runs once per step after the last microbatch's backward,
+    # when no kept activations are held, so it never adds to them (`StageMemory.total`).
+    # `memory` is the peak of the forward and backward alone.
+    update_memory: float = 0.0
 
     @property
     def transient_memory(self) -> float:

@@ -57,7 +57,12 @@ class StageMemory:
     - `activations`: the kept activations of the `in_flight` microbatches its schedule
       holds at once (`in_flight` x one microbatch's);
     - `working`: the working memory of the one layer running at a time (the largest:
-      values live only inside a layer's forward or backward, at its peak).
+      values live only inside a layer's forward or backward, at its peak);
+    - `update`: the working memory of the optimizer update (the largest layer's), which
+      runs once per step after the last microbatch's backward has freed every kept
+      activation (1F1B, interleaved and GPipe alike; Narayanan et al. 2021, sec. 2.2: the
+      "pipeline flush" before the optimizer step), so the peak is the larger of the two
+      moments, never their sum.
     """
 
     state: float
@@ -65,10 +70,11 @@ class StageMemory:
     activations: float
     working: float
     in_flight: float = 1.0
+    update: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.state + self.gradients + self.activations + self.working
+        return self.state + self.gradients + max(self.activations + self.working, self.update)
 
     @property
     def activations_per_microbatch(self) -> float:
@@ -78,21 +84,23 @@ class StageMemory:
         """Every part times `factor` (a device group holding `factor` such chunks)."""
         return StageMemory(self.state * factor, self.gradients * factor,
                            self.activations * factor, self.working * factor,
-                           self.in_flight * factor)
+                           self.in_flight * factor, self.update * factor)
 
     def to_json(self) -> dict:
-        return {name: getattr(self, name) for name in (*MEMORY_PARTS, "in_flight")}
+        return {name: getattr(self, name) for name in (*MEMORY_PARTS, "in_flight", "update")}
 
     @staticmethod
     def from_json(d: dict) -> StageMemory:
-        return StageMemory(*(float(d[name]) for name in (*MEMORY_PARTS, "in_flight")))
+        return StageMemory(*(float(d[name]) for name in (*MEMORY_PARTS, "in_flight")),
+                           update=float(d.get("update", 0.0)))
 
 
 def stage_memory_parts(costs: Sequence[LayerCost], in_flight: float,
                        shared_state: float = 0.0) -> StageMemory:
     """The stage of these layers by part (see `StageMemory`): every layer's state and
     accumulated gradients, `in_flight` times every layer's kept activations, and the
-    largest working memory of one layer (`LayerCost.transient_memory`). `shared_state`:
+    largest working memory of one layer (`LayerCost.transient_memory`), and the largest
+    layer's optimizer-update working memory (`LayerCost.update_memory`). `shared_state`:
     bytes per device of state that more than one of the layers reads (a tied embedding),
     counted in each reader's `state_memory` but held once: taken off the state.
 
@@ -108,6 +116,7 @@ def stage_memory_parts(costs: Sequence[LayerCost], in_flight: float,
         activations=in_flight * math.fsum(c.activation_memory for c in costs),
         working=max((c.transient_memory for c in costs), default=0.0),
         in_flight=float(in_flight),
+        update=max((c.update_memory for c in costs), default=0.0),
     )
 
 
@@ -136,4 +145,31 @@ def device_group_memory(chunks: Sequence[StageMemory]) -> StageMemory:
         activations=math.fsum(c.activations for c in chunks),
         working=max(c.working for c in chunks),
         in_flight=math.fsum(c.in_flight for c in chunks),
+        update=max(c.update for c in chunks),
     )
+
+
+def distributed_optimizer_param_bytes(master_bytes: float, compute_itemsize: int,
+                                      master_itemsize: int, shards: int) -> float:
+    """Bytes per device of parameters as Megatron-LM's distributed optimizer holds them:
+    the model's copy in the compute dtype, whole on every data-parallel rank, and the
+    master copy split over the `shards` ranks (the optimizer's moments are split the same
+    way and counted with the optimizer state). `master_bytes`: the parameters' bytes per
+    device at the master dtype, whole (what a step that keeps its master weights and casts
+    them for each use, as a JAX step does, holds).
+
+    Megatron-LM's "Distributed Optimizer" guide (docs/source/api-guide/dist_optimizer.md)
+    gives bytes per parameter of 6 + 12/d with bf16 parameters and fp32 gradients (2 for
+    the bf16 parameter, 4 for the fp32 gradient buffer, 12/d for the fp32 master copy and
+    Adam's two moments over d data-parallel ranks), against 8 + 8/d when the parameters
+    themselves are fp32.
+
+    **Example:** 4 GB of fp32 master weights per device cast to bf16, 64 shards:
+    2 GB + 62.5 MB = 2.0625 GB.
+    """
+    if shards < 1 or compute_itemsize <= 0 or master_itemsize <= 0:
+        raise ValueError(
+            f"distributed_optimizer_param_bytes needs shards >= 1 and positive item sizes; "
+            f"got shards={shards}, compute {compute_itemsize}, master {master_itemsize}"
+        )
+    return master_bytes * compute_itemsize / master_itemsize + master_bytes / shards

@@ -45,8 +45,8 @@ from autopar.intra import (
     MemoryBudgetError,
     ShardingPlan,
     ShardOptions,
-    peak_live_bytes,
 )
+from autopar.intra._liveness import split_peak_live_bytes
 from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout
@@ -288,16 +288,26 @@ class LayerCostTable:
         # exist), not the ILP's linear bound (every value materialised at once), which
         # for an 8k-token attention layer counts every (s, s) tensor of its forward and
         # backward together.
-        peak = peak_live_bytes(sub, plan.var_specs, plan.mesh,
-                               operand_specs=plan.operand_specs,
-                               free=self._attention_core(sub))
+        # The forward and backward's peak apart from the optimizer update's: the update
+        # runs once per step after every microbatch's backward (`split_peak_live_bytes`).
+        peak, update_peak = split_peak_live_bytes(
+            sub, plan.var_specs, plan.mesh, self._update_start(layer, sub),
+            operand_specs=plan.operand_specs, free=self._attention_core(sub))
+        state = _state_bytes(sub, plan)
+        gradients = _gradient_bytes(sub, plan, self.per_layer)
+        # With several microbatches a backward's fresh gradients are held beside the
+        # running sums (`gradients`, the step's accumulators: the runtime adds the task's
+        # results into them after it), so the walk's gradients of one microbatch are
+        # working memory on top of the sums. The update's peak used to hide this.
+        fresh = gradients if self.num_microbatches > 1 else 0.0
         cost = LayerCost(
             plan.cost.total + fused,
-            min(plan.cost.memory_per_device, peak),
+            min(plan.cost.memory_per_device, peak) + fresh,
             _activation_bytes(sub, plan, self.kept_for_backward(layer),
                               getattr(self.cluster, "fused_attention", False)),
-            _state_bytes(sub, plan),
-            _gradient_bytes(sub, plan, self.per_layer),
+            state,
+            gradients,
+            max(0.0, update_peak - state - gradients),
         )
         if self.solve is None:
             object.__setattr__(plan, "var_specs", self._compact(sub, plan.var_specs))
@@ -471,6 +481,20 @@ class LayerCostTable:
         """(plan, graph it was solved on) behind `cost(layer, shape, level)`, which must
         have found one (the graph is a layer of the same structure)."""
         return self._plans[(self.fingerprints[layer], shape, level)]
+
+    def _update_start(self, layer: int, sub: OpGraph) -> int:
+        """The first node of the layer's optimizer update in its per-layer graph (its apply
+        fragments; the graph's length when it has none), every forward and backward node
+        before it. `sub` is the layer's graph or one of the same structure."""
+        part = self.per_layer
+        update = [n for seg in part.apply if seg.stage == layer for n in seg.nodes]
+        if not update:
+            return len(sub.nodes)
+        start = min(update)
+        per_microbatch = (*part.forward[layer].nodes, *part.backward[layer].nodes)
+        if per_microbatch and max(per_microbatch) >= start:
+            return len(sub.nodes)  # interleaved: no clean cut, the whole graph as one
+        return start
 
     def _attention_core(self, sub: OpGraph) -> frozenset[int]:
         """The values a fused attention kernel never writes (`attention_core`), on a

@@ -120,13 +120,14 @@ def _choose_remat(
     state = parts.state + parts.gradients  # recompute keeps them
     kept = math.fsum(c.activation_memory for c in costs)
     transient = max(c.transient_memory for c in costs)
+    update = parts.update  # the optimizer update's, after the activations are freed
     for _, _, i, option, c in upgrades:
         if chosen[i] == "full" or c.activation_memory >= costs[i].activation_memory:
             continue
         kept += c.activation_memory - costs[i].activation_memory
         transient = max(transient, c.transient_memory)
         costs[i], chosen[i] = c, option
-        if state + in_flight * kept + transient <= budget:
+        if state + max(in_flight * kept + transient, update) <= budget:
             break
     return _Fit(level, tuple(chosen), tuple(costs),
                 _stage_parts(table, layer_range, shape, level, costs, in_flight))

@@ -92,10 +92,29 @@ def peak_live_bytes(
                  fused_attention=fused_attention)[0]
 
 
+def split_peak_live_bytes(
+    graph: OpGraph,
+    var_specs: Sequence,
+    mesh,
+    split: int,
+    operand_specs: Sequence[tuple[int, int, tuple]] = (),
+    free: Collection[int] = (),
+) -> tuple[float, float]:
+    """`peak_live_bytes` over the program points before node `split` and over those from
+    it on: (peak before, peak from). A layer's per-microbatch forward and backward come
+    before its optimizer update, which runs once per step after the last microbatch's
+    backward (`autopar.inter.passes.partition`'s apply fragments), when no microbatch's
+    kept activations are held: the two peaks never coincide with the same activations."""
+    _, _, before, after = _walk(graph, var_specs, mesh, (), operand_specs, free=free,
+                                split=split)
+    return before, after
+
+
 def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=(),
-          fused_attention=False):
+          fused_attention=False, split=None):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
-    bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs)."""
+    bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs).
+    With `split` (a node id), also the peaks before that node and from it on."""
 
     nbytes = _byte_counter(graph, var_specs, mesh, frozenset(free), fused_attention)
     consumers = graph.consumers()
@@ -119,6 +138,7 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
     current = sum(live.values())
     peak = always + current
     at_peak = (-1, dict(live), [], always) if record else None
+    halves = [peak, 0.0]  # peaks before `split` and from it on
     active: set[int] = set()
     for node in graph.nodes:
         for v in node.outputs:
@@ -128,6 +148,9 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
         for t in starting.get(node.id, ()):
             active.add(t)
             current += temporaries[t][2]
+        if split is not None:
+            half = int(node.id >= split)
+            halves[half] = max(halves[half], always + current)
         if always + current > peak:
             peak = always + current
             if record:
@@ -138,6 +161,8 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
         for t in [t for t in active if temporaries[t][1] <= node.id]:
             active.remove(t)
             current -= temporaries[t][2]
+    if split is not None:
+        return peak, at_peak, halves[0], halves[1]
     return peak, at_peak
 
 

@@ -39,12 +39,15 @@ from autopar.choices import Remat
 from autopar.cluster._mesh import LogicalMesh, Spec, replicated
 from autopar.cost import (
     boundary_transfer_time,
+    bytes_per_device,
     check_ulysses_heads,
     device_group_memory,
+    distributed_optimizer_param_bytes,
     in_flight_microbatches,
 )
 from autopar.cost import memory_budget as device_budget
 from autopar.graph import OpGraph, Role, tied_state, trace
+from autopar.graph._opgraph import dtype_itemsize
 from autopar.inter import assign_layers, partition
 from autopar.inter._choose import recompute_time
 from autopar.inter._layer_pricing import boundary_bytes
@@ -467,8 +470,16 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
         table, range(*layer_range), shape, 0, in_flight, budget / config.virtual_stages,
         config.recompute,
     )
+    sharding = table.stage_plan(
+        graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
+    )
+    # Megatron's distributed optimizer keeps the master weights split over data-parallel
+    # ranks and a compute-dtype copy whole (`distributed_optimizer_param_bytes`), where
+    # the traced step keeps its master weights whole and casts them for each use.
+    parts = replace(fit.parts, state=fit.parts.state - _master_weight_relief(
+        part.stage_graphs[s], sharding, config))
     # The device group holds all its chunks: `_device_groups_fit` sums them.
-    memory = fit.memory
+    memory = parts.total
     if memory > budget:
         raise ValueError(
             f"the Megatron layout {config.name} does not fit stage {s} (layers "
@@ -478,16 +489,43 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
             "or pp, more microbatches, sequence parallelism, recompute, or a larger "
             "memory budget"
         )
-    sharding = table.stage_plan(
-        graph, part, s, layer_range, shape, stage_mesh(cluster, config, group), tied
-    )
     remat = fit.remat if any(r != "none" for r in fit.remat) else ()
     seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
     transfer = boundary_transfer_time(
         crossing[layer_range[0]], cluster, config.dp * config.tp
     ) if s > 0 else 0.0
     return Stage(layer_range, sharding, remat, seconds, memory, transfer,
-                 memory_parts=fit.parts)
+                 memory_parts=parts)
+
+
+def _master_weight_relief(sub: OpGraph, sharding: ShardingPlan,
+                          config: MegatronConfig) -> float:
+    """Bytes per device the distributed optimizer saves on a chunk's parameters against
+    the traced step's whole master weights: for each parameter the step casts to a
+    narrower float before use (bf16 compute, fp32 master), its whole master bytes less
+    `distributed_optimizer_param_bytes` over the dp x cp ranks Megatron-Core splits the
+    optimizer over. 0 without the distributed optimizer or for parameters used at their
+    own precision (Megatron's 8 + 8/d bytes per fp32 parameter: as traced)."""
+    shards = config.dp * config.cp
+    if not config.distributed_optimizer or shards == 1:
+        return 0.0
+    consumers = sub.consumers()
+    relief = 0.0
+    for v in dict.fromkeys(sub.invars):
+        var, spec = sub.vars[v], sharding.var_specs[v]
+        if var.role is not Role.PARAM or spec is None or not var.shape:
+            continue
+        own = dtype_itemsize(var.dtype)
+        casts = [sub.vars[sub.nodes[n].outputs[0]].dtype for n in consumers[v]
+                 if sub.nodes[n].primitive == "convert_element_type"]
+        narrower = [dtype_itemsize(d) for d in casts
+                    if "float" in str(d) and dtype_itemsize(d) < own]
+        if not narrower:
+            continue
+        master = bytes_per_device(var.shape, var.dtype, spec, sharding.mesh)
+        relief += master - distributed_optimizer_param_bytes(
+            master, min(narrower), own, shards)
+    return relief
 
 
 def plan_keeping_state(
