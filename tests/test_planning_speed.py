@@ -182,7 +182,7 @@ def test_a_fixed_microbatch_count_traces_the_step_once(monkeypatch):
         monkeypatch.setattr(module, "trace", spy)
     once = autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)
     assert shapes == [(8, GPT.seq_len)]  # one trace, of one 8-row microbatch
-    monkeypatch.setattr(_api, "_search_graph", lambda fn, a, c, o: (
+    monkeypatch.setattr(_api, "_search_graph", lambda fn, a, c, o, *_: (
         _api.trace(fn, *a, batch_argnums=o.batch_argnums), 1))
     shapes.clear()
     both = autopar.plan(step, *args, cluster=cluster, num_microbatches=2, cache=False)

@@ -24,6 +24,8 @@ from autopar.graph import trace
 from autopar.intra import _problem, _reshard
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import build_problem
+from autopar.intra._context import sequence_length
+from autopar.intra._ring_strategies import ring_dots, ring_strategies
 from autopar.intra._scan import SCAN_MARKERS
 from autopar.intra._strategies import (
     CostContext,
@@ -73,6 +75,7 @@ def test_memoised_strategies_are_those_enumerated_afresh(mesh_shape=(2, 4)):
     effects = step_effects(graph)  # what build_problem's context knows (no tied state here)
     ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place)
     followers = built.problem.followers
+    ring = ring_dots(graph, sequence_length(graph))
     shared = 0
     keys = set()
     for index, ilp_node in enumerate(built.ilp_nodes):
@@ -94,6 +97,10 @@ def test_memoised_strategies_are_those_enumerated_afresh(mesh_shape=(2, 4)):
             expected = follow_strategies(node, graph, sig, main, specs, ctx)
         else:
             expected = node_strategies(node, graph, sig, ctx)
+        if node.id in ring:  # attention's score dot also offers its ring twins ("auto")
+            role, roles = ring[node.id]
+            expected = ring_strategies(node, graph, role, roles, list(expected), ctx,
+                                       forced=False)
         assert ilp_node.strategies == expected, f"{ilp_node.name} on {mesh_shape}"
     assert shared > 100, "the check is meant to cover nodes that share a memo entry"
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
-from autopar.intra._context import describe_context, sequence_length
+from autopar.intra._context import NO_CONTEXT, describe_context, sequence_length
 from autopar.intra._ilp import (
     MemoryBudgetError,
     Solution,
@@ -83,7 +83,13 @@ def plan_on_mesh(
     prepared = prepare_on_mesh(graph, cluster, mesh, options, tied, fixed, weights, footprint)
     solution = solve(prepared.problem, **prepared.solve_args)
     plan = finish_on_mesh(prepared, solution)
-    if options.context_parallel == "auto" and mesh.num_devices > 1:
+    # The exact ring is solved only where the sequence split already paid: the auto ILP
+    # chose a context-parallel split (the all-gather's layouts, or the ring's upper bound
+    # on its score dot). A plan that keeps attention's sequence whole found every split
+    # dearer than none; the ring's exact price is a split too, so it is not solved there
+    # (one ILP per mesh instead of two for every attention model).
+    if (options.context_parallel == "auto" and mesh.num_devices > 1
+            and plan.context_parallel != NO_CONTEXT):
         ring = _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint)
         if ring is not None and ring.stats["objective"] < plan.stats["objective"]:
             return ring
