@@ -510,6 +510,10 @@ def _plan_both_ways(cfg, cluster, batch_size, num_microbatches, monkeypatch):
     return plans
 
 
+# Extended tier (CI time: two full searches each): the default run keeps the pruning rule
+# itself (test_left_out_shapes_would_cross_hosts_on_both_axes); the plans it costs are
+# compared by `python -m benchmarks.investigations.shape_pruning`.
+@pytest.mark.extended
 def test_left_out_shapes_keep_the_plan_on_three_dgx_hosts(monkeypatch):
     """24 GPUs: the 3-host submesh loses (2, 12), (4, 6) and (8, 3); the search finds the
     plan of the search with every shape (6 CPU s each way)."""
@@ -524,6 +528,10 @@ def test_left_out_shapes_keep_the_plan_on_three_dgx_hosts(monkeypatch):
     assert pruned.predicted_step_time == every.predicted_step_time
 
 
+# Extended tier (CI time: two full searches each): the default run keeps the pruning rule
+# itself (test_left_out_shapes_would_cross_hosts_on_both_axes); the plans it costs are
+# compared by `python -m benchmarks.investigations.shape_pruning`.
+@pytest.mark.extended
 def test_left_out_shapes_cost_at_most_a_percent_on_cpu_hosts(monkeypatch):
     """4 hosts of 2 CPU devices, where the hosts' link is no slower than a host's own: the
     search with every shape runs the GPT on (2, 4), whose axes both cross hosts, 0.4%

@@ -90,7 +90,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
         cached = cache.get(key)
         if cached is not None:  # `PlanCache.get` logged the hit
             full = graph if microbatches == 1 else None
-            cached = _checked_math(fn, args, cached, options)
+            cached = _checked_math(fn, args, cached, options, (graph,))
             return cached, graph_for_plan(fn, args, cached, options, full)
     with phase("search", timings), _heap_frozen():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
@@ -99,15 +99,17 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     result = _with_context_warnings(result, options)
     if cache and key is not None:
         cache.put(key, result)
-    return _checked_math(fn, args, result, options), run_graph
+    return _checked_math(fn, args, result, options, (graph, run_graph)), run_graph
 
 
-def _checked_math(fn, args, result: Plan, options: PlanOptions) -> Plan:
+def _checked_math(fn, args, result: Plan, options: PlanOptions, traced=()) -> Plan:
     """`result`, warning (or, with microbatch_check="strict", refusing) when its
-    microbatches change the step's math (`autopar.search._microbatch_math`)."""
+    microbatches change the step's math (`autopar.search._microbatch_math`; `traced`: the
+    search's graphs of `fn`, reused where their shapes match)."""
     if result.num_microbatches <= 1 or options.microbatch_check == "off":
         return result
-    change = microbatch_change(fn, args, options.batch_argnums, result.num_microbatches)
+    change = microbatch_change(fn, args, options.batch_argnums, result.num_microbatches,
+                               traced)
     if change is None:
         return result
     if options.microbatch_check == "strict":

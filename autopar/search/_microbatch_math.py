@@ -39,10 +39,12 @@ MAX_CHECK_BYTES = 256 * 2**20
 
 
 def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
-                      num_microbatches: int) -> str | None:
+                      num_microbatches: int, traced: Sequence[OpGraph] = ()) -> str | None:
     """A sentence naming the value that the mean over `num_microbatches` microbatches
     moves from its full-batch value (and by how much); None when nothing moves, or when
-    the check was skipped (too large, or no gradient boundary)."""
+    the check was skipped (too large, or no gradient boundary). `traced`: graphs of `fn`
+    the caller has traced already (the search's); one whose inputs have the full batch's
+    or a microbatch's shapes is evaluated instead of tracing `fn` again."""
     leaves = jax.tree.leaves(args)
     nbytes = sum(int(np.prod(getattr(x, "shape", ()))) * np.dtype(x.dtype).itemsize
                  for x in leaves)
@@ -50,13 +52,13 @@ def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence
         log.info("microbatch math not checked: the arguments hold %d bytes", nbytes)
         return None
     concrete = _concrete(args)
-    run_full = _boundary_runner(fn, concrete, batch_argnums)
+    run_full = _boundary_runner(fn, concrete, batch_argnums, traced)
     if run_full is None:
         return None
     full = run_full(concrete)
     pieces = [_microbatch(concrete, batch_argnums, num_microbatches, i)
               for i in range(num_microbatches)]
-    run_piece = _boundary_runner(fn, pieces[0], batch_argnums)
+    run_piece = _boundary_runner(fn, pieces[0], batch_argnums, traced)
     parts = [run_piece(piece) for piece in pieces]
     for index, value in enumerate(full):
         if not jnp.issubdtype(value.dtype, jnp.floating):
@@ -83,35 +85,45 @@ def _abstract(args) -> bool:
 
 
 def _concrete(args):
-    """The arguments as arrays: the caller's, or random ones for abstract leaves."""
-    keys = iter(jax.random.split(jax.random.key(0), max(1, len(jax.tree.leaves(args)))))
+    """The arguments as arrays: the caller's, or random ones for abstract leaves (drawn
+    with NumPy on the host: no program compiled per shape)."""
+    rng = np.random.default_rng(0)
 
     def leaf(x):
         if not isinstance(x, jax.ShapeDtypeStruct):
             return x
-        key = next(keys)
         if jnp.issubdtype(x.dtype, jnp.floating):
-            return (0.1 * jax.random.normal(key, x.shape)).astype(x.dtype)
+            return np.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
         if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
-            return jax.random.randint(key, x.shape, 0, 2).astype(x.dtype)
-        return jnp.zeros(x.shape, x.dtype)
+            return rng.integers(0, 2, x.shape).astype(x.dtype)
+        return np.zeros(x.shape, x.dtype)
 
     return jax.tree.map(leaf, tuple(args))
 
 
 def _microbatch(args, batch_argnums, m: int, i: int):
+    """Microbatch `i` of `m`: rows of each batch leaf, sliced on the host (NumPy; a slice
+    of a device array would compile a program per shape)."""
     out = list(args)
     for a in batch_argnums:
         if a < len(out):
-            out[a] = jax.tree.map(lambda x: x if not x.shape else
-                                  x[i * (x.shape[0] // m):(i + 1) * (x.shape[0] // m)], out[a])
+            out[a] = jax.tree.map(lambda x: x if not np.shape(x) else
+                                  np.asarray(x)[i * (x.shape[0] // m):(i + 1) * (x.shape[0] // m)],
+                                  out[a])
     return tuple(out)
 
 
-def _boundary_runner(fn, args, batch_argnums) -> Callable | None:
+def _boundary_runner(fn, args, batch_argnums, traced: Sequence[OpGraph] = ()
+                     ) -> Callable | None:
     """A jitted function of arguments shaped like `args` returning what reaches the step's
-    gradient boundary; None when the step has none."""
-    graph: OpGraph = trace(fn, *args, batch_argnums=batch_argnums)
+    gradient boundary; None when the step has none. A graph of `traced` whose inputs have
+    `args`'s shapes and dtypes is used as is; otherwise `fn` is traced."""
+    want = [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in jax.tree.leaves(args)]
+    graph = next((g for g in traced
+                  if [(tuple(g.vars[v].shape), np.dtype(g.vars[v].dtype)) for v in g.invars]
+                  == want), None)
+    if graph is None:
+        graph = trace(fn, *args, batch_argnums=batch_argnums)
     if not any(n.primitive == GRAD_BOUNDARY for n in graph.nodes):
         return None
 
