@@ -22,9 +22,9 @@ from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
 from autopar.graph import trace
 from autopar.intra import _problem, _reshard
+from autopar.intra._context import sequence_length
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import build_problem
-from autopar.intra._context import sequence_length
 from autopar.intra._ring_strategies import ring_dots, ring_strategies
 from autopar.intra._scan import SCAN_MARKERS
 from autopar.intra._strategies import (
