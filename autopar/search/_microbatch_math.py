@@ -103,13 +103,20 @@ def _concrete(args):
 
 def _microbatch(args, batch_argnums, m: int, i: int):
     """Microbatch `i` of `m`: rows of each batch leaf, sliced on the host (NumPy; a slice
-    of a device array would compile a program per shape)."""
+    of a device array would compile a program per shape) where this process holds the
+    whole leaf, on the devices otherwise (an array across processes)."""
+    def rows(x):
+        if not np.shape(x):
+            return x
+        size = x.shape[0] // m
+        if getattr(x, "is_fully_addressable", True):
+            x = np.asarray(x)
+        return x[i * size:(i + 1) * size]
+
     out = list(args)
     for a in batch_argnums:
         if a < len(out):
-            out[a] = jax.tree.map(lambda x: x if not np.shape(x) else
-                                  np.asarray(x)[i * (x.shape[0] // m):(i + 1) * (x.shape[0] // m)],
-                                  out[a])
+            out[a] = jax.tree.map(rows, out[a])
     return tuple(out)
 
 
