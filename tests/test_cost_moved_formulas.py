@@ -42,3 +42,27 @@ def test_task_work_at_each_devices_share_of_a_core():
     assert core_share(None, 8) == core_share(16, 8) == 1.0
     # two stages of 4 devices, 0.1 s and 0.2 s per microbatch, 3 microbatches
     assert tasks_cpu_seconds([(0.1, 4), (0.2, 4)], 3, 0.25) == pytest.approx(0.9, rel=1e-12)
+
+
+def test_expert_formulas_by_hand():
+    from autopar.cost import (
+        compute_time,
+        ep_exchange_bytes,
+        ep_grouped_gemm_time,
+        imbalance_compute_time,
+        trained_param_bytes,
+        weight_and_gradient_bytes,
+    )
+
+    # bf16 weight, fp32 gradient, fp32 master and moments split over 4 devices
+    assert trained_param_bytes(2, 4) == 2 + 4 + 12 / 4
+    assert weight_and_gradient_bytes(2) == 6
+    # forward: dispatch the rows, combine the result, the weights read whole
+    assert ep_exchange_bytes(1, 100.0, 40.0, 60.0, 1.5, 2) == ([75.0], [45.0], 120.0)
+    # weight gradient: both row operands dispatched, the weight gradient written whole
+    assert ep_exchange_bytes(2, 100.0, 40.0, 60.0, 1.5, 2) == ([75.0, 30.0], [], 130.0)
+    cluster = Cluster.from_profile("dgx-h100")
+    assert ep_grouped_gemm_time(8e9, 4, 1.5, 2, 10.0, 120.0, cluster, "bfloat16") == (
+        compute_time(8e9 / 4 * 1.5 / 2, 130.0 * 1.5, cluster, "bfloat16", matmul=True))
+    assert imbalance_compute_time(1e12, 1.25, cluster, "bfloat16") == pytest.approx(
+        3 * compute_time(0.25e12, 0.0, cluster, "bfloat16", matmul=True), rel=1e-15)

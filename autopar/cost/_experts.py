@@ -145,6 +145,59 @@ def expert_weight_bytes(num_experts: int, hidden: int, expert_ffn: int, itemsize
     return num_experts / ep * (3 if gated else 2) * hidden * expert_ffn / etp * itemsize
 
 
+def ep_exchange_bytes(form: int, lhs: float, rhs: float, out_bytes: float,
+                      imbalance: float, num_chunks: int
+                      ) -> tuple[list[float], list[float], float]:
+    """What one chunk of an expert-parallel grouped GEMM moves and reads, bytes per
+    device: (its dispatch all-to-alls, its combine all-to-alls, the bytes its GEMM reads
+    and writes beside its other operands). Form 1 (forward, token gradient) dispatches the
+    routed rows `lhs` and combines the result `out_bytes`, reading the expert weights `rhs`
+    whole; form 2 (weight gradient) dispatches both row operands and writes the weight
+    gradient whole. Routed rows scale by the token imbalance and split over the chunks."""
+    imb, n = imbalance, num_chunks
+    if form == 1:
+        return [lhs * imb / n], [out_bytes * imb / n], (lhs + out_bytes) / n + rhs
+    return [lhs * imb / n, rhs * imb / n], [], (lhs + rhs) / n + out_bytes
+
+
+def ep_grouped_gemm_time(flops: float, ep: int, imbalance: float, num_chunks: int,
+                         other_bytes: float, rows_bytes: float, cluster: Cluster,
+                         dtype: str) -> float:
+    """Seconds of one chunk of an expert-parallel grouped GEMM on the busiest device: the
+    GEMM's `flops` over `ep` devices, times the imbalance, over the chunks, with its bytes
+    (`other_bytes` of its other operands and `rows_bytes`, `ep_exchange_bytes`) times the
+    imbalance."""
+    return compute_time(flops / ep * imbalance / num_chunks,
+                        (other_bytes + rows_bytes) * imbalance, cluster, dtype, matmul=True)
+
+
+# Bytes per parameter of the training state besides its bf16 weight: Megatron's fp32
+# gradient buffer (4), fp32 master copy (4) and Adam's two fp32 moments (8), the last two
+# split over the data-parallel group by the distributed optimizer.
+GRAD_BYTES, MASTER_BYTES, MOMENT_BYTES = 4, 4, 8
+
+
+def trained_param_bytes(itemsize: float, group: int) -> float:
+    """Bytes per device of one trained parameter: its weight, its fp32 gradient buffer,
+    and its fp32 master copy and two moments split over `group` devices (the distributed
+    optimizer's group; 1 without it): ``itemsize + 4 + (4 + 8) / group``."""
+    return itemsize + GRAD_BYTES + (MASTER_BYTES + MOMENT_BYTES) / group
+
+
+def weight_and_gradient_bytes(itemsize: float) -> float:
+    """Bytes per device of one parameter's weight and fp32 gradient buffer (what a
+    stage holds whole whatever the optimizer splits): ``itemsize + 4``."""
+    return itemsize + GRAD_BYTES
+
+
+def imbalance_compute_time(flops: float, imbalance: float, cluster: Cluster,
+                           dtype: str) -> float:
+    """Seconds the busiest device's extra routed rows add to a step's expert GEMMs: the
+    forward's `flops` times (imbalance - 1), run forward and backward (twice the
+    forward's work) as matmuls: ``3 · compute_time(flops · (imbalance - 1))``."""
+    return 3 * compute_time(flops * (imbalance - 1.0), 0.0, cluster, dtype, matmul=True)
+
+
 def overlap_saving(all_to_all: float, other_compute: float,
                    efficiency: float = DEFAULT_OVERLAP_EFFICIENCY) -> float:
     """Seconds an overlapped schedule hides by running one microbatch's all-to-all during

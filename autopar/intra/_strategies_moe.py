@@ -43,7 +43,8 @@ from autopar.cost import (
     all_to_all_time,
     bytes_per_device,
     chunked_exchange_time,
-    compute_time,
+    ep_exchange_bytes,
+    ep_grouped_gemm_time,
 )
 from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph
@@ -134,24 +135,17 @@ class _Exchange:
         return (rows // self.ep) % OVERLAP_CHUNKS == 0
 
     def strategy(self, name, in_specs, out_spec, num_chunks: int) -> Strategy:
-        ctx, imb, n = self.ctx, self.imbalance, num_chunks
-        lhs, rhs = self.local[0], self.local[1]
-        # dispatch the routed rows: lhs (form 1), lhs and rhs (form 2); combine: the result
-        if self.form == 1:
-            dispatched, combined = [lhs * imb / n], [self.out_bytes * imb / n]
-            rows_bytes = (lhs + self.out_bytes) / n + rhs  # the expert weights read whole
-        else:
-            dispatched, combined = [lhs * imb / n, rhs * imb / n], []
-            rows_bytes = (lhs + rhs) / n + self.out_bytes  # the weight gradient whole
+        ctx, n = self.ctx, num_chunks
+        dispatched, combined, rows_bytes = ep_exchange_bytes(
+            self.form, self.local[0], self.local[1], self.out_bytes, self.imbalance, n)
         collectives = tuple(Collective("all_to_all", self.axes, b)
                             for _ in range(n) for b in (*dispatched, *combined))
 
         def seconds(moved):
             return sum(all_to_all_time(b, ctx.cluster, ctx.mesh, self.axes) for b in moved)
 
-        gemm = compute_time(self.node.flops / self.ep * imb / n,
-                            (sum(self.local[2:]) + rows_bytes) * imb, ctx.cluster,
-                            self.dtype, matmul=True)
+        gemm = ep_grouped_gemm_time(self.node.flops, self.ep, self.imbalance, n,
+                                    sum(self.local[2:]), rows_bytes, ctx.cluster, self.dtype)
         if n == 1:
             return Strategy(name, in_specs, (out_spec,), gemm,
                             seconds(dispatched) + seconds(combined), self.out_bytes,

@@ -58,17 +58,15 @@ from autopar.cost import (
     context_parallel_time,
     expert_flops,
     expert_weight_bytes,
+    imbalance_compute_time,
     moe_all_to_all_time,
     overlap_saving,
     routed_activation_bytes,
+    trained_param_bytes,
 )
 
 CONTEXT_AXIS = "context"
 EXPERT_AXIS = "expert"
-# Bytes per parameter of the experts' training state besides the bf16 weight: Megatron's
-# fp32 gradient buffer (4), fp32 master copy (4) and Adam's two fp32 moments (8), the
-# last two split over the data-parallel group by the distributed optimizer.
-GRAD_BYTES, MASTER_BYTES, MOMENT_BYTES = 4, 4, 8
 
 
 @dataclass(frozen=True)
@@ -248,17 +246,15 @@ def expert_terms(config, cluster, moe: MoEShape, micro_batch: int, seq_len: int,
     # The busiest device's extra routed rows (forward, backward twice, as the proxy's MLP).
     # (any balanced layout leaves each device 1/tp of its CP rank's expert work)
     flops = expert_flops(tokens, moe.top_k, moe.hidden, moe.expert_ffn, moe.gated)
-    extra = 3 * compute_time(flops * (moe.imbalance - 1.0), 0.0, cluster, dtype, matmul=True)
+    extra = imbalance_compute_time(flops, moe.imbalance, cluster, dtype)
     # Memory: E/ep experts split etp ways in place of the proxy's k experts split tp ways.
     routed = expert_weight_bytes(moe.num_experts, moe.hidden, moe.expert_ffn, 1,
                                  ep, etp, moe.gated)
     proxy = expert_weight_bytes(moe.top_k, moe.hidden, moe.expert_ffn, 1, 1, tp, moe.gated)
-    def per_param(group: int) -> float:
-        return moe.itemsize + GRAD_BYTES + (MASTER_BYTES + MOMENT_BYTES) / group
-
     # the proxy's MLP state is split over the whole data-parallel group under ZeRO-1
     proxy_group = config.dp * config.cp if zero1_group > 1 else 1
-    state = num_layers * (routed * per_param(zero1_group) - proxy * per_param(proxy_group))
+    state = num_layers * (routed * trained_param_bytes(moe.itemsize, zero1_group)
+                          - proxy * trained_param_bytes(moe.itemsize, proxy_group))
     activations = routed_activation_bytes(tokens, moe.top_k, moe.hidden, moe.expert_ffn,
                                           moe.itemsize, moe.gated, moe.imbalance)
     return StageTerms(num_layers * extra, a2a, state=state,

@@ -754,8 +754,7 @@ def _proxy_relief(config: MegatronConfig, moe: MoEShape | None) -> float:
     split etp ways, with their training state, over the most MoE layers a stage holds."""
     if moe is None:
         return 0.0
-    from autopar.cost import expert_weight_bytes
-    from autopar.manual._context_experts import GRAD_BYTES
+    from autopar.cost import expert_weight_bytes, weight_and_gradient_bytes
 
     proxy = expert_weight_bytes(moe.top_k, moe.hidden, moe.expert_ffn, 1, 1, config.tp,
                                 moe.gated)
@@ -763,7 +762,8 @@ def _proxy_relief(config: MegatronConfig, moe: MoEShape | None) -> float:
                                config.expert_parallel, config.expert_tensor_parallel,
                                moe.gated)
     layers = -(-moe.num_moe_layers // (config.pp * config.virtual_stages))
-    return max(0.0, proxy - real) * layers * (moe.itemsize + GRAD_BYTES) * config.virtual_stages
+    return (max(0.0, proxy - real) * layers * weight_and_gradient_bytes(moe.itemsize)
+            * config.virtual_stages)
 
 
 def _sequences(graph: OpGraph, config: MegatronConfig) -> tuple[int, int]:
