@@ -34,9 +34,11 @@ def devices():
 # with one of them running a long file alone (pyproject's `--no-loadscope-reorder` keeps
 # this order; xdist would otherwise order files by their number of tests). Files not
 # named keep their collection order after these.
+# test_profile times collectives against a profile it measures: it is kept apart from
+# test_multihost's start, whose two worker processes would share the cores while it times.
 LONGEST_FILES = (
-    "test_multihost.py", "test_profile.py", "test_remat.py", "test_planning_speed.py",
-    "test_pipeline.py", "test_deferred.py", "test_strategy_validity.py",
+    "test_multihost.py", "test_remat.py", "test_planning_speed.py", "test_pipeline.py",
+    "test_deferred.py", "test_profile.py", "test_strategy_validity.py",
     "test_benchmarks_smoke.py", "test_intra_correctness.py", "test_pipeline_memory.py",
     "test_pipeline_schedules.py", "test_scan_pipeline.py", "test_transformers_models.py",
 )
