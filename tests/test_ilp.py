@@ -444,11 +444,10 @@ def test_highs_and_cbc_break_ties_alike(seed):
 @pytest.mark.parametrize("seed", [2, 4])
 def test_every_fixing_round_keeps_the_canonical_plan(seed, monkeypatch):
     """HiGHS's tie-break fixes strategies in rounds (the first solve's simplex duals, a
-    second simplex round on large models, forced here, then the interior point), CBC's in
-    one: the same canonical plan."""
+    second simplex round on large models, forced here by `vertex_round_columns=0`, then
+    the interior point), CBC's in one: the same canonical plan."""
     import autopar.intra._ilp as ilp
 
-    monkeypatch.setattr(ilp, "_VERTEX_ROUND_COLUMNS", 0)
     rounds = []
     real = ilp._fixed_within
 
@@ -458,9 +457,17 @@ def test_every_fixing_round_keeps_the_canonical_plan(seed, monkeypatch):
 
     monkeypatch.setattr(ilp, "_fixed_within", spy)
     problem = duplicated_ties(seed)
-    highs = solve(problem, solver="highs")
+    highs = solve(problem, solver="highs", vertex_round_columns=0)
     assert len(rounds) >= 2, rounds  # the second simplex round and the interior point ran
     assert highs.choices == solve(problem, solver="cbc").choices
+    rounds.clear()  # by default this small LP skips the second round: one round, same plan
+    assert solve(problem, solver="highs").choices == highs.choices
+    assert len(rounds) == 1, rounds
+
+
+def test_vertex_round_columns_is_checked():
+    with pytest.raises(ValueError, match="vertex_round_columns must be a non-negative"):
+        solve(duplicated_ties(0), vertex_round_columns=-1)
 
 
 def test_time_limit_is_reported(monkeypatch):

@@ -166,26 +166,39 @@ def test_route_leaves_out_unsplit_dimensions(mesh_shape, ndim):
         assert got == _full_route_collectives(shape, 4, src, dst, mesh), (src, dst)
 
 
-def test_built_problems_are_dropped_least_recently_used_first(monkeypatch):
-    """Past the cache's limit the least recently used problem is dropped (a look-up
-    counts as a use) and counted out; a plan of a dropped problem, built again, is the
-    plan solved before."""
+def test_built_problems_are_dropped_least_recently_used_first():
+    """Past the cache's limit (its constructor's argument) the least recently used problem
+    is dropped (a look-up counts as a use) and counted out; a dropped problem, looked up
+    again, is built again, equal to the one built before. The cache is passed whole to
+    `_built_problem`, which builds its key (the search's own cache is `_planner._BUILT`)."""
     from autopar.intra import _planner
 
-    graph = _gpt()
-    cluster = _cluster()
+    graph, cluster = _gpt(), _cluster()
     meshes = [LogicalMesh.create(shape) for shape in ((2,), (4,), (8,))]
-    cache = _planner._BuiltProblems(float("inf"))
-    monkeypatch.setattr(_planner, "_BUILT", cache)
-    first = [_planner.plan_on_mesh(graph, cluster, mesh) for mesh in meshes]
-    sizes = [size for _, _, size in cache.order.values()]
-    assert len(sizes) == 3 and cache.bytes == sum(sizes)
-    _planner.plan_on_mesh(graph, cluster, meshes[0])  # (2,) used again: (4,) is the oldest
-    budget = sum(sizes) - 1
-    cache.limit = budget
-    again = _planner.plan_on_mesh(graph, cluster, LogicalMesh.create((2, 4)))
+    last = LogicalMesh.create((2, 4))
+
+    def built(mesh, cache):
+        return _planner._built_problem(graph, mesh, cluster, ShardOptions(), (), None, None,
+                                       None, cache=cache)
+
+    unbounded = _planner._BuiltProblems(float("inf"))
+    first = [built(mesh, unbounded) for mesh in (*meshes, last)]
+    held = list(unbounded.order.values())  # (graph ref, key, bytes) in the order kept
+    sizes = [size for _, _, size in held]
+    assert len(sizes) == 4 and unbounded.bytes == sum(sizes)
+    assert [_planner._problem_bytes(b) for b in first] == sizes
+    assert [key[0] for _, key, _ in held] == [*meshes, last]
+    assert all(built(mesh, unbounded) is b for mesh, b in zip(meshes, first))  # hits
+
+    budget = sum(sizes[:3])  # the three fit; the fourth drops the oldest
+    cache = _planner._BuiltProblems(budget)
+    for (_, key, _), problem in zip(held[:3], first):
+        cache.keep(graph, key, problem)
+    assert len(cache) == 3 and cache.bytes == budget
+    assert built(meshes[0], cache) is first[0]  # (2,) used again: (4,) is the oldest
+    cache.keep(graph, held[3][1], first[3])
     kept = [key[0] for _, key, _ in cache.order.values()]
-    assert kept[-1] == LogicalMesh.create((2, 4))
+    assert kept[-1] == last
     lru = [meshes[1], meshes[2], meshes[0]]  # least recently used first
     dropped = [m for m in lru if m not in kept]
     assert dropped and dropped == lru[:len(dropped)]
@@ -193,10 +206,10 @@ def test_built_problems_are_dropped_least_recently_used_first(monkeypatch):
     assert {key[0] for key in cache.by_graph[graph]} == set(kept)
     assert cache.bytes == sum(size for _, _, size in cache.order.values())
     assert cache.bytes <= budget or len(kept) == 1
-    assert again.var_specs  # planned
-    rebuilt = _planner.plan_on_mesh(graph, cluster, meshes[1])
-    assert rebuilt.var_specs == first[1].var_specs
-    assert rebuilt.cost == first[1].cost
+    rebuilt = built(meshes[1], cache)  # dropped: built again, the same problem
+    assert rebuilt is not first[1]
+    _assert_same(rebuilt, first[1])
+    assert cache.order[next(reversed(cache.order))][1][0] == meshes[1]
 
 
 def test_a_freed_graph_is_counted_out_without_hashing_its_keys(monkeypatch):

@@ -185,6 +185,7 @@ def solve(
     solver: SolverName = "auto",
     msg: bool = False,
     formulation: Formulation = "marginal",
+    vertex_round_columns: int | None = None,
 ) -> Solution:
     """Choose one strategy per node minimising total cost under the memory budget.
 
@@ -200,6 +201,9 @@ def solve(
     - `msg`: print the solver's log.
     - `formulation`: edge linearisation, "marginal" (Alpa's, the default: fastest in
       benchmarks/investigations/ilp_scaling.py) or "product".
+    - `vertex_round_columns`: HiGHS's tie-break runs a second, simplex round of fixing on
+      an LP left with more columns than this (`_tie_strategies`); None for
+      `VERTEX_ROUND_COLUMNS`. It changes how much each round excludes, never the plan.
 
     **Returns:** a `Solution` whose choices honour followers and the budget.
 
@@ -211,13 +215,18 @@ def solve(
     picks (1, 1) with objective 1: node 0 takes its dearer strategy to avoid resharding.
     """
     _check_options(time_limit, formulation)
+    if vertex_round_columns is None:
+        vertex_round_columns = VERTEX_ROUND_COLUMNS
+    elif not (isinstance(vertex_round_columns, int) and vertex_round_columns >= 0):
+        raise ValueError("vertex_round_columns must be a non-negative number of columns, "
+                         f"got {vertex_round_columns!r}; pass None for the default.")
     solver_name = resolve_solver(solver)
     start = time.perf_counter()
     built = _build(problem, solver, solver_name, formulation)
     build_time = time.perf_counter() - start
     start = time.perf_counter()
     ilp_choice, status, tie_break, tie_break_time = _run(
-        problem, built, solver, time_limit, msg, formulation)
+        problem, built, solver, time_limit, msg, formulation, vertex_round_columns)
     solve_time = time.perf_counter() - start
     choice = built.reduction.recover(ilp_choice)
     _prefer_lower_indices(built.graph, built.groups, built.budget, choice)
@@ -274,7 +283,8 @@ def _build(problem: ShardingProblem, solver: SolverName, solver_name: str,
 
 
 def _run(problem: ShardingProblem, built: _Built, solver: SolverName, time_limit: float,
-         msg: bool, formulation: Formulation) -> tuple[dict, str, str, float]:
+         msg: bool, formulation: Formulation,
+         vertex_round_columns: int) -> tuple[dict, str, str, float]:
     """The ILP solved within `time_limit` CPU seconds of this process, then its ties broken
     canonically in what is left. **Returns:** (the reduced graph's choice, the solver's
     status, how ties were broken, the tie-break's seconds)."""
@@ -305,7 +315,7 @@ def _run(problem: ShardingProblem, built: _Built, solver: SolverName, time_limit
         remaining = time_limit - (time.process_time() - cpu_start)  # CPU s, as HiGHS's
         ilp_choice, tie_break = _break_ties(
             reduction, model, built.built, ilp_choice, solver_name, remaining, msg, budget,
-            formulation
+            formulation, vertex_round_columns
         )
         tie_break_time = time.perf_counter() - tie_start
     return ilp_choice, status, tie_break, tie_break_time
@@ -408,7 +418,7 @@ _LEAST_TIE_BREAK_TIME = 0.01
 
 def _break_ties(
     reduction, model, built, choice: dict[int, int], solver, time_limit: float, msg,
-    budget: float | None, formulation: Formulation,
+    budget: float | None, formulation: Formulation, vertex_round_columns: int,
 ) -> tuple[dict[int, int], str]:
     """The canonical plan among those as cheap as `choice`, an optimum of `model` (the ILP
     of `reduction.graph`, built for the solver as `built`): the second, lexicographic solve.
@@ -435,7 +445,7 @@ def _break_ties(
     cost = model.objective_of(choice)
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
     keep = _tie_strategies(reduction, model, built, choice, window, solver, time_limit, msg,
-                           budget, formulation)
+                           budget, formulation, vertex_round_columns)
     graph, groups = restrict_strategies(reduction.graph, reduction.groups, budget, keep)
     tie_model = sharding_model(graph, groups, budget, formulation)
     if not tie_model.node_columns:  # one plan left: `choice`
@@ -461,7 +471,7 @@ def _break_ties(
 
 def _tie_strategies(
     reduction, model, built, choice: dict[int, int], window: float, solver, time_limit: float,
-    msg, budget: float | None, formulation: Formulation,
+    msg, budget: float | None, formulation: Formulation, vertex_round_columns: int,
 ) -> dict[int, np.ndarray]:
     """The strategies (indices into `reduction.graph`'s) of every node that a plan within
     `window` (scaled units of `model`) of the cost of `choice` may use, by reduced-cost
@@ -472,7 +482,7 @@ def _tie_strategies(
        vertex's, free: `vertex_row_duals`; a model with memory rows has none, and skips to
        round 3). They are degenerate and keep some 40 % of the strategies of the demo's
        largest models (a third of their columns);
-    2. when that LP still has more than `_VERTEX_ROUND_COLUMNS` columns, a simplex vertex's
+    2. when that LP still has more than `vertex_round_columns` columns, a simplex vertex's
        duals of it (dual simplex, a few hundredths of a CPU second), which keep about a
        third of its columns again;
     3. interior-point duals (strictly complementary: they keep little more than the tie
@@ -493,7 +503,7 @@ def _tie_strategies(
         if not restricted.node_columns:  # one plan left: `choice`
             return keep
         restricted_built = build_solver_model(restricted, solver)
-        if last_round or len(restricted.cost) <= _VERTEX_ROUND_COLUMNS:
+        if last_round or len(restricted.cost) <= vertex_round_columns:
             break
         keep = _fixed_within(keep, restricted, choice, window * model.scale / restricted.scale,
                              vertex_row_duals(restricted_built, time_limit, msg))
@@ -504,7 +514,7 @@ def _tie_strategies(
 # An LP left with more columns than this after the first round of fixing gets a second,
 # simplex round before the interior point (on the demo: 5-6k columns, 0.07 -> 0.045 CPU s
 # for both rounds; below ~1,000 columns the extra round costs more than it saves).
-_VERTEX_ROUND_COLUMNS = 2000
+VERTEX_ROUND_COLUMNS = 2000
 
 
 def _fixed_within(keep: dict[int, np.ndarray], restricted, choice: Mapping[int, int],

@@ -222,10 +222,14 @@ def price_layout(
                                              stats))
 
 
-def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint):
-    """`build_problem`, memoised per graph: the stage DP plans a layer on one mesh at
-    several footprint limits (its memory levels), which differ only in
-    `ShardingProblem.footprint_budget` (issue 18: rebuilding took most of the search)."""
+def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint,
+                   cache: _BuiltProblems | None = None):
+    """`build_problem`, memoised per graph in `cache` (None: the search's `_BUILT`): the
+    stage DP plans a layer on one mesh at several footprint limits (its memory levels),
+    which differ only in `ShardingProblem.footprint_budget` (issue 18: rebuilding took
+    most of the search)."""
+    if cache is None:
+        cache = _BUILT
     key = (
         mesh, cluster, options, tuple(tied),
         tuple(sorted((fixed or {}).items())),
@@ -234,10 +238,10 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
             tuple(sorted(footprint.held.items())), tuple(sorted(footprint.unreduced.items()))
         ),
     )
-    built = _BUILT.get(graph, key)
+    built = cache.get(graph, key)
     if built is None:
         built = build_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
-        _BUILT.keep(graph, key, built)
+        cache.keep(graph, key, built)
     if footprint is None:
         return built
     limits = {"footprint_budget": footprint.budget}
