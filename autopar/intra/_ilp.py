@@ -171,11 +171,19 @@ def _infeasible(problem: ShardingProblem, solver) -> MemoryBudgetError:
     return MemoryBudgetError(problem.memory_budget, least_memory(problem, solver=solver))
 
 
-def _check_options(time_limit: float, formulation: str) -> None:
+def _check_options(time_limit: float, formulation: str,
+                   vertex_round_columns: int | None = None) -> int:
+    """The options checked; returns `vertex_round_columns` (None: the default)."""
     if not (isinstance(time_limit, (int, float)) and time_limit > 0):
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}.")
     if formulation not in ("marginal", "product"):
         raise ValueError(f'formulation must be "marginal" or "product", got {formulation!r}.')
+    if vertex_round_columns is None:
+        return VERTEX_ROUND_COLUMNS
+    if not (isinstance(vertex_round_columns, int) and vertex_round_columns >= 0):
+        raise ValueError("vertex_round_columns must be a non-negative number of columns, "
+                         f"got {vertex_round_columns!r}; pass None for the default.")
+    return vertex_round_columns
 
 
 def solve(
@@ -214,12 +222,7 @@ def solve(
     ``solve(ShardingProblem(([0., 1.], [2., 0.]), [(0, 1)], [[[0., 5.], [5., 0.]]]))``
     picks (1, 1) with objective 1: node 0 takes its dearer strategy to avoid resharding.
     """
-    _check_options(time_limit, formulation)
-    if vertex_round_columns is None:
-        vertex_round_columns = VERTEX_ROUND_COLUMNS
-    elif not (isinstance(vertex_round_columns, int) and vertex_round_columns >= 0):
-        raise ValueError("vertex_round_columns must be a non-negative number of columns, "
-                         f"got {vertex_round_columns!r}; pass None for the default.")
+    vertex_round_columns = _check_options(time_limit, formulation, vertex_round_columns)
     solver_name = resolve_solver(solver)
     start = time.perf_counter()
     built = _build(problem, solver, solver_name, formulation)
@@ -233,18 +236,13 @@ def solve(
     choices = tuple(int(built.strategy_of[v][choice[int(built.root[v])]])
                     for v in range(problem.num_nodes))
     stats = SolveStats(
-        num_nodes=problem.num_nodes,
-        num_nodes_after_merge=built.num_merged,
+        num_nodes=problem.num_nodes, num_nodes_after_merge=built.num_merged,
         num_ilp_nodes=len(built.model.node_columns),
         num_variables_before_merge=_alpa_variable_count(problem),
-        num_variables=len(built.model.cost),
-        num_constraints=len(built.model.rows),
-        build_time=build_time,
-        solve_time=solve_time,
-        solver=solver_name if built.model.cost else "none",
-        formulation=formulation,
-        tie_break=tie_break,
-        tie_break_time=tie_break_time,
+        num_variables=len(built.model.cost), num_constraints=len(built.model.rows),
+        build_time=build_time, solve_time=solve_time,
+        solver=solver_name if built.model.cost else "none", formulation=formulation,
+        tie_break=tie_break, tie_break_time=tie_break_time,
     )
     return Solution(choices, evaluate(problem, choices), status, stats)
 
