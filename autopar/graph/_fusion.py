@@ -245,20 +245,7 @@ def _compute(graph: OpGraph) -> FusionTraffic:
     outputs = set(graph.outvars)
     depth = _depths(graph, consumers, outputs)
     producer_of = {v: node for node in graph.nodes for v in node.outputs}
-    by_id = {node.id: node for node in graph.nodes}
-
-    def readers(var: int) -> list[Node]:
-        """The nodes reading `var`, through bitcast reshapes."""
-        found = []
-        for c in consumers[var]:
-            node = by_id[c]
-            if _is_bitcast(node) and node.outputs[0] not in outputs:
-                found.extend(readers(node.outputs[0]))
-            else:
-                found.append(node)
-        return found
-
-    readers_of = [readers(v) for v in range(len(consumers))]
+    readers_of = _readers_through_bitcasts(graph, consumers, outputs)
     num_readers = [len(r) for r in readers_of]
 
     def source(var: int) -> int:
@@ -286,7 +273,31 @@ def _compute(graph: OpGraph) -> FusionTraffic:
             fusion_kind(r.primitive) == "elementwise" and depth[r.id] == d
             for r in readers_of[var]) and any(r is consumer for r in readers_of[var])
 
-    # Elementwise nodes running in a GEMM's kernel (its epilogue), in program order.
+    epilogue = _epilogue(graph, producer_of, source, _in_epilogue)
+    return _traffic(graph, outputs, readers_of, fused)
+
+
+def _readers_through_bitcasts(graph: OpGraph, consumers, outputs) -> list[list[Node]]:
+    """Per value, the nodes reading it, through bitcast reshapes."""
+    by_id = {node.id: node for node in graph.nodes}
+
+    def readers(var: int) -> list[Node]:
+        found = []
+        for c in consumers[var]:
+            node = by_id[c]
+            if _is_bitcast(node) and node.outputs[0] not in outputs:
+                found.extend(readers(node.outputs[0]))
+            else:
+                found.append(node)
+        return found
+
+    return [readers(v) for v in range(len(consumers))]
+
+
+def _epilogue(graph: OpGraph, producer_of, source, in_epilogue) -> set[int]:
+    """The elementwise nodes running in a GEMM's kernel (its epilogue), found in program
+    order: a node reading (through `source`) a GEMM's result or an epilogue node's, which
+    `in_epilogue(value, producer, node)` keeps in that kernel."""
     epilogue: set[int] = set()
     for node in graph.nodes:
         if fusion_kind(node.primitive) != "elementwise" or _is_bitcast(node):
@@ -296,9 +307,15 @@ def _compute(graph: OpGraph) -> FusionTraffic:
             producer = producer_of.get(v)
             if producer is not None and (fusion_kind(producer.primitive) == "matmul"
                                          or producer.id in epilogue) \
-                    and _in_epilogue(v, producer, node):
+                    and in_epilogue(v, producer, node):
                 epilogue.add(node.id)
                 break
+    return epilogue
+
+
+def _traffic(graph: OpGraph, outputs, readers_of, fused) -> FusionTraffic:
+    """Which operands each node reads from memory and which results it writes, given
+    `fused(value, reader)`: whether `value` stays inside the kernel running `reader`."""
 
     def boundary(node: Node) -> bool:
         return fusion_kind(node.primitive) == "boundary" or _is_bitcast(node)
@@ -373,9 +390,8 @@ def stored_residuals(
     producer_of = {v: node for node in forward for v in node.outputs}
     consumers: dict[int, list[int]] = {v: [] for v in producer_of}
     for node in forward:
-        for v in node.inputs:
-            if v in consumers:
-                consumers[v].append(node.id)
+        for v in (v for v in node.inputs if v in consumers):
+            consumers[v].append(node.id)
     leaving = set(leaving)
     depth = _depths_of(forward, consumers, leaving)
     by_id = {node.id: node for node in forward}
@@ -400,6 +416,12 @@ def stored_residuals(
             for c in consumers[v]
         )
 
+    return _walk_back(kept, free, written, producer_of)
+
+
+def _walk_back(kept: Iterable[int], free, written, producer_of) -> set[int]:
+    """The values stored for `kept`: each that is `written` as it is, else (recomputed)
+    what its producer reads, walking back; `free` values are left out."""
     stored: set[int] = set()
     seen: set[int] = set()
     stack = list(kept)

@@ -319,15 +319,7 @@ def segment_body(
         node_list = with_ring(replace(graph, nodes=node_list, invars=tuple(inputs),
                                       outvars=tuple(outputs)), plan, plan, mesh).nodes
     accumulate = [v for v in outputs if v in set(accumulate)]
-
-    def sharding(v, spec=None, stack=True):
-        spec = plan.var_specs[v] if spec is None else spec
-        if spec is None:
-            spec = replicated(len(graph.vars[v].shape))
-        if stack and v in stacked:
-            spec = stack_spec(spec, stacked[v])
-        return NamedSharding(mesh, to_partition_spec(spec))
-
+    sharding = _sharding_of(graph, plan, mesh, stacked)
     in_shardings = [sharding(v) for v in inputs]
     out_shardings = [sharding(v, output_specs.get(v)) for v in outputs]
     sum_shardings = [sharding(v) for v in accumulate]
@@ -344,17 +336,7 @@ def segment_body(
             if v in stacked:  # the deferred reduction of partial sums
                 x = jax.lax.with_sharding_constraint(x.sum(axis=0), sharding(v, stack=False))
             env[v] = x * np.asarray(scale[v], x.dtype) if v in scale else x
-        for node in node_list:
-            if any(v in stacked for v in node.outputs):
-                _run_stacked(graph, plan, mesh, node, env, stacked, sharding)
-                continue
-            for v in node.inputs:
-                if v in stacked and v in env and env[v].ndim > len(graph.vars[v].shape):
-                    # A stack read by an op that needs the sum: reduce it here.
-                    env[v] = jax.lax.with_sharding_constraint(
-                        env[v].sum(axis=0), sharding(v, stack=False)
-                    )
-            graph.run_nodes(env, [node], on_input, on_output)
+        _run_nodes(graph, plan, mesh, node_list, env, stacked, sharding, on_input, on_output)
         sums = dict(zip(accumulate, args[num_inputs:]))
         outs = [env[v] + sums[v] if v in sums else env[v] for v in outputs]
         if constrain:
@@ -362,6 +344,39 @@ def segment_body(
         return outs
 
     return run, in_shardings, out_shardings, sum_shardings
+
+
+def _sharding_of(graph: OpGraph, plan, mesh: Mesh, stacked: Mapping[int, tuple[str, ...]]):
+    """`sharding(v, spec=None, stack=True)`: the `NamedSharding` of `v` at `spec` (None:
+    the plan's; replicated where it has none), as its stack of partial sums when `v` is
+    stacked (unless `stack` is False)."""
+
+    def sharding(v, spec=None, stack=True):
+        spec = plan.var_specs[v] if spec is None else spec
+        if spec is None:
+            spec = replicated(len(graph.vars[v].shape))
+        if stack and v in stacked:
+            spec = stack_spec(spec, stacked[v])
+        return NamedSharding(mesh, to_partition_spec(spec))
+
+    return sharding
+
+
+def _run_nodes(graph: OpGraph, plan, mesh: Mesh, node_list, env: dict, stacked, sharding,
+               on_input, on_output) -> None:
+    """Run `node_list` into `env`: a node making a stacked value per device or per slice
+    (`_run_stacked`); a stack read by a node that needs its sum reduced first."""
+    for node in node_list:
+        if any(v in stacked for v in node.outputs):
+            _run_stacked(graph, plan, mesh, node, env, stacked, sharding)
+            continue
+        for v in node.inputs:
+            if v in stacked and v in env and env[v].ndim > len(graph.vars[v].shape):
+                # A stack read by an op that needs the sum: reduce it here.
+                env[v] = jax.lax.with_sharding_constraint(
+                    env[v].sum(axis=0), sharding(v, stack=False)
+                )
+        graph.run_nodes(env, [node], on_input, on_output)
 
 
 

@@ -157,6 +157,12 @@ def megatron_grid_search(
     coster = _Coster(graphs, cluster, recompute, donate_argnums, memory_budget,
                      marked=any(n.primitive == "layer_boundary" for n in graph.nodes),
                      results=results, attention=attention, moe=moe, plans=plans)
+    return _fastest(coster, to_cost, cluster), results
+
+
+def _fastest(coster: _Coster, to_cost: Sequence[MegatronConfig], cluster) -> Plan:
+    """The plan of least predicted step time among `to_cost`, costed in order by `coster`
+    (which records every outcome); ValueError naming every outcome when none works."""
     best: Plan | None = None
     for index, config in enumerate(to_cost):
         plan = coster.cost(config, f"grid {index + 1}/{len(to_cost)}")
@@ -164,13 +170,13 @@ def megatron_grid_search(
                                  or plan.predicted_step_time < best.predicted_step_time):
             best = plan
     if best is None:
-        reasons = "\n".join(f"  {c.name}: {outcome}" for c, outcome in results)
+        reasons = "\n".join(f"  {c.name}: {outcome}" for c, outcome in coster.results)
         raise ValueError(
             f"no Megatron configuration of this step works on {cluster.num_devices} devices "
             f"of {cluster.name!r}:\n{reasons or '  (no valid configuration)'}\n"
             "Use more devices or memory, or other pp_values / microbatch_sizes."
         )
-    return best, results
+    return best
 
 
 class _Traces:

@@ -148,11 +148,7 @@ def megatron_plan(
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
     start = time.perf_counter()
-    args = context_args(abstract_args, tuple(batch_argnums), config.cp)
-    if config.pp > 1 or config.num_microbatches > 1:
-        # The pipeline runtime runs the step traced at one microbatch.
-        args = microbatch_args(args, tuple(batch_argnums), config.num_microbatches)
-    graph = trace(step_fn, *args, batch_argnums=tuple(batch_argnums))
+    graph = _traced(step_fn, abstract_args, tuple(batch_argnums), config)
     trace_time = time.perf_counter() - start
     plan = megatron_plan_for_graph(
         graph, cluster, config, donate_argnums=donate_argnums, overrides=overrides,
@@ -160,6 +156,15 @@ def megatron_plan(
     )
     plan.timings["trace"] = trace_time
     return plan
+
+
+def _traced(step_fn: Callable, abstract_args, batch_argnums: tuple, config: MegatronConfig):
+    """`step_fn` traced as `config` runs it: at one CP rank's shapes (`context_args`) and,
+    pipelined or accumulating, at one microbatch (what the pipeline runtime runs)."""
+    args = context_args(abstract_args, batch_argnums, config.cp)
+    if config.pp > 1 or config.num_microbatches > 1:
+        args = microbatch_args(args, batch_argnums, config.num_microbatches)
+    return trace(step_fn, *args, batch_argnums=batch_argnums)
 
 
 def megatron_plan_for_graph(
@@ -194,6 +199,15 @@ def megatron_plan_for_graph(
     check_devices(cluster, config)
     config.check_microbatches()
     check_context_experts(graph, config, attention, moe)
+    stages, ilp_time = _megatron_stages(graph, cluster, config, donate_argnums, overrides,
+                                        memory_budget, solve_cache, attention, moe)
+    return _megatron_result(graph, cluster, config, stages, {"intra_op_ilp": ilp_time})
+
+
+def _megatron_stages(graph: OpGraph, cluster, config: MegatronConfig, donate_argnums,
+                     overrides, memory_budget, solve_cache, attention, moe):
+    """The stages of `config`'s plan, planned on its (dp·cp, tp) data mesh with CP's and
+    EP's terms added; (stages, seconds spent building and adding them)."""
     outer, config = config, config.data_config()
     specs = megatron_specs(graph, config, overrides)
     pinned = residual_specs(graph, config)
@@ -214,8 +228,13 @@ def megatron_plan_for_graph(
             raise
         raise ValueError(str(err).replace(config.name, outer.name)) from err
     stages = add_context_experts(stages, graph, cluster, outer, attention, moe, budget)
-    config = outer
-    timings = {"intra_op_ilp": time.perf_counter() - start}
+    return stages, time.perf_counter() - start
+
+
+def _megatron_result(graph: OpGraph, cluster, config: MegatronConfig, stages,
+                     timings: dict) -> Plan:
+    """The `Plan` of `config`'s `stages`: a pipeline's inputs as their first readers hold
+    them, a one-mesh plan's as its stage does."""
     first = stages[0].sharding
     pipelined = _layer_wise(graph, config)
     priced = (f"{config.name}: context parallelism is priced, not run: the plan holds one "

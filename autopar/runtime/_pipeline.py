@@ -71,6 +71,20 @@ class _Compiled:
     sums: tuple[int, ...]
 
 
+def _task_segments(partition: Partition, schedule: str, grad_set: set) -> list:
+    """[(phase, segment)] of the segments run once per microbatch, by phase (see
+    `autopar.cost._schedule`): with zero bubble each backward splits into its
+    input-gradient part B (phase "backward") and its weight-gradient part W ("weight")."""
+    segments = [("forward", seg) for seg in partition.forward]
+    for seg in partition.backward:
+        if schedule == "zero_bubble":
+            b, w = split_backward(seg, partition.stage_graphs[seg.stage], grad_set)
+            segments += [("backward", b), ("weight", w)]
+        else:
+            segments.append(("backward", seg))
+    return segments
+
+
 class PipelineExecutable:
     """A compiled pipelined plan; call it with the step's flat arguments."""
 
@@ -98,26 +112,10 @@ class PipelineExecutable:
             stacked_layout(partition.stage_graphs[s], plan, partition.deferrable)
             for s, plan in enumerate(self.stage_plans)
         ]
-        # A stacked gradient the update of another stage reads (a shared weight's
-        # contribution) is reduced on its own stage first, once per step.
-        self.handoff: list[dict[int, Any]] = []
-        for s, stacked in enumerate(self.stacked):
-            elsewhere = {
-                v for seg in partition.apply if seg.stage != s for v in seg.inputs
-            } & set(stacked)
-            self.handoff.append({v: self._reducer(s, v) for v in elsewhere})
+        self.handoff = self._handoffs()
         grad_set = set(partition.grad_vars)
         scale = {v: 1.0 / num_microbatches for v in partition.grad_vars}
-        # The segments run once per microbatch, by phase (see `autopar.cost._schedule`):
-        # with zero bubble each backward splits into its input-gradient part B (phase
-        # "backward") and its weight-gradient part W (phase "weight").
-        segments = [("forward", seg) for seg in partition.forward]
-        for seg in partition.backward:
-            if schedule == "zero_bubble":
-                b, w = split_backward(seg, partition.stage_graphs[seg.stage], grad_set)
-                segments += [("backward", b), ("weight", w)]
-            else:
-                segments.append(("backward", seg))
+        segments = _task_segments(partition, schedule, grad_set)
         self.tasks: dict[tuple[str, int], _Compiled] = {
             (phase, seg.stage): self._lower(seg, grad_set, None, output_specs)
             for phase, seg in segments
@@ -127,10 +125,8 @@ class PipelineExecutable:
         # Values made once per microbatch (its batch rows and everything its tasks
         # produce), and how many tasks of each stage read each: a value goes once its
         # last reader has run (see `autopar.runtime._values`).
-        per_microbatch = set(self.batch_vars)
-        for _, seg in segments:
-            per_microbatch.update(seg.outputs)
-        self.per_microbatch = frozenset(per_microbatch)
+        self.per_microbatch = frozenset(
+            {*self.batch_vars, *(v for _, seg in segments for v in seg.outputs)})
         self.readers = readers_by_stage((seg for _, seg in segments), self.per_microbatch)
         self.memory_samples: list[MemorySample] | None = None
         # (phase, stage, id(program)) -> (working bytes per device, compiled executable)
@@ -151,6 +147,18 @@ class PipelineExecutable:
             FusedStep(self, donate_flat)
             if partition.num_stages == 1 and jax.process_count() == 1 else None
         )
+
+    def _handoffs(self) -> list[dict[int, Any]]:
+        """Per stage, {stacked gradient the update of another stage reads (a shared
+        weight's contribution): its reducer}; each is reduced on its own stage first, once
+        per step."""
+        handoff = []
+        for s, stacked in enumerate(self.stacked):
+            elsewhere = {
+                v for seg in self.partition.apply if seg.stage != s for v in seg.inputs
+            } & set(stacked)
+            handoff.append({v: self._reducer(s, v) for v in elsewhere})
+        return handoff
 
     def _reducer(self, stage: int, v: int):
         """A jitted sum of stage `stage`'s stack of partial sums of `v`, laid out as
@@ -248,24 +256,8 @@ class PipelineExecutable:
         if record and jax.process_count() == 1:
             self._run_timed(micro, step_values, stage_sums, records, t0)
         else:
-            for phase, stage, i in self.order:
-                start = time.perf_counter()
-                running = None
-                if recorder:
-                    running = functools.partial(
-                        self._sample_running, recorder, (phase, stage, i), functools.partial(
-                            self._held, step_env, step_values, stage_sums, micro),
-                    )
-                outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage],
-                                      running)
-                if record or recorder:
-                    jax.block_until_ready(outs)  # only this process's shards
-                    records.append(
-                        TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0)
-                    )
-                if recorder:
-                    recorder.sample(stage, phase, i,
-                                    self._held(step_env, step_values, stage_sums, micro))
+            self._run_in_order(step_env, micro, step_values, stage_sums, records, t0, record,
+                               recorder)
         assert all(not m.copies for m in micro), (
             "values of a microbatch outlived their last reader: "
             f"{[m.held() for m in micro if m.copies]}"
@@ -277,6 +269,40 @@ class PipelineExecutable:
                 sums[v] = reduce(sums[v])
             step_env.update(sums)
         stage_sums.clear()
+        self._run_updates(step_env, step_values, records, t0, record, recorder)
+        settle_transfers()  # several processes: every transfer in before the next step
+        if record:
+            self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
+        if recorder:
+            self.memory_samples = recorder.finish()
+        return [self._result(step_env, v) for v in graph.outvars]
+
+    def _run_in_order(self, step_env, micro, step_values, stage_sums, records, t0, record,
+                      recorder) -> None:
+        """Every microbatch's tasks dispatched in `self.order`; with `record` or a memory
+        `recorder`, each waited for and recorded (and sampled while and after it runs)."""
+        for phase, stage, i in self.order:
+            start = time.perf_counter()
+            running = None
+            if recorder:
+                running = functools.partial(
+                    self._sample_running, recorder, (phase, stage, i), functools.partial(
+                        self._held, step_env, step_values, stage_sums, micro),
+                )
+            outs = self._run_task(phase, stage, micro[i], step_values, stage_sums[stage],
+                                  running)
+            if record or recorder:
+                jax.block_until_ready(outs)  # only this process's shards
+                records.append(
+                    TaskRecord(stage, phase, i, start - t0, time.perf_counter() - t0)
+                )
+            if recorder:
+                recorder.sample(stage, phase, i,
+                                self._held(step_env, step_values, stage_sums, micro))
+
+    def _run_updates(self, step_env, step_values, records, t0, record, recorder) -> None:
+        """The once-per-step segments (the update), their results into `step_env`; with
+        `record` or a memory `recorder`, each waited for and recorded."""
         for compiled in self.apply:
             start = time.perf_counter()
             args = self._fetch(step_env, compiled)
@@ -297,12 +323,6 @@ class PipelineExecutable:
                 records.append(TaskRecord(stage, "apply", 0, start - t0, end - t0))
                 if recorder:
                     recorder.sample(stage, "apply", 0, self._held(step_env, step_values))
-        settle_transfers()  # several processes: every transfer in before the next step
-        if record:
-            self.timeline = sorted(records, key=lambda r: (r.start, r.stage))
-        if recorder:
-            self.memory_samples = recorder.finish()
-        return [self._result(step_env, v) for v in graph.outvars]
 
     def _run_timed(self, micro, step_values, stage_sums, records, t0) -> None:
         """Every task timed (one process): one thread per device group runs the group's
