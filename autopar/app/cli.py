@@ -257,16 +257,7 @@ def _add_plan(subparsers) -> None:
             "mlp-tiny, llama-8B. Large models can take long to plan."
         ),
     )
-    parser.add_argument("--model", required=True, metavar="NAME",
-                        help="e.g. gpt-1.3B, moe-380M, wide_resnet-tiny, mlp-tiny, llama-8B")
-    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
-                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
-    parser.add_argument("--hosts", type=int, default=None, metavar="H",
-                        help="number of hosts (default: the profile's)")
-    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
-                        help="devices per host (default: the profile's)")
-    parser.add_argument("--batch", type=int, default=8, metavar="B",
-                        help="global batch size (default: 8)")
+    _add_model_flags(parser, "e.g. gpt-1.3B, moe-380M, wide_resnet-tiny, mlp-tiny, llama-8B")
     parser.add_argument("--method", default="auto", choices=_methods(),
                         help="the planning method (default: auto)")
     parser.add_argument("--mesh-shape", type=_mesh_shape, default=None, metavar="2,4",
@@ -279,6 +270,27 @@ def _add_plan(subparsers) -> None:
                         help="also draw the layout picture there (needs matplotlib)")
     _add_output_flags(parser)
     parser.set_defaults(run=_run_plan)
+
+
+def _add_model_flags(parser, model_help: str) -> None:
+    """The flags naming an example model and the virtual cluster it is planned on (`plan`,
+    `compare`, `space`): --model, --profile, --hosts, --devices-per-host, --batch."""
+    parser.add_argument("--model", required=True, metavar="NAME", help=model_help)
+    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
+                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
+    parser.add_argument("--hosts", type=int, default=None, metavar="H",
+                        help="number of hosts (default: the profile's)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
+                        help="devices per host (default: the profile's)")
+    parser.add_argument("--batch", type=int, default=8, metavar="B",
+                        help="global batch size (default: 8)")
+
+
+def _check_host_counts(args: argparse.Namespace) -> None:
+    """--hosts and --devices-per-host, when given, are at least 1."""
+    for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
 
 
 def _add_sequence_flag(parser) -> None:
@@ -361,9 +373,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from autopar.cluster import Cluster
     from autopar.search import plan
 
-    for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    _check_host_counts(args)
     from autopar.report._why import batch_warnings
 
     model = named_model(args.model, args.batch, seq_len=args.seq_len)
@@ -424,16 +434,7 @@ def _add_compare(subparsers) -> None:
             "is allocated. The model is traced with its layers marked (layer_boundary)."
         ),
     )
-    parser.add_argument("--model", required=True, metavar="NAME",
-                        help="e.g. gpt-1.3B, moe-380M (see `autopar plan --help`)")
-    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
-                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
-    parser.add_argument("--hosts", type=int, default=None, metavar="H",
-                        help="number of hosts (default: the profile's)")
-    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
-                        help="devices per host (default: the profile's)")
-    parser.add_argument("--batch", type=int, default=8, metavar="B",
-                        help="global batch size (default: 8)")
+    _add_model_flags(parser, "e.g. gpt-1.3B, moe-380M (see `autopar plan --help`)")
     parser.add_argument("--configs", type=_megatron_configs, default=None,
                         metavar="dp2tp4,dp8tp2pp4mb64,sp,zero1",
                         help="Megatron configurations dp<D>tp<T>[pp<P>][mb<M>], each followed "
@@ -601,16 +602,7 @@ def _add_space(subparsers) -> None:
             "matplotlib). A dry run on abstract arguments."
         ),
     )
-    parser.add_argument("--model", required=True, metavar="NAME",
-                        help="e.g. gpt-1.3B, llama-8B (see `autopar plan --help`)")
-    parser.add_argument("--profile", default="dgx-a100-80g", metavar="P",
-                        help="a cost profile name or JSON path (default: dgx-a100-80g)")
-    parser.add_argument("--hosts", type=int, default=None, metavar="H",
-                        help="number of hosts (default: the profile's)")
-    parser.add_argument("--devices-per-host", type=int, default=None, metavar="D",
-                        help="devices per host (default: the profile's)")
-    parser.add_argument("--batch", type=int, default=8, metavar="B",
-                        help="global batch size (default: 8)")
+    _add_model_flags(parser, "e.g. gpt-1.3B, llama-8B (see `autopar plan --help`)")
     parser.add_argument("--microbatch-sizes", type=_mesh_shape, default=None, metavar="1,2,4,8",
                         help="examples per microbatch per data-parallel rank the grid tries "
                         "(default: 1,2,4,8)")
@@ -648,9 +640,7 @@ def _run_space(args: argparse.Namespace) -> int:
     from autopar.cluster import Cluster
     from autopar.space import explore
 
-    for flag, value in (("--hosts", args.hosts), ("--devices-per-host", args.devices_per_host)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    _check_host_counts(args)
     model = named_model(args.model, args.batch, layer_markers=True, seq_len=args.seq_len)
     cluster = Cluster.from_profile(args.profile, args.hosts, args.devices_per_host)
     start = time.perf_counter()

@@ -224,12 +224,9 @@ def node_strategies(
     return _dedupe(strategies)
 
 
-def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: CostContext,
-                           assignment, in_vars, out_vars, dtype) -> list[Strategy]:
-    """The strategies of one assignment of mesh axes to `sig`'s labels: the node's specs
-    and compute under it and, where it leaves partial results, their all-reduce (and,
-    for one summed result, the reduce-scatter variants)."""
-    mesh = ctx.mesh
+def _specs_under(sig: Signature, assignment, in_vars, out_vars) -> tuple[tuple, tuple]:
+    """(input specs, output specs) of `sig`'s operands under `assignment` (label -> mesh
+    axes); a constant input's spec is None."""
     in_specs = tuple(
         None if var.role is Role.CONST else spec_for(labels, len(var.shape), assignment)
         for labels, var in zip(sig.inputs, in_vars)
@@ -238,6 +235,16 @@ def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: Cost
         spec_for(labels, len(var.shape), assignment)
         for labels, var in zip(sig.outputs, out_vars)
     )
+    return in_specs, out_specs
+
+
+def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: CostContext,
+                           assignment, in_vars, out_vars, dtype) -> list[Strategy]:
+    """The strategies of one assignment of mesh axes to `sig`'s labels: the node's specs
+    and compute under it and, where it leaves partial results, their all-reduce (and,
+    for one summed result, the reduce-scatter variants)."""
+    mesh = ctx.mesh
+    in_specs, out_specs = _specs_under(sig, assignment, in_vars, out_vars)
     used_axes = {a for axes in assignment.values() for a in axes}
     parallelism = math.prod(mesh.axis_size(a) for a in used_axes) if used_axes else 1
     out_bytes = sum(
@@ -425,14 +432,7 @@ def follow_strategies(
                 return None
             if axes:
                 assignment[label] = axes
-        in_specs = tuple(
-            None if v.role is Role.CONST else spec_for(lab, len(v.shape), assignment)
-            for lab, v in zip(sig.inputs, in_vars)
-        )
-        out_specs = tuple(
-            spec_for(out_labels, len(v.shape), assignment)
-            for out_labels, v in zip(sig.outputs, out_vars)
-        )
+        in_specs, out_specs = _specs_under(sig, assignment, in_vars, out_vars)
         tensors = [*zip(in_vars, in_specs), *zip(out_vars, out_specs)]
         if not all(s is None or _divisible(v.shape, s, ctx.mesh) for v, s in tensors):
             return None
