@@ -31,6 +31,15 @@ def cluster(profile: str = "cpu-local", num_hosts: int | None = None,
     return autopar.Cluster.from_profile(profile, num_hosts, devices_per_host)
 
 
+# Plan options for a test of several microbatches that checks something other than the
+# microbatch-math check: that check evaluates the step on the host at the full batch and at
+# a microbatch (two more compiles: 6 CPU s against the 3 CPU s of the tiny GPT's 2-stage
+# search). Its own tests are tests/test_microbatch_math.py (warns, silent for a mean, strict);
+# the tiny GPT's pipelines keep it in test_pipeline.test_gpt_pipeline_sgd and
+# test_scan_pipeline, Llama's in test_transformers_models, and across processes in
+# test_multihost.
+NO_MICROBATCH_CHECK = {"microbatch_check": "off"}
+
 # The tiny GPT with layer marks: 4 blocks + head = 5 layers.
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, run_steps
+from helpers import NO_MICROBATCH_CHECK, assert_trees_close, run_steps
 
 import autopar
 from autopar.cluster import Cluster, LogicalMesh
@@ -57,7 +57,8 @@ def _matches_one_device(reference, **pipeline):
     step, state, batch = _sgd_run()
     ref_losses, ref_state = reference
     par = autopar.autoparallel(
-        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), **pipeline
+        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), **pipeline,
+        **NO_MICROBATCH_CHECK,
     )
     losses, par_state = run_steps(par, state, batch, num_steps=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
