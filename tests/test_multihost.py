@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import optax
 import pytest
-from helpers import run_steps
+from helpers import NO_MICROBATCH_CHECK, run_steps
 from multihost_worker import (
     FOUR_STAGE_SCHEDULES,
     LEARNING_RATE,
@@ -146,7 +146,9 @@ def reference_losses(started_run, single_device_losses):
     for mode, options in PLAN_OPTIONS.items():
         if mode not in MODES:  # (the 4-stage modes have their own model and batch)
             continue
-        par = autopar.autoparallel(step, cluster=cluster, donate_argnums=(), **options)
+        # (the workers' pipeline runs check the microbatch math across processes)
+        par = autopar.autoparallel(step, cluster=cluster, donate_argnums=(), **options,
+                                   **NO_MICROBATCH_CHECK)
         eight[mode], _ = run_steps(par, state, batch)
     return single, eight
 
