@@ -53,22 +53,32 @@ def test_config_needs_the_distributed_optimizer():
     assert config.name == "megatron(dp=2,tp=2,pp=2,zero2)"
 
 
-def test_zero2_shards_gradients_and_adds_the_exposed_reduce_scatter():
-    """dp4 tp2 pp2 with 4 microbatches on two virtual DGX A100 (DP across hosts): every
-    stage's gradient sums are 1/4 of ZeRO-1's, its working memory holds one more bucket
-    (the largest gradient), and its time per microbatch grows by the reduce-scatter of
-    its gradients over "data" that its compute does not hide, by hand."""
-    opt = optax.adamw(1e-4)
-    step = gpt.make_train_step(CFG, opt)
-    m = 4
-    args = microbatch_args((gpt.abstract_state(CFG, opt), gpt.abstract_batch(CFG, 32)), (1,), m)
-    graph = trace(step, *args, batch_argnums=(1,))
+OPT = optax.adamw(1e-4)
+BATCH = 32
+M = 4
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """dp4 tp2 pp2 with 4 microbatches on two virtual DGX A100 (DP across hosts), ZeRO-1
+    and ZeRO-2: (cluster, zero1 plan, zero2 plan)."""
+    step = gpt.make_train_step(CFG, OPT)
+    args = (gpt.abstract_state(CFG, OPT), gpt.abstract_batch(CFG, BATCH))
+    graph = trace(step, *microbatch_args(args, (1,), M), batch_argnums=(1,))
     cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=2)
-    base = MegatronConfig(dp=4, tp=2, pp=2, num_microbatches=m, distributed_optimizer=True)
+    base = MegatronConfig(dp=4, tp=2, pp=2, num_microbatches=M, distributed_optimizer=True)
     cache: dict = {}
     zero1 = megatron_plan_for_graph(graph, cluster, base, solve_cache=cache)
     zero2 = megatron_plan_for_graph(graph, cluster, dataclasses.replace(base, zero2=True),
                                     solve_cache=cache)
+    return cluster, zero1, zero2
+
+
+def test_zero2_shards_gradients_and_adds_the_exposed_reduce_scatter(plans):
+    """Every stage's gradient sums are 1/4 of ZeRO-1's, its working memory holds one more
+    bucket (the largest gradient), and its time per microbatch grows by the reduce-scatter
+    of its gradients over "data" that its compute does not hide, by hand."""
+    cluster, zero1, zero2 = plans
     assert zero2.method == "megatron(dp=4,tp=2,pp=2,zero2,mb=4)"
     assert any("ZeRO-2 is priced, not run" in w for w in zero2.warnings)
     assert zero2.predicted_step_time > zero1.predicted_step_time
@@ -90,6 +100,27 @@ def test_zero2_shards_gradients_and_adds_the_exposed_reduce_scatter():
         assert two.time_per_microbatch - one.time_per_microbatch == pytest.approx(expected)
         assert c2.collectives["reduce_scatter"][0] == pytest.approx(
             c1.collectives.get("reduce_scatter", (0.0, 0.0))[0] + 1)
+
+
+def test_grid_takes_zero2_where_only_it_fits(plans):
+    """With a memory budget between the two layouts' peaks, the grid asked to try ZeRO-2
+    finds ZeRO-1 out of memory and returns the ZeRO-2 plan."""
+    from autopar.manual import megatron_grid_search
+
+    cluster, zero1, zero2 = plans
+    peak1 = max(s.memory_per_device for s in zero1.stages)
+    peak2 = max(s.memory_per_device for s in zero2.stages)
+    assert peak2 < peak1
+    step = gpt.make_train_step(CFG, OPT)
+    args = (gpt.abstract_state(CFG, OPT), gpt.abstract_batch(CFG, BATCH))
+    best, results = megatron_grid_search(
+        step, *args, cluster=cluster, pp_values=(2,), tp_values=(2,), microbatch_counts=(M,),
+        sequence_parallel=(False,), distributed_optimizer=(True,), zero2=(False, True),
+        recompute=("none",), virtual_stages=(1,), memory_budget=(peak1 + peak2) / 2)
+    assert best.method == zero2.method
+    assert best.predicted_step_time == pytest.approx(zero2.predicted_step_time)
+    outcomes = {c.name: r for c, r in results}
+    assert "does not fit" in outcomes[zero1.method]
 
 
 def test_zero2_without_layer_marks_is_refused():
