@@ -321,3 +321,31 @@ def test_mixed_precision_tied_embedding_sum_and_cast_run_in_the_update():
     head_part = next(v for v in producer[joined].inputs
                      if layers.layer[producer[v].id] == layers.num_layers - 1)
     assert head_part in deferred.grads
+
+
+@pytest.mark.extended
+def test_mixed_precision_tied_embedding_pipeline_matches_one_device():
+    """The split of `test_mixed_precision_tied_embedding_sum_and_cast_run_in_the_update`
+    run: bf16 compute, fp32 master weights, two stages of 4 microbatches, 2 SGD steps
+    against one device; the head's part of the tied embedding's gradient is the one value
+    handed back to stage 0 (once per step). Extended (a second pipeline compile); the
+    default suite covers the split by graph (that test) and the runtime's moved sum in
+    fp32 (`test_shared_embedding_gradient_is_summed_once_per_step`)."""
+    cfg = dataclasses.replace(GPT, dtype="bfloat16", master_dtype="float32")
+    optimizer = optax.sgd(0.1)
+    step = gpt.make_train_step(cfg, optimizer)
+    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(cfg, 128, jax.random.key(1))
+    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
+    par = autopar.autoparallel(
+        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), num_stages=2,
+        num_microbatches=4, submeshes=[(1, 4)], logical_shapes=[(4,)],
+    )
+    losses, par_state = run_steps(par, state, batch, num_steps=2)
+    # bf16 gradients summed in another order: rounding-level differences only
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert_trees_close(par_state, ref_state, 1e-3)
+    handoff = [set(h) for h in par.pipeline.handoff]
+    assert handoff[0] == set() and len(handoff[1]) == 1
+    (v,) = handoff[1]
+    assert par.pipeline.graph.vars[v].shape == (cfg.vocab_size, cfg.hidden)
