@@ -404,7 +404,8 @@ def table(rows: list[dict]) -> str:
         "",
         "Dry runs, no devices. Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
-        "optimizer as published, 1F1B or interleaved as published) scored by the cost "
+        "optimizer as published, ZeRO-2 where the gradients were sharded too, 1F1B or "
+        "interleaved as published) scored by the cost "
         "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
@@ -434,7 +435,7 @@ def table(rows: list[dict]) -> str:
                 f"{f' ep{run.ep}' if run.ep else ''}, "
                 f"{run.num_microbatches} microbatches, "
                 f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
-                f"{', zero1' if run.distributed_optimizer else ''}"
+                f"{', zero2' if run.zero2 else ', zero1' if run.distributed_optimizer else ''}"
                 f"{f', interleaved v={run.virtual_stages}' if run.virtual_stages > 1 else ''}")
         if "predicted" in row:
             numbers = (f"{row['predicted']:.2f} | {row['published']:.2f} | "

@@ -1,6 +1,6 @@
 """Why MT-NLG 530B and Megatron-LM's 530B disagree on the same shapes (issue 44, item 1).
 
-    python benchmarks/investigations/mtnlg_vs_narayanan.py [--load F.json ...]
+    python benchmarks/investigations/mtnlg_vs_narayanan.py [--load F.json ...] [--write]
 
 Both ran a 530B GPT (hidden 20,480, 105 layers, sequence 2,048) as TP8 PP35 with
 micro-batch 1 and full recompute on DGX A100 (Selene): Smith et al. 2022 (MT-NLG,
@@ -22,6 +22,9 @@ configurations make differ by first principles:
 - the share of the gap that leaves for the rest (kernels, the runtime: Megatron-LM 2021's
   fused kernels, sec. 4.2, against Megatron-DeepSpeed's pipeline engine), which the
   publications do not break down.
+
+`--write` puts the result into docs/benchmarks.md (section "MT-NLG against Megatron-LM at
+530B", `benchmarks._results`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from benchmarks import validate_public as vp  # noqa: E402
 # Narayanan et al. 2021, Table 1, 529.6B: 2520 GPUs, batch 2520 (m = 280 at dp 9), 163
 # TFLOP/s; its published step, eq. 3 with the traced model's FLOPs, is 54.13 s
 # (`large_decomposition`'s mt530 row).
+SECTION = "## MT-NLG against Megatron-LM at 530B (the same shapes, 27% apart)"
 NARAYANAN = dict(key="megatron-lm-530b (Narayanan 2021)", gpus=2520, dp=9, pp=35, m=280,
                  step=54.13)
 
@@ -55,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load", nargs="*", default=(),
                         help="validate_public --save files with the MT-NLG rows' predictions")
+    parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     predicted = {}
     for path in args.load:
@@ -63,9 +68,15 @@ def main() -> None:
                 if "predicted" in row:
                     predicted[key] = row["predicted"]
     runs = [r for r in vp.RUNS if r.key.startswith("mtnlg-530b")]
-    print("| run | GPUs | m | published s/step | published ms per microbatch-stage | "
-          "predicted ms per microbatch-stage |")
-    print("|---|---|---|---|---|---|")
+    lines = [SECTION, "",
+             "The same 530B shapes, TP8 PP35, micro-batch 1, full recompute on DGX A100: "
+             "MT-NLG (Smith et al. 2022, Megatron-DeepSpeed) against Megatron-LM (Narayanan "
+             "et al. 2021, Table 1). A 1F1B step is m + p - 1 stage slots, so the published "
+             "step over that is one microbatch on one stage, bubble removed. Predicted: "
+             "`validate_public`'s rows (`--load`).", "",
+             "| run | GPUs | m | published s/step | published ms per microbatch-stage | "
+             "predicted ms per microbatch-stage |",
+             "|---|---|---|---|---|---|"]
     slots = {}
     for run in runs:
         # the paper's seconds per iteration (Smith et al. 2022, sec. 2.4), which its
@@ -75,14 +86,14 @@ def main() -> None:
         slots[run.key] = per_slot(step, m, p)
         pred = predicted.get(run.key)
         shown = f"{per_slot(pred, m, p) * 1e3:.0f}" if pred else "—"
-        print(f"| {run.key} | {run.num_gpus} | {m} | {step:.1f} | {slots[run.key] * 1e3:.0f} | "
-              f"{shown} |")
+        lines.append(f"| {run.key} | {run.num_gpus} | {m} | {step:.1f} | "
+                     f"{slots[run.key] * 1e3:.0f} | {shown} |")
     n = NARAYANAN
     ref = per_slot(n["step"], n["m"], n["pp"])
-    print(f"| {n['key']} | {n['gpus']} | {n['m']} | {n['step']:.2f} | {ref * 1e3:.0f} | — |")
+    lines += [f"| {n['key']} | {n['gpus']} | {n['m']} | {n['step']:.2f} | {ref * 1e3:.0f} | — |",
+              "", "What the configurations make differ, per microbatch-stage:", ""]
     cfg = vp.MTNLG
     activation = cfg.seq_len * cfg.hidden * 2  # one sequence's bf16 activation, bytes
-    print()
     for run in runs:
         cluster = Cluster.from_profile(run.profile, num_hosts=run.num_gpus // 8)
         stage_devices = run.dp * run.tp
@@ -90,12 +101,19 @@ def main() -> None:
         gathered = boundary_transfer_time(crossing, cluster, stage_devices)
         whole = boundary_transfer_time(crossing * run.tp, cluster, stage_devices)
         gap = slots[run.key] - ref
-        print(f"{run.key}: gap to Megatron-LM {gap * 1e3:.0f} ms per microbatch-stage "
-              f"({slots[run.key] / ref - 1:+.0%}); boundary transfer with scatter/gather "
-              f"{gathered * 1e3:.1f} ms, without {whole * 1e3:.1f} ms: explains "
-              f"{(whole - gathered) * 1e3:.1f} ms; left for kernels and runtime "
-              f"{(gap - whole + gathered) * 1e3:.0f} ms "
-              f"({(gap - whole + gathered) / ref:+.0%} of Megatron-LM's)")
+        lines.append(
+            f"- {run.key}: {gap * 1e3:.0f} ms more than Megatron-LM "
+            f"({slots[run.key] / ref - 1:+.0%}). The stage-boundary transfer with "
+            f"scatter/gather takes {gathered * 1e3:.1f} ms, without it {whole * 1e3:.1f} ms: "
+            f"{(whole - gathered) * 1e3:.1f} ms of the gap. Left for kernels and runtime, "
+            f"which neither paper breaks down: {(gap - whole + gathered) * 1e3:.0f} ms "
+            f"({(gap - whole + gathered) / ref:+.0%} of Megatron-LM's slot).")
+    text = "\n".join(lines) + "\n"
+    if args.write:
+        from benchmarks._results import write_section
+
+        write_section("mtnlg_vs_narayanan", text, path=vp.DOC)
+    print(text)
 
 
 if __name__ == "__main__":
