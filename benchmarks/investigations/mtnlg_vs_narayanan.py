@@ -73,7 +73,8 @@ def main() -> None:
              "MT-NLG (Smith et al. 2022, Megatron-DeepSpeed) against Megatron-LM (Narayanan "
              "et al. 2021, Table 1). A 1F1B step is m + p - 1 stage slots, so the published "
              "step over that is one microbatch on one stage, bubble removed. Predicted: "
-             "`validate_public`'s rows (`--load`).", "",
+             "`validate_public`'s rows (`--load`) and `large_decomposition`'s latest mt530 "
+             "row.", "",
              "| run | GPUs | m | published s/step | published ms per microbatch-stage | "
              "predicted ms per microbatch-stage |",
              "|---|---|---|---|---|---|"]
@@ -90,7 +91,16 @@ def main() -> None:
                      f"{slots[run.key] * 1e3:.0f} | {shown} |")
     n = NARAYANAN
     ref = per_slot(n["step"], n["m"], n["pp"])
-    lines += [f"| {n['key']} | {n['gpus']} | {n['m']} | {n['step']:.2f} | {ref * 1e3:.0f} | — |",
+    # its prediction: `large_decomposition`'s newest mt530 row, when stored
+    store = os.path.join(os.path.dirname(os.path.dirname(vp.DOC)), "benchmarks", "results",
+                         "large_decomposition.json")
+    mt530 = []
+    if os.path.exists(store):
+        with open(store) as f:
+            mt530 = [r for r in json.load(f) if r["run"] == "mt530"]
+    shown = f"{per_slot(mt530[-1]['predicted'], n['m'], n['pp']) * 1e3:.0f}" if mt530 else "—"
+    lines += [f"| {n['key']} | {n['gpus']} | {n['m']} | {n['step']:.2f} | {ref * 1e3:.0f} | "
+              f"{shown} |",
               "", "What the configurations make differ, per microbatch-stage:", ""]
     cfg = vp.MTNLG
     activation = cfg.seq_len * cfg.hidden * 2  # one sequence's bf16 activation, bytes
