@@ -22,7 +22,9 @@ the step's microbatches.
 Each row runs the published plan as published where autopar can express it: recompute
 (`MegatronConfig(recompute="full")` for BLOOM, MT-NLG and Megatron-LM, which all used full
 activation recomputation), the distributed optimizer (ZeRO-1) where the system had it
-(Megatron-DeepSpeed, Llama 3; not Megatron-LM 2021) and sequence parallelism only for
+(Megatron-DeepSpeed, Llama 3; not Megatron-LM 2021), with the gradients sharded too for
+Llama 3 405B at 8k (ZeRO-2, `MegatronConfig(zero2=True)`: its FSDP "shards the optimizer
+states and gradients", Dubey et al. 2024, sec. 3.3.2) and sequence parallelism only for
 Llama 3 (Korthikanti et al. 2022 came after the other runs), 1F1B except Llama 3, which
 ran an interleaved schedule (Dubey et al. 2024, sec. 3.3.2: "we use an interleaved
 schedule (Narayanan et al., 2021) with V pipeline stages on one pipeline rank", and one
@@ -116,6 +118,8 @@ class PublishedRun:
     recompute: str = "none"  # as published: Megatron-LM's --recompute-granularity
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
+    # gradients sharded over DP as well (ZeRO-2, `MegatronConfig.zero2`), as published
+    zero2: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
     cp: int = 1
@@ -160,7 +164,8 @@ MTNLG_2800_SRC = ("Smith et al. 2022 (Megatron-Turing NLG 530B, sec. 2.4): TP8 P
                   "(2800 GPUs); Megatron-DeepSpeed, activation recompute")
 LLAMA_SRC = ("Llama 3 Herd of Models (Dubey et al. 2024), Table 4: 405B on H100, TP8 CP1 PP16, "
              "sequence 8192; 430 TFLOP/s/GPU (43% BF16 MFU) on 8192 GPUs with DP64, 400 "
-             "(41%) on 16384 with DP128; interleaved pipeline schedule")
+             "(41%) on 16384 with DP128; interleaved pipeline schedule; FSDP sharding "
+             "optimizer states and gradients (ZeRO-2, sec. 3.3.2)")
 
 # Megatron-LM (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM", Table 1): GPT models, sequence 2048, vocabulary 51,200,
@@ -209,10 +214,12 @@ RUNS = (
                  "(OPT's FSDP ran 992 GPUs = 124 x TP8); no even MegatronConfig"),
     PublishedRun("llama3-405b-8k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
                  "dgx-h100", 8192, 64, 8, 16, 2048, 1, 430.0, False, "", LLAMA_SRC,
-                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES),
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES,
+                 zero2=True),
     PublishedRun("llama3-405b-16k", "Meta Llama 3 (4D parallelism)", LLAMA405, "llama",
                  "dgx-h100", 16384, 128, 8, 16, 2048, 1, 400.0, False, "", LLAMA_SRC,
-                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES),
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES,
+                 zero2=True),
 )
 
 # Llama 3 405B at 131,072 tokens (Dubey et al. 2024, Table 4, last row): 16,384 H100, TP8
@@ -312,6 +319,7 @@ def evaluate(run: PublishedRun) -> dict:
                             num_microbatches=run.num_microbatches,
                             sequence_parallel=run.sequence_parallel,
                             distributed_optimizer=run.distributed_optimizer,
+                            zero2=run.zero2,
                             recompute=run.recompute, schedule=run.schedule,
                             virtual_stages=run.virtual_stages,
                             even_chunks=run.virtual_stages == 1)
@@ -396,7 +404,8 @@ def table(rows: list[dict]) -> str:
         "",
         "Dry runs, no devices. Predicted: the "
         "published plan as a `MegatronConfig` (sequence parallelism and the distributed "
-        "optimizer as published, 1F1B or interleaved as published) scored by the cost "
+        "optimizer as published, ZeRO-2 where the gradients were sharded too, 1F1B or "
+        "interleaved as published) scored by the cost "
         "model; published: the run's TFLOP/s per GPU "
         "turned into a step time (module docstring). Profiles are not calibrated on any of "
         "these rows. Rows marked *waits on* use a feature autopar's Megatron scorer cannot "
@@ -426,7 +435,7 @@ def table(rows: list[dict]) -> str:
                 f"{f' ep{run.ep}' if run.ep else ''}, "
                 f"{run.num_microbatches} microbatches, "
                 f"recompute {run.recompute}{', sp' if run.sequence_parallel else ''}"
-                f"{', zero1' if run.distributed_optimizer else ''}"
+                f"{', zero2' if run.zero2 else ', zero1' if run.distributed_optimizer else ''}"
                 f"{f', interleaved v={run.virtual_stages}' if run.virtual_stages > 1 else ''}")
         if "predicted" in row:
             numbers = (f"{row['predicted']:.2f} | {row['published']:.2f} | "

@@ -289,3 +289,64 @@ def test_once_per_step_collectives_count_once_per_step_in_compare():
     n, nbytes = plain.cost.collectives[kind]
     assert weighted.cost.collectives[kind] == pytest.approx((0.25 * n, 0.25 * nbytes))
     assert weighted.cost.communication == pytest.approx(0.25 * plain.cost.communication)
+
+
+def test_mixed_precision_tied_embedding_sum_and_cast_run_in_the_update():
+    """bf16 compute with fp32 master weights casts the tied embedding's joined gradient
+    after the sum: ``convert(add_any(head, lookup))``. The sum and its cast move to the
+    update together, so the head's part (a dot over the batch) is a deferred gradient of
+    the head's layer, reduced once per step like every weight's, and nothing crosses from
+    the last stage to the first per microbatch (Megatron-LM reduces the embedding group
+    once per step). `tests/test_deferred.py::test_shared_embedding_gradient_is_summed_
+    once_per_step` runs the fp32 form of the same split against one device."""
+    cfg = dataclasses.replace(GPT, dtype="bfloat16", master_dtype="float32")
+    optimizer = optax.adamw(1e-4)
+    step = gpt.make_train_step(cfg, optimizer)
+    graph = trace(step, gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, 8),
+                  batch_argnums=(1,))
+    layers = assign_layers(graph)
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    boundary = graph.nodes[layers.grad_boundary]
+    moved = [producer[g] for g in boundary.inputs
+             if g in producer and layers.phase[producer[g].id] == "apply"]
+    assert [n.primitive for n in moved] == ["convert_element_type"]  # wte, to fp32
+    (joined,) = moved[0].inputs
+    assert producer[joined].primitive == "add_any"
+    assert layers.phase[producer[joined].id] == "apply"
+    head, lookup = (producer[v] for v in producer[joined].inputs)
+    assert {layers.layer[head.id], layers.layer[lookup.id]} == {0, layers.num_layers - 1}
+    accumulated = set(accumulated_values(graph, layers))
+    assert set(producer[joined].inputs) <= accumulated
+    assert moved[0].outputs[0] not in accumulated and joined not in accumulated
+    deferred = deferrable_gradients(graph, layers)
+    head_part = next(v for v in producer[joined].inputs
+                     if layers.layer[producer[v].id] == layers.num_layers - 1)
+    assert head_part in deferred.grads
+
+
+@pytest.mark.extended
+def test_mixed_precision_tied_embedding_pipeline_matches_one_device():
+    """The split of `test_mixed_precision_tied_embedding_sum_and_cast_run_in_the_update`
+    run: bf16 compute, fp32 master weights, two stages of 4 microbatches, 2 SGD steps
+    against one device; the head's part of the tied embedding's gradient is the one value
+    handed back to stage 0 (once per step). Extended (a second pipeline compile); the
+    default suite covers the split by graph (that test) and the runtime's moved sum in
+    fp32 (`test_shared_embedding_gradient_is_summed_once_per_step`)."""
+    cfg = dataclasses.replace(GPT, dtype="bfloat16", master_dtype="float32")
+    optimizer = optax.sgd(0.1)
+    step = gpt.make_train_step(cfg, optimizer)
+    state = gpt.init_state(cfg, optimizer, jax.random.key(0))
+    batch = gpt.make_batch(cfg, 128, jax.random.key(1))
+    ref_losses, ref_state = run_steps(jax.jit(step), state, batch, num_steps=2)
+    par = autopar.autoparallel(
+        step, cluster=Cluster.from_profile("cpu-local"), donate_argnums=(), num_stages=2,
+        num_microbatches=4, submeshes=[(1, 4)], logical_shapes=[(4,)],
+    )
+    losses, par_state = run_steps(par, state, batch, num_steps=2)
+    # bf16 gradients summed in another order: rounding-level differences only
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert_trees_close(par_state, ref_state, 1e-3)
+    handoff = [set(h) for h in par.pipeline.handoff]
+    assert handoff[0] == set() and len(handoff[1]) == 1
+    (v,) = handoff[1]
+    assert par.pipeline.graph.vars[v].shape == (cfg.vocab_size, cfg.hidden)

@@ -142,6 +142,7 @@ from autopar.cost._remat import (
 )
 from autopar.cost._schedule import tasks_per_step
 from autopar.cost._task_work import core_share, tasks_cpu_seconds
+from autopar.cost._zero2 import zero2_exposed_reduction, zero2_gradient_bytes
 
 __all__ = [
     "CP_ALGORITHMS",
@@ -252,4 +253,6 @@ __all__ = [
     "reductions_seconds",
     "repriced_copy_seconds",
     "unfused_bytes",
+    "zero2_exposed_reduction",
+    "zero2_gradient_bytes",
 ]

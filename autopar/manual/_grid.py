@@ -64,6 +64,7 @@ def megatron_grid_search(
     pp_values: Sequence[int] | None = None,
     distributed_optimizer: Sequence[bool] = (False, True),
     recompute: Sequence[str] = ("none", "selective", "full"),
+    zero2: Sequence[bool] = (False,),
     virtual_stages: Sequence[int] = (1, 2),
     num_heads: int | None = None,
     num_layers: int | None = None,
@@ -92,6 +93,9 @@ def megatron_grid_search(
       microbatch only if listed), e.g. to give the grid the counts autopar searches.
     - `sequence_parallel`, `pp_values` (None: every divisor of the device count),
       `distributed_optimizer`, `recompute`, `virtual_stages`: the values to try.
+    - `zero2`: with the distributed optimizer, also keep the gradients sharded
+      (`MegatronConfig.zero2`): ``(False, True)`` tries both, so the grid takes ZeRO-2
+      where only it fits or it is faster; default ZeRO-1 only.
     - `num_heads`: attention heads, for the rule tp | heads (None: not checked; a weight
       tp cannot split still fails when planned).
     - `num_layers`: layers, for the rule pp·v | layers (None: the forward pass's
@@ -143,6 +147,7 @@ def megatron_grid_search(
         sequence_parallel=sequence_parallel,
         pp_values=pp_values,
         distributed_optimizer=distributed_optimizer,
+        zero2=zero2,
         virtual_stages=virtual_stages,
         microbatch_counts=microbatch_counts,
         cp_values=cp_values,
@@ -272,6 +277,7 @@ def megatron_candidates(
     virtual_stages: Sequence[int] = (1,),
     microbatch_counts: Sequence[int] | None = None,
     cp_values: Sequence[int] = (1,),
+    zero2: Sequence[bool] = (False,),
     seq_len: int | None = None,
     num_experts: int | None = None,
     ep_values: Sequence[int] | None = None,
@@ -310,12 +316,12 @@ def megatron_candidates(
             for expert_base in _expert_configs(base, num_experts, ep_values, etp_values):
                 out += _with_virtual(expert_base, num_layers, batch_size, microbatch_sizes,
                                      microbatch_counts, sequence_parallel,
-                                     distributed_optimizer, virtual_stages)
+                                     distributed_optimizer, virtual_stages, zero2)
     return out
 
 
 def _with_virtual(base, num_layers, batch_size, microbatch_sizes, microbatch_counts,
-                  sequence_parallel, distributed_optimizer, virtual_stages):
+                  sequence_parallel, distributed_optimizer, virtual_stages, zero2=(False,)):
     """`base` with every interleaving and microbatch count, each with its options."""
     out: list[tuple[MegatronConfig, str]] = []
     pp, dp = base.pp, base.dp
@@ -330,12 +336,12 @@ def _with_virtual(base, num_layers, batch_size, microbatch_sizes, microbatch_cou
         for m in _microbatch_counts(dp, batch_size, microbatch_sizes,
                                     microbatch_counts):
             out += _with_options(base, v, m, sequence_parallel,
-                                 distributed_optimizer)
+                                 distributed_optimizer, zero2)
     return out
 
 
 def _with_options(base: MegatronConfig, v: int, m: int, sequence_parallel,
-                  distributed_optimizer) -> list[tuple[MegatronConfig, str]]:
+                  distributed_optimizer, zero2=(False,)) -> list[tuple[MegatronConfig, str]]:
     """`base` with v virtual stages and m microbatches, once per sequence-parallel and
     distributed-optimizer choice, each with the rule it breaks (a broken microbatch rule
     reported once, on the first)."""
@@ -344,9 +350,10 @@ def _with_options(base: MegatronConfig, v: int, m: int, sequence_parallel,
     for sp in dict.fromkeys(sequence_parallel):
         if sp and base.tp == 1:
             continue
-        for zero1 in dict.fromkeys(distributed_optimizer):
+        for zero1, grads in ((z, g) for z in dict.fromkeys(distributed_optimizer)
+                             for g in dict.fromkeys(zero2) if z or not g):
             config = replace(
-                base, sequence_parallel=sp, distributed_optimizer=zero1,
+                base, sequence_parallel=sp, distributed_optimizer=zero1, zero2=grads,
                 num_microbatches=m, virtual_stages=v,
                 schedule="interleaved_1f1b" if v > 1 else base.schedule,
             )

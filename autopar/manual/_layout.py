@@ -44,6 +44,12 @@ class MegatronConfig:
     - `sequence_parallel`: split the layer-norm regions (the residual stream) on the
       sequence over the tp devices (Korthikanti et al. 2022); needs tp > 1.
     - `distributed_optimizer`: shard optimizer state over "data" (ZeRO-1).
+    - `zero2`: also keep the gradients sharded over "data" (ZeRO-2; FSDP's gradient
+      sharding, as Llama 3 trained, Dubey et al. 2024 sec. 3.3.2): 1/(dp·cp) of the
+      gradient sums per device, a reduce-scatter per microbatch under the backward
+      (`autopar.cost.zero2_gradient_bytes`, `zero2_exposed_reduction`). Needs
+      `distributed_optimizer`; priced by the scorer (the pipeline runtime keeps the
+      gradient sums of ZeRO-1).
     - `num_microbatches`, `schedule`: the pipeline schedule (a `Schedule`).
     - `virtual_stages`: layer chunks per pipeline device group under
       `schedule="interleaved_1f1b"` (Megatron-LM's interleaved schedule): pp·v stages,
@@ -86,8 +92,14 @@ class MegatronConfig:
     cp_algorithm: CPAlgorithm = "ring"
     ep: int | None = None
     etp: int | None = None
+    zero2: bool = False
 
     def __post_init__(self):
+        if self.zero2 and not self.distributed_optimizer:
+            raise ValueError(
+                "zero2=True shards the gradients as well as the optimizer state, but "
+                "distributed_optimizer=False; pass distributed_optimizer=True with zero2=True"
+            )
         for name in ("dp", "tp", "pp", "num_microbatches", "virtual_stages", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -165,7 +177,8 @@ class MegatronConfig:
             flag
             for flag, on in (
                 (",sp", self.sequence_parallel),
-                (",zero1", self.distributed_optimizer),
+                (",zero1", self.distributed_optimizer and not self.zero2),
+                (",zero2", self.zero2),
                 (f",mb={self.num_microbatches}", self.num_microbatches > 1),
                 (f",recompute={self.recompute}", self.recompute != "none"),
                 (f",v={self.virtual_stages}", self.virtual_stages > 1),

@@ -74,6 +74,7 @@ from autopar.manual._layout import (
     megatron_specs,
 )
 from autopar.manual._sequence import pin_activations, residual_specs
+from autopar.manual._zero2 import zero2_stage
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search import microbatch_args, resolve_cluster
 
@@ -106,6 +107,7 @@ def megatron_plan(
     etp: int | None = None,
     attention: AttentionShape | None = None,
     moe: MoEShape | None = None,
+    zero2: bool = False,
 ) -> Plan:
     """A Megatron-LM style plan of `step_fn` with dp x cp x tp x pp devices.
 
@@ -121,7 +123,7 @@ def megatron_plan(
       you want elsewhere; a spec is a `PartitionSpec` or a tuple with an entry per
       dimension (None, an axis name "data"/"model", or a tuple of them).
     - `memory_budget`: bytes per device; default: the cluster's device memory.
-    - `cp`, `cp_algorithm`, `ep`, `etp`: see `MegatronConfig`; `attention`, `moe`: see
+    - `cp`, `cp_algorithm`, `ep`, `etp`, `zero2`: see `MegatronConfig`; `attention`, `moe`: see
       `megatron_plan_for_graph` (with cp > 1 the step is traced at one CP rank's shapes,
       `context_args`, and the plan is priced, not run).
 
@@ -144,6 +146,7 @@ def megatron_plan(
         distributed_optimizer=distributed_optimizer, num_microbatches=num_microbatches,
         schedule=schedule, recompute=recompute, virtual_stages=virtual_stages,
         even_chunks=even_chunks, cp=cp, cp_algorithm=cp_algorithm, ep=ep, etp=etp,
+        zero2=zero2,
     )
     cluster = resolve_cluster(cluster)
     check_devices(cluster, config)
@@ -239,6 +242,9 @@ def _megatron_result(graph: OpGraph, cluster, config: MegatronConfig, stages,
     pipelined = _layer_wise(graph, config)
     priced = (f"{config.name}: context parallelism is priced, not run: the plan holds one "
               "CP rank's shapes (batch x cp, sequence / cp)",) if config.cp > 1 else ()
+    if config.zero2:
+        priced += (f"{config.name}: ZeRO-2 is priced, not run: the pipeline runtime keeps "
+                   "whole gradient sums (ZeRO-1) and reduces them once per step",)
     return Plan(
         method=config.name,
         cluster=cluster.to_json(),
@@ -319,6 +325,13 @@ def build_stages(
     if _layer_wise(graph, config):
         return _pipeline_stages(graph, cluster, config, specs, tied, options, pinned,
                                 solve_cache)
+    if config.zero2:
+        raise ValueError(
+            "zero2=True is priced per pipeline stage, but this step has no "
+            "autopar.layer_boundary marks (or no autopar.value_and_grad) and runs as one "
+            "SPMD stage, whose one gradient reduction per step ZeRO-1 already shards; mark "
+            "the layer edges or use zero2=False"
+        )
     if config.recompute != "none":
         raise ValueError(
             f"recompute={config.recompute!r} runs on the pipeline runtime, which plans per "
@@ -497,6 +510,9 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
     # the traced step keeps its master weights whole and casts them for each use.
     parts = replace(fit.parts, state=fit.parts.state - _master_weight_relief(
         part.stage_graphs[s], sharding, config))
+    seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
+    if config.zero2:  # gradients sharded over data, reduce-scattered per microbatch
+        sharding, parts = zero2_stage(part, s, sharding, parts, cluster, config, seconds)
     # The device group holds all its chunks: `_device_groups_fit` sums them.
     memory = parts.total
     if memory > budget:
@@ -509,7 +525,6 @@ def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, op
             "memory budget"
         )
     remat = fit.remat if any(r != "none" for r in fit.remat) else ()
-    seconds = recompute_time(table, range(*layer_range), (shape, 0, fit.remat))
     transfer = boundary_transfer_time(
         crossing[layer_range[0]], cluster, config.dp * config.tp
     ) if s > 0 else 0.0

@@ -101,7 +101,14 @@ def table(rows: list[dict]) -> str:
              "Per microbatch (ms) on a middle stage, then the step (s). *ideal*: the "
              "stage's forward, backward and recompute at peak bf16 (4 x 24bsh^2(1+s/6h) "
              "per layer over TP; Narayanan et al. 2021 eq. 2) and the 1F1B bubble (p-1) x "
-             "that; no efficiency applied.", "",
+             "that; no efficiency applied. Labels: *head as a layer*: the stages split "
+             "the n + 1 pieces the n layer marks make; *Megatron's split*: num_layers / pp "
+             "transformer layers per stage, the embedding with the first and the head with "
+             "the last, as Megatron-LM splits them (`_chunk_bounds`); *tied embedding once "
+             "per step*: the tied embedding's gradient summed and cast in the update, so "
+             "the head's part is reduced over DP once per step, not every microbatch "
+             "(`_layers._sum_shared_gradients_once`). Each label's rows were made at the "
+             "commit that introduced it with this script and `--label`.", "",
              "| run | label | compute | collectives | resharding | recompute | boundary "
              "transfer | middle stage | first stage (embedding) | last stage (head) | "
              "ideal stage | m x slowest s | fill/drain s | ideal bubble s | predicted s | "

@@ -1,10 +1,12 @@
 """Llama 3 405B's published layout in autopar's memory model, by part and device group
 (issue 44, item 3).
 
-    python benchmarks/investigations/llama405_memory.py [--row llama3-405b-8k]
+    python benchmarks/investigations/llama405_memory.py [--row llama3-405b-8k] [--zero1]
 
 Scores the `validate_public` row's `MegatronConfig` (TP8 PP16 DP64, interleaved with
-V = 8, sequence parallelism, distributed optimizer, 32 microbatches of 8,192 tokens) with
+V = 8, sequence parallelism, distributed optimizer with the gradients sharded too, ZeRO-2
+as Llama 3's FSDP ran (Dubey et al. 2024, sec. 3.3.2); `--zero1` keeps whole gradient
+sums, Megatron's distributed optimizer; 32 microbatches of 8,192 tokens) with
 the memory check lifted and prints, per device group (pipeline rank), what it holds per
 device: state, gradient sums, kept activations of the chunk-microbatches in flight,
 the largest chunk's working memory and the optimizer update's working memory (which never
@@ -34,6 +36,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--row", default="llama3-405b-8k")
+    parser.add_argument("--zero1", action="store_true",
+                        help="whole gradient sums (ZeRO-1) where the row has ZeRO-2")
     args = parser.parse_args()
     run = next(r for r in vp.RUNS if r.key == args.row)
     start = time.perf_counter()
@@ -45,10 +49,12 @@ def main() -> None:
         dp=run.dp, tp=run.tp, pp=run.pp, num_microbatches=m,
         sequence_parallel=run.sequence_parallel,
         distributed_optimizer=run.distributed_optimizer, recompute=run.recompute,
+        zero2=run.zero2 and not args.zero1,
         schedule=run.schedule, virtual_stages=run.virtual_stages,
         even_chunks=run.virtual_stages == 1)
     plan = megatron_plan_for_graph(graph, cluster, config, memory_budget=vp.UNLIMITED)
-    print(f"{run.key}: {config.name}, {cluster.device_memory / GIB:.0f} GiB per device")
+    print(f"{run.key}: {config.name}, {cluster.device_memory / GIB:.0f} GiB per device; "
+          f"predicted step {plan.predicted_step_time:.2f} s")
     print("| group | chunks' layers | state | gradients | activations | in flight | working "
           "| update | total GiB |")
     print("|---|---|---|---|---|---|---|---|---|")

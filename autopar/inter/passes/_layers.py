@@ -207,14 +207,23 @@ def _sum_shared_gradients_once(graph: OpGraph, boundary: int, layer: list, phase
             readers[v] = readers.get(v, 0) + 1
     for g in dict.fromkeys(graph.nodes[boundary].inputs):
         node = producer.get(g)
-        if node is None or node.primitive != "add_any" or readers.get(g) != 1:
+        # A mixed-precision step casts the joined gradient to the master dtype after the
+        # sum (``convert(add_any(head, lookup))``): the cast (`GRADIENT_TAIL`) moves with it.
+        tail = []
+        while (node is not None and node.primitive in GRADIENT_TAIL and len(node.inputs) == 1
+               and readers.get(node.outputs[0]) == 1):
+            tail.append(node)
+            node = producer.get(node.inputs[0])
+        if (node is None or node.primitive != "add_any"
+                or readers.get(node.outputs[0]) != 1):
             continue
         parts = [producer.get(v) for v in node.inputs]
         if any(p is None or readers.get(v) != 1 for p, v in zip(parts, node.inputs)):
             continue
         if len({layer[p.id] for p in parts}) > 1:
-            layer[node.id] = None
-            phase[node.id] = "apply"
+            for moved in (node, *tail):
+                layer[moved.id] = None
+                phase[moved.id] = "apply"
 
 
 def accumulated_values(graph: OpGraph, layers: LayerAssignment) -> tuple[int, ...]:
@@ -224,6 +233,9 @@ def accumulated_values(graph: OpGraph, layers: LayerAssignment) -> tuple[int, ..
     found: dict[int, None] = {}
     for g in graph.nodes[layers.grad_boundary].inputs:
         node = producer.get(g)
+        while (node is not None and layers.phase[node.id] == "apply"
+               and node.primitive in GRADIENT_TAIL):  # the cast after a moved sum
+            node = producer.get(node.inputs[0])
         if node is not None and layers.phase[node.id] == "apply":
             found.update(dict.fromkeys(node.inputs))
         else:
