@@ -160,6 +160,28 @@ def ep_exchange_bytes(form: int, lhs: float, rhs: float, out_bytes: float,
     return [lhs * imb / n, rhs * imb / n], [], (lhs + rhs) / n + out_bytes
 
 
+def ep_region_exchange_bytes(dispatched: list[float], combined: list[float],
+                             imbalance: float, num_gemms: int
+                             ) -> tuple[list[float], list[float], float]:
+    """What an expert MLP region run expert-parallel moves, bytes per device: (each
+    dispatch all-to-all, each combine all-to-all, the share one of its `num_gemms`
+    grouped GEMMs carries). The region's rows cross by all-to-all only where they enter
+    (`dispatched`: the block of each entering row variable a device holds) and leave
+    (`combined`); the GEMMs and row-wise ops between run on the experts' devices
+    (`autopar.intra._moe_regions`). Each moves its block times the token imbalance; the
+    GEMMs each carry ``1 / num_gemms`` of the exchange (a plan runs all of them
+    expert-parallel or prices its own resharding).
+
+    **Example:** a SwiGLU MLP's forward (gate, up, down: 3 GEMMs), 4,096 routed rows of
+    hidden 7168 per device in bf16, imbalance 1.25: a dispatch and a combine of
+    ``4096 · 7168 · 2 · 1.25`` = 70 MiB each, each GEMM carrying 1/3 of them.
+    """
+    check_imbalance(imbalance)
+    _check_positive(num_gemms=num_gemms)
+    return ([b * imbalance for b in dispatched], [b * imbalance for b in combined],
+            1.0 / num_gemms)
+
+
 def ep_grouped_gemm_time(flops: float, ep: int, imbalance: float, num_chunks: int,
                          other_bytes: float, rows_bytes: float, cluster: Cluster,
                          dtype: str) -> float:

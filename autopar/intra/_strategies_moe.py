@@ -45,9 +45,11 @@ from autopar.cost import (
     chunked_exchange_time,
     ep_exchange_bytes,
     ep_grouped_gemm_time,
+    ep_region_exchange_bytes,
 )
 from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph
+from autopar.intra._moe_regions import ExpertRegion, expert_regions
 from autopar.intra._rules_moe import ragged_form
 from autopar.intra._strategies import EXTRA_STRATEGIES, Collective, CostContext, Strategy
 
@@ -105,7 +107,7 @@ def expert_parallel_strategies(node: Node, graph: OpGraph, ctx: CostContext) -> 
         local = [bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(in_vars, in_specs)]
         out_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
         exchange = _Exchange(node, form, axes, ep, local, out_bytes, out_var.dtype,
-                             imbalance, ctx)
+                             imbalance, ctx, _region_of(node, graph), graph)
         name = f"ep:{''.join(axes)}"
         if ctx.moe_overlap != "on" or not exchange.chunkable(in_vars[0].shape[0]):
             strategies.append(exchange.strategy(name, in_specs, out_spec, 1))
@@ -125,10 +127,30 @@ class _Exchange:
     the routed rows (`autopar.cost.chunked_exchange_time`)."""
 
     def __init__(self, node, form, axes, ep, local, out_bytes, dtype, imbalance,
-                 ctx) -> None:
+                 ctx, region: ExpertRegion | None, graph: OpGraph) -> None:
         self.node, self.form, self.axes, self.ep, self.dtype = node, form, axes, ep, dtype
         self.local, self.out_bytes, self.imbalance, self.ctx = (local, out_bytes,
                                                                 imbalance, ctx)
+        self.region, self.graph = region, graph
+
+    def region_exchange(self) -> tuple[float, tuple[Collective, ...]]:
+        """This GEMM's share of its region's entry dispatches and exit combines (whole,
+        not chunked): seconds and collectives."""
+        ctx, graph, region = self.ctx, self.graph, self.region
+
+        def block(v):
+            var = graph.vars[v]
+            spec = tuple(self.axes if d == 0 else () for d in range(len(var.shape)))
+            return bytes_per_device(var.shape, var.dtype, spec, ctx.mesh)
+
+        dispatched, combined, share = ep_region_exchange_bytes(
+            [block(v) for v in region.exchanged_inputs()],
+            [block(v) for v in region.exchanged_outputs()], self.imbalance,
+            len(region.gemms))
+        moved = (*dispatched, *combined)
+        seconds = sum(all_to_all_time(b, ctx.cluster, ctx.mesh, self.axes) for b in moved)
+        return share * seconds, tuple(Collective("all_to_all", self.axes, b, weight=share)
+                                      for b in moved)
 
     def chunkable(self, rows: int) -> bool:
         """Whether each device's routed rows split into `OVERLAP_CHUNKS` equal chunks."""
@@ -146,6 +168,10 @@ class _Exchange:
 
         gemm = ep_grouped_gemm_time(self.node.flops, self.ep, self.imbalance, n,
                                     sum(self.local[2:]), rows_bytes, ctx.cluster, self.dtype)
+        if n == 1 and self.region is not None:
+            comm, collectives = self.region_exchange()
+            return Strategy(name, in_specs, (out_spec,), gemm, comm, self.out_bytes,
+                            collectives)
         if n == 1:
             return Strategy(name, in_specs, (out_spec,), gemm,
                             seconds(dispatched) + seconds(combined), self.out_bytes,
@@ -155,6 +181,19 @@ class _Exchange:
                                       concurrency)
         return Strategy(name, in_specs, (out_spec,), n * gemm, total - n * gemm,
                         self.out_bytes, collectives)
+
+
+_REGIONS: list[tuple[OpGraph, dict[int, ExpertRegion]]] = []  # a few graphs' regions
+
+
+def _region_of(node: Node, graph: OpGraph) -> ExpertRegion | None:
+    """The expert MLP region (`autopar.intra._moe_regions`) holding grouped GEMM `node`."""
+    for seen, regions in _REGIONS:
+        if seen is graph:
+            return regions.get(node.id)
+    regions = {g: r for r in expert_regions(graph) for g in r.gemms}
+    _REGIONS[:] = [*_REGIONS[-7:], (graph, regions)]
+    return regions.get(node.id)
 
 
 EXTRA_STRATEGIES["ragged_dot_general"] = expert_parallel_strategies
