@@ -38,6 +38,10 @@ from autopar.intra._rules_moe import ragged_form
 
 ROW_OPS = frozenset(ELEMENTWISE) - {"optimization_barrier"}
 
+# False: no regions, each grouped GEMM dispatches and combines its own rows (priced and
+# lowered so); `benchmarks.investigations.moe_dispatch_once` compares the two.
+ONE_DISPATCH_PER_MLP = True
+
 
 @dataclass
 class ExpertRegion:
@@ -74,9 +78,12 @@ def row_operands(node, graph: OpGraph) -> list[int]:
 
 
 def expert_regions(graph: OpGraph) -> list[ExpertRegion]:
-    """The expert MLP regions of `graph` (module docstring), in program order."""
+    """The expert MLP regions of `graph` (module docstring), in program order (none
+    when `ONE_DISPATCH_PER_MLP` is off)."""
     from autopar.intra._strategies_moe import ep_layout
 
+    if not ONE_DISPATCH_PER_MLP:
+        return []
     regions: dict[int, ExpertRegion] = {}
     owner: dict[int, ExpertRegion] = {}  # row var produced inside -> its region
     for node in graph.nodes:

@@ -31,6 +31,15 @@ on XLA:GPU, none on XLA:CPU). The same specs, so "auto" (`CostContext.moe_overla
 keeps the faster of the two; "off" lists only the whole exchange, "on" only the chunked
 one (the whole where the rows do not split).
 `autopar.lower._experts` runs them.
+
+A grouped GEMM of an expert MLP region (`autopar.intra._moe_regions`: the GEMMs sharing a
+routing and the row-wise ops between them) is priced, whole, its share of the region's
+exchanges instead (`autopar.cost.ep_region_exchange_bytes`): one dispatch per row
+variable entering the region and one combine per row variable leaving it, the residuals a
+layer's backward reads inside its region staying on their expert's device. That assumes
+the plan runs every GEMM of the region expert-parallel over the same axes, which the
+lowering then fuses; a plan that mixes forms is lowered per GEMM and costs more than
+predicted.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from autopar.cost import (
 )
 from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph
+from autopar.intra import _moe_regions
 from autopar.intra._moe_regions import ExpertRegion, expert_regions
 from autopar.intra._rules_moe import ragged_form
 from autopar.intra._strategies import EXTRA_STRATEGIES, Collective, CostContext, Strategy
@@ -183,16 +193,17 @@ class _Exchange:
                         self.out_bytes, collectives)
 
 
-_REGIONS: list[tuple[OpGraph, dict[int, ExpertRegion]]] = []  # a few graphs' regions
+_REGIONS: list[tuple[OpGraph, bool, dict[int, ExpertRegion]]] = []  # a few graphs'
 
 
 def _region_of(node: Node, graph: OpGraph) -> ExpertRegion | None:
     """The expert MLP region (`autopar.intra._moe_regions`) holding grouped GEMM `node`."""
-    for seen, regions in _REGIONS:
-        if seen is graph:
+    on = _moe_regions.ONE_DISPATCH_PER_MLP
+    for seen, was_on, regions in _REGIONS:
+        if seen is graph and was_on == on:
             return regions.get(node.id)
     regions = {g: r for r in expert_regions(graph) for g in r.gemms}
-    _REGIONS[:] = [*_REGIONS[-7:], (graph, regions)]
+    _REGIONS[:] = [*_REGIONS[-7:], (graph, on, regions)]
     return regions.get(node.id)
 
 

@@ -29,6 +29,16 @@ after another chunk's grouped GEMM, so a scheduler that runs collectives asynchr
 (XLA:GPU's) can send chunk 2 while chunk 1 computes; the results are concatenated (form
 1) or summed (form 2).
 
+An expert MLP region (`autopar.intra._moe_regions`: the grouped GEMMs sharing one
+routing and the row-wise ops between them) whose every GEMM the plan puts in this layout
+over the same axes, whole, runs dispatched instead (`fused_regions`): its entering rows
+are dispatched once (step 2), its GEMMs (`RegionGemm`: steps 3 only) and row-wise ops
+(`RegionRowOp`) run on each device's received rows, and only the rows read outside it
+are combined (step 4). A row variable in dispatched form is ``[ep · M, ...]`` (each
+device's receive buffer), so the form shows in its leading size; a scan body's
+residuals read only by the backward's region stay dispatched through the scan, so a
+layer's MLP has one dispatch and one combine forward and one of each backward.
+
 A grouped GEMM the plan splits otherwise runs as planned by XLA's SPMD partitioner.
 """
 
