@@ -13,7 +13,12 @@ import pytest
 
 import autopar
 from autopar.cluster._mesh import LogicalMesh
-from autopar.cost import all_to_all_time, ep_region_exchange_bytes
+from autopar.cost import (
+    DEFAULT_TOKEN_IMBALANCE,
+    all_to_all_time,
+    ep_buffer_bytes,
+    ep_region_exchange_bytes,
+)
 from autopar.graph import trace
 from autopar.intra._moe_regions import expert_regions
 from autopar.intra._scan import opened_body
@@ -78,6 +83,38 @@ def test_each_gemm_carries_its_share_of_the_region_exchange(bodies):
         assert ep.comm_cost == pytest.approx(seconds / 3, rel=1e-12)
         assert sum(c.weight for c in ep.collectives) == pytest.approx(2 / 3)
         assert {c.nbytes for c in ep.collectives} == {block}
+        # its memory: its result's dispatched rows (a 64-row block of width 16 for the
+        # gate and up, 32 for the down projection) and a third of the two receive buffers
+        width = forward.vars[forward.nodes[nid].outputs[0]].shape[1]
+        assert ep.out_bytes == pytest.approx(ROWS // 8 * width * 4 + 2 * block / 3)
+
+
+def test_token_imbalance_from_the_profile_scales_exchange_and_buffers(bodies):
+    forward, _ = bodies
+    h100 = autopar.Cluster.from_profile("dgx-h100")
+    skewed = autopar.Cluster.from_json({**h100.to_json(), "token_imbalance": 1.5})
+    assert h100.token_imbalance == DEFAULT_TOKEN_IMBALANCE == 1.0
+    assert skewed.to_json()["token_imbalance"] == 1.5
+    mesh = LogicalMesh.create((8,))
+    (region,) = expert_regions(forward)
+    node = forward.nodes[region.gemms[0]]
+    (even,), (skew,) = (expert_parallel_strategies(node, forward, CostContext(c, mesh,
+                                                                               moe_overlap="off"))
+                        for c in (h100, skewed))
+    assert skew.out_bytes == pytest.approx(1.5 * even.out_bytes)
+    assert {c.nbytes for c in skew.collectives} == {1.5 * c.nbytes for c in even.collectives}
+    with pytest.raises(ValueError, match="token_imbalance must be a finite number >= 1"):
+        autopar.Cluster.from_json({**h100.to_json(), "token_imbalance": 0.9})
+
+
+def test_buffer_bytes_by_hand():
+    # DeepSeek-V3: 4,096 tokens a device, top-8, hidden 7168, bf16, imbalance 1.25
+    assert ep_buffer_bytes(4096 * 8, 7168, 2, 1.25) == 4096 * 8 * 1.25 * 7168 * 2
+    assert ep_buffer_bytes(4096 * 8, 7168, 2, 1.25, capacity=36864) == 36864 * 7168 * 2
+    with pytest.raises(ValueError, match="imbalance"):
+        ep_buffer_bytes(10, 4, 2, 0.9)
+    with pytest.raises(ValueError, match="capacity must be > 0"):
+        ep_buffer_bytes(10, 4, 2, 1.0, capacity=0)
 
 
 def test_region_exchange_bytes_by_hand():

@@ -182,6 +182,29 @@ def ep_region_exchange_bytes(dispatched: list[float], combined: list[float],
             1.0 / num_gemms)
 
 
+def ep_buffer_bytes(rows: float, width: int, itemsize: float,
+                    imbalance: float = DEFAULT_TOKEN_IMBALANCE,
+                    capacity: float | None = None) -> float:
+    """Bytes of one device's receive buffer of an expert-parallel dispatch or combine: the
+    routed rows it receives, ``rows · imbalance`` dropless (`rows` the mean a device
+    holds, tokens · top_k / ep, the busiest receiving `imbalance` times that) or
+    `capacity` rows with a fixed expert capacity (GShard / Switch: tokens past it are
+    dropped), times ``width · itemsize``.
+
+    **Example:** DeepSeek-V3 on 64 devices, 4,096 tokens each, top-8, hidden 7168, bf16,
+    imbalance 1.25: ``4096 · 8 · 1.25 · 7168 · 2`` = 560 MiB per buffer; with a capacity
+    of 36,864 rows, ``36864 · 7168 · 2`` = 504 MiB.
+    """
+    _check_positive(width=width, itemsize=itemsize)
+    check_imbalance(imbalance)
+    if capacity is not None:
+        _check_positive(capacity=capacity)
+        return capacity * width * itemsize
+    if not rows >= 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    return rows * imbalance * width * itemsize
+
+
 def ep_grouped_gemm_time(flops: float, ep: int, imbalance: float, num_chunks: int,
                          other_bytes: float, rows_bytes: float, cluster: Cluster,
                          dtype: str) -> float:

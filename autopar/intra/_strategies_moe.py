@@ -17,8 +17,8 @@ axes (each mesh axis of size > 1, and all of them together):
   rows split, the result's groups split; two dispatches (lhs and rhs rows), no combine.
 
 Each all-to-all moves the rows a device holds times the token imbalance (the busiest
-device's routed rows over the mean: `autopar.cost.DEFAULT_TOKEN_IMBALANCE`, or a
-``token_imbalance`` attribute of the cluster object, which no profile sets yet), priced
+device's routed rows over the mean: the cluster's ``token_imbalance``, a profile field
+defaulting to `autopar.cost.DEFAULT_TOKEN_IMBALANCE`), priced
 by `autopar.cost.all_to_all_time` on the topology; the grouped GEMM's FLOPs divide by
 the EP degree and scale by the imbalance.
 
@@ -52,12 +52,13 @@ from autopar.cost import (
     all_to_all_time,
     bytes_per_device,
     chunked_exchange_time,
+    ep_buffer_bytes,
     ep_exchange_bytes,
     ep_grouped_gemm_time,
     ep_region_exchange_bytes,
 )
 from autopar.cost.backends import backend_for
-from autopar.graph import Node, OpGraph
+from autopar.graph import Node, OpGraph, dtype_itemsize
 from autopar.intra import _moe_regions
 from autopar.intra._moe_regions import ExpertRegion, expert_regions
 from autopar.intra._rules_moe import ragged_form
@@ -162,6 +163,23 @@ class _Exchange:
         return share * seconds, tuple(Collective("all_to_all", self.axes, b, weight=share)
                                       for b in moved)
 
+    def region_bytes(self) -> float:
+        """Bytes per device this GEMM's result and its share of its region's receive
+        buffers hold (`autopar.cost.ep_buffer_bytes`): a form-1 result in dispatched form
+        (the busiest device's routed rows), and a buffer per entering and leaving row
+        variable; a form-2 result (expert weight gradients) as it is."""
+        graph, region = self.graph, self.region
+
+        def buffer(v):
+            var = graph.vars[v]
+            width = math.prod(var.shape[1:])
+            return ep_buffer_bytes(var.shape[0] / self.ep, width, dtype_itemsize(var.dtype),
+                                   self.imbalance)
+
+        boundary = region.exchanged_inputs() + region.exchanged_outputs()
+        own = (buffer(self.node.outputs[0]) if self.form == 1 else self.out_bytes)
+        return own + sum(buffer(v) for v in boundary) / len(region.gemms)
+
     def chunkable(self, rows: int) -> bool:
         """Whether each device's routed rows split into `OVERLAP_CHUNKS` equal chunks."""
         return (rows // self.ep) % OVERLAP_CHUNKS == 0
@@ -180,7 +198,7 @@ class _Exchange:
                                     sum(self.local[2:]), rows_bytes, ctx.cluster, self.dtype)
         if n == 1 and self.region is not None:
             comm, collectives = self.region_exchange()
-            return Strategy(name, in_specs, (out_spec,), gemm, comm, self.out_bytes,
+            return Strategy(name, in_specs, (out_spec,), gemm, comm, self.region_bytes(),
                             collectives)
         if n == 1:
             return Strategy(name, in_specs, (out_spec,), gemm,
