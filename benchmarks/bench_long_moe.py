@@ -99,9 +99,7 @@ ROWS = (
     Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
         tp_values=(8,)),
     Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (2,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
-    # 61 layers: no pipeline degree but 1 and 61 splits them evenly, as the grid needs
-    # (DeepSeek-V3 trains with PP 16 and DualPipe, sec. 3.2)
-    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (1,), DEEPSEEK_MOE, (1, 8, 64),
+    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4,), DEEPSEEK_MOE, (1, 64),
         tp_values=(1,)),
 )
 
