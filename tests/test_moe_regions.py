@@ -2,7 +2,8 @@
 routing (`autopar.intra._moe_regions`), and the expert-parallel cost of a grouped GEMM as
 its share of its region's entry dispatches and exit combines, checked by hand.
 
-Trace only, no compile: the lowering's all-to-alls are counted in the compiled HLO by
+Traces only, but for one compile of a flat (unscanned) expert MLP's forward and backward
+run expert-parallel; the scanned model's all-to-alls are counted in its compiled HLO by
 tests/test_moe_dropless.py.
 """
 
@@ -124,3 +125,57 @@ def test_region_exchange_bytes_by_hand():
         ep_region_exchange_bytes([1.0], [1.0], 0.5, 3)
     with pytest.raises(ValueError, match="num_gemms"):
         ep_region_exchange_bytes([1.0], [1.0], 1.0, 0)
+
+
+def test_unscanned_mlp_forward_and_backward_fuse_into_one_region():
+    """A SwiGLU expert MLP's forward and backward traced flat (no scan): one region, its
+    saved activations internal; run expert-parallel over the 8 devices it matches one
+    device with 3 all-to-alls (dispatch the tokens and their gradient, combine the token
+    gradient; the weight gradients stay split over experts)."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from autopar.intra._strategies_moe import ep_layout
+    from autopar.lower import count_collectives, jax_mesh
+    from autopar.lower._experts import with_expert_dispatch
+
+    rows, hidden, ffn, experts = 64, 8, 16, 8
+    keys = jax.random.split(jax.random.key(0), 6)
+    x, dy = (jax.random.normal(k, (rows, hidden)) for k in keys[:2])
+    wg, wu = (jax.random.normal(k, (experts, hidden, ffn)) / 3 for k in keys[2:4])
+    wd = jax.random.normal(keys[4], (experts, ffn, hidden)) / 3
+    sizes = jnp.bincount(jax.random.randint(keys[5], (rows,), 0, experts),
+                         length=experts).astype(jnp.int32)
+
+    def mlp(x, wg, wu, wd):
+        h = jax.nn.silu(lax.ragged_dot(x, wg, sizes)) * lax.ragged_dot(x, wu, sizes)
+        return lax.ragged_dot(h, wd, sizes)
+
+    def fn(x, wg, wu, wd, dy):
+        return jax.vjp(mlp, x, wg, wu, wd)[1](dy)
+
+    args = (x, wg, wu, wd, dy)
+    graph = trace(fn, *args, batch_argnums=())
+    (region,) = expert_regions(graph)
+    assert len(region.gemms) == 9 and not region.kept and not region.arriving
+    exchanges = len(region.exchanged_inputs()) + len(region.exchanged_outputs())
+    assert exchanges == 3
+    var_specs = [None] * len(graph.vars)
+    for nid in region.gemms:
+        node = graph.nodes[nid]
+        split_dims, out_dim = ep_layout(node, graph)
+        for v, d in zip((*node.inputs, node.outputs[0]), (*split_dims, out_dim)):
+            ndim = len(graph.vars[v].shape)
+            var_specs[v] = tuple(("x",) if i == d else () for i in range(ndim))
+    plan = SimpleNamespace(var_specs=var_specs, operand_specs=(),
+                           node_strategies=[""] * len(graph.nodes))
+    jmesh = jax_mesh(LogicalMesh.create((8,)))
+    fused = with_expert_dispatch(graph, plan, jmesh)
+    compiled = jax.jit(lambda *a: fused.evaluate(a)).lower(*args).compile()
+    for got, want in zip(compiled(*args), fn(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert count_collectives(compiled.as_text())["all_to_all"][0] == exchanges
