@@ -23,12 +23,21 @@ import autopar
 from autopar.cluster import LogicalMesh
 from autopar.cluster._mesh import to_partition_spec
 from autopar.graph import Role, trace
+from autopar.intra import _moe_regions
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
 from autopar.lower import count_collectives, jax_mesh
 from autopar.lower._experts import planned_prim
 
 MESH_SHAPE = (2, 4)
 NUM_EXPERTS, TOKENS, TOP_K, HIDDEN, FFN = 8, 16, 2, 8, 16
+
+
+@pytest.fixture(autouse=True)
+def _one_exchange_per_gemm(monkeypatch):
+    """Each node runs on its own here (`planned_prim`: its own dispatch and combine), so
+    its strategies are priced per node; the expert MLP regions' pricing and lowering are
+    tested in tests/test_moe_regions.py and tests/test_moe_dropless.py."""
+    monkeypatch.setattr(_moe_regions, "ONE_DISPATCH_PER_MLP", False)
 
 
 def _strategies(fn, *args, primitive, index=0):
