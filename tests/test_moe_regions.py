@@ -179,3 +179,47 @@ def test_unscanned_mlp_forward_and_backward_fuse_into_one_region():
     for got, want in zip(compiled(*args), fn(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert count_collectives(compiled.as_text())["all_to_all"][0] == exchanges
+
+
+def test_per_gemm_dispatch_is_priced_and_lowered_per_gemm(bodies):
+    """``moe_dispatch="gemm"``: each forward GEMM's EP strategy carries its own dispatch
+    and combine (weight 1, named with `PER_GEMM`), and the lowering fuses the region only
+    for the names ``"mlp"`` gives; a bad value is refused; the regions' memo is dropped
+    when the search ends."""
+    from autopar import _memo
+    from autopar.intra import _moe_regions
+    from autopar.intra._strategies_moe import PER_GEMM, ep_layout
+    from autopar.lower._experts import fused_regions
+
+    forward, _ = bodies
+    cluster = autopar.Cluster.from_profile("dgx-h100")
+    mesh = LogicalMesh.create((8,))
+    (region,) = expert_regions(forward)
+    block = ROWS // 8 * TINY.hidden * 4
+    with _memo.search_scope():
+        for nid in region.gemms:
+            node = forward.nodes[nid]
+            (ep,) = expert_parallel_strategies(node, forward, CostContext(
+                cluster, mesh, moe_overlap="off", moe_dispatch="gemm"))
+            assert ep.name == "ep:x" + PER_GEMM
+            assert [c.weight for c in ep.collectives] == [1.0, 1.0]  # dispatch, combine
+            (shared,) = expert_parallel_strategies(node, forward, CostContext(
+                cluster, mesh, moe_overlap="off"))
+            assert shared.comm_cost == pytest.approx(
+                2 * all_to_all_time(block, cluster, mesh, ("x",)) / 3, rel=1e-12)
+        assert forward in _moe_regions._BY_GEMM
+    assert len(_moe_regions._BY_GEMM) == 0
+
+    def specs(node):
+        split_dims, out_dim = ep_layout(node, forward)
+        spec = [tuple(("x",) if i == d else () for i in range(len(forward.vars[v].shape)))
+                for v, d in zip((*node.inputs, node.outputs[0]), (*split_dims, out_dim))]
+        return spec[:-1], spec[-1:]
+
+    named = {suffix: {nid: "ep:x" + suffix for nid in region.gemms} for suffix in ("", PER_GEMM)}
+    assert [(r.gemms, axes) for r, axes in fused_regions(forward, specs, named[""])] == [
+        (region.gemms, ("x",))]
+    assert fused_regions(forward, specs, named[PER_GEMM]) == []
+    for options in (autopar.PlanOptions, autopar.intra.ShardOptions):
+        with pytest.raises(ValueError, match="unknown moe_dispatch 'once'; choose one of"):
+            options(moe_dispatch="once")

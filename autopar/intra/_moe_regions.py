@@ -30,18 +30,15 @@ the plan puts every GEMM of it in the all-to-all layout over the same mesh axes.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
+from autopar._memo import declare
 from autopar.graph import OpGraph
 from autopar.intra._rules import ELEMENTWISE
 from autopar.intra._rules_moe import ragged_form
 
 ROW_OPS = frozenset(ELEMENTWISE) - {"optimization_barrier"}
-
-# False: no regions, each grouped GEMM dispatches and combines its own rows (priced and
-# lowered so); `benchmarks.investigations.moe_dispatch_once` compares the two.
-ONE_DISPATCH_PER_MLP = True
-
 
 @dataclass
 class ExpertRegion:
@@ -78,12 +75,9 @@ def row_operands(node, graph: OpGraph) -> list[int]:
 
 
 def expert_regions(graph: OpGraph) -> list[ExpertRegion]:
-    """The expert MLP regions of `graph` (module docstring), in program order (none
-    when `ONE_DISPATCH_PER_MLP` is off)."""
+    """The expert MLP regions of `graph` (module docstring), in program order."""
     from autopar.intra._strategies_moe import ep_layout
 
-    if not ONE_DISPATCH_PER_MLP:
-        return []
     regions: dict[int, ExpertRegion] = {}
     owner: dict[int, ExpertRegion] = {}  # row var produced inside -> its region
     for node in graph.nodes:
@@ -121,6 +115,22 @@ def expert_regions(graph: OpGraph) -> list[ExpertRegion]:
     for region in found:
         _boundary(region, graph, consumers, body)
     return found
+
+
+def regions_by_gemm(graph: OpGraph) -> dict[int, ExpertRegion]:
+    """Grouped GEMM node id -> its expert MLP region, for every region of `graph`
+    (`expert_regions`), computed once per graph in a search."""
+    found = _BY_GEMM.get(graph)
+    if found is None:
+        found = _BY_GEMM[graph] = {g: r for r in expert_regions(graph) for g in r.gemms}
+    return found
+
+
+# graph -> {grouped GEMM node id: its region}; dropped when the search ends, and forgets
+# graphs nothing else holds.
+_BY_GEMM: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.expert_regions",
+    "graph -> {grouped GEMM node id: its expert MLP region}")
 
 
 # The name `autopar.intra._scan.opened_body` gives a scan's body graph, as both the

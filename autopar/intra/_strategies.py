@@ -90,13 +90,15 @@ class CostContext:
     graph node ids (`step_effects`): `combinable`, nodes whose reductions XLA merges with
     their kind's other independent ones; `in_place`, elementwise nodes that write the
     step's donated state in place. Empty sets: every node is charged on its own.
-    `moe_overlap`: which expert-parallel grouped GEMM forms to list (`ShardOptions`)."""
+    `moe_overlap`: which expert-parallel grouped GEMM forms to list; `moe_dispatch`:
+    whether they are priced per expert MLP region or per GEMM (`ShardOptions`)."""
 
     cluster: object
     mesh: LogicalMesh
     combinable: frozenset = frozenset()
     in_place: frozenset = frozenset()
     moe_overlap: str = "auto"
+    moe_dispatch: str = "mlp"
 
 
 @dataclass(frozen=True)

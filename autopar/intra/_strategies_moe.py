@@ -39,7 +39,9 @@ variable entering the region and one combine per row variable leaving it, the re
 layer's backward reads inside its region staying on their expert's device. That assumes
 the plan runs every GEMM of the region expert-parallel over the same axes, which the
 lowering then fuses; a plan that mixes forms is lowered per GEMM and costs more than
-predicted.
+predicted. With ``moe_dispatch="gemm"`` (`CostContext.moe_dispatch`) no GEMM is priced
+by region: each whole EP strategy carries its own exchange and its name the suffix
+`PER_GEMM`, which tells the lowering to run each GEMM with its own dispatch and combine.
 """
 
 from __future__ import annotations
@@ -59,8 +61,7 @@ from autopar.cost import (
 )
 from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph, dtype_itemsize
-from autopar.intra import _moe_regions
-from autopar.intra._moe_regions import ExpertRegion, expert_regions
+from autopar.intra._moe_regions import ExpertRegion, regions_by_gemm
 from autopar.intra._rules_moe import ragged_form
 from autopar.intra._strategies import EXTRA_STRATEGIES, Collective, CostContext, Strategy
 
@@ -118,10 +119,11 @@ def expert_parallel_strategies(node: Node, graph: OpGraph, ctx: CostContext) -> 
         local = [bytes_per_device(v.shape, v.dtype, s, mesh) for v, s in zip(in_vars, in_specs)]
         out_bytes = bytes_per_device(out_var.shape, out_var.dtype, out_spec, mesh)
         exchange = _Exchange(node, form, axes, ep, local, out_bytes, out_var.dtype,
-                             imbalance, ctx, _region_of(node, graph), graph)
+                             imbalance, ctx, _region_of(node, graph, ctx), graph)
         name = f"ep:{''.join(axes)}"
+        whole = name + (PER_GEMM if ctx.moe_dispatch == "gemm" else "")
         if ctx.moe_overlap != "on" or not exchange.chunkable(in_vars[0].shape[0]):
-            strategies.append(exchange.strategy(name, in_specs, out_spec, 1))
+            strategies.append(exchange.strategy(whole, in_specs, out_spec, 1))
         if ctx.moe_overlap != "off" and exchange.chunkable(in_vars[0].shape[0]):
             strategies.append(exchange.strategy(name + OVERLAPPED, in_specs, out_spec,
                                                 OVERLAP_CHUNKS))
@@ -131,6 +133,9 @@ def expert_parallel_strategies(node: Node, graph: OpGraph, ctx: CostContext) -> 
 # The suffix of an EP strategy run in `OVERLAP_CHUNKS` token chunks (`autopar.lower.
 # _experts` reads it from the plan's strategy names).
 OVERLAPPED = "+overlap"
+# The suffix of a whole EP strategy priced with its own dispatch and combine
+# (`moe_dispatch="gemm"`): `autopar.lower._experts` does not fuse a region holding one.
+PER_GEMM = "+per-gemm"
 
 
 class _Exchange:
@@ -211,18 +216,12 @@ class _Exchange:
                         self.out_bytes, collectives)
 
 
-_REGIONS: list[tuple[OpGraph, bool, dict[int, ExpertRegion]]] = []  # a few graphs'
-
-
-def _region_of(node: Node, graph: OpGraph) -> ExpertRegion | None:
-    """The expert MLP region (`autopar.intra._moe_regions`) holding grouped GEMM `node`."""
-    on = _moe_regions.ONE_DISPATCH_PER_MLP
-    for seen, was_on, regions in _REGIONS:
-        if seen is graph and was_on == on:
-            return regions.get(node.id)
-    regions = {g: r for r in expert_regions(graph) for g in r.gemms}
-    _REGIONS[:] = [*_REGIONS[-7:], (graph, on, regions)]
-    return regions.get(node.id)
+def _region_of(node: Node, graph: OpGraph, ctx: CostContext) -> ExpertRegion | None:
+    """The expert MLP region (`autopar.intra._moe_regions`) holding grouped GEMM `node`
+    when `ctx.moe_dispatch` prices regions ("mlp"), else None."""
+    if ctx.moe_dispatch != "mlp":
+        return None
+    return regions_by_gemm(graph).get(node.id)
 
 
 EXTRA_STRATEGIES["ragged_dot_general"] = expert_parallel_strategies

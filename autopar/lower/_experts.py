@@ -31,7 +31,9 @@ after another chunk's grouped GEMM, so a scheduler that runs collectives asynchr
 
 An expert MLP region (`autopar.intra._moe_regions`: the grouped GEMMs sharing one
 routing and the row-wise ops between them) whose every GEMM the plan puts in this layout
-over the same axes, whole, runs dispatched instead (`fused_regions`): its entering rows
+over the same axes, whole and priced by region (not ``moe_dispatch="gemm"``, whose
+strategy names end in `autopar.intra._strategies_moe.PER_GEMM`), runs dispatched
+instead (`fused_regions`): its entering rows
 are dispatched once (step 2), its GEMMs (`RegionGemm`: steps 3 only) and row-wise ops
 (`RegionRowOp`) run on each device's received rows, and only the rows read outside it
 are combined (step 4). A row variable in dispatched form is ``[ep · M, ...]`` (each
@@ -57,7 +59,7 @@ from autopar.cost import OVERLAP_CHUNKS
 from autopar.graph import OpGraph
 from autopar.intra._moe_regions import ExpertRegion, expert_regions
 from autopar.intra._rules_moe import ragged_form
-from autopar.intra._strategies_moe import OVERLAPPED, ep_layout
+from autopar.intra._strategies_moe import OVERLAPPED, PER_GEMM, ep_layout
 
 
 def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
@@ -96,8 +98,9 @@ def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
 def fused_regions(graph: OpGraph, specs, strategies) -> list[tuple[ExpertRegion, tuple]]:
     """The expert MLP regions of `graph` (`autopar.intra._moe_regions`) whose every
     grouped GEMM the plan runs in the all-to-all layout over the same mesh axes, whole
-    (not `OVERLAPPED`), with those axes. `specs(node)` gives a node's planned operand and
-    result specs."""
+    (not `OVERLAPPED`) and priced by region (not `PER_GEMM`: planned with
+    ``moe_dispatch="gemm"``), with those axes. `specs(node)` gives a node's planned
+    operand and result specs."""
     fused = []
     for region in expert_regions(graph):
         found = set()
@@ -105,7 +108,7 @@ def fused_regions(graph: OpGraph, specs, strategies) -> list[tuple[ExpertRegion,
             node = graph.nodes[nid]
             in_specs, out_specs = specs(node)
             layout = ep_layout(node, graph)
-            found.add(None if strategies.get(nid, "").endswith(OVERLAPPED)
+            found.add(None if strategies.get(nid, "").endswith((OVERLAPPED, PER_GEMM))
                       else _ep_axes(in_specs, out_specs[0], layout))
         if len(found) == 1 and None not in found:
             fused.append((region, found.pop()))

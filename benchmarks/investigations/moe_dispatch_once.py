@@ -9,20 +9,23 @@ expert-parallel layout over the (8,) mesh by hand (as `benchmarks.investigations
 moe_overlap` does: the CPU profile's search keeps the experts whole). Two lowerings of that
 one plan: the expert MLP regions (`autopar.intra._moe_regions`: a dispatch where the
 routed rows enter, a combine where they leave, the saved activations kept on their
-expert's device) and, with `autopar.intra._moe_regions.ONE_DISPATCH_PER_MLP` off, a
-dispatch and a combine around every grouped GEMM. Both run in interleaved rounds (their
+expert's device: ``moe_dispatch="mlp"``) and a dispatch and a combine around every
+grouped GEMM (``moe_dispatch="gemm"``: the same plan with its grouped GEMMs' strategy
+names carrying `autopar.intra._strategies_moe.PER_GEMM`, as a search with that option
+names them). Both run in interleaved rounds (their
 order alternating), each timing `--steps` steps of each; medians compared on the wall
 clock and the cpu-per-core clock (`benchmarks.investigations.moe_overlap` says what each
 sees). The all-to-alls of each compiled program are counted in its HLO.
 
 Predicted: each grouped GEMM's whole EP strategy's collective seconds on the profile
 (`--profile`, default ``cpu-local-measured``), times its scan's trip count, summed, with
-the regions on and off. Timing on shared cores is noisy: compare within one run.
+``moe_dispatch="mlp"`` and ``"gemm"``. Timing on shared cores is noisy: compare within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,21 +41,32 @@ import optax  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.graph import trace  # noqa: E402
-from autopar.intra import _moe_regions  # noqa: E402
 from autopar.intra._strategies import CostContext  # noqa: E402
-from autopar.intra._strategies_moe import expert_parallel_strategies  # noqa: E402
+from autopar.intra._strategies_moe import PER_GEMM, expert_parallel_strategies  # noqa: E402
 from autopar.lower import count_collectives  # noqa: E402
 from autopar.profile._measure import usable_cores  # noqa: E402
 from benchmarks.investigations.moe_overlap import expert_parallel  # noqa: E402
 from examples import moe_dropless as moe  # noqa: E402
 
-LOWERINGS = {"per MLP": True, "per GEMM": False}
+LOWERINGS = {"per MLP": "mlp", "per GEMM": "gemm"}  # label -> moe_dispatch
 
 
-def predicted_a2a(nodes, axes, cluster, mesh) -> float:
-    """All-to-all seconds per step of the whole EP strategies (trip-counted)."""
-    ctx = CostContext(cluster, mesh, moe_overlap="off")
-    name = f"ep:{''.join(axes)}"
+def per_gemm(plan):
+    """`plan` (from `expert_parallel`) as ``moe_dispatch="gemm"`` names its grouped GEMMs'
+    strategies: each with `PER_GEMM`, so the lowering gives each its own exchange."""
+    stage = plan.stages[0]
+    bodies = tuple(dataclasses.replace(b, strategies=tuple((n, name + PER_GEMM)
+                                                           for n, name in b.strategies))
+                   for b in stage.sharding.scan_bodies)
+    sharding = dataclasses.replace(stage.sharding, scan_bodies=bodies)
+    return dataclasses.replace(plan, stages=(dataclasses.replace(stage, sharding=sharding),))
+
+
+def predicted_a2a(nodes, axes, cluster, mesh, dispatch: str) -> float:
+    """All-to-all seconds per step of the whole EP strategies (trip-counted) priced with
+    `moe_dispatch=dispatch`."""
+    ctx = CostContext(cluster, mesh, moe_overlap="off", moe_dispatch=dispatch)
+    name = f"ep:{''.join(axes)}" + (PER_GEMM if dispatch == "gemm" else "")
     total = 0.0
     for trips, body, node in nodes:
         (whole,) = [s for s in expert_parallel_strategies(node, body, ctx) if s.name == name]
@@ -87,18 +101,16 @@ def main(argv=None) -> None:
                             mesh_shape=(8,), cache=False)
     graph = trace(step, state, batch)
     plan, nodes, axes = expert_parallel(searched, graph, overlapped=False)
+    plans = {"mlp": plan, "gemm": per_gemm(plan)}
     mesh = searched.stages[0].sharding.mesh
     runs, losses, a2a, counted = {}, {}, {}, {}
-    try:
-        for label, on in LOWERINGS.items():
-            _moe_regions.ONE_DISPATCH_PER_MLP = on
-            runs[label] = autopar.autoparallel(step, plan=plan, donate_argnums=(), cache=False)
-            _, metrics = runs[label](state, batch)  # compile (the lowering reads the switch)
-            losses[label] = float(metrics["loss"])
-            a2a[label] = predicted_a2a(nodes, axes, cluster, mesh)
-            counted[label] = _hlo_all_to_alls(runs[label], state, batch)
-    finally:
-        _moe_regions.ONE_DISPATCH_PER_MLP = True
+    for label, dispatch in LOWERINGS.items():
+        runs[label] = autopar.autoparallel(step, plan=plans[dispatch], donate_argnums=(),
+                                           cache=False)
+        _, metrics = runs[label](state, batch)  # compile
+        losses[label] = float(metrics["loss"])
+        a2a[label] = predicted_a2a(nodes, axes, cluster, mesh, dispatch)
+        counted[label] = _hlo_all_to_alls(runs[label], state, batch)
 
     cores = usable_cores()
     clocks = {"wall": time.perf_counter, "cpu-per-core": lambda: time.process_time() / cores}
