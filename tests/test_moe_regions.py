@@ -223,3 +223,45 @@ def test_per_gemm_dispatch_is_priced_and_lowered_per_gemm(bodies):
     for options in (autopar.PlanOptions, autopar.intra.ShardOptions):
         with pytest.raises(ValueError, match="unknown moe_dispatch 'once'; choose one of"):
             options(moe_dispatch="once")
+
+
+def test_strategy_memo_tells_regions_apart():
+    """The planner shares strategies between nodes of equal shapes (`_problem`'s memo);
+    an expert MLP's forward GEMM alone (a 3-GEMM region) and inside its forward and
+    backward (a 9-GEMM region) are priced by their own regions in one search."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from autopar import _memo
+    from autopar.intra import ShardOptions
+    from autopar.intra._problem import build_problem
+
+    rows, hidden, ffn, experts = 64, 8, 16, 8
+    sizes = jnp.full((experts,), rows // experts, jnp.int32)
+    x = dy = jnp.ones((rows, hidden))
+    wg = wu = jnp.ones((experts, hidden, ffn))
+    wd = jnp.ones((experts, ffn, hidden))
+
+    def mlp(x, wg, wu, wd):
+        h = jax.nn.silu(lax.ragged_dot(x, wg, sizes)) * lax.ragged_dot(x, wu, sizes)
+        return lax.ragged_dot(h, wd, sizes)
+
+    def forward_backward(x, wg, wu, wd, dy):
+        return jax.vjp(mlp, x, wg, wu, wd)[1](dy)
+
+    cluster = autopar.Cluster.from_profile("dgx-h100")
+    mesh = LogicalMesh.create((8,))
+    ctx = CostContext(cluster, mesh, moe_overlap="off")
+    costs = []
+    with _memo.search_scope():
+        for graph in (trace(mlp, x, wg, wu, wd, batch_argnums=()),
+                      trace(forward_backward, x, wg, wu, wd, dy, batch_argnums=())):
+            built = build_problem(graph, mesh, cluster, ShardOptions(moe_overlap="off"))
+            gate = next(n for n in graph.nodes if n.primitive == "ragged_dot_general")
+            (planned,) = [s for n in built.ilp_nodes if n.node == gate.id
+                          for s in n.strategies if s.name == "ep:x"]
+            (own,) = expert_parallel_strategies(gate, graph, ctx)
+            assert planned.comm_cost == own.comm_cost
+            costs.append(own.comm_cost)
+    assert costs[1] < costs[0]  # 3 exchanges shared by 9 GEMMs, 2 by 3

@@ -31,6 +31,7 @@ from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
     CostContext,
     Strategy,
+    extra_strategy_key,
     follow_strategies,
     follower_candidates,
     input_strategies,
@@ -265,7 +266,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
         if strategies is None:
-            okey = ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch)
+            okey = ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch,
+                    extra_strategy_key(node, graph, ctx))
             strategies = memo.get(okey)
             if strategies is None:
                 found = node_strategies(node, graph, sig, ctx)

@@ -284,6 +284,16 @@ def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: Cost
 # (`autopar.intra._strategies_moe`: a grouped GEMM's expert parallelism splits the tokens
 # and the experts over one mesh axis, two labels that a signature keeps apart).
 EXTRA_STRATEGIES: dict = {}
+# What those strategies depend on beyond the node itself, keyed by primitive: fn(node,
+# graph, ctx) -> a hashable the planner's strategy memo keys on (`extra_strategy_key`; a
+# grouped GEMM's expert MLP region, `autopar.intra._strategies_moe.region_key`).
+EXTRA_KEYS: dict = {}
+
+
+def extra_strategy_key(node: Node, graph: OpGraph, ctx: CostContext):
+    """What `node`'s `EXTRA_STRATEGIES` depend on in `graph` beyond the node (None: nothing)."""
+    fn = EXTRA_KEYS.get(node.primitive)
+    return None if fn is None else fn(node, graph, ctx)
 
 
 def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:

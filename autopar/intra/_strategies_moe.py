@@ -63,7 +63,13 @@ from autopar.cost.backends import backend_for
 from autopar.graph import Node, OpGraph, dtype_itemsize
 from autopar.intra._moe_regions import ExpertRegion, regions_by_gemm
 from autopar.intra._rules_moe import ragged_form
-from autopar.intra._strategies import EXTRA_STRATEGIES, Collective, CostContext, Strategy
+from autopar.intra._strategies import (
+    EXTRA_KEYS,
+    EXTRA_STRATEGIES,
+    Collective,
+    CostContext,
+    Strategy,
+)
 
 
 def token_imbalance(cluster) -> float:
@@ -224,4 +230,21 @@ def _region_of(node: Node, graph: OpGraph, ctx: CostContext) -> ExpertRegion | N
     return regions_by_gemm(graph).get(node.id)
 
 
+def region_key(node: Node, graph: OpGraph, ctx: CostContext) -> tuple | None:
+    """What `node`'s EP strategies take from its expert MLP region (`_region_of`): its
+    GEMM count and the shapes and dtypes of the rows it exchanges. Nodes of equal shapes
+    in regions that differ (a layer's forward, and its forward recomputed inside the
+    backward's region) must not share their strategies."""
+    region = _region_of(node, graph, ctx)
+    if region is None:
+        return None
+
+    def rows(vs):
+        return tuple((tuple(graph.vars[v].shape), graph.vars[v].dtype) for v in vs)
+
+    return (len(region.gemms), rows(region.exchanged_inputs()),
+            rows(region.exchanged_outputs()))
+
+
 EXTRA_STRATEGIES["ragged_dot_general"] = expert_parallel_strategies
+EXTRA_KEYS["ragged_dot_general"] = region_key
