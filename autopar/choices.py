@@ -75,6 +75,12 @@ chunk 1's combine while chunk 2 computes: DeepSeek-V3's dual micro-batch overlap
 Megatron-Core's ``--overlap-moe-expert-parallel-comm``, inside one layer): "auto" lets
 the sharding ILP choose per grouped GEMM by the predicted time; "off" never; "on" always
 where the routed rows split in two."""
+MoeDispatch = Literal["mlp", "gemm"]
+"""How often an expert-parallel expert MLP exchanges its routed tokens: "mlp" (default)
+dispatches them once where they enter the MLP's grouped GEMMs and combines once where
+they leave (`autopar.intra._moe_regions`; DeepSeek-V3's and Megatron-Core's dispatcher);
+"gemm" dispatches and combines around every grouped GEMM (priced and lowered so; to
+compare the two)."""
 
 METHODS: tuple[str, ...] = get_args(Method)
 MICROBATCH_CHECKS: tuple[str, ...] = get_args(MicrobatchCheck)
@@ -89,6 +95,7 @@ REMAT_OPTIONS: tuple[str, ...] = get_args(RematOption)
 MEMORY_LEVELS: tuple[str, ...] = get_args(MemoryLevels)
 CONTEXT_PARALLEL: tuple[str, ...] = get_args(ContextParallel)
 MOE_OVERLAPS: tuple[str, ...] = get_args(MoeOverlap)
+MOE_DISPATCHES: tuple[str, ...] = get_args(MoeDispatch)
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -190,7 +190,7 @@ def test_option_errors_and_body_plan_json():
     assert "strategies" not in plain.to_json()  # plans without chunks read as before
 
 
-@pytest.mark.extended  # two ~10 s plans; the default suite checks the per-node choice
+@pytest.mark.extended  # three ~10 s plans; the default suite checks the per-node choice
 # (test_strategies_per_option_and_their_cost_by_hand)
 def test_search_overlaps_deepseek_layers_on_an_h100_node():
     """Two DeepSeek-V3 layers, 8 sequences of 4,096 (32,768 routed rows per device) on one
@@ -207,10 +207,19 @@ def test_search_overlaps_deepseek_layers_on_an_h100_node():
     optimizer = optax.adamw(1e-3)
     args = (moe.make_train_step(cfg, optimizer), moe.abstract_state(cfg, optimizer),
             moe.abstract_batch(cfg, 8))
-    plans = {opt: autopar.plan(*args, cluster=autopar.Cluster.from_profile("dgx-h100"),
-                               method="shard", cache=False, moe_overlap=opt)
+    from autopar.intra._strategies_moe import PER_GEMM
+
+    h100 = autopar.Cluster.from_profile("dgx-h100")
+    plans = {opt: autopar.plan(*args, cluster=h100, method="shard", cache=False,
+                               moe_overlap=opt)
              for opt in ("off", "auto")}
+    # one dispatch per grouped GEMM instead of per expert MLP: the names carry it to the
+    # lowering through the scan's body plans
+    plans["gemm"] = autopar.plan(*args, cluster=h100, method="shard", cache=False,
+                                 moe_overlap="off", moe_dispatch="gemm")
     chosen = {opt: {name for body in p.stages[0].sharding.scan_bodies
                     for _, name in body.strategies} for opt, p in plans.items()}
-    assert chosen == {"off": set(), "auto": {"ep:xy" + OVERLAPPED}}, chosen
+    assert chosen == {"off": set(), "auto": {"ep:xy" + OVERLAPPED},
+                      "gemm": {"ep:xy" + PER_GEMM}}, chosen
     assert plans["auto"].predicted_step_time < plans["off"].predicted_step_time
+    assert plans["off"].predicted_step_time < plans["gemm"].predicted_step_time

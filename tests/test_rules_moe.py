@@ -24,6 +24,7 @@ from autopar.cluster import LogicalMesh
 from autopar.cluster._mesh import to_partition_spec
 from autopar.graph import Role, trace
 from autopar.intra._strategies import CostContext, node_signature, node_strategies
+from autopar.intra._strategies_moe import PER_GEMM
 from autopar.lower import count_collectives, jax_mesh
 from autopar.lower._experts import planned_prim
 
@@ -33,7 +34,10 @@ NUM_EXPERTS, TOKENS, TOP_K, HIDDEN, FFN = 8, 16, 2, 8, 16
 
 def _strategies(fn, *args, primitive, index=0):
     """Node `index` of `primitive` in `fn`'s graph, its operands' values on one device,
-    and every strategy of it on a (2, 4) mesh."""
+    and every strategy of it on a (2, 4) mesh. Each node runs on its own here
+    (`planned_prim`: its own dispatch and combine), so its strategies are priced per node
+    (``moe_dispatch="gemm"``); the expert MLP regions' pricing and lowering are tested in
+    tests/test_moe_regions.py and tests/test_moe_dropless.py."""
     graph = trace(fn, *args, batch_argnums=())
     node = [n for n in graph.nodes if n.primitive == primitive][index]
     env = dict(zip(graph.invars, jax.tree.leaves(args)))
@@ -43,7 +47,7 @@ def _strategies(fn, *args, primitive, index=0):
     sig = node_signature(node, graph)
     assert sig is not None, f"no sharding rule for {primitive}"
     mesh = LogicalMesh.create(MESH_SHAPE, range(8))
-    ctx = CostContext(autopar.Cluster.from_profile("cpu-local"), mesh)
+    ctx = CostContext(autopar.Cluster.from_profile("cpu-local"), mesh, moe_dispatch="gemm")
     return node, graph, operands, node_strategies(node, graph, sig, ctx), mesh
 
 
@@ -115,7 +119,8 @@ def test_ragged_dot_forward_every_split():
     strategies = _check_every_split(lax.ragged_dot, (rows, weights, group_sizes),
                                     "ragged_dot_general", min_splits=4)
     names = {s.name for s in strategies}
-    assert {"m0:x", "n0:y", "g:x", "ep:x", "ep:y", "ep:xy"} <= names, names
+    ep = {f"ep:{axes}{PER_GEMM}" for axes in ("x", "y", "xy")}
+    assert {"m0:x", "n0:y", "g:x", *ep} <= names, names
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["weight_grad", "token_grad"])
@@ -130,7 +135,7 @@ def test_ragged_dot_gradients_every_split(which):
     # contracted) and the token gradient (contracted over the FFN dimension)
     strategies = _check_every_split(vjp, (rows, weights, cotangent), "ragged_dot_general",
                                     index=which, min_splits=4)
-    assert any(s.name == "ep:xy" for s in strategies)
+    assert any(s.name == "ep:xy" + PER_GEMM for s in strategies)
 
 
 def test_routing_primitives_every_split():

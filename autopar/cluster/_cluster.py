@@ -162,6 +162,13 @@ class Cluster:
       per kernel, the kernels being the groups `autopar.graph.kernel_roots` makes of a
       program's operators by its fusion model. 0 (the default): kernels cost only their
       work.
+    - `token_imbalance`: the busiest device's routed MoE tokens over the mean, >= 1: what
+      the expert-parallel all-to-alls, grouped GEMMs and routed-token buffers are scaled
+      by (`autopar.cost.ep_region_exchange_bytes`, `ep_grouped_gemm_time`,
+      `ep_buffer_bytes`). 1.0 (the default, `autopar.cost.DEFAULT_TOKEN_IMBALANCE`): the
+      balanced routing that auxiliary-loss and bias balancing drive toward; set the
+      max/mean load you measure, or e.g. 1.25, the skew a capacity factor of 1.25
+      provisions (Switch Transformer, Fedus et al. 2022).
 
     **Example:**
     ```python
@@ -196,6 +203,7 @@ class Cluster:
     kernel_overhead: float = 0.0
     gemm_shapes: tuple[tuple[float, float, float, float], ...] | None = None
     collective_bandwidth_by_kind: tuple[tuple[str, float], ...] | None = None
+    token_imbalance: float = 1.0  # autopar.cost.DEFAULT_TOKEN_IMBALANCE
 
     def __post_init__(self):
         # A private copy, so that the frozen cluster cannot change through the caller's dict.
@@ -278,6 +286,8 @@ class Cluster:
             optional["gemm_shapes"] = [list(row) for row in self.gemm_shapes]
         if self.collective_bandwidth_by_kind is not None:
             optional["collective_bandwidth_by_kind"] = dict(self.collective_bandwidth_by_kind)
+        if self.token_imbalance != 1.0:
+            optional["token_imbalance"] = self.token_imbalance
         if self.collective_latency_by_group is not None:
             optional["collective_latency_by_group"] = {
                 str(n): t for n, t in self.collective_latency_by_group
@@ -497,6 +507,11 @@ def _overhead_problems(cluster: Cluster) -> list[str]:
         )
     if not 0 <= cluster.overlap <= 1:
         problems.append(f"overlap must be in [0, 1], got {cluster.overlap!r}")
+    if not (np.isfinite(cluster.token_imbalance) and cluster.token_imbalance >= 1):
+        problems.append(
+            f"token_imbalance must be a finite number >= 1 (the busiest device's routed "
+            f"tokens over the mean), got {cluster.token_imbalance!r}"
+        )
     if not 0 <= cluster.combined_operand_latency <= 1:
         problems.append(
             f"combined_operand_latency must be in [0, 1], got {cluster.combined_operand_latency!r}"

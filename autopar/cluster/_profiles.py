@@ -182,6 +182,8 @@ def parse_profile(data: Mapping[str, Any], source: str) -> Cluster:
                 (kind, read.number(f"collective_bandwidth_by_kind.{kind}", scale))
                 for kind, scale in read.field("collective_bandwidth_by_kind", dict).items())
             if "collective_bandwidth_by_kind" in data else None,
+            token_imbalance=read.number("token_imbalance") if "token_imbalance" in data
+            else 1.0,
         )
     except ValueError as e:
         if str(e).startswith("cost profile"):
@@ -284,6 +286,7 @@ _FIELD_HELP = {
     "inter_host": 'an object {"bandwidth": bytes/s per device, "latency": seconds}',
     "nics_per_host": "an integer: network ports (rails) per host",
     "overlap": "a number in [0, 1]: the fraction of a hideable collective run under compute",
+    "token_imbalance": "a number >= 1: the busiest device's routed MoE tokens over the mean",
     "fused_attention": "true or false: attention runs as one fused (Flash) kernel",
     "dispatch_overhead": "a number: seconds to launch one program (one pipeline task)",
     "task_device_overhead": "a number: CPU seconds per device each task costs its device "

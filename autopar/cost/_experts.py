@@ -160,6 +160,51 @@ def ep_exchange_bytes(form: int, lhs: float, rhs: float, out_bytes: float,
     return [lhs * imb / n, rhs * imb / n], [], (lhs + rhs) / n + out_bytes
 
 
+def ep_region_exchange_bytes(dispatched: list[float], combined: list[float],
+                             imbalance: float, num_gemms: int
+                             ) -> tuple[list[float], list[float], float]:
+    """What an expert MLP region run expert-parallel moves, bytes per device: (each
+    dispatch all-to-all, each combine all-to-all, the share one of its `num_gemms`
+    grouped GEMMs carries). The region's rows cross by all-to-all only where they enter
+    (`dispatched`: the block of each entering row variable a device holds) and leave
+    (`combined`); the GEMMs and row-wise ops between run on the experts' devices
+    (`autopar.intra._moe_regions`). Each moves its block times the token imbalance; the
+    GEMMs each carry ``1 / num_gemms`` of the exchange (a plan runs all of them
+    expert-parallel or prices its own resharding).
+
+    **Example:** a SwiGLU MLP's forward (gate, up, down: 3 GEMMs), 4,096 routed rows of
+    hidden 7168 per device in bf16, imbalance 1.25: a dispatch and a combine of
+    ``4096 · 7168 · 2 · 1.25`` = 70 MiB each, each GEMM carrying 1/3 of them.
+    """
+    check_imbalance(imbalance)
+    _check_positive(num_gemms=num_gemms)
+    return ([b * imbalance for b in dispatched], [b * imbalance for b in combined],
+            1.0 / num_gemms)
+
+
+def ep_buffer_bytes(rows: float, width: int, itemsize: float,
+                    imbalance: float = DEFAULT_TOKEN_IMBALANCE,
+                    capacity: float | None = None) -> float:
+    """Bytes of one device's receive buffer of an expert-parallel dispatch or combine: the
+    routed rows it receives, ``rows · imbalance`` dropless (`rows` the mean a device
+    holds, tokens · top_k / ep, the busiest receiving `imbalance` times that) or
+    `capacity` rows with a fixed expert capacity (GShard / Switch: tokens past it are
+    dropped), times ``width · itemsize``.
+
+    **Example:** DeepSeek-V3 on 64 devices, 4,096 tokens each, top-8, hidden 7168, bf16,
+    imbalance 1.25: ``4096 · 8 · 1.25 · 7168 · 2`` = 560 MiB per buffer; with a capacity
+    of 36,864 rows, ``36864 · 7168 · 2`` = 504 MiB.
+    """
+    _check_positive(width=width, itemsize=itemsize)
+    check_imbalance(imbalance)
+    if capacity is not None:
+        _check_positive(capacity=capacity)
+        return capacity * width * itemsize
+    if not rows >= 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    return rows * imbalance * width * itemsize
+
+
 def ep_grouped_gemm_time(flops: float, ep: int, imbalance: float, num_chunks: int,
                          other_bytes: float, rows_bytes: float, cluster: Cluster,
                          dtype: str) -> float:

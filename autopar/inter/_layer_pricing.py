@@ -75,11 +75,15 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
     what the forward cost."""
     from autopar.intra import reshard_time
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
-    from autopar.intra._strategies_moe import OVERLAPPED
+    from autopar.intra._strategies_moe import OVERLAPPED, PER_GEMM
 
-    # An expert-parallel grouped GEMM's two forms share their specs, so the strategies
-    # are listed with the one the plan chose ("on": chunked, "off": whole).
-    contexts = {mode: CostContext(cluster, plan.mesh, moe_overlap=mode) for mode in ("on", "off")}
+    # An expert-parallel grouped GEMM's forms share their specs, so the strategies are
+    # listed with the one the plan chose ("on": chunked, "off": whole; "gemm": whole and
+    # priced with its own exchange, "mlp": by its expert MLP region).
+    modes = {"on": ("on", "mlp"), "off": ("off", "mlp"), "gemm": ("off", "gemm")}
+    contexts = {mode: CostContext(cluster, plan.mesh, moe_overlap=overlap,
+                                  moe_dispatch=dispatch)
+                for mode, (overlap, dispatch) in modes.items()}
     wanted = set(node_ids)
     operand_specs = {(n, p): spec for n, p, spec in plan.operand_specs if n in wanted}
     # A layer is priced at several levels and remat choices on one mesh: each node's
@@ -88,7 +92,9 @@ def rerun_seconds(graph: OpGraph, plan: ShardingPlan, node_ids, cluster) -> floa
 
     def strategy_seconds(n: int) -> float:
         node = graph.nodes[n]
-        mode = "on" if plan.node_strategies[n].endswith(OVERLAPPED) else "off"
+        name = plan.node_strategies[n]
+        mode = ("on" if name.endswith(OVERLAPPED) else
+                "gemm" if name.endswith(PER_GEMM) else "off")
         key = (n, plan.mesh, cluster, mode)
         if key not in by_node:
             costs = by_node[key] = {}

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from autopar.choices import (
     ANNOTATIONS,
     CONTEXT_PARALLEL,
+    MOE_DISPATCHES,
     MOE_OVERLAPS,
     SHARD_METHODS,
     Annotations,
     ContextParallel,
+    MoeDispatch,
     MoeOverlap,
     ShardMethod,
     SolverName,
@@ -42,6 +44,9 @@ class ShardOptions:
     - `moe_overlap`: whether expert-parallel grouped GEMMs may run in two token chunks
       that overlap all-to-all with compute (`autopar.choices.MoeOverlap`; the strategies:
       `autopar.intra._strategies_moe`).
+    - `moe_dispatch`: "mlp" prices an expert-parallel expert MLP's grouped GEMMs with one
+      dispatch and one combine for the whole MLP, "gemm" with one around each
+      (`autopar.choices.MoeDispatch`; the strategies: `autopar.intra._strategies_moe`).
     """
 
     method: ShardMethod = "shard"
@@ -54,12 +59,14 @@ class ShardOptions:
     annotations: Annotations = "keep"
     context_parallel: ContextParallel = "auto"
     moe_overlap: MoeOverlap = "auto"
+    moe_dispatch: MoeDispatch = "mlp"
 
     def __post_init__(self):
         check_choice("sharding method", self.method, SHARD_METHODS)
         check_choice("annotations", self.annotations, ANNOTATIONS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
         check_choice("moe_overlap", self.moe_overlap, MOE_OVERLAPS)
+        check_choice("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(
                 f"memory_budget must be a positive number of bytes, got {self.memory_budget}"

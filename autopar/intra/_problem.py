@@ -31,6 +31,7 @@ from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
     CostContext,
     Strategy,
+    extra_strategy_key,
     follow_strategies,
     follower_candidates,
     input_strategies,
@@ -133,7 +134,7 @@ def build_problem(
     weights = dict(weights or {})
     effects = step_effects(graph, tied)
     ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place,
-                      options.moe_overlap)
+                      options.moe_overlap, options.moe_dispatch)
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}
@@ -265,7 +266,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
         if strategies is None:
-            okey = ("own", key, extra, ctx.moe_overlap)
+            okey = ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch,
+                    extra_strategy_key(node, graph, ctx))
             strategies = memo.get(okey)
             if strategies is None:
                 found = node_strategies(node, graph, sig, ctx)
@@ -295,7 +297,7 @@ def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes,
         return None
     main, u, k = leader
     specs = out_specs(u, k)
-    fkey = ("follow", key, main, specs, extra, ctx.moe_overlap)
+    fkey = ("follow", key, main, specs, extra, ctx.moe_overlap, ctx.moe_dispatch)
     strategies = memo.get(fkey)
     if strategies is None:
         found = follow_strategies(node, graph, sig, main, specs, ctx)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from autopar.graph import Node, OpGraph, Role, trace_jaxpr
 from autopar.intra._control_flow import ENTER, EXIT, SLICE, STACK
 from autopar.intra._sharding_plan import BodyPlan, ShardingPlan, graph_fingerprint
-from autopar.intra._strategies_moe import OVERLAPPED
+from autopar.intra._strategies_moe import OVERLAPPED, PER_GEMM
 
 SCAN_MARKERS = frozenset({SLICE, ENTER, EXIT, STACK})
 
@@ -222,7 +222,7 @@ def collapse_plan(plan: ShardingPlan, expansion: Expansion) -> ShardingPlan:
                 strategies=tuple(
                     (n, plan.node_strategies[s.node_offset + n])
                     for n in range(len(s.body.nodes))
-                    if plan.node_strategies[s.node_offset + n].endswith(OVERLAPPED)
+                    if plan.node_strategies[s.node_offset + n].endswith((OVERLAPPED, PER_GEMM))
                 ),
             )
         )

@@ -61,7 +61,8 @@ class BodyPlan:
     spec), and the layout each body result is returned in (a carry: its layout on entry).
     `strategies`: (body node, strategy name) for the nodes whose strategy the lowering
     needs beyond their specs (an expert-parallel grouped GEMM run in chunks,
-    `autopar.intra._strategies_moe.OVERLAPPED`).
+    `autopar.intra._strategies_moe.OVERLAPPED`, or priced with its own exchange,
+    `PER_GEMM`).
     """
 
     node: int

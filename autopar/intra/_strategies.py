@@ -90,13 +90,15 @@ class CostContext:
     graph node ids (`step_effects`): `combinable`, nodes whose reductions XLA merges with
     their kind's other independent ones; `in_place`, elementwise nodes that write the
     step's donated state in place. Empty sets: every node is charged on its own.
-    `moe_overlap`: which expert-parallel grouped GEMM forms to list (`ShardOptions`)."""
+    `moe_overlap`: which expert-parallel grouped GEMM forms to list; `moe_dispatch`:
+    whether they are priced per expert MLP region or per GEMM (`ShardOptions`)."""
 
     cluster: object
     mesh: LogicalMesh
     combinable: frozenset = frozenset()
     in_place: frozenset = frozenset()
     moe_overlap: str = "auto"
+    moe_dispatch: str = "mlp"
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,16 @@ def _assignment_strategies(node: Node, graph: OpGraph, sig: Signature, ctx: Cost
 # (`autopar.intra._strategies_moe`: a grouped GEMM's expert parallelism splits the tokens
 # and the experts over one mesh axis, two labels that a signature keeps apart).
 EXTRA_STRATEGIES: dict = {}
+# What those strategies depend on beyond the node itself, keyed by primitive: fn(node,
+# graph, ctx) -> a hashable the planner's strategy memo keys on (`extra_strategy_key`; a
+# grouped GEMM's expert MLP region, `autopar.intra._strategies_moe.region_key`).
+EXTRA_KEYS: dict = {}
+
+
+def extra_strategy_key(node: Node, graph: OpGraph, ctx: CostContext):
+    """What `node`'s `EXTRA_STRATEGIES` depend on in `graph` beyond the node (None: nothing)."""
+    fn = EXTRA_KEYS.get(node.primitive)
+    return None if fn is None else fn(node, graph, ctx)
 
 
 def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:

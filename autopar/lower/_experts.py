@@ -29,6 +29,18 @@ after another chunk's grouped GEMM, so a scheduler that runs collectives asynchr
 (XLA:GPU's) can send chunk 2 while chunk 1 computes; the results are concatenated (form
 1) or summed (form 2).
 
+An expert MLP region (`autopar.intra._moe_regions`: the grouped GEMMs sharing one
+routing and the row-wise ops between them) whose every GEMM the plan puts in this layout
+over the same axes, whole and priced by region (not ``moe_dispatch="gemm"``, whose
+strategy names end in `autopar.intra._strategies_moe.PER_GEMM`), runs dispatched
+instead (`fused_regions`): its entering rows
+are dispatched once (step 2), its GEMMs (`RegionGemm`: steps 3 only) and row-wise ops
+(`RegionRowOp`) run on each device's received rows, and only the rows read outside it
+are combined (step 4). A row variable in dispatched form is ``[ep · M, ...]`` (each
+device's receive buffer), so the form shows in its leading size; a scan body's
+residuals read only by the backward's region stay dispatched through the scan, so a
+layer's MLP has one dispatch and one combine forward and one of each backward.
+
 A grouped GEMM the plan splits otherwise runs as planned by XLA's SPMD partitioner.
 """
 
@@ -39,38 +51,225 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax._src import core as jax_core
+from jax.sharding import Mesh, PartitionSpec
 
 from autopar.cluster._mesh import replicated, to_partition_spec
 from autopar.cost import OVERLAP_CHUNKS
 from autopar.graph import OpGraph
+from autopar.intra._moe_regions import ExpertRegion, expert_regions
 from autopar.intra._rules_moe import ragged_form
-from autopar.intra._strategies_moe import OVERLAPPED, ep_layout
+from autopar.intra._strategies_moe import OVERLAPPED, PER_GEMM, ep_layout
 
 
 def with_expert_dispatch(graph: OpGraph, plan, mesh: Mesh) -> OpGraph:
-    """`graph` with each node `planned_prim` replaces for `plan` bound to its stand-in."""
+    """`graph` with each node `planned_prim` replaces for `plan` bound to its stand-in,
+    and each expert MLP region the plan runs expert-parallel over one set of mesh axes
+    (`fused_regions`) run on dispatched rows: one dispatch on entry, one combine on exit."""
     operand_specs = {(n, p): s for n, p, s in plan.operand_specs}
     strategies = (dict(enumerate(plan.node_strategies)) if hasattr(plan, "node_strategies")
                   else dict(plan.strategies))
     nodes = list(graph.nodes)
     changed = False
+
+    def specs(node):
+        ins = [operand_specs.get((node.id, p)) or plan.var_specs[v]
+               or replicated(len(graph.vars[v].shape)) for p, v in enumerate(node.inputs)]
+        outs = [plan.var_specs[v] or replicated(len(graph.vars[v].shape))
+                for v in node.outputs]
+        return ins, outs
+
+    done: set[int] = set()
+    for region, axes in fused_regions(graph, specs, strategies):
+        done |= _bind_region(graph, nodes, region, axes, mesh, specs)
+        changed = True
     for node in graph.nodes:
-        if node.primitive not in ("ragged_dot_general", *PER_SHARD):
+        if node.id in done or node.primitive not in ("ragged_dot_general", *PER_SHARD):
             continue
-        in_specs = [
-            operand_specs.get((node.id, p)) or plan.var_specs[v]
-            or replicated(len(graph.vars[v].shape))
-            for p, v in enumerate(node.inputs)
-        ]
-        out_specs = [plan.var_specs[v] or replicated(len(graph.vars[v].shape))
-                     for v in node.outputs]
+        in_specs, out_specs = specs(node)
         chunks = OVERLAP_CHUNKS if strategies.get(node.id, "").endswith(OVERLAPPED) else 1
         prim = planned_prim(node, graph, mesh, in_specs, out_specs, chunks)
         if prim is not None:
             nodes[node.id] = replace(node, prim=prim)
             changed = True
     return replace(graph, nodes=nodes) if changed else graph
+
+
+def fused_regions(graph: OpGraph, specs, strategies) -> list[tuple[ExpertRegion, tuple]]:
+    """The expert MLP regions of `graph` (`autopar.intra._moe_regions`) whose every
+    grouped GEMM the plan runs in the all-to-all layout over the same mesh axes, whole
+    (not `OVERLAPPED`) and priced by region (not `PER_GEMM`: planned with
+    ``moe_dispatch="gemm"``), with those axes. `specs(node)` gives a node's planned
+    operand and result specs."""
+    fused = []
+    for region in expert_regions(graph):
+        found = set()
+        for nid in region.gemms:
+            node = graph.nodes[nid]
+            in_specs, out_specs = specs(node)
+            layout = ep_layout(node, graph)
+            found.add(None if strategies.get(nid, "").endswith((OVERLAPPED, PER_GEMM))
+                      else _ep_axes(in_specs, out_specs[0], layout))
+        if len(found) == 1 and None not in found:
+            fused.append((region, found.pop()))
+    return fused
+
+
+def _bind_region(graph: OpGraph, nodes: list, region: ExpertRegion, axes, mesh: Mesh,
+                 specs) -> set[int]:
+    """Bind `region`'s nodes (and the producers of the rows it alone reads) to their
+    stand-ins in `nodes`; the ids of the region's grouped GEMMs."""
+    run = _RegionRun(region, mesh, axes)
+    sizes = region.group_sizes
+    producer = {v: n.id for n in graph.nodes for v in n.outputs}
+    for nid in region.gemms:
+        node = graph.nodes[nid]
+        in_specs, out_specs = specs(node)
+        nodes[nid] = replace(node, prim=RegionGemm(node, run, in_specs, out_specs[0]))
+    for nid in region.row_ops:  # the group sizes as one more operand, to route rows
+        node = graph.nodes[nid]
+        nodes[nid] = replace(node, prim=RegionRowOp(node, run), inputs=(*node.inputs, sizes))
+    consumers = graph.consumers()
+    for v in region.inputs:  # rows read only inside: dispatched where they are made
+        p = producer.get(v)
+        if (p is None or p in region.members or nodes[p].prim is not graph.nodes[p].prim
+                or graph.nodes[p].primitive in (*PER_SHARD, "ragged_dot_general")
+                or not all(c in region.members for c in consumers[v])
+                or (v in graph.outvars and v not in region.kept)
+                or not (sizes in graph.invars or producer.get(sizes, p) < p)):
+            continue
+        node = graph.nodes[p]
+        nodes[p] = replace(node, prim=RegionEntry(node, run, node.outputs.index(v)),
+                           inputs=(*node.inputs, sizes))
+    return set(region.gemms)
+
+
+class _RegionRun:
+    """What the stand-ins of one fused region share: its routing over `axes`, and the
+    dispatched form of each row variable the region read or made in block form.
+
+    A row variable in *block* form is ``[M, ...]`` with each device holding ``M / ep`` of
+    the sorted rows (the plan's layout); in *dispatched* form it is ``[ep · M, ...]``,
+    each device's block of it the rows of its own experts in expert order (`_Routes`'
+    receive buffer: dropless, up to every row). The form shows in the leading size."""
+
+    def __init__(self, region: ExpertRegion, mesh: Mesh, axes) -> None:
+        self.mesh, self.axes = mesh, tuple(axes)
+        self.ep = math.prod(mesh.shape[a] for a in self.axes)
+        self.rows = region.rows
+        self.combined = set(region.exchanged_outputs())
+        self.cache: dict[int, tuple] = {}  # var -> (trace, dispatched form)
+
+    def is_dispatched(self, x) -> bool:
+        return x.ndim > 0 and x.shape[0] == self.ep * self.rows
+
+    def dispatched(self, v: int, x, sizes):
+        """Variable `v` (value `x`, either form) in dispatched form: as it is, the form
+        made earlier in this trace, or one dispatch all-to-all."""
+        if self.is_dispatched(x):
+            return x
+        trace = jax_core.trace_ctx.trace
+        made = self.cache.get(v)
+        if made is not None and made[0] is trace:
+            return made[1]
+        out = self._exchange(x, sizes, combine=False)
+        self.cache[v] = (trace, out)
+        return out
+
+    def emit(self, v: int, x, sizes):
+        """What the graph holds for a row variable the region made (dispatched `x`): its
+        block form (one combine all-to-all) where it is read outside the region."""
+        if v not in self.combined:
+            return x
+        self.cache[v] = (jax_core.trace_ctx.trace, x)
+        return self._exchange(x, sizes, combine=True)
+
+    def row_spec(self, ndim: int) -> PartitionSpec:
+        return PartitionSpec(self.axes, *([None] * (ndim - 1)))
+
+    def _exchange(self, x, sizes, combine: bool):
+        ep, axes, block = self.ep, self.axes, self.rows // self.ep
+
+        def local(x, sizes):
+            routes = _Routes(sizes, ep, jax.lax.axis_index(axes), block)
+            return routes.combine(x, axes) if combine else routes.dispatch(x, axes)
+
+        spec = self.row_spec(x.ndim)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(spec, PartitionSpec()),
+                             out_specs=spec, check_vma=False)(x, sizes)
+
+
+class RegionGemm:
+    """Stands in for a grouped GEMM of a fused region: runs it on each device's
+    dispatched rows against its own experts (no exchange of its own)."""
+
+    multiple_results = False
+
+    def __init__(self, node, run: _RegionRun, in_specs, out_spec) -> None:
+        self.prim, self.run = node.prim, run
+        self.inputs, (self.out,) = node.inputs, node.outputs
+        self.rhs_spec = to_partition_spec(in_specs[1])
+        self.out_spec = to_partition_spec(out_spec)
+
+    def bind(self, lhs, rhs, group_sizes, **params):
+        run, prim = self.run, self.prim
+        form = ragged_form(params)
+        per_device = group_sizes.shape[0] // run.ep
+        lhs = run.dispatched(self.inputs[0], lhs, group_sizes)
+
+        def local_groups(sizes):
+            me = jax.lax.axis_index(run.axes)
+            return jax.lax.dynamic_slice_in_dim(sizes, me * per_device, per_device)
+
+        if form == 1:
+            out = jax.shard_map(
+                lambda x, w, s: prim.bind(x, w, local_groups(s), **params),
+                mesh=run.mesh, in_specs=(run.row_spec(2), self.rhs_spec, PartitionSpec()),
+                out_specs=run.row_spec(2), check_vma=False,
+            )(lhs, rhs, group_sizes)
+            return run.emit(self.out, out, group_sizes)
+        rhs = run.dispatched(self.inputs[1], rhs, group_sizes)
+        return jax.shard_map(
+            lambda x, y, s: prim.bind(x, y, local_groups(s), **params),
+            mesh=run.mesh, in_specs=(run.row_spec(2), run.row_spec(2), PartitionSpec()),
+            out_specs=self.out_spec, check_vma=False,
+        )(lhs, rhs, group_sizes)
+
+
+class RegionRowOp:
+    """Stands in for a row-wise op of a fused region: runs it on dispatched rows (its
+    last operand, added by `_bind_region`, is the region's group sizes)."""
+
+    multiple_results = False
+
+    def __init__(self, node, run: _RegionRun) -> None:
+        self.prim, self.run = node.prim, run
+        self.inputs, (self.out,) = node.inputs, node.outputs
+
+    def bind(self, *operands, **params):
+        *operands, sizes = operands
+        xs = [x if jnp.ndim(x) == 0 else self.run.dispatched(v, x, sizes)
+              for v, x in zip(self.inputs, operands)]
+        return self.run.emit(self.out, self.prim.bind(*xs, **params), sizes)
+
+
+class RegionEntry:
+    """Stands in for the node making rows that only a fused region reads: its result
+    `index` leaves dispatched (the last operand is the region's group sizes)."""
+
+    def __init__(self, node, run: _RegionRun, index: int) -> None:
+        self.prim, self.run, self.index = node.prim, run, index
+        self.var = node.outputs[index]
+        self.multiple_results = node.prim.multiple_results
+
+    def bind(self, *operands, **params):
+        *operands, sizes = operands
+        out = self.prim.bind(*operands, **params)
+        if not self.multiple_results:
+            return self.run.dispatched(self.var, out, sizes)
+        out = list(out)
+        out[self.index] = self.run.dispatched(self.var, out[self.index], sizes)
+        return out
 
 
 # Primitives that work row by row along every dimension their rule splits, but that

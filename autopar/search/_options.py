@@ -21,6 +21,7 @@ from autopar.choices import (
     MEMORY_LEVELS,
     METHODS,
     MICROBATCH_CHECKS,
+    MOE_DISPATCHES,
     MOE_OVERLAPS,
     REMAT_OPTIONS,
     SCHEDULE_OPTIONS,
@@ -30,6 +31,7 @@ from autopar.choices import (
     MemoryLevels,
     Method,
     MicrobatchCheck,
+    MoeDispatch,
     MoeOverlap,
     RematOption,
     ScheduleOption,
@@ -83,6 +85,10 @@ class PlanOptions:
       one chunk's dispatch/combine all-to-all runs beside the other's compute: "auto"
       (the ILP chooses per grouped GEMM by predicted time,
       `autopar.cost.chunked_exchange_time`), "off" or "on".
+    - `moe_dispatch`: how often an expert-parallel expert MLP exchanges its routed
+      tokens: "mlp" (one dispatch where they enter its grouped GEMMs, one combine where
+      they leave, `autopar.intra._moe_regions`) or "gemm" (one of each around every
+      grouped GEMM); priced and lowered alike.
 
     How the pipeline search works (method "auto"; the defaults are the planner's, the
     others exist to compare):
@@ -134,6 +140,7 @@ class PlanOptions:
     microbatch_check: MicrobatchCheck = "warn"
     context_parallel: ContextParallel = "auto"
     moe_overlap: MoeOverlap = "auto"
+    moe_dispatch: MoeDispatch = "mlp"
 
     def __post_init__(self):
         # Callers may pass lists; keep the frozen options hashable plain tuples.
@@ -163,6 +170,7 @@ class PlanOptions:
         check_choice("microbatch_check", self.microbatch_check, MICROBATCH_CHECKS)
         check_choice("context_parallel", self.context_parallel, CONTEXT_PARALLEL)
         check_choice("moe_overlap", self.moe_overlap, MOE_OVERLAPS)
+        check_choice("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
         m = self.num_microbatches
         if m != "auto" and (not isinstance(m, int) or m < 1):
             raise ValueError(f"num_microbatches must be a positive int or 'auto', got {m!r}")

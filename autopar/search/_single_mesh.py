@@ -30,6 +30,7 @@ def shard_options(options: PlanOptions, cluster, method: str = "shard") -> Shard
         annotations=options.annotations,
         context_parallel=options.context_parallel,
         moe_overlap=options.moe_overlap,
+        moe_dispatch=options.moe_dispatch,
     )
 
 

@@ -10,10 +10,15 @@ experts on both axes (`constraints=`; the rest searched). Prints each plan's pre
 step, its compute / collectives / resharding, its collectives by kind (count, bytes) and
 the expert weights' specs, then each grouped GEMM's expert-parallel strategy costs.
 
-Reading it: the expert-parallel plan exchanges its routed rows around each grouped GEMM
-(`autopar.intra._strategies_moe`: a dispatch and a combine for each of the gate, up and
-down projections and the token gradients, two dispatches for each weight gradient), where
-DeepSeek-V3 and Megatron-Core dispatch once before the expert MLP and combine once after.
+Reading it: the expert-parallel plan dispatches the routed rows once per expert MLP and
+combines them once (`autopar.intra._moe_regions`; each grouped GEMM's strategy carries its
+share), as DeepSeek-V3 and Megatron-Core do. What it still pays beyond them is the token
+permutation: the sorted rows are gathered from the tokens of every device (an all-gather
+of the tokens before the gather) and scattered back with a resharding all-to-all after the
+scatter-add, where Megatron-Core permutes each device's own tokens before its dispatch.
+With batch 8: 39.4 ms searched (expert widths split) against 43.9 ms with experts
+pinned (48.2 ms priced with a dispatch and a combine per grouped GEMM); batch 16: 61.1
+against 66.1 ms; batch 32: 103.8 against 109.5 ms.
 """
 
 from __future__ import annotations
