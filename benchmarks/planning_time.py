@@ -3,8 +3,11 @@
 Rows: the demo (``autopar demo``'s GPT on 8 virtual CPU devices, 2 microbatches), gpt-1.3B
 on 16 dgx-a100-80g GPUs (2 hosts, 64 microbatches, no target of its own), GPT-39B
 on 64 dgx-a100-80g GPUs (8 hosts, 64 microbatches) and GPT-3 175B on 1,024 (128 hosts,
-64 microbatches), each planned with no plan cache in a child process of its own under a
-per-row time limit (a row that runs out is reported as far as it got).
+64 microbatches); issue 45's Llama rows on dgx-h100 (`LLAMA_ROWS`): Llama-8B on 64 GPUs at
+8k and 64k tokens, Llama 3 405B on 16,384 at 8k, and ``llama-8B@8-cli``, what
+``autopar plan --model llama-8B --profile dgx-h100 --hosts 1 --batch 64`` plans. Each row
+is planned with no plan cache in a child process of its own under a per-row time limit (a
+row that runs out is reported as far as it got).
 
 Per row it prints wall-clock and CPU seconds (user + system of the child, which includes
 anything the child starts) for each phase of the search (a row that runs out of time
@@ -18,7 +21,9 @@ gives its whole child's totals, and its phases up to the last one that ended):
   (`LayerCostTable._drive`); how many, and how many cost look-ups were answered from the
   table instead (``cached``);
 - ``stage DP``: Alpa's DP over layer ranges x submeshes, less the ILPs it triggered;
-- ``lowering``: each chosen stage's plan stitched from its layers' plans, and the `Plan`.
+- ``lowering``: each chosen stage's plan stitched from its layers' plans, and the `Plan`;
+- ``microbatch check``: whether the plan's microbatches change the step's math (the step
+  compiled and run on the host, `autopar.search._microbatch_math`; part of `autopar.plan`).
 
 It also prints the planner's peak memory (the child's maximum resident set, plus each
 solver worker's when the pool ran) and the predicted step time of the plan. CPU seconds
@@ -30,7 +35,9 @@ Run: ``python benchmarks/planning_time.py`` (all rows), ``--rows demo gpt-39B@64
 ``--limit 600`` (seconds per row), ``--json out.json``; ``--microbatches auto`` plans every
 row with the search's choice of microbatch counts (or ``--microbatches N``), and
 ``--no-share`` then searches every count in full instead of pricing one count's layer
-layouts for the others (the comparison on the benchmarks page). Progress goes to stderr.
+layouts for the others (the comparison on the benchmarks page); ``--unpruned`` plans with
+no pruning at all (``prune_by_bound=False, lower_bounds=False``), the reference a row's
+plan is checked against. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ DEFAULT_LIMIT = 900.0
 NO_BOUND_ENV = "AUTOPAR_PLANNING_TIME_NO_BOUND"  # --no-bound, handed to the child
 MICROBATCHES_ENV = "AUTOPAR_PLANNING_TIME_MICROBATCHES"  # --microbatches, to the child
 NO_SHARE_ENV = "AUTOPAR_PLANNING_TIME_NO_SHARE"  # --no-share, to the child
-PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering")
+UNPRUNED_ENV = "AUTOPAR_PLANNING_TIME_UNPRUNED"  # --unpruned, to the child
+PHASES = ("trace", "layer clustering", "layer ILPs", "stage DP", "lowering",
+          "microbatch check")
 # The GPT rows: (model config, hosts of 8 GPUs, microbatches). 64 microbatches as issue 18
 # states the 39B row (global batch 1024, Alpa's benchmark batch).
 GPT_ROWS = {"gpt-1.3B@8": ("1.3B", 1, 64), "gpt-1.3B@16": ("1.3B", 2, 64),
@@ -149,6 +158,11 @@ def _instrument(clock: _Clock) -> None:
 
     _api.trace = clock.wrap("trace", _api.trace)
     _pipeline._trace_microbatch = clock.wrap("trace", _pipeline._trace_microbatch)
+    # A fixed count's search traces its one microbatch from `_api` (its own name).
+    _api._trace_microbatch = clock.wrap("trace", _api._trace_microbatch)
+    # After the search: does the plan's microbatching change the step's math? (Compiled
+    # and run on the host: `autopar.search._microbatch_math`.)
+    _api._checked_math = clock.wrap("microbatch check", _api._checked_math)
     _pipeline.assign_layers = clock.wrap("layer clustering", _pipeline.assign_layers)
     table = _layer_table.LayerCostTable
     table.__init__ = clock.wrap("layer clustering", table.__init__)
@@ -237,10 +251,12 @@ def child(row: str, out: Path) -> None:
         given = os.environ[MICROBATCHES_ENV]
         micro = given if given == "auto" else int(given)
     clock.start_wall, clock.start_cpu = time.perf_counter(), _cpu()
+    unpruned = bool(os.environ.get(UNPRUNED_ENV))
     with show_progress():
         plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro, cache=False,
                             share_layouts=not os.environ.get(NO_SHARE_ENV),
-                            prune_by_bound=not os.environ.get(NO_BOUND_ENV))
+                            prune_by_bound=not (os.environ.get(NO_BOUND_ENV) or unpruned),
+                            lower_bounds=not unpruned)
     # The solver pool's workers are children: once they have ended, their CPU seconds
     # count in the totals (`_cpu`) and their largest resident set is known.
     from autopar.intra import _pool
@@ -374,6 +390,10 @@ def main(argv=None) -> None:
     parser.add_argument("--no-bound", action="store_true",
                         help="switch off the stage DP's pruning by a known plan "
                         "(`PlanOptions.prune_by_bound`), to compare plans")
+    parser.add_argument("--unpruned", action="store_true",
+                        help="no pruning at all: neither the known plan's bound "
+                        "(`prune_by_bound`) nor the layers' lower bounds (`lower_bounds`); "
+                        "the reference a row's plan is checked against")
     parser.add_argument("--microbatches", help="plan every row with this microbatch count "
                         "instead of its own, or 'auto' (the search tries several counts)")
     parser.add_argument("--no-share", action="store_true",
@@ -393,6 +413,8 @@ def main(argv=None) -> None:
         os.environ[NO_BOUND_ENV] = "1"
     if ns.no_share:
         os.environ[NO_SHARE_ENV] = "1"
+    if ns.unpruned:
+        os.environ[UNPRUNED_ENV] = "1"
     if ns.microbatches:
         if ns.microbatches != "auto" and not ns.microbatches.isdigit():
             parser.error(f"--microbatches {ns.microbatches}: give a count or 'auto'")
