@@ -422,3 +422,24 @@ def test_a_search_hands_the_frozen_heap_back(monkeypatch):
         assert gc.get_freeze_count() > 0  # not handed back by the search
     finally:
         gc.unfreeze()
+
+
+def test_lower_bounds_off_reaches_the_stage_fit():
+    """`PlanOptions(lower_bounds=False)` reaches the stage DP's options and the layer cost
+    table, where the layers' lower bound is then -inf (no shape or level skipped) and the
+    least work is unknown; the default keeps both. No ILP is solved."""
+    from autopar.inter import _stage_costs, _stage_fit, layer_cost_table
+    from autopar.search._pipeline import _PipelineSearch
+
+    graph, layers, tied = _tiny_gpt_graph()
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    for flag in (True, False):
+        search = _PipelineSearch(None, (), cluster, autopar.PlanOptions(lower_bounds=flag), {})
+        assert search.stage_options.lower_bounds is flag
+        table = layer_cost_table(graph, layers, cluster, 4, search.stage_options, tied)
+        assert table.lower_bounds is flag
+        assert table.num_ilps == 0
+    # Off: answered before any cost is asked for (an ILP would be solved otherwise).
+    assert _stage_fit._lower_bound(table, range(2), (8,), 0) == -math.inf
+    assert _stage_costs._least_work(table, [autopar.inter.SubmeshShape(1, 8)], None) == []
+    assert table.num_ilps == 0
