@@ -336,17 +336,24 @@ def _peak(r: dict) -> str:
 
 DOCS_INTRO = """## Planning time by phase
 
-How long `autopar.plan(..., method="auto")` takes, phase by phase, on the rows issue 18
-sets targets for: the demo (`autopar demo`'s GPT on 8 virtual CPU devices, 2
-microbatches, target 3 s), gpt-39B on 64 dgx-a100-80g GPUs (64 microbatches, 120 s) and
-GPT-3 175B on 1,024 (64 microbatches, 600 s and a 4 GB planner peak). Each row is planned
-in a child process of its own with no plan cache.
+How long `autopar.plan(..., method="auto")` takes, phase by phase, on the rows issues 18
+and 45 set targets for (wall seconds on a quiet 2-core machine, and a 4 GB planner
+peak): the demo (`autopar demo`'s GPT on 8 virtual CPU devices, 2 microbatches, 2 s),
+gpt-39B on 64 dgx-a100-80g GPUs (64 microbatches, 120 s), GPT-3 175B on 1,024 (64
+microbatches, 120 s), Llama-8B on 64 dgx-h100 GPUs at 8k tokens (batch 256, microbatches
+"auto", 20 s) and at 64k (batch 32), `autopar plan --model llama-8B --profile dgx-h100
+--hosts 1 --batch 64` (`llama-8B@8-cli`, 60 s) and Llama 3 405B on 16,384 (batch 2,048,
+16 microbatches, 300 s). Each row is planned in a child process of its own with no plan
+cache; a row marked *unpruned* is planned with no pruning at all (`--unpruned`:
+`prune_by_bound=False, lower_bounds=False`), the reference its pruned plan is checked
+against.
 
 How to read it: *total CPU / wall* is the planning process's CPU (its solver workers'
 included) and wall seconds; the targets are wall seconds. *ILPs* counts the layer ILPs
 built and solved; *peak MB* is the planner's resident peak plus each solver worker's.
-The predicted step time shows that the plan is the one expected, not a faster search's
-shortcut.
+*microbatch check* is `autopar.plan`'s check that the plan's microbatches keep the step's
+math (the step compiled and run on the host). The predicted step time shows that the
+plan is the one expected, not a faster search's shortcut.
 """
 
 
@@ -356,6 +363,7 @@ def report(results: list[dict]) -> str:
             "predicted step s", "plan"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
+        r = dict(r, row=r["row"] + (" (unpruned)" if r.get("unpruned") else ""))
         if "wall" not in r:
             lines.append(f"| {r['row']} | failed before planning (rc {r['returncode']}) |")
             continue
@@ -365,7 +373,8 @@ def report(results: list[dict]) -> str:
                      f"{r['total_wall']:.0f} s)")
         elif not r.get("done"):
             total += f" (failed, rc {r['returncode']})"
-        phases = [f"{r['cpu'][p]:.1f} / {r['wall'][p]:.1f}" for p in PHASES]
+        phases = [f"{r['cpu'][p]:.1f} / {r['wall'][p]:.1f}" if p in r["cpu"] else "-"
+                  for p in PHASES]
         target = TARGETS.get(r["row"])
         met = "" if target is None else (
             f"≤{target:g} s: " + ("yes" if r.get("done") and r["total_wall"] <= target else "no")
@@ -403,6 +412,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write-docs", action="store_true",
                         help="replace docs/benchmarks.md's planning_time section with this "
                         "run's table (stamped with commit, date, command and machine)")
+    parser.add_argument("--load", type=Path, nargs="+", metavar="FILE.json",
+                        help="plan nothing: report (and with --write-docs, write) the rows "
+                        "of earlier runs' --json files, in order")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)
@@ -420,10 +432,12 @@ def main(argv=None) -> None:
             parser.error(f"--microbatches {ns.microbatches}: give a count or 'auto'")
         os.environ[MICROBATCHES_ENV] = ns.microbatches
     results = []
-    for row in ns.rows:
+    for row in [] if ns.load else ns.rows:
         print(f"planning {row} (limit {ns.limit:g} s) ...", file=sys.stderr, flush=True)
-        results.append(run_row(row, ns.limit))
+        results.append(dict(run_row(row, ns.limit), unpruned=ns.unpruned))
         print(report(results[-1:]), file=sys.stderr, flush=True)
+    for path in ns.load or ():
+        results.extend(json.loads(path.read_text()))
     print(report(results))
     if ns.json:
         ns.json.write_text(json.dumps(results, indent=1))
