@@ -103,3 +103,72 @@ def show_progress(stream: TextIO | None = None, level: int = logging.INFO) -> It
     finally:
         log.removeHandler(handler)
         log.setLevel(previous_level)
+
+
+class Countdown:
+    """Progress over a known list of items searched one after another (the microbatch
+    counts of a pipeline search): which one starts, how many are done and left, and an
+    estimate of the seconds left at the pace of those done so far.
+
+    **Example:**
+
+    ```python
+    left = Countdown("microbatch counts", [1, 32, 64])
+    for count in (1, 32, 64):
+        left.start(count)  # "microbatch counts: 32 (2 of 3; left after it: 64); ..."
+        ...
+        left.done(count)
+    left.again(32, "its own layer layouts")  # an item searched once more, added
+    ```
+
+    **Arguments:**
+    - `name`: what the items are, e.g. ``"microbatch counts"``.
+    - `items`: the items in the order they will be searched.
+    - `logger`: the logger; default ``autopar``.
+    """
+
+    def __init__(self, name: str, items, logger: logging.Logger = log):
+        self.name = name
+        self.todo = list(items)
+        self.finished: list = []
+        self.seconds: list[float] = []
+        self.start_time = time.perf_counter()
+        self._began: float | None = None
+        self._log = logger
+
+    def estimate(self) -> float | None:
+        """Seconds left for the items not finished (the one running counted whole) at the
+        mean pace of those finished; None before one has finished."""
+        if not self.seconds:
+            return None
+        pace = sum(self.seconds) / len(self.seconds)
+        running = 0.0 if self._began is None else time.perf_counter() - self._began
+        return max(0.0, pace * len(self.todo) - running)
+
+    def start(self, item, note: str = "") -> None:
+        """Log that `item` starts: its place, the items left after it, time so far and
+        the estimate of what is left."""
+        if item in self.todo:
+            self.todo.remove(item)
+        self.todo.insert(0, item)
+        self._began = time.perf_counter()
+        total = len(self.finished) + len(self.todo)
+        after = ", ".join(map(str, self.todo[1:])) or "none"
+        estimate = self.estimate()
+        left = "" if estimate is None else f", about {estimate:.0f} s left at the pace so far"
+        self._log.info("%s: %s%s (%d of %d; left after it: %s); %.0f s so far%s",
+                       self.name, item, f" {note}" if note else "", len(self.finished) + 1,
+                       total, after, time.perf_counter() - self.start_time, left)
+
+    def done(self, item) -> None:
+        """`item` finished: its seconds count in the pace."""
+        if self._began is not None:
+            self.seconds.append(time.perf_counter() - self._began)
+            self._began = None
+        if item in self.todo:
+            self.todo.remove(item)
+        self.finished.append(item)
+
+    def again(self, item, note: str = "") -> None:
+        """`item` is searched once more (added to what is left) and starts now."""
+        self.start(item, note)

@@ -32,15 +32,14 @@ def _search(graph, layers, tied, budget, monkeypatch, prune: bool, devices=(4, 8
     """The stage choice on one host's submeshes of `devices` GPUs each (on
     `logical_shapes`, default every shape of each), and its table; undoes `monkeypatch`
     after."""
-    from autopar.inter import StageOptions, _stage_fit, choose_stages, layer_cost_table
+    from autopar.inter import StageOptions, choose_stages, layer_cost_table
     from autopar.intra._options import ShardOptions
 
-    if not prune:  # no shape or level is known to lose: every one is solved
-        monkeypatch.setattr(_stage_fit, "_lower_bound", lambda *args: -math.inf)
     cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    # Without `lower_bounds` no shape or level is known to lose: every one is solved.
     options = StageOptions(shard=ShardOptions(memory_budget=budget),
                            submeshes=[autopar.inter.SubmeshShape(1, d) for d in devices],
-                           logical_shapes=logical_shapes)
+                           logical_shapes=logical_shapes, lower_bounds=prune)
     table = layer_cost_table(graph, layers, cluster, 4, options, tied)
     choice = choose_stages(graph, layers, cluster, 4, tied, options, table=table)
     monkeypatch.undo()
@@ -203,6 +202,7 @@ class _FakeTable:
     solve = None
     cluster = None
     memory_levels = "price"
+    lower_bounds = True
 
     def __init__(self, rng, num_layers, shapes):
         self.base = {(k, s): (rng.uniform(1, 2), rng.uniform(4, 8))
@@ -246,23 +246,22 @@ class _FakeTable:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed, monkeypatch):
+def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed):
     """Every (layers, submesh, position) the stage DP asks about gets the same answer with
     and without the dominance pruning, on tables whose numbers are drawn at random and
     budgets tight enough to need leaner levels and recompute; the pruned walk asks for
     fewer of the leaner levels (the ILPs that cost most)."""
     import numpy as np
 
-    from autopar.inter import SubmeshShape, _stage_costs, _stage_fit
+    from autopar.inter import SubmeshShape, _stage_costs
 
     rng = np.random.default_rng(seed)
     shapes = [(8,), (2, 4), (4, 2)]
     answers, solved = [], []
     budget = float(rng.uniform(8, 20))
     for prune in (True, False):
-        if not prune:
-            monkeypatch.setattr(_stage_fit, "_lower_bound", lambda *args: -math.inf)
         table = _FakeTable(np.random.default_rng(seed), 6, shapes)
+        table.lower_bounds = prune  # False: no bound at all (`StageOptions.lower_bounds`)
         stage_cost = _stage_costs._StageCosts(table, [SubmeshShape(1, 8)], shapes, "1f1b",
                                               4, budget, "auto")
         answers.append([stage_cost(a, b, 0, p) for a in range(6) for b in range(a + 1, 7)
@@ -423,3 +422,24 @@ def test_a_search_hands_the_frozen_heap_back(monkeypatch):
         assert gc.get_freeze_count() > 0  # not handed back by the search
     finally:
         gc.unfreeze()
+
+
+def test_lower_bounds_off_reaches_the_stage_fit():
+    """`PlanOptions(lower_bounds=False)` reaches the stage DP's options and the layer cost
+    table, where the layers' lower bound is then -inf (no shape or level skipped) and the
+    least work is unknown; the default keeps both. No ILP is solved."""
+    from autopar.inter import _stage_costs, _stage_fit, layer_cost_table
+    from autopar.search._pipeline import _PipelineSearch
+
+    graph, layers, tied = _tiny_gpt_graph()
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    for flag in (True, False):
+        search = _PipelineSearch(None, (), cluster, autopar.PlanOptions(lower_bounds=flag), {})
+        assert search.stage_options.lower_bounds is flag
+        table = layer_cost_table(graph, layers, cluster, 4, search.stage_options, tied)
+        assert table.lower_bounds is flag
+        assert table.num_ilps == 0
+    # Off: answered before any cost is asked for (an ILP would be solved otherwise).
+    assert _stage_fit._lower_bound(table, range(2), (8,), 0) == -math.inf
+    assert _stage_costs._least_work(table, [autopar.inter.SubmeshShape(1, 8)], None) == []
+    assert table.num_ilps == 0

@@ -116,11 +116,17 @@ class OpGraph:
     # ---- queries -----------------------------------------------------------------------
 
     def consumers(self) -> list[list[int]]:
-        """For every variable, the ids of the nodes that read it (in program order)."""
-        users: list[list[int]] = [[] for _ in self.vars]
+        """For every variable, the ids of the nodes that read it (in program order); an
+        empty tuple for a variable no node reads. (A layer's graph keeps the whole step's
+        variable table, most of which its nodes never read: one shared empty tuple for
+        those instead of a list each, 0.14 s a call on an unscanned Llama-8B's layers.)"""
+        users: list = [()] * len(self.vars)
         for node in self.nodes:
             for v in dict.fromkeys(node.inputs):
-                users[v].append(node.id)
+                if users[v]:
+                    users[v].append(node.id)
+                else:
+                    users[v] = [node.id]
         return users
 
     def inputs_with_role(self, *roles: Role) -> list[Var]:

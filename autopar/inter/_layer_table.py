@@ -72,6 +72,7 @@ class LayerCostTable:
         keep_layouts: bool = False,
         memory_levels: MemoryLevels = "price",
         fixed=None,
+        lower_bounds: bool = True,
     ):
         """Layers are planned per microbatch: what runs once per step (the update, the
         deferred gradient reductions) weighs 1/`num_microbatches`.
@@ -92,9 +93,11 @@ class LayerCostTable:
         `num_microbatches="auto"` searches several counts).
 
         `memory_levels`: how a leaner level is made (`StageOptions.memory_levels`,
-        `autopar.inter._levels`)."""
+        `autopar.inter._levels`). `lower_bounds`: whether the stage DP may skip what its
+        layers' fastest plans show cannot win (`StageOptions.lower_bounds`)."""
         check_choice("memory_levels", memory_levels, MEMORY_LEVELS)
         self.memory_levels = memory_levels
+        self.lower_bounds = lower_bounds
         self.cluster = cluster
         self.in_flight = in_flight or (lambda shape: 1)
         self.options = options
@@ -641,5 +644,5 @@ def layer_cost_table(graph, layers, cluster, num_microbatches, options: StageOpt
     return LayerCostTable(
         graph, layers, cluster, options.shard, tied, num_microbatches=num_microbatches,
         in_flight=in_flight, reference=reference, keep_layouts=keep_layouts,
-        memory_levels=options.memory_levels, fixed=fixed,
+        memory_levels=options.memory_levels, fixed=fixed, lower_bounds=options.lower_bounds,
     )

@@ -39,6 +39,10 @@ class StageOptions:
     - `prune_by_bound`: cut off stages that cannot be part of a plan as fast as the best
       even plan (`_stage_costs._bound_by_even_plans`); False costs every stage (the same
       answer, more solves).
+    - `lower_bounds`: skip the logical mesh shapes and leaner memory levels whose layers'
+      fastest plans already lose (`_stage_fit._lower_bound`, `DOMINANCE_MARGIN`); False
+      uses no lower bound at all: every shape and level the DP asks about is solved (the
+      reference the pruned search is checked against; the same answer, more solves).
     """
 
     shard: ShardOptions = field(default_factory=ShardOptions)
@@ -49,6 +53,7 @@ class StageOptions:
     remat: RematOption = "auto"
     memory_levels: MemoryLevels = "price"
     prune_by_bound: bool = True
+    lower_bounds: bool = True
 
     def __post_init__(self):
         if self.submeshes is not None:

@@ -119,7 +119,7 @@ class _StageCosts:
         if missing[end] - missing[start]:
             return None, -math.inf
         fastest = sums[end] - sums[start]
-        if unproven[end] - unproven[start]:
+        if unproven[end] - unproven[start] or not self.table.lower_bounds:
             return fastest, -math.inf
         return fastest, fastest * (1 - DOMINANCE_MARGIN)
 
@@ -294,7 +294,7 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
             shape = tuple(shape)
             if math.prod(shape) == sub.num_devices and shape not in shapes:
                 shapes.append(shape)
-    if table.solve is not None or not shapes:
+    if table.solve is not None or not shapes or not table.lower_bounds:
         return []
     prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
     if prefetch is not None:

@@ -21,8 +21,9 @@ from autopar.inter._range_cache import _all_solved, _prefetch, _range_cached
 def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
     """Below the latency of the layers at `level` or any leaner level, with any recompute,
     by `DOMINANCE_MARGIN`; -inf when a layer's plan there is not a proven optimum (its
-    ILP stopped at the time limit) or a caller's `solve` made it."""
-    if table.solve is not None:
+    ILP stopped at the time limit), a caller's `solve` made it, or the table's search
+    uses no bounds (`StageOptions.lower_bounds`)."""
+    if table.solve is not None or not table.lower_bounds:
         return -math.inf
     return _range_cached(table, "bound", layer_range, (shape, level),
                          lambda: _layers_lower_bound(table, layer_range, shape, level))

@@ -98,6 +98,9 @@ class PlanOptions:
       more planning time).
     - `prune_by_bound`: cut off stages that cannot be part of a plan as fast as the best
       even plan; False costs every stage (the same plan, more solves).
+    - `lower_bounds`: skip the mesh shapes and memory levels whose layers' fastest plans
+      already lose; False solves every one the stage DP asks about (the same plan, more
+      solves).
     - `memory_levels`: how a stage's layer plans get leaner when they do not fit
       together: "price" (a price on the footprint) or "limit" (a footprint limit row,
       each a harder MIP).
@@ -134,6 +137,7 @@ class PlanOptions:
     remat: RematOption = "auto"
     share_layouts: bool = True
     prune_by_bound: bool = True
+    lower_bounds: bool = True
     memory_levels: MemoryLevels = "price"
     annotations: Annotations = "keep"
     constraints: Any = dataclasses.field(default=None, hash=False)

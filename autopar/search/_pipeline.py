@@ -33,6 +33,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from autopar._progress import Countdown
 from autopar.choices import Schedule
 from autopar.graph import ANNOTATION_PRIMITIVES, OpGraph, split_stacked, tied_state, trace
 from autopar.inter import (
@@ -244,6 +245,7 @@ class _PipelineSearch:
             shard=dp_single, schedule=dp_schedule(options.schedule), num_stages=num_stages,
             submeshes=submeshes, logical_shapes=options.logical_shapes, remat=options.remat,
             memory_levels=options.memory_levels, prune_by_bound=options.prune_by_bound,
+            lower_bounds=options.lower_bounds,
         )
         self.num_auto_layers: int | None = None
         self.scan_length: int | None = None
@@ -298,7 +300,8 @@ class _PipelineSearch:
         count's error when none has.
 
         With several counts (`num_microbatches="auto"`) the layer ILPs are solved for one
-        count (`_reference_first`): the other counts' layer costs are that search's layouts
+        count (`_reference_first`; when it has no plan, the next count that has one): the
+        other counts' layer costs are that search's layouts
         priced on their own shapes (`LayerCostTable(reference=...)`; an ILP of their own
         where the reference has not solved that layer, shape and level or its layout does
         not apply), each the cost of a feasible plan, which a search of the count's own
@@ -321,16 +324,24 @@ class _PipelineSearch:
         found: dict[int, list[_Candidate]] = {}
         full: set[int] = set()  # counts whose candidates priced no other count's layout
         reference = None
-        for num_micro in _reference_first(counts, rows, self.cluster) if share else counts:
+        order = _reference_first(counts, rows, self.cluster) if share else counts
+        progress = Countdown("microbatch counts", order)  # what is left, on the log
+        for num_micro in order:
+            progress.start(num_micro, "microbatch(es)")
             found[num_micro], table = self.search_count(
                 num_micro, reference, keep_layouts=share and reference is None)
-            if reference is None:
+            progress.done(num_micro)
+            # A count without a plan is no reference: its layouts are those of layers
+            # that do not fit, and priced here they answer few costs (every count priced
+            # on them is searched again, in full, when it wins). The next count is
+            # searched in full and keeps its layouts for the rest instead.
+            if reference is None and found[num_micro]:
                 reference = table if share else None
             if not any(c.choice.timings.get("layer costs priced") for c in found[num_micro]):
                 full.add(num_micro)
-        return self._searched_in_full(counts, found, full)
+        return self._searched_in_full(counts, found, full, progress)
 
-    def _searched_in_full(self, counts, found, full) -> list[_Candidate]:
+    def _searched_in_full(self, counts, found, full, progress) -> list[_Candidate]:
         """The candidates, once the count `pick` takes is one searched on its own layouts
         (searching the fastest priced count again until it is)."""
         while True:
@@ -348,7 +359,9 @@ class _PipelineSearch:
                      "another count's layouts %s)", chosen,
                      "is the fastest" if candidates else "did not fit")
             self.errors.pop(chosen, None)
+            progress.again(chosen, "microbatch(es), again on its own layer layouts")
             found[chosen], _ = self.search_count(chosen, None, keep_layouts=False)
+            progress.done(chosen)
             full.add(chosen)
 
     def search_count(self, num_micro: int, reference, keep_layouts: bool):
