@@ -62,3 +62,35 @@ def test_strict_refuses(cluster):
     with pytest.raises(ValueError, match=r"change the step's math.*microbatch_check='strict'"):
         autopar.plan(make_step(True), STATE, BATCH, cluster=cluster, microbatch_check="strict",
                      **OPTIONS)
+
+
+def test_a_step_too_large_to_evaluate_once_more_is_not_checked(caplog):
+    """The check evaluates the step once more on one device: a step whose evaluation
+    would hold more than MAX_CHECK_LIVE_BYTES there (here a 16,384-token attention's
+    score matrix, 1 GiB at a time, several at once in its backward) is skipped, with the
+    bytes logged, before anything is compiled; its arguments are small."""
+    from autopar.search import _microbatch_math as mm
+
+    seq, width = 16384, 8
+    state = {"params": {"wq": S((width, width), jnp.float32),
+                        "wk": S((width, width), jnp.float32)}}
+    batch = {"x": S((2, seq, width), jnp.float32)}
+
+    def loss_fn(params, batch):
+        q, k = batch["x"] @ params["wq"], batch["x"] @ params["wk"]
+        scores = jnp.einsum("bsd,btd->bst", q, k)
+        return jax.nn.softmax(scores, axis=-1).mean()
+
+    def step(state, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(state["params"], batch)
+        return state, {"loss": loss, "grads": grads}
+
+    from autopar.graph import trace
+    graph = trace(step, state, batch, batch_argnums=(1,))
+    assert mm.evaluation_bytes(graph) > mm.MAX_CHECK_LIVE_BYTES  # 2 x 1 GiB scores
+    with caplog.at_level("INFO", logger="autopar"):
+        assert microbatch_change(step, (state, batch), (1,), 2, traced=(graph,)) is None
+    assert "would hold" in caplog.text
+    # the small steps above are well inside it
+    small = trace(make_step(True), STATE, BATCH, batch_argnums=(1,))
+    assert mm.evaluation_bytes(small) < 2**26

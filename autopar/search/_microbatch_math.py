@@ -13,7 +13,10 @@ integers 0 or 1, so that indices stay in range) at the full batch and at each of
 microbatches, and compares what reaches the gradient boundary (the loss first, then each
 gradient) between the full batch and the mean of the microbatches. A difference above
 `RELATIVE_TOLERANCE` names the value. Skipped when the arguments hold more than
-`MAX_CHECK_BYTES` (the check evaluates the step once more on the host).
+`MAX_CHECK_BYTES`, or when one evaluation of the full-batch step would hold more than
+`MAX_CHECK_LIVE_BYTES` at once on one device (`autopar.intra.peak_live_bytes` of the traced
+graph, unsplit): the check evaluates the step once more on the default device, and a
+long-sequence step's attention alone can need hundreds of GB there.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopar.cluster import LogicalMesh
 from autopar.graph import OpGraph, trace
 from autopar.graph._trace import GRAD_BOUNDARY
+from autopar.intra import peak_live_bytes
 
 log = logging.getLogger("autopar")
 
@@ -36,6 +41,9 @@ log = logging.getLogger("autopar")
 # 2 rows against 16: order 1). 1e-5 keeps rounding out and flags any real change.
 RELATIVE_TOLERANCE = 1e-5
 MAX_CHECK_BYTES = 256 * 2**20
+# The check's own evaluation, at full batch on one device: a bound on what planning may
+# allocate beside the caller's arrays.
+MAX_CHECK_LIVE_BYTES = 2 * 2**30
 # XLA options the check's programs are compiled with: its results are compared to 1e-5,
 # which XLA's LLVM optimisation passes do not move, and the passes are most of a compile.
 CHECK_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
@@ -81,6 +89,12 @@ def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence
                     "not a mean over examples (batch statistics, a load-balancing or "
                     "contrastive term?). Pass num_microbatches=1 to keep the one-device math")
     return None
+
+
+def evaluation_bytes(graph: OpGraph) -> float:
+    """Peak bytes live at once when `graph` runs whole on one device (every value
+    unsplit; `autopar.intra.peak_live_bytes`)."""
+    return peak_live_bytes(graph, [None] * len(graph.vars), LogicalMesh.create((1,)))
 
 
 def _abstract(args) -> bool:
@@ -135,6 +149,11 @@ def _boundary_runner(fn, args, batch_argnums, traced: Sequence[OpGraph] = ()
     if graph is None:
         graph = trace(fn, *args, batch_argnums=batch_argnums)
     if not any(n.primitive == GRAD_BOUNDARY for n in graph.nodes):
+        return None
+    live = evaluation_bytes(graph)
+    if live > MAX_CHECK_LIVE_BYTES:
+        log.info("microbatch math not checked: one evaluation of the step would hold %d "
+                 "bytes on one device", int(live))
         return None
 
     def run(flat):
