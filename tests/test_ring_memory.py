@@ -1,7 +1,8 @@
-"""The ring's memory: a ring twin holds its all-gather strategy's result plus the ring's
-buffers (`cost.ring_attention_buffer_bytes`: the K/V blocks in flight, the backward's
-dK/dV blocks beside them, and the zig-zag swap's copy of Q or dO), checked against bytes
-counted by hand on the cp-test Llama's traced step (no compile)."""
+"""The ring's price outside the one-mesh plan: a ring twin holds its all-gather
+strategy's result plus the ring's buffers (`cost.ring_attention_buffer_bytes`: the K/V
+blocks in flight, the backward's dK/dV blocks beside them, and the zig-zag swap's copy of
+Q or dO), checked against bytes counted by hand on the cp-test Llama's traced step; the
+pipeline's layer cost table prices the exact ring under "auto". No compile."""
 
 from __future__ import annotations
 
@@ -32,16 +33,21 @@ def test_ring_buffer_formula_by_hand():
         ring_attention_buffer_bytes(-1, 0)
 
 
+@pytest.fixture(scope="module")
+def cp_graph():
+    step, state, batch = _setup(CFG)
+    return trace(step, state, batch, batch_argnums=(1,))
+
+
 @pytest.mark.parametrize("forced", [True, False])
-def test_ring_twin_holds_the_ring_buffers(forced):
+def test_ring_twin_holds_the_ring_buffers(forced, cp_graph):
     """On a (2, 4) mesh, every twin that splits the queries over cp devices: the score dot
     (forward) and ``dO V^T`` (backward) hold, besides the all-gather strategy's result,
     2 (4 backward) K/V blocks of ``batch_share x seq/cp x head x 2 bytes x 2`` and one
     more Q-sized share; the other dots hold what their all-gather strategy holds (dK and
     dV: their own sequence share). Under "auto" the score dot alone is twinned and holds
     the backward's buffers."""
-    step, state, batch = _setup(CFG)
-    graph = trace(step, state, batch, batch_argnums=(1,))
+    graph = cp_graph
     mesh = LogicalMesh.create((2, 4))
     ctx = CostContext(_cpu(), mesh)
     dots = ring_dots(graph, sequence_length(graph))
@@ -87,3 +93,39 @@ def _ways(spec, mesh) -> int:
         for a in axes:
             ways *= mesh.axis_size(a)
     return ways
+
+
+def test_layer_table_prices_the_exact_ring_under_auto():
+    """The pipeline's layer cost table under "auto" solves the ring's exact ILP where the
+    layer's ILP split attention's sequence, and keeps the cheaper (as `plan_on_mesh`):
+    one wide-ish layer at 32,768 tokens on one DGX H100, mesh (8,), costs what the
+    forced ring's table says, less than the all-gather's. Before, the table saw the
+    ring only at its upper bound (every other dot's gathers still paid)."""
+    import dataclasses
+
+    import optax
+
+    from autopar.cluster import Cluster
+    from autopar.graph import tied_state
+    from autopar.inter._layer_table import LayerCostTable
+    from autopar.inter.passes._layers import assign_layers
+    from autopar.intra._options import ShardOptions
+    from examples import llama
+
+    cfg = dataclasses.replace(CFG, num_layers=1, seq_len=32768, hidden=512, num_heads=8,
+                              num_kv_heads=8, ffn_hidden=1024, layer_markers=True)
+    optimizer = optax.adamw(1e-2, eps=1e-6)
+    graph = trace(llama.make_train_step(cfg, optimizer), llama.abstract_state(cfg, optimizer),
+                  llama.abstract_batch(cfg, 1), batch_argnums=(1,))
+    layers, tied = assign_layers(graph), tied_state(graph, (0,))
+    cluster = Cluster.from_profile("dgx-h100")
+    tables = {mode: LayerCostTable(graph, layers, cluster,
+                                   ShardOptions(context_parallel=mode), tied)
+              for mode in ("auto", "ring", "allgather")}
+    attention = next(k for k, sub in enumerate(tables["auto"].per_layer.stage_graphs)
+                     if ring_dots(sub, cfg.seq_len))
+    costs = {mode: t.cost(attention, (8,)).latency for mode, t in tables.items()}
+    plans = {mode: t.plan(attention, (8,)) for mode, t in tables.items()}
+    assert plans["auto"].context_parallel.algorithm == "ring", plans["auto"].context_parallel
+    assert costs["auto"] == pytest.approx(costs["ring"], rel=1e-12)
+    assert costs["ring"] < costs["allgather"]
