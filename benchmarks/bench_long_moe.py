@@ -137,7 +137,20 @@ def _extended(config) -> bool:
     return config.cp > 1 or config.expert_parallel > 1
 
 
-def evaluate(row: Row, auto: bool) -> dict:
+def auto_config(p) -> str:
+    """What autopar's plan chose: stages, each stage's mesh, context parallelism
+    (algorithm x degree), remat, and the microbatches."""
+    stages = []
+    for stage in p.stages:
+        context = stage.sharding.context_parallel
+        cp = (f"{context.algorithm} CP x{context.degree}" if context.degree > 1
+              else "no CP")
+        remat = sorted({str(r) for r in stage.remat}) or ["none"]
+        stages.append(f"mesh {tuple(stage.mesh.shape)}, {cp}, remat {'/'.join(remat)}")
+    return f"{p.num_stages} stage(s): {'; '.join(stages)}; {p.num_microbatches} mb"
+
+
+def evaluate(row: Row, auto: bool, auto_options: dict | None = None) -> dict:
     cfg, step, args = model_step(row)
     cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
     flops = trace(step, *args, batch_argnums=(1,)).total_flops
@@ -162,10 +175,9 @@ def evaluate(row: Row, auto: bool) -> dict:
     if auto:
         start = time.perf_counter()
         try:
-            p = plan(step, *args, cluster=cluster, cache=False)
-            out["auto"] = dict(config=f"{p.num_stages} stage(s), mesh "
-                               f"{tuple(p.stages[0].mesh.shape)}, {p.num_microbatches} mb",
-                               seconds=p.predicted_step_time,
+            p = plan(step, *args, cluster=cluster, cache=False, **(auto_options or {}))
+            out["auto"] = dict(config=auto_config(p), seconds=p.predicted_step_time,
+                               peak_gib=max(s.memory_per_device for s in p.stages) / 2**30,
                                tflops=flops / p.predicted_step_time / cluster.num_devices
                                / TERA, planning=time.perf_counter() - start)
         except ValueError as err:
@@ -214,6 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(r.key for r in ROWS))
     parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
+    parser.add_argument("--auto-microbatches", type=int,
+                        help="fix autopar's microbatch count (default: its own search)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--save", help="also write the results to this JSON file")
     parser.add_argument("--load", nargs="*", default=(),
@@ -230,7 +244,9 @@ def main() -> None:
     for path in args.load:
         with open(path) as f:
             loaded.update({r["row"]: r for r in json.load(f)})
-    fresh = [evaluate(row, row.key in auto) for row in ROWS
+    auto_options = ({"num_microbatches": args.auto_microbatches}
+                    if args.auto_microbatches else {})
+    fresh = [evaluate(row, row.key in auto, auto_options) for row in ROWS
              if row.key in wanted and row.key not in loaded]
     if args.save:
         with open(args.save, "w") as f:
