@@ -5,7 +5,9 @@ In: rows (a Llama at 32k or 128k tokens; a Mixtral-8x7B-like or DeepSeek-V3-like
 its dense proxy, `autopar.manual.MoEShape`), each on a number of DGX H100 hosts. Out: a
 table in ``docs/benchmarks.md`` (section "Long context and MoE"): per row the best grid
 configuration and its predicted step time and TFLOP/s per GPU with CP (or EP) and
-without, their ratio, and, with ``--auto ROW``, `autopar.plan`'s plan of the same step.
+without, their ratio, and, with ``--auto ROW``, `autopar.plan`'s plan of the same step
+(what each stage chose: mesh, CP algorithm and degree, remat; microbatches; peak memory)
+and the grid's step time over autopar's.
 Nothing executes: every figure comes from the shared cost model, the grid pricing CP and
 EP as `autopar/manual/_context_experts.py` says (each configuration traced at its CP
 rank's shapes; EP on the dense proxy).
@@ -191,7 +193,9 @@ def _cell(result: dict | None) -> str:
         return "not run | — | —"
     if "error" in result:
         return f"no plan: {result['error']} | — | —"
-    return (f"`{result['config']}` | {result['seconds']:.3g} | {result['tflops']:.0f}")
+    peak = f" ({result['peak_gib']:.1f} GiB)" if "peak_gib" in result else ""
+    return (f"`{result['config']}`{peak} | {result['seconds']:.3g} | "
+            f"{result['tflops']:.0f}")
 
 
 def table(results: list[dict]) -> str:
@@ -204,21 +208,27 @@ def table(results: list[dict]) -> str:
         "default) for the dense rows, expert parallelism (ep; etp = tp) on the MoE's "
         "dense proxy for the MoE rows, at each row's tp and pp; *without*: the best of "
         "the same grid's configurations at cp = 1 / ep = 1. Speedup: without over with "
-        "(predicted step times). autopar's own plan is listed where run (`--auto`); its "
-        "search has no CP or EP choice of its own here. Module docstring of "
-        "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",
+        "(predicted step times). autopar's own plan of the same step is listed where run "
+        "(`--auto`; `context_parallel=\"auto\"`: its search picks the CP algorithm and "
+        "degree per stage beside TP, DP/ZeRO, PP, remat and the microbatches; its peak "
+        "memory per device in brackets); autopar / grid is the grid's best step time over "
+        "autopar's. Module docstring of `benchmarks/bench_long_moe.py`: the grid's "
+        "restrictions and the FLOP count.",
         "",
         "| row | best with CP/EP | s/step | TFLOP/s/GPU | best without | s/step | "
-        "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU | grid / autopar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         with_, without = r.get("with"), r.get("without")
         speedup = "—"
         if with_ and without and "seconds" in with_ and "seconds" in without:
             speedup = f"{without['seconds'] / with_['seconds']:.2f}"
+        auto, versus = r.get("auto"), "—"
+        if with_ and auto and "seconds" in with_ and "seconds" in auto:
+            versus = f"{with_['seconds'] / auto['seconds']:.2f}"
         lines.append(f"| {r['row']} | {_cell(with_)} | {_cell(without)} | {speedup} | "
-                     f"{_cell(r.get('auto'))} |")
+                     f"{_cell(auto)} | {versus} |")
     return "\n".join(lines) + "\n"
 
 
