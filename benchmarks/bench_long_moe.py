@@ -152,11 +152,17 @@ def auto_config(p) -> str:
     return f"{p.num_stages} stage(s): {'; '.join(stages)}; {p.num_microbatches} mb"
 
 
-def evaluate(row: Row, auto: bool, auto_options: dict | None = None) -> dict:
+def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
+             grid: dict | None = None) -> dict:
+    """The row's grid results (or those of `grid`, a row saved earlier) and, with `auto`,
+    autopar's plan."""
     cfg, step, args = model_step(row)
     cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
     flops = trace(step, *args, batch_argnums=(1,)).total_flops
     out = {"row": row.key}
+    if grid is not None:
+        out.update({k: grid[k] for k in ("with", "without") if k in grid})
+        return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
 
     def result(config, seconds, **more):
         return dict(config=config.name, seconds=seconds,
@@ -174,6 +180,11 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None) -> dict:
         out["without"] = (result(*min(plain, key=lambda ct: ct[1])) if plain else
                           dict(error="no configuration without CP/EP fits"))
     print(row.key, out, flush=True)
+    return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
+
+
+def _with_auto(out: dict, row: Row, auto: bool, auto_options, step, args, cluster, flops
+               ) -> dict:
     if auto:
         start = time.perf_counter()
         try:
@@ -238,6 +249,10 @@ def main() -> None:
     parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
     parser.add_argument("--auto-microbatches", type=int,
                         help="fix autopar's microbatch count (default: its own search)")
+    parser.add_argument("--grid-from", nargs="*", default=(),
+                        help="JSON files saved earlier (--save) whose rows' grid results "
+                        "are taken instead of running the grid again (autopar's plan still "
+                        "runs where --auto asks)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--save", help="also write the results to this JSON file")
     parser.add_argument("--load", nargs="*", default=(),
@@ -256,7 +271,11 @@ def main() -> None:
             loaded.update({r["row"]: r for r in json.load(f)})
     auto_options = ({"num_microbatches": args.auto_microbatches}
                     if args.auto_microbatches else {})
-    fresh = [evaluate(row, row.key in auto, auto_options) for row in ROWS
+    grids = {}
+    for path in args.grid_from:
+        with open(path) as f:
+            grids.update({r["row"]: r for r in json.load(f)})
+    fresh = [evaluate(row, row.key in auto, auto_options, grids.get(row.key)) for row in ROWS
              if row.key in wanted and row.key not in loaded]
     if args.save:
         with open(args.save, "w") as f:
