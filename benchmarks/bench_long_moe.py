@@ -170,8 +170,10 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
 
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
-    except ValueError as err:  # the first line and the first configuration's reason
-        out["with"] = out["without"] = dict(error=" ".join(str(err).splitlines()[:2])[:300])
+    except ValueError as err:  # the first line and the first reason that is no pruning
+        lines = str(err).splitlines()
+        reasons = [x for x in lines[1:] if "pruned:" not in x] or lines[1:2]
+        out["with"] = out["without"] = dict(error=" ".join(lines[:1] + reasons[:1])[:300])
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
@@ -196,6 +198,8 @@ def _with_auto(out: dict, row: Row, auto: bool, auto_options, step, args, cluste
         except ValueError as err:
             out["auto"] = dict(error=str(err).splitlines()[0][:160])
         print(row.key, "auto", out["auto"], flush=True)
+        if "error" not in out["auto"] and os.environ.get("BENCH_LONG_EXPLAIN"):
+            print(p.explain(), flush=True)  # where autopar's step goes, by cause
     return out
 
 
@@ -222,9 +226,9 @@ def table(results: list[dict]) -> str:
         "(predicted step times). autopar's own plan of the same step is listed where run "
         "(`--auto`; `context_parallel=\"auto\"`: its search picks the CP algorithm and "
         "degree per stage beside TP, DP/ZeRO, PP, remat and the microbatches; its peak "
-        "memory per device in brackets); autopar / grid is the grid's best step time over "
-        "autopar's. Module docstring of `benchmarks/bench_long_moe.py`: the grid's "
-        "restrictions and the FLOP count.",
+        "memory per device in brackets); grid / autopar: the grid's best step time over "
+        "autopar's (below 1: autopar's plan is slower). Module docstring of "
+        "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",
         "",
         "| row | best with CP/EP | s/step | TFLOP/s/GPU | best without | s/step | "
         "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU | grid / autopar |",
