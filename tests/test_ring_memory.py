@@ -129,3 +129,9 @@ def test_layer_table_prices_the_exact_ring_under_auto():
     assert plans["auto"].context_parallel.algorithm == "ring", plans["auto"].context_parallel
     assert costs["auto"] == pytest.approx(costs["ring"], rel=1e-12)
     assert costs["ring"] < costs["allgather"]
+    # Another microbatch count's table prices the ring's layout (no ILP), as the ring.
+    kept = LayerCostTable(graph, layers, cluster, ShardOptions(), tied, keep_layouts=True)
+    kept.cost(attention, (8,))
+    priced = LayerCostTable(graph, layers, cluster, ShardOptions(), tied, reference=kept)
+    assert priced.cost(attention, (8,)).latency == pytest.approx(costs["ring"], rel=1e-12)
+    assert priced.num_priced == 1
