@@ -5,7 +5,9 @@ In: rows (a Llama at 32k or 128k tokens; a Mixtral-8x7B-like or DeepSeek-V3-like
 its dense proxy, `autopar.manual.MoEShape`), each on a number of DGX H100 hosts. Out: a
 table in ``docs/benchmarks.md`` (section "Long context and MoE"): per row the best grid
 configuration and its predicted step time and TFLOP/s per GPU with CP (or EP) and
-without, their ratio, and, with ``--auto ROW``, `autopar.plan`'s plan of the same step.
+without, their ratio, and, with ``--auto ROW``, `autopar.plan`'s plan of the same step
+(what each stage chose: mesh, CP algorithm and degree, remat; microbatches; peak memory)
+and the grid's step time over autopar's.
 Nothing executes: every figure comes from the shared cost model, the grid pricing CP and
 EP as `autopar/manual/_context_experts.py` says (each configuration traced at its CP
 rank's shapes; EP on the dense proxy).
@@ -137,11 +139,30 @@ def _extended(config) -> bool:
     return config.cp > 1 or config.expert_parallel > 1
 
 
-def evaluate(row: Row, auto: bool) -> dict:
+def auto_config(p) -> str:
+    """What autopar's plan chose: stages, each stage's mesh, context parallelism
+    (algorithm x degree), remat, and the microbatches."""
+    stages = []
+    for stage in p.stages:
+        context = stage.sharding.context_parallel
+        cp = (f"{context.algorithm} CP x{context.degree}" if context.degree > 1
+              else "no CP")
+        remat = sorted({str(r) for r in stage.remat}) or ["none"]
+        stages.append(f"mesh {tuple(stage.mesh.shape)}, {cp}, remat {'/'.join(remat)}")
+    return f"{p.num_stages} stage(s): {'; '.join(stages)}; {p.num_microbatches} mb"
+
+
+def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
+             grid: dict | None = None) -> dict:
+    """The row's grid results (or those of `grid`, a row saved earlier) and, with `auto`,
+    autopar's plan."""
     cfg, step, args = model_step(row)
     cluster = Cluster.from_profile(PROFILE, num_hosts=row.num_hosts)
     flops = trace(step, *args, batch_argnums=(1,)).total_flops
     out = {"row": row.key}
+    if grid is not None:
+        out.update({k: grid[k] for k in ("with", "without") if k in grid})
+        return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
 
     def result(config, seconds, **more):
         return dict(config=config.name, seconds=seconds,
@@ -149,8 +170,10 @@ def evaluate(row: Row, auto: bool) -> dict:
 
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
-    except ValueError as err:  # the first line and the first configuration's reason
-        out["with"] = out["without"] = dict(error=" ".join(str(err).splitlines()[:2])[:300])
+    except ValueError as err:  # the first line and the first reason that is no pruning
+        lines = str(err).splitlines()
+        reasons = [x for x in lines[1:] if "pruned:" not in x] or lines[1:2]
+        out["with"] = out["without"] = dict(error=" ".join(lines[:1] + reasons[:1])[:300])
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
@@ -159,18 +182,24 @@ def evaluate(row: Row, auto: bool) -> dict:
         out["without"] = (result(*min(plain, key=lambda ct: ct[1])) if plain else
                           dict(error="no configuration without CP/EP fits"))
     print(row.key, out, flush=True)
+    return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
+
+
+def _with_auto(out: dict, row: Row, auto: bool, auto_options, step, args, cluster, flops
+               ) -> dict:
     if auto:
         start = time.perf_counter()
         try:
-            p = plan(step, *args, cluster=cluster, cache=False)
-            out["auto"] = dict(config=f"{p.num_stages} stage(s), mesh "
-                               f"{tuple(p.stages[0].mesh.shape)}, {p.num_microbatches} mb",
-                               seconds=p.predicted_step_time,
+            p = plan(step, *args, cluster=cluster, cache=False, **(auto_options or {}))
+            out["auto"] = dict(config=auto_config(p), seconds=p.predicted_step_time,
+                               peak_gib=max(s.memory_per_device for s in p.stages) / 2**30,
                                tflops=flops / p.predicted_step_time / cluster.num_devices
                                / TERA, planning=time.perf_counter() - start)
         except ValueError as err:
             out["auto"] = dict(error=str(err).splitlines()[0][:160])
         print(row.key, "auto", out["auto"], flush=True)
+        if "error" not in out["auto"] and os.environ.get("BENCH_LONG_EXPLAIN"):
+            print(p.explain(), flush=True)  # where autopar's step goes, by cause
     return out
 
 
@@ -179,7 +208,9 @@ def _cell(result: dict | None) -> str:
         return "not run | — | —"
     if "error" in result:
         return f"no plan: {result['error']} | — | —"
-    return (f"`{result['config']}` | {result['seconds']:.3g} | {result['tflops']:.0f}")
+    peak = f" ({result['peak_gib']:.1f} GiB)" if "peak_gib" in result else ""
+    return (f"`{result['config']}`{peak} | {result['seconds']:.3g} | "
+            f"{result['tflops']:.0f}")
 
 
 def table(results: list[dict]) -> str:
@@ -192,21 +223,27 @@ def table(results: list[dict]) -> str:
         "default) for the dense rows, expert parallelism (ep; etp = tp) on the MoE's "
         "dense proxy for the MoE rows, at each row's tp and pp; *without*: the best of "
         "the same grid's configurations at cp = 1 / ep = 1. Speedup: without over with "
-        "(predicted step times). autopar's own plan is listed where run (`--auto`); its "
-        "search has no CP or EP choice of its own here. Module docstring of "
+        "(predicted step times). autopar's own plan of the same step is listed where run "
+        "(`--auto`; `context_parallel=\"auto\"`: its search picks the CP algorithm and "
+        "degree per stage beside TP, DP/ZeRO, PP, remat and the microbatches; its peak "
+        "memory per device in brackets); grid / autopar: the grid's best step time over "
+        "autopar's (below 1: autopar's plan is slower). Module docstring of "
         "`benchmarks/bench_long_moe.py`: the grid's restrictions and the FLOP count.",
         "",
         "| row | best with CP/EP | s/step | TFLOP/s/GPU | best without | s/step | "
-        "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "TFLOP/s/GPU | speedup | autopar | s/step | TFLOP/s/GPU | grid / autopar |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         with_, without = r.get("with"), r.get("without")
         speedup = "—"
         if with_ and without and "seconds" in with_ and "seconds" in without:
             speedup = f"{without['seconds'] / with_['seconds']:.2f}"
+        auto, versus = r.get("auto"), "—"
+        if with_ and auto and "seconds" in with_ and "seconds" in auto:
+            versus = f"{with_['seconds'] / auto['seconds']:.2f}"
         lines.append(f"| {r['row']} | {_cell(with_)} | {_cell(without)} | {speedup} | "
-                     f"{_cell(r.get('auto'))} |")
+                     f"{_cell(auto)} | {versus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -214,6 +251,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default=",".join(r.key for r in ROWS))
     parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
+    parser.add_argument("--auto-microbatches", type=int,
+                        help="fix autopar's microbatch count (default: its own search)")
+    parser.add_argument("--grid-from", nargs="*", default=(),
+                        help="JSON files saved earlier (--save) whose rows' grid results "
+                        "are taken instead of running the grid again (autopar's plan still "
+                        "runs where --auto asks)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--save", help="also write the results to this JSON file")
     parser.add_argument("--load", nargs="*", default=(),
@@ -230,7 +273,13 @@ def main() -> None:
     for path in args.load:
         with open(path) as f:
             loaded.update({r["row"]: r for r in json.load(f)})
-    fresh = [evaluate(row, row.key in auto) for row in ROWS
+    auto_options = ({"num_microbatches": args.auto_microbatches}
+                    if args.auto_microbatches else {})
+    grids = {}
+    for path in args.grid_from:
+        with open(path) as f:
+            grids.update({r["row"]: r for r in json.load(f)})
+    fresh = [evaluate(row, row.key in auto, auto_options, grids.get(row.key)) for row in ROWS
              if row.key in wanted and row.key not in loaded]
     if args.save:
         with open(args.save, "w") as f:

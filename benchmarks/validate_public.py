@@ -228,6 +228,11 @@ RUNS = (
 # 131,072 are the 16M tokens (DP4, as sometimes quoted, would cover only 8,192 GPUs). The
 # paper all-gathers K and V per layer (sec. 3.3.2), which `cp_algorithm="all_gather"`
 # prices; Megatron's default, the ring, is the second row.
+# Attention FLOPs as the whole s x s square: Table 4's TFLOP/s are "BF16 Model FLOPs
+# Utilization (MFU; Chowdhery et al. (2023))" (sec. 3.3.2, p. 10; 380 = 38% of the H100's
+# 989 dense BF16), and Chowdhery et al. (PaLM, Appendix B) count 6N + 12·L·H·Q·T FLOPs
+# per token, the attention's two products over the whole square in the forward and
+# backward, with no causal halving. `_causal_note` gives the other convention.
 LLAMA405_128K = replace(LLAMA405, seq_len=131072)
 LLAMA_128K_SRC = ("Llama 3 Herd of Models (Dubey et al. 2024), Table 4: 405B, 16,384 H100, TP8 "
                   "CP16 PP16 DP8, sequence 131,072, batch 16 per DP rank (16M tokens), 380 "

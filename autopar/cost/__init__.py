@@ -47,6 +47,7 @@ from autopar.cost._context import (
     context_parallel_buffer_bytes,
     context_parallel_time,
     kv_block_bytes,
+    ring_attention_buffer_bytes,
     ring_attention_time,
     ring_compute_fraction,
     ring_kv_buffer_bytes,
@@ -54,6 +55,7 @@ from autopar.cost._context import (
     ulysses_buffer_bytes,
     ulysses_bytes,
     ulysses_time,
+    zigzag_swap_buffer_bytes,
     zigzag_swap_time,
 )
 from autopar.cost._expert_overlap import (
@@ -158,6 +160,7 @@ __all__ = [
     "context_parallel_buffer_bytes",
     "context_parallel_time",
     "kv_block_bytes",
+    "ring_attention_buffer_bytes",
     "ring_attention_time",
     "ring_kv_buffer_bytes",
     "ring_compute_fraction",
@@ -165,6 +168,7 @@ __all__ = [
     "ulysses_buffer_bytes",
     "ulysses_bytes",
     "ulysses_time",
+    "zigzag_swap_buffer_bytes",
     "zigzag_swap_time",
     "DEFAULT_OVERLAP_EFFICIENCY",
     "DEFAULT_TOKEN_IMBALANCE",

@@ -218,6 +218,37 @@ def ring_kv_buffer_bytes(kv_block: float) -> float:
     return 2 * kv_block
 
 
+def zigzag_swap_buffer_bytes(tensor_bytes: float) -> float:
+    """Bytes a zig-zag swap holds per device beside the tensor it swaps: the two halves it
+    receives, concatenated into the zig-zag share, one more copy of the device's share
+    (``tensor_bytes``; `autopar.lower._ring_lowering.to_zigzag`, `from_zigzag`)."""
+    if tensor_bytes < 0:
+        raise ValueError(
+            f"zigzag_swap_buffer_bytes: tensor_bytes must be >= 0, got {tensor_bytes}")
+    return float(tensor_bytes)
+
+
+def ring_attention_buffer_bytes(kv_block: float, swap_bytes: float,
+                                backward: bool = False) -> float:
+    """Bytes one layer's ring attention holds per device beyond its own inputs, in one
+    direction: the K/V blocks in flight (`ring_kv_buffer_bytes`: the block computed on
+    and the block received; the backward passes dK/dV blocks beside them, twice the
+    bytes) plus the zig-zag swap's copy of the largest swapped tensor, `swap_bytes` (Q in
+    the forward, dO in the backward: `zigzag_swap_buffer_bytes`; the swapped K and V are
+    the ring's first block).
+
+    ``kv_ring · 2 · kv_block + swap_bytes``, kv_ring = 2 backward, 1 forward.
+
+    **Example:** K/V block 4 MiB, Q share 32 MiB: forward ``2 · 4 + 32`` = 40 MiB,
+    backward ``2 · 2 · 4 + 32`` = 48 MiB.
+    """
+    if kv_block < 0:
+        raise ValueError(f"ring_attention_buffer_bytes: kv_block must be >= 0, got "
+                         f"{kv_block}")
+    travelling = 2 if backward else 1  # K/V, and in the backward their gradients
+    return travelling * ring_kv_buffer_bytes(kv_block) + zigzag_swap_buffer_bytes(swap_bytes)
+
+
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
     """Raise ValueError unless Ulysses can split the (per tensor-parallel rank) heads over
     cp: ``num_heads % cp == 0``; K/V heads fewer than cp are replicated (as DeepSpeed

@@ -47,7 +47,7 @@ from autopar.intra import (
     ShardOptions,
 )
 from autopar.intra._liveness import split_peak_live_bytes
-from autopar.intra._planner import finish_on_mesh, prepare_on_mesh
+from autopar.intra._planner import exact_ring_problem, finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout
 from autopar.intra._rules_annotations import AnnotationMismatch
@@ -360,6 +360,15 @@ class LayerCostTable:
             if isinstance(solution, MemoryBudgetError):
                 return None, None
             plan = finish_on_mesh(prepared, solution)
+            # Under "auto", the ring's exact price where the ILP split attention's
+            # sequence (its score dot saw the ring's upper bound): as `plan_on_mesh`.
+            ring = exact_ring_problem(prepared, plan, pinned, weights)
+            if ring is not None:
+                ring_solution = yield ring
+                if not isinstance(ring_solution, MemoryBudgetError):
+                    ring_plan = finish_on_mesh(ring, ring_solution)
+                    if ring_plan.stats["objective"] < plan.stats["objective"]:
+                        prepared, solution, plan = ring, ring_solution, ring_plan
             if self._layouts is not None:
                 self._layouts[id(plan)] = (plan, chosen_layout(prepared.built,
                                                                solution.choices))

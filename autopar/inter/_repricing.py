@@ -9,6 +9,8 @@ this table's layer graph (`price_layout`, the same cost model on these shapes). 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cluster import LogicalMesh
 from autopar.inter._layer_graphs import _tied_in
 from autopar.intra._planner import price_layout
@@ -33,8 +35,12 @@ def priced(table, layer: int, shape, level: int):
         sub = table.per_layer.stage_graphs[layer]
         mesh = LogicalMesh.create(shape, axis_names=table.axis_names)
         ties = _tied_in(sub, table.tied) + table.chain_ties(layer)
+        options = table.options
+        if options.context_parallel == "auto" and ref_plan.context_parallel.algorithm == "ring":
+            # the ring's exact ILP made this layout (`exact_ring_problem`): price it so
+            options = replace(options, context_parallel="ring")
         plan = price_layout(
-            sub, table.cluster, mesh, kept[1], table.options, ties,
+            sub, table.cluster, mesh, kept[1], options, ties,
             weights=table.weights[layer], footprint=table.footprint(layer, shape, None),
         )
         table._repriced[key] = None if plan is None else table._layer_cost(layer, sub, plan)

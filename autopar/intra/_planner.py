@@ -83,31 +83,41 @@ def plan_on_mesh(
     prepared = prepare_on_mesh(graph, cluster, mesh, options, tied, fixed, weights, footprint)
     solution = solve(prepared.problem, **prepared.solve_args)
     plan = finish_on_mesh(prepared, solution)
-    # The exact ring is solved only where the sequence split already paid: the auto ILP
-    # chose a context-parallel split (the all-gather's layouts, or the ring's upper bound
-    # on its score dot). A plan that keeps attention's sequence whole found every split
-    # dearer than none; the ring's exact price is a split too, so it is not solved there
-    # (one ILP per mesh instead of two for every attention model).
-    if (options.context_parallel == "auto" and mesh.num_devices > 1
-            and plan.context_parallel != NO_CONTEXT):
-        ring = _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint)
-        if ring is not None and ring.stats["objective"] < plan.stats["objective"]:
-            return ring
+    ring = exact_ring_problem(prepared, plan, fixed, weights)
+    if ring is not None:
+        try:
+            ring_plan = finish_on_mesh(ring, solve(ring.problem, **ring.solve_args))
+        except MemoryBudgetError:  # no ring within the budget on this mesh
+            return plan
+        if ring_plan.stats["objective"] < plan.stats["objective"]:
+            return ring_plan
     return plan
 
 
-def _ring_plan(graph, cluster, mesh, options, tied, fixed, weights, footprint):
-    """Under "auto", the plan with every dot of attention on the ring (its exact price,
-    `autopar.intra._ring_strategies`), or None where the ring cannot run. The auto ILP
-    offers the ring only on the score dot, at an upper bound (mixing twins would price
-    half a ring), so a mesh's plan is the cheaper of the two."""
-    if not ring_dots(graph, sequence_length(graph)):
+def exact_ring_problem(prepared: PreparedILP, plan: ShardingPlan, fixed=None, weights=None
+                       ) -> PreparedILP | None:
+    """Under "auto", the ILP of `prepared`'s graph with every dot of attention on the ring
+    (its exact price, `autopar.intra._ring_strategies`), to solve beside `plan` (the auto
+    ILP's solution; `fixed` and `weights` as `prepared` was given them); None where it is
+    not wanted or the ring cannot run. The auto ILP offers the ring only on the score
+    dot, at an upper bound (mixing twins would price half a ring), so a mesh's plan is
+    the cheaper of the two solutions (`plan_on_mesh`; the pipeline's layer tables alike,
+    `autopar.inter._layer_table`).
+
+    The exact ring is solved only where the sequence split already paid: the auto ILP
+    chose a context-parallel split (the all-gather's layouts, or the ring's upper bound
+    on its score dot). A plan that keeps attention's sequence whole found every split
+    dearer than none; the ring's exact price is a split too, so it is not solved there
+    (one ILP per mesh instead of two for every attention model)."""
+    options, graph, mesh = prepared.options, prepared.graph, prepared.mesh
+    if (options.context_parallel != "auto" or mesh.num_devices == 1
+            or plan.context_parallel == NO_CONTEXT
+            or not ring_dots(graph, sequence_length(graph))):
         return None
     ring_options = dataclasses.replace(options, context_parallel="ring")
     try:
-        prepared = prepare_on_mesh(graph, cluster, mesh, ring_options, tied, fixed, weights,
-                                   footprint)
-        return finish_on_mesh(prepared, solve(prepared.problem, **prepared.solve_args))
+        return prepare_on_mesh(graph, prepared.cluster, mesh, ring_options, prepared.tied,
+                               fixed, weights, prepared.footprint)
     except MemoryBudgetError:  # ContextParallelError too: no ring on this mesh
         return None
 

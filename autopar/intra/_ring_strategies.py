@@ -15,7 +15,12 @@ of it), priced as the ring runs:
   K, V in and the output out (``cost.zigzag_swap_time``);
 - the backward's ``dO V^T`` dot pays the backward ring's exposed communication and the
   swaps of dO in and dQ, dK, dV out;
-- the dK and dV dots, which contract the split queries, reduce nothing.
+- the dK and dV dots, which contract the split queries, reduce nothing;
+- the score dot's result (forward) and the ``dO V^T`` dot's (backward) hold the ring's
+  buffers besides, ``cost.ring_attention_buffer_bytes``: the K/V blocks in flight (the
+  backward's dK/dV blocks too) and the zig-zag swap's copy of Q (dO). The all-gather
+  strategies they twin count no gathered K/V in their results (the ILP's model; the
+  plan's liveness counts it as a resharding temporary).
 
 A twin's strategy name ends in `RING`; the plan's context split is "ring" when a chosen
 strategy is one (`chose_ring`). Under `context_parallel="ring"` the twins replace the
@@ -30,11 +35,13 @@ the ring as an upper bound.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from autopar.cluster._mesh import Spec
 from autopar.cost import (
     bytes_per_device,
     kv_block_bytes,
+    ring_attention_buffer_bytes,
     ring_attention_time,
     ring_compute_fraction,
     zigzag_swap_time,
@@ -118,15 +125,28 @@ def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy
     compute = strategy.compute_cost * fraction
     if role == "qk" or role == "dp":
         directions = (False, True) if both else (role == "dp",)
-        comm += sum(_ring_exposed(node, graph, roles, in_specs, compute, cp, axes, ctx,
-                                  backward) for backward in directions)
+        sizes = _ring_sizes(node, graph, roles, in_specs, cp, mesh)
+        comm += sum(_ring_exposed(sizes, compute, axes, ctx, backward)
+                    for backward in directions)
+        # The ring's buffers beside its result (`ring_attention_buffer_bytes`): the K/V
+        # blocks in flight and the zig-zag copy; under "auto" the score dot stands for
+        # both directions, so it holds the larger, the backward's.
+        out_bytes += max(ring_attention_buffer_bytes(sizes.block, sizes.q_bytes, backward)
+                         for backward in directions)
     return type(strategy)(strategy.name + RING, tuple(in_specs), tuple(out_specs), compute,
                           comm, out_bytes, collectives)
 
 
-def _ring_exposed(node, graph, roles, in_specs, dot_compute, cp, axes, ctx, backward):
-    """The ring's communication left exposed in one direction, and its zig-zag swaps."""
-    mesh = ctx.mesh
+class _RingSizes(NamedTuple):
+    """Bytes per device of one attention on the ring: its K/V block (`kv_block_bytes`),
+    the Q (or dO) share and the K (or V) share the zig-zag swaps move."""
+
+    block: float
+    q_bytes: float
+    k_bytes: float
+
+
+def _ring_sizes(node, graph, roles, in_specs, cp, mesh) -> _RingSizes:
     k_pos = next(p for p, v in enumerate(node.inputs) if "sk" in roles.labels.get(v, ()))
     q_pos = 1 - k_pos
     k_var, q_var = graph.vars[node.inputs[k_pos]], graph.vars[node.inputs[q_pos]]
@@ -136,11 +156,17 @@ def _ring_exposed(node, graph, roles, in_specs, dot_compute, cp, axes, ctx, back
     head = k_var.shape[roles.labels[k_var.id].index("d")]
     rows = k_bytes / (itemsize * (roles.seq_len / cp) * head)
     block = kv_block_bytes(rows, roles.seq_len, cp, 1, head, itemsize)
+    return _RingSizes(block, q_bytes, k_bytes)
+
+
+def _ring_exposed(sizes: _RingSizes, dot_compute, axes, ctx, backward):
+    """The ring's communication left exposed in one direction, and its zig-zag swaps."""
+    mesh = ctx.mesh
     attention = 2 * dot_compute  # Q K^T and P V (or dO V^T and dS K) alike
-    forward, back = ring_attention_time(attention, block, ctx.cluster, mesh, axes)
+    forward, back = ring_attention_time(attention, sizes.block, ctx.cluster, mesh, axes)
     exposed = back - 2 * attention if backward else forward - attention
     swaps = sum(zigzag_swap_time(b, ctx.cluster, mesh, axes)
-                for b in (q_bytes, q_bytes, k_bytes, k_bytes))
+                for b in (sizes.q_bytes, sizes.q_bytes, sizes.k_bytes, sizes.k_bytes))
     return max(exposed, 0.0) + swaps
 
 

@@ -253,7 +253,9 @@ class _Coster:
                 self.plans[candidate] = plan
             log.info("%s %s: predicted %.4g s (%.0f s)", progress, candidate.name,
                      plan.predicted_step_time, time.perf_counter() - self.start)
-            if config.pp == 1:
+            if config.pp == 1 and remat == "none":
+                # more microbatches only add time to a plan that recomputes nothing; one
+                # that fits only with recompute may run faster accumulating without it
                 self.fits_with[accumulation] = config.num_microbatches
             for later in self.recompute[r + 1:]:
                 self.results.append((replace(config, recompute=later),

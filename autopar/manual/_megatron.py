@@ -52,6 +52,7 @@ from autopar.inter import assign_layers, partition
 from autopar.inter._choose import recompute_time
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._stage_fit import choose_remat
+from autopar.intra import ContextParallelError, MemoryBudgetError
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
@@ -467,14 +468,31 @@ def _pinned_solver(graph, cluster, specs, options, pinned, solve_cache):
             )
             if key in solve_cache:
                 return solve_cache[key]
-        plan = plan_keeping_state(
-            sub, cluster, mesh, options, ties, fixed, weights, pinned=pinned
-        )
+        try:
+            plan = plan_keeping_state(
+                sub, cluster, mesh, options, ties, fixed, weights, pinned=pinned
+            )
+        except MemoryBudgetError as err:
+            if isinstance(err, ContextParallelError):
+                raise
+            # Over the budget by the ILP's linear bound (every value of the layer held at
+            # once: at 131,072 tokens the 70B's first layer), which is no verdict: the
+            # stage is checked against the budget by the liveness of its layout with the
+            # activations in flight (`_pipeline_stage`, `_device_groups_fit`), as
+            # method="auto"'s stages are.
+            plan = plan_keeping_state(
+                sub, cluster, mesh, replace(options, memory_budget=_LIFTED_BUDGET), ties,
+                fixed, weights, pinned=pinned,
+            )
         if key is not None:
             solve_cache[key] = plan
         return plan
 
     return solve
+
+
+# Bytes per device: a layer ILP's memory limit lifted (`_pinned_solver`).
+_LIFTED_BUDGET = 1e18
 
 
 def _pipeline_stage(table, graph, part, s: int, layer_range, cluster, config, options, tied,

@@ -21,3 +21,14 @@ def test_tiny_row_with_and_without_context_parallelism():
     assert best["costed"] >= 2
     text = bench_long_moe.table([result])
     assert f"| {row.key} |" in text and plain["config"] in text
+
+
+def test_table_shows_autopar_beside_the_grid():
+    """autopar's cell names its plan and peak memory; the last column is the grid's best
+    step time over autopar's (no planning: results as `evaluate` saves them)."""
+    result = {"row": "r", "with": {"config": "megatron(cp=4)", "seconds": 3.0, "tflops": 1.0},
+              "without": {"error": "none fits"},
+              "auto": {"config": "1 stage(s): mesh (8,), ring CP x8, remat none; 4 mb",
+                       "seconds": 4.0, "tflops": 0.75, "peak_gib": 70.25}}
+    line = bench_long_moe.table([result]).splitlines()[-1]
+    assert "ring CP x8" in line and "(70.2 GiB)" in line and line.endswith("| 0.75 |")
