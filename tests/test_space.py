@@ -131,6 +131,36 @@ def test_each_stage_count_has_its_best_plan(explored):
     assert min(p.memory for p in space.frontier()) == min(r["memory_peak"] for r in two)
 
 
+def test_best_per_stage_count_matches_brute_force():
+    """Each stage count's plan from the DP's table is that count's optimum (numbers only)."""
+    from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
+
+    weights = (3.0, 1.0, 2.0, 4.0, 1.5)
+
+    def stage_cost(start, end, index):
+        devices = (1, 2, 4)[index]
+        work = sum(weights[start:end])
+        memory = work / devices
+        return StageCost(work / devices + 0.1 * (devices - 1), memory <= 3.0, memory)
+
+    from autopar.inter._submesh import SubmeshShape
+
+    subs = [SubmeshShape(1, 1), SubmeshShape(1, 2), SubmeshShape(1, 4)]
+    found: dict = {}
+    best = plan_stages(5, 1, 4, stage_cost, 4, submeshes=subs, stage_counts=found)
+    assert best.latency == min(p.latency for p in found.values())
+    for count in range(1, 5):
+        try:
+            brute = brute_force_stages(5, 1, 4, stage_cost, 4, submeshes=subs,
+                                       num_stages=count)
+        except ValueError:
+            assert count not in found
+            continue
+        assert len(found[count].stages) == count
+        assert found[count].latency == pytest.approx(brute.latency, rel=1e-12)
+    assert len(found) >= 2
+
+
 def test_explain_of_a_memory_bound_plan_shows_the_frontier(explored):
     space, *_ = explored
     points = space.plan.frontier()
