@@ -38,7 +38,7 @@ from autopar.space import SCHEMA_VERSION, Space, explore  # noqa: E402
 
 log = logging.getLogger("autopar.benchmarks")
 
-DATASET_VERSION = 1
+DATASET_VERSION = 2  # 2: schema 2 (stage-count rows), counts by kind, long/MoE rows
 HERE = Path(__file__).resolve().parent
 SUMMARY = HERE / "results" / "space_summary.json"
 GIB = 2.0**30
@@ -51,8 +51,13 @@ SUITE_MODELS = {
     "gpt-39B": (8,), "llama-8B": (1, 2), "llama-70B": (8,),
 }
 PROFILES = ("dgx-a100-80g", "dgx-h100")
+# Long context and MoE: rows of benchmarks/bench_long_moe.py (by its key), each with that
+# script's model, batch, cluster and grid (context parallelism for the long Llama,
+# expert parallelism on the MoE's dense proxy; `grid_of`).
+LONG_MOE = {"llama-8B-32k@dgx-h100:1": "llama-8B-32k@8",
+            "mixtral-8x7B-4k@dgx-h100:2": "mixtral-8x7B-4k@16"}
 SUITE = [f"{model}@{profile}:{hosts}" for model, counts in SUITE_MODELS.items()
-         for profile in PROFILES for hosts in counts]
+         for profile in PROFILES for hosts in counts] + list(LONG_MOE)
 BATCH = 8
 # The small model that runs here, and its grid kept small enough to explore in minutes.
 LOCAL = "gpt-small-test@cpu-local:1"
@@ -77,6 +82,8 @@ def explore_row(name: str, out: Path, grid: dict | None = None) -> Space:
     from autopar.app._examples import named_model
     from autopar.cluster import Cluster
 
+    if name in LONG_MOE:
+        return explore_long_moe(name, out)
     model_name, profile, hosts = parse_row(name)
     model = named_model(model_name, BATCH, layer_markers=True)
     cluster = Cluster.from_profile(profile, hosts)
@@ -84,6 +91,38 @@ def explore_row(name: str, out: Path, grid: dict | None = None) -> Space:
             "num_layers": getattr(model.config, "num_layers", None), **(grid or {})}
     space = explore(model.train_step, model.abstract_state, model.abstract_batch,
                     cluster=cluster, grid=grid, model=f"{model_name} batch {BATCH}",
+                    command="python -m benchmarks space_dataset --rows " + name)
+    space.write(out / f"{name.replace(':', '_')}.jsonl")
+    return space
+
+
+def grid_of(row, cfg) -> dict:
+    """The grid `bench_long_moe.run_grid` prices for `row` (its keyword arguments)."""
+    from autopar.manual import AttentionShape
+
+    attention = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                               cfg.num_layers)
+    extra = (dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None,),
+                  attention=attention, cp_values=(1,)) if row.moe is not None
+             else dict(attention=attention, cp_values=row.cp_values))
+    return dict(microbatch_sizes=(1,),
+                sequence_parallel=(False,) if row.tp_values == (1,) else (True,),
+                distributed_optimizer=(True,), virtual_stages=(1,), pp_values=row.pp_values,
+                tp_values=row.tp_values, num_heads=cfg.num_heads, **extra)
+
+
+def explore_long_moe(name: str, out: Path) -> Space:
+    """A long-context or MoE row (`LONG_MOE`): bench_long_moe's step and grid."""
+    import bench_long_moe
+
+    from autopar.cluster import Cluster
+
+    row = next(r for r in bench_long_moe.ROWS if r.key == LONG_MOE[name])
+    cfg, step, args = bench_long_moe.model_step(row)
+    cluster = Cluster.from_profile(bench_long_moe.PROFILE, num_hosts=row.num_hosts)
+    space = explore(step, *args, cluster=cluster, grid=grid_of(row, cfg),
+                    model=f"{row.name} batch {row.global_batch} seq {row.seq_len}"
+                          + (" (dense proxy)" if row.moe is not None else ""),
                     command="python -m benchmarks space_dataset --rows " + name)
     space.write(out / f"{name.replace(':', '_')}.jsonl")
     return space
@@ -100,14 +139,15 @@ def summary_of(name: str, space: Space) -> dict:
                                     "remat", "measured_step_time")}
 
     counts = {}
-    for source in ("megatron", "auto"):
-        rows = [r for r in space.rows if r["source"] == source]
-        counts[source] = {"rows": len(rows), "feasible": sum(r["feasible"] for r in rows)}
+    for kind in ("grid", "search", "stage_count"):
+        rows = [r for r in space.rows if r["kind"] == kind]
+        counts[kind] = {"rows": len(rows), "feasible": sum(r["feasible"] for r in rows)}
     fastest = {s: min(space.feasible(s), key=lambda r: r["step_time"], default=None)
                for s in ("megatron", "auto")}
     header = space.header
     return {
         "row": name,
+        "schema_version": header["schema_version"],  # of the row's full space
         "model": header["model"],
         "profile": header["profile"],
         "cluster": header["cluster"],

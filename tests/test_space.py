@@ -2,6 +2,9 @@
 
 One exploration of a 2-layer GPT on 2 CPU devices under a budget its fastest plans do not
 fit (so the plan is memory-bound and a larger budget is searched too) serves every test.
+It costs every stage in full (`prune_by_bound=False`), so that the stage DP's table holds
+a plan of two stages (the bound prunes them: they are slower) and each stage count has
+its row.
 """
 
 import dataclasses
@@ -31,7 +34,8 @@ BUDGET = 190 * 1024
 def explored():
     step, args = helpers.tiny_gpt_step(CFG, batch_size=4)
     cluster = helpers.cluster("cpu-local", 1, 2)
-    space = explore(step, *args, cluster=cluster, options={"memory_budget": BUDGET},
+    space = explore(step, *args, cluster=cluster,
+                    options={"memory_budget": BUDGET, "prune_by_bound": False},
                     grid=GRID, budget_fractions=(1.5,), model="gpt 2 layers",
                     command="test_space")
     return space, step, args, cluster
@@ -47,6 +51,8 @@ def test_rows_have_the_schema_and_a_header(explored, tmp_path):
     for row in space.rows:
         assert set(row) == set(COLUMNS)
         assert row["source"] in ("auto", "megatron")
+        assert row["kind"] == ("grid" if row["source"] == "megatron" else row["kind"])
+        assert row["kind"] in ("grid", "search", "stage_count")
         if row["feasible"]:
             assert row["step_time"] > 0 and row["memory_peak"] > 0
             parts = sum(row[k] for k in ("compute", "communication", "recompute", "transfer",
@@ -95,6 +101,64 @@ def test_the_chosen_plan_is_on_the_frontier(explored):
     # A larger budget was searched, and buys a faster plan.
     assert any(r["budget"] > BUDGET for r in space.feasible("auto"))
     assert space.best_under(2 * BUDGET)["step_time"] < chosen["step_time"]
+
+
+def test_each_stage_count_has_its_best_plan(explored):
+    space, step, args, cluster = explored
+    chosen = next(r for r in space.rows if r["chosen"])
+    autos = [r for r in space.feasible("auto") if r["budget"] == BUDGET]
+    # One row per (microbatches, schedule, stage count, meshes): the stage DP's best plan
+    # of each stage count the search did not keep is a row of its own.
+    keys = [(r["num_microbatches"], r["schedule"], r["num_stages"], str(r["meshes"]))
+            for r in autos]
+    assert len(keys) == len(set(keys))
+    two = [r for r in autos if r["kind"] == "stage_count"]
+    assert {r["num_stages"] for r in two} == {2} and {r["num_stages"] for r in autos} == {1, 2}
+    assert {r["num_microbatches"] for r in two} == {r["num_microbatches"] for r in autos
+                                                   if r["kind"] == "search"}
+    for row in two:  # a device each: leaner and slower than the chosen plan
+        assert row["meshes"] == [[1], [1]] and len(row["memory_per_stage"]) == 2
+        assert row["memory_peak"] < chosen["memory_peak"]
+        assert row["step_time"] > chosen["step_time"]
+    # The row of the chosen count (searched on its own layouts) is the plan the search
+    # makes with that stage count fixed.
+    row = next(r for r in two if r["num_microbatches"] == chosen["num_microbatches"])
+    fixed = autopar.plan(step, *args, cluster=cluster, memory_budget=BUDGET, num_stages=2,
+                         num_microbatches=row["num_microbatches"], cache=False)
+    assert fixed.predicted_step_time == pytest.approx(row["step_time"], rel=1e-9)
+    assert max(s.memory_per_device for s in fixed.stages) == row["memory_peak"]
+    # The leaner two-stage plans are on the frontier below the chosen plan's memory.
+    assert min(p.memory for p in space.frontier()) == min(r["memory_peak"] for r in two)
+
+
+def test_best_per_stage_count_matches_brute_force():
+    """Each stage count's plan from the DP's table is that count's optimum (numbers only)."""
+    from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
+
+    weights = (3.0, 1.0, 2.0, 4.0, 1.5)
+
+    def stage_cost(start, end, index):
+        devices = (1, 2, 4)[index]
+        work = sum(weights[start:end])
+        memory = work / devices
+        return StageCost(work / devices + 0.1 * (devices - 1), memory <= 3.0, memory)
+
+    from autopar.inter._submesh import SubmeshShape
+
+    subs = [SubmeshShape(1, 1), SubmeshShape(1, 2), SubmeshShape(1, 4)]
+    found: dict = {}
+    best = plan_stages(5, 1, 4, stage_cost, 4, submeshes=subs, stage_counts=found)
+    assert best.latency == min(p.latency for p in found.values())
+    for count in range(1, 5):
+        try:
+            brute = brute_force_stages(5, 1, 4, stage_cost, 4, submeshes=subs,
+                                       num_stages=count)
+        except ValueError:
+            assert count not in found
+            continue
+        assert len(found[count].stages) == count
+        assert found[count].latency == pytest.approx(brute.latency, rel=1e-12)
+    assert len(found) >= 2
 
 
 def test_explain_of_a_memory_bound_plan_shows_the_frontier(explored):

@@ -89,6 +89,7 @@ def choose_stages(
     allowed=None,
     range_shapes=None,
     table: LayerCostTable | None = None,
+    stage_counts: dict | None = None,
 ) -> PipelineChoice:
     """Run the stage DP over layer costs, then plan each chosen stage on its submesh.
 
@@ -101,7 +102,9 @@ def choose_stages(
     `range_shapes(start, end)`, when given, names the only logical mesh shapes a stage of
     those layers may take (None: any). `table`: the layer costs of an earlier call with
     the same arguments (`layer_cost_table`), so that a re-run with other restrictions
-    solves no layer ILP twice.
+    solves no layer ILP twice. `stage_counts`: when given, filled with
+    ``{count: PipelineChoice}``, the best plan of each stage count the stage DP's table
+    holds (`best_per_stage_count`; no layer ILP solved for them).
     """
     schedule = options.schedule
     budget = memory_budget(cluster, options.shard.memory_budget)
@@ -115,8 +118,9 @@ def choose_stages(
     )
     crossing = boundary_bytes(graph, layers)
     start_time = time.perf_counter()
+    per_count = None if stage_counts is None else {}
     dp = _stage_dp(table, layers.num_layers, cluster, num_microbatches, options, budget,
-                   all_submeshes, crossing, allowed, range_shapes)
+                   all_submeshes, crossing, allowed, range_shapes, per_count)
     dp_seconds = time.perf_counter() - start_time
     _log_dp(table, dp, dp_seconds)
     ilp_seconds = table.ilp_seconds
@@ -126,6 +130,13 @@ def choose_stages(
     stage_plans = _stage_plans(table, graph, part, dp, stage_layers, tied)
     stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
     timings = _call_timings(table, before, clustering, dp_seconds, ilp_seconds, stitching)
+    for count, other in (per_count or {}).items():  # the explored space (`autopar.space`)
+        ranges = tuple((s, e) for s, e, _ in other.stages)
+        other_part = partition(graph, layers, list(ranges))
+        stage_counts[count] = _pipeline_choice(
+            table, other, ranges, all_submeshes,
+            _stage_plans(table, graph, other_part, other, ranges, tied), other_part,
+            crossing, num_microbatches, schedule, num_layer_ilps=0, timings={})
     return _pipeline_choice(table, dp, stage_layers, all_submeshes, stage_plans, part,
                             crossing, num_microbatches, schedule,
                             num_layer_ilps=table.num_ilps - before[0], timings=timings)
@@ -133,7 +144,7 @@ def choose_stages(
 
 def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches: int,
               options: StageOptions, budget: float, all_submeshes, crossing, allowed,
-              range_shapes):
+              range_shapes, stage_counts=None):
     """Alpa's stage DP (`plan_stages`) over `_StageCosts` of the table's layers (under
     `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`."""
     logical_shapes = options.logical_shapes
@@ -151,6 +162,7 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
         num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
         memory_budget=budget, num_positions=stage_cost.num_positions,
+        stage_counts=stage_counts,
     )
 
 

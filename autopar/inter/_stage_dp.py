@@ -736,6 +736,7 @@ def plan_stages(
     allowed_submeshes: Collection[int] | None = None,
     memory_budget: float | None = None,
     num_positions: int | None = None,
+    stage_counts: dict | None = None,
 ) -> StagePlan:
     """Slice layers into pipeline stages on submeshes, minimising the pipeline latency.
 
@@ -783,6 +784,8 @@ def plan_stages(
         solve_time = time.perf_counter() - started
         # A position between two asked ones shares their latency but not their memory
         # parts: the chosen stages are asked at their own positions.
+        if stage_counts is not None:  # the explored space's rows (`autopar.space`)
+            stage_counts.update(best_per_stage_count(problem, costs, stage_cost))
         if not costs.bisected:
             return _make_plan(problem, stages, costs, costs.num_calls, solve_time, num_runs)
         exact = {key: _call_cost(problem, stage_cost, key) for key in stages}
@@ -793,6 +796,37 @@ def plan_stages(
             "(stages %s); asking every position instead", stages,
         )
         bisect = False
+
+
+def best_per_stage_count(problem: _Problem, costs: _Costs,
+                         stage_cost: StageCostFn) -> dict[int, StagePlan]:
+    """``{count: StagePlan}``: for each stage count the problem allows, the best plan the
+    DP finds on the cost table `costs` already holds (`_best_packable` with the count
+    fixed). No stage is costed anew, except that a chosen stage whose position the table
+    inferred (`_Costs`) is asked at its own position, as `plan_stages` asks its answer's
+    (a count whose answer changes there is left out). A stage the callback pruned by a
+    known plan's bound (`StageOptions.prune_by_bound`) is infeasible in the table, so a
+    count's plan is the best the table holds, which a search of that count alone may beat.
+    """
+    found = {}
+    fewest, most = problem.stage_count_range()
+    begun = time.perf_counter()
+    for count in range(fewest, most + 1):
+        started = time.perf_counter()
+        stages, num_runs = _best_packable(dataclasses.replace(problem, num_stages=count),
+                                          costs)
+        if stages is None:
+            continue
+        answers = costs
+        if costs.bisected:
+            answers = {key: _call_cost(problem, stage_cost, key) for key in stages}
+            if not all(_same_answer(answers[key], costs[key]) for key in stages):
+                continue
+        found[count] = _make_plan(problem, stages, answers, costs.num_calls,
+                                  time.perf_counter() - started, num_runs)
+    log.info("stage DP: the best plan of %d of stage counts %d..%d, %.2f s", len(found),
+             fewest, most, time.perf_counter() - begun)
+    return found
 
 
 def brute_force_stages(

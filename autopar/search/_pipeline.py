@@ -254,6 +254,9 @@ class _PipelineSearch:
         # count -> (its graph, layers, layer cost table), kept for a second search of it
         self.traced: dict[int, tuple] = {}
         self.recorder = None  # told the candidates (`search_plan`)
+        # count -> {stage count: PipelineChoice}, the stage DP's best per stage count, kept
+        # for the recorder (`autopar.space`) when it asks for them
+        self.stage_counts: dict[int, dict] = {}
         self.shared_traces: dict = {}  # graphs traced before, by count (`search_plan`)
 
     # -- the flow ---------------------------------------------------------------------
@@ -293,7 +296,21 @@ class _PipelineSearch:
             self.recorder.candidates(plans, next((i for i, c in enumerate(candidates)
                                                   if c is best), None),
                                      {m: str(err) for m, err in self.errors.items()})
+            if hasattr(self.recorder, "stage_counts"):
+                self.recorder.stage_counts(self.stage_count_plans())
         return chosen, best.graph
+
+    def stage_count_plans(self) -> list[Plan]:
+        """The stage DP's best plan per stage count of each microbatch count searched (as
+        the count's last search left them), each timed under this search's schedule."""
+        plans = []
+        for num_micro, choices in sorted(self.stage_counts.items()):
+            graph = self.traced[num_micro][0]
+            for _, choice in sorted(choices.items()):
+                schedule, latency = self.schedule_for(choice, num_micro)
+                plans.append(self.plan_of(_Candidate(choice, graph, num_micro, schedule,
+                                                     latency)))
+        return plans
 
     def stage_choices(self, rows: int | None, pretraced=None) -> list[_Candidate]:
         """The stage DP's choice for each microbatch count that has a plan; raises the last
@@ -460,7 +477,11 @@ class _PipelineSearch:
         allowed = None
         if self.scan_length is not None:
             allowed = even_shares(self.scan_length, options.num_stages or self.cluster.num_devices)
-        choice = stage_dp(allowed=allowed)
+        per_count = None  # the best plan per stage count, for the explored space's rows
+        if self.scan_length is None and not self.interleaved \
+                and hasattr(self.recorder, "stage_counts"):
+            per_count = self.stage_counts[num_micro] = {}
+        choice = stage_dp(allowed=allowed, stage_counts=per_count)
         if self.interleaved:
             choice = fold(choice, options.num_stages, self.cluster.num_devices)
         if self.scan_length is not None:

@@ -37,7 +37,7 @@ from autopar.space._rows import COLUMNS, auto_label, plan_row, point_of, unprice
 
 log = logging.getLogger("autopar")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the `kind` column; the stage DP's best per stage count
 # Other memory budgets autopar is searched under, as fractions of its plan's peak memory
 # per device: what a smaller budget costs, what a larger one buys. A budget between the
 # plan's peak and the budget it was searched under is skipped: the plan already fits it.
@@ -67,6 +67,14 @@ class _Recorder:
         for count, reason in sorted(errors.items()):
             self.rows.append(unpriced_row("auto", f"auto: {count} mb", reason,
                                           budget=self.budget, num_microbatches=count))
+
+    def stage_counts(self, plans: Sequence[Plan]) -> None:
+        """The stage DP's best plan for each stage count at each microbatch count (kind
+        "stage_count"); one the search kept is already a row and is dropped later
+        (`_deduplicated`)."""
+        for plan in plans:
+            self.rows.append(plan_row(plan, "auto", auto_label(plan), budget=self.budget,
+                                      kind="stage_count"))
 
 
 @dataclass

@@ -24,6 +24,9 @@ SOURCES = ("auto", "megatron")
 COLUMNS = {
     "record": '"plan" (the header is "header")',
     "source": '"auto" (a candidate of autopar\'s search) or "megatron" (a grid configuration)',
+    "kind": '"grid" (a Megatron configuration), "search" (the plan autopar\'s search kept '
+            'for a microbatch count and schedule) or "stage_count" (the stage DP\'s best plan '
+            'for one stage count at a microbatch count)',
     "label": "the plan in words (a Megatron configuration's name, or autopar's stages)",
     "feasible": "whether it was priced as a plan that fits",
     "reason": "why not, when not feasible (a Megatron rule, 'not needed', a memory error)",
@@ -62,8 +65,10 @@ COLUMNS = {
 
 
 def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool = False,
-             config=None) -> dict:
-    """The row of a priced plan (`config`: its `MegatronConfig` for a Megatron plan)."""
+             config=None, kind: str | None = None) -> dict:
+    """The row of a priced plan (`config`: its `MegatronConfig` for a Megatron plan;
+    `kind`: default "grid" for a Megatron plan, "search" for autopar's)."""
+    row_kind = kind
     m = plan.num_microbatches if plan.runtime == "pipeline" else 1
     slowest = max(plan.stages, key=lambda s: s.time_per_microbatch)
     cost = slowest.sharding.cost
@@ -84,7 +89,7 @@ def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool
     total_bytes = sum(nbytes.values())
     by_kind = ({k: parts["communication"] * b / total_bytes for k, b in sorted(nbytes.items())}
                if total_bytes > 0 else {"collectives": parts["communication"]})
-    row = _empty(source, label, budget, chosen)
+    row = _empty(source, label, budget, chosen, row_kind)
     row.update(_config_columns(config))
     row.update(
         feasible=True,
@@ -110,7 +115,7 @@ def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool
 def unpriced_row(source: str, label: str, reason: str, *, budget: float, config=None,
                  num_microbatches: int | None = None) -> dict:
     """The row of a configuration that was not priced as a plan, with why."""
-    row = _empty(source, label, budget, False)
+    row = _empty(source, label, budget, False, None)
     row.update(_config_columns(config))
     row.update(reason=reason)
     if config is not None:
@@ -122,10 +127,11 @@ def unpriced_row(source: str, label: str, reason: str, *, budget: float, config=
     return row
 
 
-def _empty(source: str, label: str, budget: float, chosen: bool) -> dict:
+def _empty(source: str, label: str, budget: float, chosen: bool, kind: str | None) -> dict:
     row = dict.fromkeys(COLUMNS)
-    row.update(record="plan", source=source, label=label, feasible=False, chosen=chosen,
-               budget=budget)
+    kind = kind or ("grid" if source == "megatron" else "search")
+    row.update(record="plan", source=source, kind=kind, label=label, feasible=False,
+               chosen=chosen, budget=budget)
     return row
 
 
