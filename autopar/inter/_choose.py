@@ -36,7 +36,7 @@ from autopar.inter._stage_costs import (
     _StageCosts,
 )
 from autopar.inter._stage_dp import StagePlan, plan_stages
-from autopar.inter._submesh import SubmeshShape, submesh_shapes
+from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.intra import ShardingPlan
@@ -148,6 +148,11 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
     """Alpa's stage DP (`plan_stages`) over `_StageCosts` of the table's layers (under
     `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`."""
     logical_shapes = options.logical_shapes
+    if logical_shapes is None and options.every_mesh_shape:
+        # Each submesh has its own device count, so one list filtered by device count
+        # (`_StageCosts`) gives each submesh its own shapes, in their order.
+        logical_shapes = tuple(s for sub in all_submeshes
+                               for s in logical_mesh_shapes(sub, every=True))
     stage_cost = inner = _StageCosts(
         table, all_submeshes, logical_shapes, options.schedule, num_microbatches, budget,
         options.remat, crossing, prune=options.prune_by_bound,

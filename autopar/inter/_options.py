@@ -43,6 +43,9 @@ class StageOptions:
       fastest plans already lose (`_stage_fit._lower_bound`, `DOMINANCE_MARGIN`); False
       uses no lower bound at all: every shape and level the DP asks about is solved (the
       reference the pruned search is checked against; the same answer, more solves).
+    - `every_mesh_shape`: where `logical_shapes` is None, also the shapes
+      `logical_mesh_shapes` leaves out (a several-host stage whose axes would both cross
+      hosts); the reference that rule is checked against.
     """
 
     shard: ShardOptions = field(default_factory=ShardOptions)
@@ -54,6 +57,7 @@ class StageOptions:
     memory_levels: MemoryLevels = "price"
     prune_by_bound: bool = True
     lower_bounds: bool = True
+    every_mesh_shape: bool = False
 
     def __post_init__(self):
         if self.submeshes is not None:

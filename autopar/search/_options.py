@@ -101,6 +101,9 @@ class PlanOptions:
     - `lower_bounds`: skip the mesh shapes and memory levels whose layers' fastest plans
       already lose; False solves every one the stage DP asks about (the same plan, more
       solves).
+    - `every_mesh_shape`: also try the logical mesh shapes of a several-host stage whose
+      axes would both cross hosts (`autopar.inter.logical_mesh_shapes`; left out by
+      default, which changed no plan where checked); True is the reference for that rule.
     - `memory_levels`: how a stage's layer plans get leaner when they do not fit
       together: "price" (a price on the footprint) or "limit" (a footprint limit row,
       each a harder MIP).
@@ -138,6 +141,7 @@ class PlanOptions:
     share_layouts: bool = True
     prune_by_bound: bool = True
     lower_bounds: bool = True
+    every_mesh_shape: bool = False
     memory_levels: MemoryLevels = "price"
     annotations: Annotations = "keep"
     constraints: Any = dataclasses.field(default=None, hash=False)

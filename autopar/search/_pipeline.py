@@ -245,7 +245,7 @@ class _PipelineSearch:
             shard=dp_single, schedule=dp_schedule(options.schedule), num_stages=num_stages,
             submeshes=submeshes, logical_shapes=options.logical_shapes, remat=options.remat,
             memory_levels=options.memory_levels, prune_by_bound=options.prune_by_bound,
-            lower_bounds=options.lower_bounds,
+            lower_bounds=options.lower_bounds, every_mesh_shape=options.every_mesh_shape,
         )
         self.num_auto_layers: int | None = None
         self.scan_length: int | None = None

@@ -3,7 +3,7 @@
 `autopar.inter.logical_mesh_shapes` leaves out, on a submesh of several hosts, the 2-D
 shapes whose second axis does not divide a host's devices (both axes would cross hosts).
 This script plans each row twice in fresh child processes, with those shapes left out (the
-search as it runs) and with every shape (`logical_mesh_shapes(..., every=True)`), and
+search as it runs) and with every shape (`every_mesh_shape=True`), and
 prints for each: CPU seconds, layer ILPs solved, the predicted step time and the plan
 (stages, layers, logical meshes, microbatches, schedule). Rows are GPT benchmark models on
 several dgx-a100-80g hosts (no plan cache; 64 microbatches as `planning_time.py`'s rows),
@@ -21,7 +21,6 @@ second axis of 2, 4 or 8), so those rows are the same search either way.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import resource
@@ -65,13 +64,10 @@ def child(row: str, every: bool, schedule: str = "1f1b") -> dict:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     sys.path.insert(0, str(ROOT))
     import autopar
-    from autopar.inter import _layer_table, _stage_costs, _submesh
+    from autopar.inter import _layer_table
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_large import model_step
 
-    if every:
-        _stage_costs.logical_mesh_shapes = functools.partial(_submesh.logical_mesh_shapes,
-                                                             every=True)
     solved = [0]
     table = _layer_table.LayerCostTable
     original = table._solve_steps  # one call per layer ILP
@@ -86,7 +82,7 @@ def child(row: str, every: bool, schedule: str = "1f1b") -> dict:
     cluster = spec.cluster()
     start, start_cpu = time.perf_counter(), _cpu()
     plan = autopar.plan(step, *args, cluster=cluster, num_microbatches=micro,
-                        schedule=schedule, cache=False)
+                        schedule=schedule, cache=False, every_mesh_shape=every)
     return {
         "row": row,
         "shapes": "every" if every else "pruned",
