@@ -32,11 +32,12 @@ def test_the_benchmark_scripts_own_tests_pass():
     hand-computed values, the remat label, row selection, a tiny GPT row planned by both
     planners and rendered, local plans run and timed, memory-bound rows doubling their
     microbatches, the scanned Llama rows, where results are stored, and a results-page
-    section replacing only itself, and the plan-space summary's queries."""
+    section replacing only itself, the plan-space summary's queries and the long-context
+    and MoE table."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "benchmarks/tests"],
         capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600,
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) == 12, done.stdout[-2000:]
+    assert passed and int(passed.group(1)) == 13, done.stdout[-2000:]

@@ -43,4 +43,5 @@ def test_queries_and_rows(tmp_path):
     assert sd.parse_row("gpt-1.3B@dgx-a100-80g:2") == ("gpt-1.3B", "dgx-a100-80g", 2)
     with pytest.raises(SystemExit, match="MODEL@PROFILE:HOSTS"):
         sd.parse_row("gpt-1.3B")
-    assert len(sd.SUITE) == 18  # 9 (model, GPUs) pairs on 2 profiles
+    # 9 (model, GPUs) pairs on 2 profiles, then the long-context and MoE rows
+    assert len(sd.SUITE) == 18 + len(sd.LONG_MOE) and sd.SUITE[18:] == list(sd.LONG_MOE)
