@@ -24,7 +24,6 @@ Predicted: each grouped GEMM's whole EP strategy's collective seconds on the pro
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import statistics
@@ -37,16 +36,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
-import optax  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.graph import trace  # noqa: E402
 from autopar.intra._strategies import CostContext  # noqa: E402
 from autopar.intra._strategies_moe import PER_GEMM, expert_parallel_strategies  # noqa: E402
 from autopar.lower import count_collectives  # noqa: E402
 from autopar.profile._measure import usable_cores  # noqa: E402
-from benchmarks.investigations.moe_overlap import expert_parallel  # noqa: E402
-from examples import moe_dropless as moe  # noqa: E402
+from benchmarks.investigations.moe_overlap import ep_setup, expert_parallel  # noqa: E402
 
 LOWERINGS = {"per MLP": "mlp", "per GEMM": "gemm"}  # label -> moe_dispatch
 
@@ -83,23 +79,8 @@ def _hlo_all_to_alls(fn, state, batch) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--config", default="ep-test")
-    parser.add_argument("--profile", default="cpu-local-measured")
-    args = parser.parse_args(argv)
-
-    cfg = moe.CONFIGS[args.config]
-    optimizer = optax.adamw(1e-3)
-    step = moe.make_train_step(cfg, optimizer)
-    state = moe.init_state(cfg, optimizer, jax.random.key(0))
-    batch = moe.make_batch(cfg, args.batch, jax.random.key(1))
-    cluster = autopar.Cluster.from_profile(args.profile)
-    searched = autopar.plan(step, state, batch, cluster=cluster, method="shard",
-                            mesh_shape=(8,), cache=False)
-    graph = trace(step, state, batch)
+    args, step, state, batch, cluster, searched, graph = ep_setup(
+        argv, __doc__.splitlines()[0])
     plan, nodes, axes = expert_parallel(searched, graph, overlapped=False)
     plans = {"mlp": plan, "gemm": per_gemm(plan)}
     mesh = searched.stages[0].sharding.mesh

@@ -100,8 +100,11 @@ def predicted(nodes, axes, cluster, mesh):
     return a2a, saving
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def ep_setup(argv, description: str):
+    """The command line (rounds, steps, batch, config, profile) and the dropless MoE it
+    names: (args, step, state, batch, cluster, the "shard" search's plan on (8,), graph).
+    Shared with `moe_dispatch_once`."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
@@ -118,6 +121,12 @@ def main(argv=None) -> None:
     searched = autopar.plan(step, state, batch, cluster=cluster, method="shard",
                             mesh_shape=(8,), cache=False)
     graph = trace(step, state, batch)
+    return args, step, state, batch, cluster, searched, graph
+
+
+def main(argv=None) -> None:
+    args, step, state, batch, cluster, searched, graph = ep_setup(
+        argv, __doc__.splitlines()[0])
     runs, losses = {}, {}
     for label, overlapped in (("off", False), ("on", True)):
         plan, nodes, axes = expert_parallel(searched, graph, overlapped)
