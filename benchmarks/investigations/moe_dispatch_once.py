@@ -28,7 +28,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -41,8 +40,12 @@ import autopar  # noqa: E402
 from autopar.intra._strategies import CostContext  # noqa: E402
 from autopar.intra._strategies_moe import PER_GEMM, expert_parallel_strategies  # noqa: E402
 from autopar.lower import count_collectives  # noqa: E402
-from autopar.profile._measure import usable_cores  # noqa: E402
-from benchmarks.investigations.moe_overlap import ep_setup, expert_parallel  # noqa: E402
+from benchmarks.investigations.moe_overlap import (  # noqa: E402
+    CLOCKS,
+    ep_setup,
+    expert_parallel,
+    interleaved_times,
+)
 
 LOWERINGS = {"per MLP": "mlp", "per GEMM": "gemm"}  # label -> moe_dispatch
 
@@ -93,25 +96,14 @@ def main(argv=None) -> None:
         a2a[label] = predicted_a2a(nodes, axes, cluster, mesh, dispatch)
         counted[label] = _hlo_all_to_alls(runs[label], state, batch)
 
-    cores = usable_cores()
-    clocks = {"wall": time.perf_counter, "cpu-per-core": lambda: time.process_time() / cores}
-    times = {(clock, label): [] for clock in clocks for label in runs}
-    for r in range(args.rounds):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))
-        for label in order:
-            start = {clock: read() for clock, read in clocks.items()}
-            for _ in range(args.steps):
-                out = runs[label](state, batch)
-            jax.block_until_ready(out)
-            for clock, read in clocks.items():
-                times[clock, label].append((read() - start[clock]) / args.steps)
+    times = interleaved_times(runs, state, batch, args.rounds, args.steps)
     print(f"{args.config}, batch {args.batch}, {len(nodes)} grouped GEMMs per step, EP over "
           f"{axes} on 8 CPU devices; profile {args.profile}; load average "
           f"{os.getloadavg()[0]:.1f}")
     for label in runs:
         print(f"  {label:<8}: first-step loss {losses[label]:.6f}, all-to-alls in HLO "
               f"{counted[label]}, predicted all-to-all {a2a[label] * 1e3:.2f} ms per step")
-    for clock in clocks:
+    for clock in CLOCKS:
         once, each = (statistics.median(times[clock, k]) for k in LOWERINGS)
         print(f"  {clock} clock, median of {args.rounds} rounds x {args.steps} steps: "
               f"per MLP {once * 1e3:.2f} ms  per GEMM {each * 1e3:.2f} ms  saving "

@@ -124,6 +124,28 @@ def ep_setup(argv, description: str):
     return args, step, state, batch, cluster, searched, graph
 
 
+CLOCKS = ("wall", "cpu-per-core")  # the clocks `interleaved_times` reads
+
+
+def interleaved_times(runs: dict, state, batch, rounds: int, steps: int) -> dict:
+    """Seconds per step of each run in `runs`, rounds interleaved (order reversed every
+    other round), on the wall clock and the cpu-per-core clock: {(clock, label): [...]}.
+    Shared with `moe_dispatch_once`."""
+    cores = usable_cores()
+    clocks = {"wall": time.perf_counter, "cpu-per-core": lambda: time.process_time() / cores}
+    times = {(clock, label): [] for clock in clocks for label in runs}
+    for r in range(rounds):
+        order = list(runs) if r % 2 == 0 else list(reversed(runs))
+        for label in order:
+            start = {clock: read() for clock, read in clocks.items()}
+            for _ in range(steps):
+                out = runs[label](state, batch)
+            jax.block_until_ready(out)
+            for clock, read in clocks.items():
+                times[clock, label].append((read() - start[clock]) / steps)
+    return times
+
+
 def main(argv=None) -> None:
     args, step, state, batch, cluster, searched, graph = ep_setup(
         argv, __doc__.splitlines()[0])
@@ -135,18 +157,7 @@ def main(argv=None) -> None:
         losses[label] = float(metrics["loss"])
     a2a, saving = predicted(nodes, axes, cluster, searched.stages[0].sharding.mesh)
 
-    cores = usable_cores()
-    clocks = {"wall": time.perf_counter, "cpu-per-core": lambda: time.process_time() / cores}
-    times = {(clock, label): [] for clock in clocks for label in runs}
-    for r in range(args.rounds):
-        order = list(runs) if r % 2 == 0 else list(reversed(runs))
-        for label in order:
-            start = {clock: read() for clock, read in clocks.items()}
-            for _ in range(args.steps):
-                out = runs[label](state, batch)
-            jax.block_until_ready(out)
-            for clock, read in clocks.items():
-                times[clock, label].append((read() - start[clock]) / args.steps)
+    times = interleaved_times(runs, state, batch, args.rounds, args.steps)
     print(f"{args.config}, batch {args.batch}, {len(nodes)} grouped GEMMs per step "
           f"(trip-counted: {sum(t for t, _, _ in nodes)}), EP over {axes} on 8 CPU devices; "
           f"profile {args.profile}")
@@ -154,7 +165,7 @@ def main(argv=None) -> None:
     print(f"  predicted all-to-all of the whole exchanges: {a2a * 1e3:.2f} ms per step")
     print(f"  predicted saving with overlap: {saving * 1e3:+.2f} ms per step "
           "(positive: overlap faster)")
-    for clock in clocks:
+    for clock in CLOCKS:
         off, on = (statistics.median(times[clock, k]) for k in ("off", "on"))
         print(f"  {clock} clock, median of {args.rounds} rounds x {args.steps} steps: "
               f"off {off * 1e3:.2f} ms  on {on * 1e3:.2f} ms  measured saving "
