@@ -7,7 +7,12 @@ the loss is a mean over examples. A loss with batch statistics (BatchNorm in tra
 mode), a mixture-of-experts load-balancing term or a contrastive loss is not: its
 microbatch mean differs from the full-batch value.
 
-`microbatch_change` evaluates the traced step on one set of arguments (the caller's
+`microbatch_change` first tries a static proof (`autopar.search._batch_linearity`): over the
+step traced at the full batch and at one microbatch, every value reaching the gradient
+boundary is shown to be a mean over the batch's examples (or batch-free), so the
+microbatches' mean equals it for any data; nothing is compiled or run. Where the proof
+fails for any reason (a loss that is not such a mean, or a primitive the proof has no rule
+for), it evaluates the traced step on one set of arguments (the caller's
 arrays, or, for abstract arguments, random ones: floats from a normal of scale 0.1,
 integers 0 or 1, so that indices stay in range) at the full batch and at each of the m
 microbatches, and compares what reaches the gradient boundary (the loss first, then each
@@ -33,6 +38,8 @@ from autopar.cluster import LogicalMesh
 from autopar.graph import OpGraph, trace
 from autopar.graph._trace import GRAD_BOUNDARY
 from autopar.intra import peak_live_bytes
+from autopar.search._batch_linearity import Proof, prove_microbatch_mean
+from autopar.search._microbatch import microbatch_args
 
 log = logging.getLogger("autopar")
 
@@ -59,9 +66,17 @@ def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence
     leaves = jax.tree.leaves(args)
     nbytes = sum(int(np.prod(getattr(x, "shape", ()))) * np.dtype(x.dtype).itemsize
                  for x in leaves)
-    if nbytes > MAX_CHECK_BYTES:
+    small = nbytes <= MAX_CHECK_BYTES
+    proof, traced = _static_proof(fn, args, batch_argnums, num_microbatches, traced,
+                                  may_trace=small)
+    if proof.proven:
+        log.info("microbatch math: %d microbatches keep the step's math, proven statically "
+                 "(%s); nothing compiled", num_microbatches, proof.reason)
+        return None
+    if not small:
         log.info("microbatch math not checked: the arguments hold %d bytes", nbytes)
         return None
+    log.info("microbatch math: no static proof (%s); checking numerically", proof.reason)
     concrete = _concrete(args)
     run_full = _boundary_runner(fn, concrete, batch_argnums, traced)
     if run_full is None:
@@ -89,6 +104,53 @@ def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence
                     "not a mean over examples (batch statistics, a load-balancing or "
                     "contrastive term?). Pass num_microbatches=1 to keep the one-device math")
     return None
+
+
+def _static_proof(fn, args, batch_argnums, num_microbatches: int, traced: Sequence[OpGraph],
+                  may_trace: bool) -> tuple[Proof, tuple[OpGraph, ...]]:
+    """The static proof over the step at the full batch and at one microbatch (graphs of
+    `traced` where their input shapes match, else traced here when `may_trace`; traced
+    again here where the search's graphs are a different program, e.g. with its layer
+    scan cut into ranges), and `traced` with the graphs traced here added."""
+    try:
+        micro_args = microbatch_args(args, batch_argnums, num_microbatches)
+    except ValueError as err:
+        return Proof(False, str(err)), tuple(traced)
+    traced = tuple(traced)
+    full, micro = _matching(traced, args), _matching(traced, micro_args)
+    if (full is None or micro is None) and not may_trace:
+        return Proof(False, "the step was not traced at both sizes"), traced
+    reused = full is not None or micro is not None
+    fresh: list[OpGraph] = []
+
+    def traced_here(at):
+        fresh.append(trace(fn, *at, batch_argnums=batch_argnums))
+        return fresh[-1]
+
+    full = full or traced_here(args)
+    micro = micro or traced_here(micro_args)
+    proof = prove_microbatch_mean(full, micro, num_microbatches)
+    if not proof.aligned and reused and may_trace:
+        # the search's graph is another program (its layer scan cut into ranges, say)
+        full = full if any(full is g for g in fresh) else traced_here(args)
+        micro = micro if any(micro is g for g in fresh) else traced_here(micro_args)
+        proof = prove_microbatch_mean(full, micro, num_microbatches)
+    return proof, (*traced, *fresh)
+
+
+def _matching(graphs: Sequence[OpGraph], args) -> OpGraph | None:
+    """The first of `graphs` whose inputs have `args`'s shapes and dtypes."""
+    want = [(tuple(np.shape(x)), _dtype_name(x.dtype)) for x in jax.tree.leaves(args)]
+    return next((g for g in graphs
+                 if [(tuple(g.vars[v].shape), _dtype_name(g.vars[v].dtype)) for v in g.invars]
+                 == want), None)
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # a typed PRNG key: "key<fry>"
+        return str(dtype)
 
 
 def evaluation_bytes(graph: OpGraph) -> float:
