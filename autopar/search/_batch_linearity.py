@@ -190,7 +190,9 @@ class _Analysis:
                     if pair.get(vf) != vm:
                         raise _Misaligned(f"the inputs of {nf.primitive} differ")
                     ins.append(kinds.get(vf))
-            if any(k is None for k in ins):
+            if nf.primitive in IDENTITIES:
+                outs = _identity(self, nf, nm, ins)  # value by value, unknowns too
+            elif any(k is None for k in ins):
                 outs = [None] * len(nf.outputs)
             else:
                 rule = RULES.get(nf.primitive, _generic)
@@ -310,7 +312,10 @@ def _params_equal(nf, nm, skip: Sequence[str] = ()) -> bool:
             continue
         b = nm.params[key]
         if hasattr(a, "jaxpr") or hasattr(a, "eqns"):
-            if str(a) != str(b):
+            # a sub-jaxpr: its text (shapes and literals) and its closed-over constants
+            if str(a) != str(b) or not all(
+                    _same(np.asarray(x), np.asarray(y))
+                    for x, y in zip(getattr(a, "consts", ()), getattr(b, "consts", ()))):
                 return False
             continue
         if not _same(a, b):
@@ -384,8 +389,10 @@ def _linear_unary(an, nf, nm, ins):
     return [ins[0]] if _params_equal(nf, nm) else [None]
 
 
-@rule("grad_boundary", "optimization_barrier", "sharding_constraint", "reshard",
-      "mesh_cast", "pvary", "layer_boundary")
+IDENTITIES = frozenset({"grad_boundary", "optimization_barrier", "sharding_constraint",
+                        "reshard", "mesh_cast", "pvary", "layer_boundary"})
+
+
 def _identity(an, nf, nm, ins):
     return list(ins) if _params_equal(nf, nm, skip=("sharding", "dst_sharding")) \
         else [None] * len(ins)
@@ -540,6 +547,8 @@ def _convert(an, nf, nm, ins):
     old, new = an.full.vars[nf.inputs[0]].dtype, an.full.vars[nf.outputs[0]].dtype
     if _is_float(old) and _is_float(new):
         return [k]  # linear, up to rounding
+    if _is_float(new) and k[0] == "F":
+        return [k]  # an integer constant as a float: B stays B
     if k == ZERO or k == free(0) or (k[0] == "P" and k[2] == 0):
         return [k]
     return [None]
@@ -714,7 +723,10 @@ def _dynamic_update_slice(an, nf, nm, ins):
     kind = _unify(an, nf, [operand, update])
     if kind is not None and kind[0] == "P":
         # the update must cover the batch dim whole: rows of every example, in place
-        if an.changing(nf.inputs[1], nm.inputs[1]) != [kind[1]]:
+        d = kind[1]
+        (op_f, op_m), (up_f, up_m) = (an.shapes(nf.inputs[0], nm.inputs[0]),
+                                      an.shapes(nf.inputs[1], nm.inputs[1]))
+        if op_f[d] != up_f[d] or op_m[d] != up_m[d]:
             return [None]
     return [kind]
 
@@ -744,11 +756,9 @@ def _pad(an, nf, nm, ins):
 @rule("split")
 def _split(an, nf, nm, ins):
     (k,) = ins
-    if k[0] == "P":
-        if k[1] == nf.params["axis"] or not _params_equal(nf, nm, skip=("sizes",)):
-            return [None] * len(nf.outputs)
-        return [k] * len(nf.outputs)
-    return [k] * len(nf.outputs) if _params_equal(nf, nm) else [None] * len(nf.outputs)
+    if not _params_equal(nf, nm) or (k[0] == "P" and k[1] == nf.params["axis"]):
+        return [None] * len(nf.outputs)
+    return [k] * len(nf.outputs)
 
 
 @rule("iota")
@@ -815,9 +825,11 @@ def _index_dims(rank: int, window_dims: Sequence[int]) -> list[int]:
 @rule("gather")
 def _gather(an, nf, nm, ins):
     operand, indices = ins
+    dn = nf.params["dimension_numbers"]
+    if operand[0] == "P" and indices[0] != "P":
+        return [_gather_rows(an, nf, nm, operand, indices)]
     if not _params_equal(nf, nm):
         return [None]
-    dn = nf.params["dimension_numbers"]
     indices_rank = len(an.full.vars[nf.inputs[1]].shape)
     out_rank = len(an.full.vars[nf.outputs[0]].shape)
     positions = _index_dims(out_rank, dn.offset_dims)
@@ -838,6 +850,28 @@ def _gather(an, nf, nm, ins):
         if dn.start_indices_batching_dims[j] == di:
             return [per_example(positions[di], operand[2])]  # each example's own rows
     return [None]
+
+
+def _gather_rows(an, nf, nm, operand: Kind, indices: Kind) -> Kind:
+    """A gather from a per-example operand at batch-free indices that takes the batch dim
+    whole (``x[:, idx]``): per-example along the output's dim for it."""
+    dn = nf.params["dimension_numbers"]
+    d = operand[1]
+    if indices not in (ZERO, free(0)) or d in dn.collapsed_slice_dims \
+            or d in dn.operand_batching_dims or d in dn.start_index_map:
+        return None
+    if not _params_equal(nf, nm, skip=("slice_sizes",)):
+        return None
+    sizes_f, sizes_m = list(nf.params["slice_sizes"]), list(nm.params["slice_sizes"])
+    shape_f, shape_m = an.shapes(nf.inputs[0], nm.inputs[0])
+    if sizes_f[d] != shape_f[d] or sizes_m[d] != shape_m[d]:
+        return None
+    sizes_f[d] = sizes_m[d] = 0
+    if sizes_f != sizes_m:
+        return None
+    kept = [a for a in range(len(shape_f))
+            if a not in dn.collapsed_slice_dims and a not in dn.operand_batching_dims]
+    return per_example(dn.offset_dims[kept.index(d)], operand[2])
 
 
 @rule("scatter-add", "scatter_add", "scatter")

@@ -77,6 +77,13 @@ def microbatch_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence
         log.info("microbatch math not checked: the arguments hold %d bytes", nbytes)
         return None
     log.info("microbatch math: no static proof (%s); checking numerically", proof.reason)
+    return numeric_change(fn, args, batch_argnums, num_microbatches, traced)
+
+
+def numeric_change(fn: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+                   num_microbatches: int, traced: Sequence[OpGraph] = ()) -> str | None:
+    """The numerical check alone (`microbatch_change` without the static proof and the
+    argument-size guard): the step evaluated at the full batch and at each microbatch."""
     concrete = _concrete(args)
     run_full = _boundary_runner(fn, concrete, batch_argnums, traced)
     if run_full is None:
