@@ -438,6 +438,8 @@ def _power(an, nf, nm, ins):
     y = 2 if nf.primitive == "square" else nf.params["y"]
     if not _params_equal(nf, nm):
         return [None]
+    if y == 1:
+        return [k]
     if k == ZERO:
         return [ZERO if y > 0 else None]
     if k[0] == "P":
@@ -816,6 +818,28 @@ def _dot(an, nf, nm, ins):
     return [None]
 
 
+@rule("conv_general_dilated")
+def _conv(an, nf, nm, ins):
+    """A convolution of per-example images with batch-free kernels is per-example; one
+    whose input features are the examples of both operands (the kernel's gradient) sums
+    over them."""
+    a, b = ins
+    if not _params_equal(nf, nm, skip=("out_sharding",)):
+        return [None]
+    if a == ZERO or b == ZERO:
+        return [ZERO]
+    lhs_spec, rhs_spec, out_spec = nf.params["dimension_numbers"]
+    single = nf.params["batch_group_count"] == 1
+    if a[0] == "P" and b[0] == "F" and a[1] == lhs_spec[0] and single:
+        return [per_example(out_spec[0], a[2] + b[1])]
+    if (a[0] == "P" and b[0] == "P" and a[1] == lhs_spec[1] and b[1] == rhs_spec[1]
+            and single and nf.params["feature_group_count"] == 1):
+        return [reduced(a[2] + b[2] + 1)]
+    if a[0] in "FR" and b[0] in "FR" and "F" in (a[0], b[0]):
+        return [(reduced if "R" in (a[0], b[0]) else free)(a[1] + b[1])]
+    return [None]
+
+
 def _index_dims(rank: int, window_dims: Sequence[int]) -> list[int]:
     """Positions of the non-window dims of a gather's output or a scatter's updates, in
     the order of the indices' dims (the last of which is the index vector)."""
@@ -874,12 +898,34 @@ def _gather_rows(an, nf, nm, operand: Kind, indices: Kind) -> Kind:
     return per_example(dn.offset_dims[kept.index(d)], operand[2])
 
 
+def _scatter_rows(an, nf, nm, operand: Kind, updates: Kind) -> Kind:
+    """A scatter at batch-free indices of updates that take the batch dim whole (the
+    transpose of `_gather_rows`): per-example along the operand's dim for it."""
+    dn = nf.params["dimension_numbers"]
+    if updates[1] not in dn.update_window_dims:
+        return None
+    shape_f, shape_m = an.shapes(nf.inputs[0], nm.inputs[0])
+    kept = [a for a in range(len(shape_f))
+            if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    d = kept[list(dn.update_window_dims).index(updates[1])]
+    if d in dn.scatter_dims_to_operand_dims:
+        return None
+    upd_f, upd_m = an.shapes(nf.inputs[2], nm.inputs[2])
+    if upd_f[updates[1]] != shape_f[d] or upd_m[updates[1]] != shape_m[d]:
+        return None
+    if operand != ZERO and operand != per_example(d, updates[2]):
+        return None
+    return per_example(d, updates[2])
+
+
 @rule("scatter-add", "scatter_add", "scatter")
 def _scatter(an, nf, nm, ins):
     operand, indices, updates = ins
     if not _params_equal(nf, nm):
         return [None]
     dn = nf.params["dimension_numbers"]
+    if indices in (ZERO, free(0)) and updates[0] == "P":
+        return [_scatter_rows(an, nf, nm, operand, updates)]
     if indices[0] != "P" or indices[2] != 0:
         return _generic(an, nf, nm, ins) if "P" not in (operand[0], updates[0]) else [None]
     indices_rank = len(an.full.vars[nf.inputs[1]].shape)
