@@ -22,8 +22,9 @@ gives its whole child's totals, and its phases up to the last one that ended):
   table instead (``cached``);
 - ``stage DP``: Alpa's DP over layer ranges x submeshes, less the ILPs it triggered;
 - ``lowering``: each chosen stage's plan stitched from its layers' plans, and the `Plan`;
-- ``microbatch check``: whether the plan's microbatches change the step's math (the step
-  compiled and run on the host, `autopar.search._microbatch_math`; part of `autopar.plan`).
+- ``microbatch check``: whether the plan's microbatches change the step's math (a static
+  proof, else the step compiled and run on the host, `autopar.search._microbatch_math`;
+  part of `autopar.plan`).
 
 It also prints the planner's peak memory (the child's maximum resident set, plus each
 solver worker's when the pool ran) and the predicted step time of the plan. CPU seconds
@@ -160,8 +161,8 @@ def _instrument(clock: _Clock) -> None:
     _pipeline._trace_microbatch = clock.wrap("trace", _pipeline._trace_microbatch)
     # A fixed count's search traces its one microbatch from `_api` (its own name).
     _api._trace_microbatch = clock.wrap("trace", _api._trace_microbatch)
-    # After the search: does the plan's microbatching change the step's math? (Compiled
-    # and run on the host: `autopar.search._microbatch_math`.)
+    # After the search: does the plan's microbatching change the step's math? (Proven
+    # statically, else compiled and run on the host: `autopar.search._microbatch_math`.)
     _api._checked_math = clock.wrap("microbatch check", _api._checked_math)
     _pipeline.assign_layers = clock.wrap("layer clustering", _pipeline.assign_layers)
     table = _layer_table.LayerCostTable
@@ -352,7 +353,8 @@ How to read it: *total CPU / wall* is the planning process's CPU (its solver wor
 included) and wall seconds; the targets are wall seconds. *ILPs* counts the layer ILPs
 built and solved; *peak MB* is the planner's resident peak plus each solver worker's.
 *microbatch check* is `autopar.plan`'s check that the plan's microbatches keep the step's
-math (the step compiled and run on the host). The predicted step time shows that the
+math (a static proof over the step traced at both sizes; where it fails, the step compiled
+and run on the host). The predicted step time shows that the
 plan is the one expected, not a faster search's shortcut.
 """
 
