@@ -263,3 +263,11 @@ def test_what_the_proof_takes_and_refuses():
 
     assert not _prove(step_of(dropout), STATE, BATCH).proven
     assert not _prove(step_of(lambda p, b: error(p, b)[:8].mean()), STATE, BATCH).proven
+
+    # integer division by the batch size rounds differently in the two traces
+    def rows_from(divisor):
+        return lambda p, b: (error(p, b).mean(1) * (b["id"] // divisor(b) > 0)).mean()
+
+    with_ids = {**BATCH, "id": S((ROWS,), jnp.int32)}
+    assert _prove(step_of(rows_from(lambda b: 2)), STATE, with_ids).proven
+    assert not _prove(step_of(rows_from(lambda b: b["id"].shape[0])), STATE, with_ids).proven

@@ -464,6 +464,9 @@ def _div(an, nf, nm, ins):
         return [None]
     if a == ZERO:
         return [ZERO]
+    if not _is_float(an.full.vars[nf.outputs[0]].dtype):
+        # integer division rounds: (m x) // y is not m (x // y) in general
+        return _nonlinear_nary(an, nf, nm, ins)
     return [_product(an, nf, a, b, -1)]
 
 
