@@ -263,6 +263,10 @@ def test_what_the_proof_takes_and_refuses():
 
     assert not _prove(step_of(dropout), STATE, BATCH).proven
     assert not _prove(step_of(lambda p, b: error(p, b)[:8].mean()), STATE, BATCH).proven
+    for across_examples in (jnp.cumsum, jnp.sort, jax.nn.logsumexp):  # along the batch dim
+        assert not _prove(step_of(lambda p, b, f=across_examples: f(error(p, b), 0).mean()),
+                          STATE, BATCH).proven
+    assert _prove(step_of(lambda p, b: jnp.sort(error(p, b), 1).mean()), STATE, BATCH).proven
 
     # integer division by the batch size rounds differently in the two traces
     def rows_from(divisor):
