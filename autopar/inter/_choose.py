@@ -36,7 +36,12 @@ from autopar.inter._stage_costs import (
     _StageCosts,
 )
 from autopar.inter._stage_dp import StagePlan, plan_stages
-from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
+from autopar.inter._submesh import (
+    SubmeshShape,
+    logical_mesh_shapes,
+    splittable_shapes,
+    submesh_shapes,
+)
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.intra import ShardingPlan
@@ -116,11 +121,12 @@ def choose_stages(
     all_submeshes = list(options.submeshes) if options.submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
+    all_submeshes, splittable = _splittable(graph, all_submeshes, options)
     crossing = boundary_bytes(graph, layers)
     start_time = time.perf_counter()
     per_count = None if stage_counts is None else {}
     dp = _stage_dp(table, layers.num_layers, cluster, num_microbatches, options, budget,
-                   all_submeshes, crossing, allowed, range_shapes, per_count)
+                   all_submeshes, crossing, allowed, range_shapes, per_count, splittable)
     dp_seconds = time.perf_counter() - start_time
     _log_dp(table, dp, dp_seconds)
     ilp_seconds = table.ilp_seconds
@@ -144,10 +150,11 @@ def choose_stages(
 
 def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches: int,
               options: StageOptions, budget: float, all_submeshes, crossing, allowed,
-              range_shapes, stage_counts=None):
+              range_shapes, stage_counts=None, splittable=None):
     """Alpa's stage DP (`plan_stages`) over `_StageCosts` of the table's layers (under
-    `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`."""
-    logical_shapes = options.logical_shapes
+    `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`.
+    `splittable`: the logical mesh shapes to try when the options name none (`_splittable`)."""
+    logical_shapes = options.logical_shapes or splittable
     if logical_shapes is None and options.every_mesh_shape:
         # Each submesh has its own device count, so one list filtered by device count
         # (`_StageCosts`) gives each submesh its own shapes, in their order.
@@ -169,6 +176,36 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         memory_budget=budget, num_positions=stage_cost.num_positions,
         stage_counts=stage_counts,
     )
+
+
+def _splittable(graph: OpGraph, submeshes, options: StageOptions):
+    """(`submeshes`, None), or where some logical mesh shape has an axis that can only
+    replicate (`splittable_shapes`: it divides no tensor dimension of `graph`), the
+    submeshes with a shape left and those shapes (for `_StageCosts.logical_shapes`). Only
+    when the options leave the submeshes and shapes to the search, with its lower bounds
+    on (`lower_bounds=False`, the unpruned reference, tries every shape) and the usual
+    shapes (`every_mesh_shape=False`); and only where each submesh has a device count of
+    its own (`_StageCosts` tells a submesh's shapes apart by it)."""
+    if (options.submeshes is not None or options.logical_shapes is not None
+            or options.every_mesh_shape or not options.lower_bounds):
+        return submeshes, None
+    counts = [sub.num_devices for sub in submeshes]
+    if len(set(counts)) != len(counts):
+        return submeshes, None
+    dims = {d for var in graph.vars for d in var.shape}
+    kept, shapes, cut = [], [], False
+    for sub in submeshes:
+        own = splittable_shapes(sub, dims)
+        cut = cut or len(own) < len(logical_mesh_shapes(sub))
+        if own:
+            kept.append(sub)
+            shapes.extend(own)
+    if not cut:
+        return submeshes, None
+    log.info("stage DP: %d of %d submeshes and their logical meshes left out: an axis of "
+             "theirs divides no tensor dimension (it could only replicate)",
+             len(submeshes) - len(kept), len(submeshes))
+    return kept, tuple(shapes)
 
 
 def _call_timings(table: LayerCostTable, before: tuple, clustering: float, dp_seconds: float,

@@ -112,6 +112,25 @@ def logical_mesh_shapes(sub: SubmeshShape, every: bool = False) -> list[tuple[in
     return shapes
 
 
+def splittable_shapes(sub: SubmeshShape, dims) -> list[tuple[int, ...]]:
+    """`logical_mesh_shapes(sub)` less the shapes with an axis that divides none of `dims`
+    (the dimension sizes of the step's tensors).
+
+    A split needs its mesh axes to divide the dimension evenly (`_strategies._divisible`),
+    so such an axis can only replicate: every tensor whole along it, every device of it
+    doing the same work as the others. A stage on that shape is priced as one on the
+    shape without the axis, on more devices. Llama 3 405B on 16,384 GPUs: of its 2,051
+    submeshes, those of k hosts where neither k nor 8k divides a tensor dimension
+    (k = 5, 7, 9, ...) have no shape left, and the stage DP leaves them out
+    (`choose_stages`)."""
+    sizes = {int(d) for d in dims if int(d) > 1}
+
+    def splits(axis: int) -> bool:
+        return axis == 1 or any(d % axis == 0 for d in sizes)
+
+    return [shape for shape in logical_mesh_shapes(sub) if all(map(splits, shape))]
+
+
 def _check_fits(sub: SubmeshShape, num_hosts: int, devices_per_host: int) -> None:
     if sub.devices_per_host > devices_per_host or sub.num_hosts > num_hosts:
         raise ValueError(
