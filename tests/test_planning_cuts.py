@@ -20,7 +20,8 @@ GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)  # 4 blocks +
 def test_a_mesh_axis_that_divides_no_dimension_is_left_out():
     """5 hosts of 8 devices: 40 and 5 divide none of the dimensions, so no shape is left;
     3 hosts when a dimension is a multiple of 24 (Llama 3's vocabulary, 128,256 = 2^8 x 3
-    x 167) keep every shape whose axes divide one; a host's own shapes all stay."""
+    x 167) keep every shape whose axes divide one; a host's own shapes all stay. With
+    several layers' dimensions an axis must divide one of each layer's."""
     dims = {4096, 8192, 14336, 32, 8, 2}
     assert splittable_shapes(SubmeshShape(5, 8), dims) == []
     assert splittable_shapes(SubmeshShape(1, 8), dims) == logical_mesh_shapes(SubmeshShape(1, 8))
@@ -29,6 +30,10 @@ def test_a_mesh_axis_that_divides_no_dimension_is_left_out():
                                                                        (12, 2)]
     assert splittable_shapes(SubmeshShape(7, 8), dims) == [(56,), (7, 8), (14, 4), (28, 2)]
     assert splittable_shapes(SubmeshShape(1, 1), set()) == [(1,)]
+    # each layer's dimensions: 3 divides the head's vocabulary, none of a block's
+    assert splittable_shapes(SubmeshShape(3, 8), dims, dims | {128256}) == []
+    assert splittable_shapes(SubmeshShape(2, 8), dims, {128256}) == logical_mesh_shapes(
+        SubmeshShape(2, 8))
 
 
 def _graph(rows: int):

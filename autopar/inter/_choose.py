@@ -121,7 +121,7 @@ def choose_stages(
     all_submeshes = list(options.submeshes) if options.submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
-    all_submeshes, splittable = _splittable(graph, all_submeshes, options)
+    all_submeshes, splittable = _splittable(table, all_submeshes, options)
     crossing = boundary_bytes(graph, layers)
     start_time = time.perf_counter()
     per_count = None if stage_counts is None else {}
@@ -178,33 +178,46 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
     )
 
 
-def _splittable(graph: OpGraph, submeshes, options: StageOptions):
+def _splittable(table: LayerCostTable, submeshes, options: StageOptions):
     """(`submeshes`, None), or where some logical mesh shape has an axis that can only
-    replicate (`splittable_shapes`: it divides no tensor dimension of `graph`), the
-    submeshes with a shape left and those shapes (for `_StageCosts.logical_shapes`). Only
-    when the options leave the submeshes and shapes to the search, with its lower bounds
-    on (`lower_bounds=False`, the unpruned reference, tries every shape) and the usual
-    shapes (`every_mesh_shape=False`); and only where each submesh has a device count of
-    its own (`_StageCosts` tells a submesh's shapes apart by it)."""
+    replicate one of the layers (`splittable_shapes`: it divides no tensor dimension of
+    that layer), the submeshes with a shape left and those shapes (for
+    `_StageCosts.logical_shapes`). A stage on such a shape runs that layer whole on every
+    group of the axis (Megatron-LM's rule: each parallel degree divides what it splits).
+    Only when the options leave the submeshes and shapes to the search, with its lower
+    bounds on (`lower_bounds=False`, the unpruned reference, tries every shape) and the
+    usual shapes (`every_mesh_shape=False`); and only where each submesh has a device
+    count of its own (`_StageCosts` tells a submesh's shapes apart by it)."""
     if (options.submeshes is not None or options.logical_shapes is not None
             or options.every_mesh_shape or not options.lower_bounds):
         return submeshes, None
     counts = [sub.num_devices for sub in submeshes]
     if len(set(counts)) != len(counts):
         return submeshes, None
-    dims = {d for var in graph.vars for d in var.shape}
+    dims = []  # per layer structure: the dimension sizes of the values its nodes touch
+    seen = set()
+    for k, sub in enumerate(table.per_layer.stage_graphs):
+        if table.fingerprints[k] in seen:
+            continue
+        seen.add(table.fingerprints[k])
+        used = set(sub.invars) | set(sub.outvars)
+        for node in sub.nodes:
+            used.update(node.inputs)
+            used.update(node.outputs)
+        dims.append({d for v in used for d in sub.vars[v].shape})
     kept, shapes, cut = [], [], False
     for sub in submeshes:
-        own = splittable_shapes(sub, dims)
+        own = splittable_shapes(sub, *dims) if dims else logical_mesh_shapes(sub)
         cut = cut or len(own) < len(logical_mesh_shapes(sub))
         if own:
             kept.append(sub)
             shapes.extend(own)
     if not cut:
         return submeshes, None
-    log.info("stage DP: %d of %d submeshes and their logical meshes left out: an axis of "
-             "theirs divides no tensor dimension (it could only replicate)",
-             len(submeshes) - len(kept), len(submeshes))
+    log.info("stage DP: %d of %d submeshes left out, and %d logical meshes in all: an axis "
+             "of theirs divides no tensor dimension of some layer (it could only replicate "
+             "it)", len(submeshes) - len(kept), len(submeshes),
+             sum(len(logical_mesh_shapes(s)) for s in submeshes) - len(shapes))
     return kept, tuple(shapes)
 
 
