@@ -75,3 +75,30 @@ def test_a_layout_priced_on_the_shared_problem_is_the_cut_problems_plan(shape):
     assert priced.stats["objective"] == again.stats["objective"]
     assert priced.cost == again.cost
     assert priced.var_specs == again.var_specs
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (6, 4), (3, 8), (24,), (2, 3, 4)])
+def test_a_collective_is_timed_on_one_group_per_host_layout(shape):
+    """`collective_time` and `combined_collective_time` time one group of each layout on
+    the hosts (`_distinct_groups`): the same seconds as the slowest of every group, on a
+    mesh whose groups span 3 hosts of 8 devices unevenly."""
+    from autopar.cost._collective import (
+        _group_time,
+        collective_time,
+        combined_collective_time,
+    )
+
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_hosts=3)
+    names = ("a", "b", "c")[: len(shape)]
+    mesh = autopar.cluster.LogicalMesh.create(shape, axis_names=names)
+    for axes in [(n,) for n in names] + [names]:
+        for kind in ("all_reduce", "all_gather", "all_to_all", "send_recv"):
+            slowest = max(_group_time(kind, 3e6, cluster, g) for g in mesh.groups(axes))
+            assert collective_time(kind, 3e6, cluster, mesh, axes) == (
+                slowest if mesh.axis_size(axes) > 1 else 0.0)
+        combined = combined_collective_time("all_reduce", 1e5, cluster, mesh, axes)
+        if mesh.axis_size(axes) > 1:
+            from autopar.cost.backends import backend_for
+            share = backend_for(cluster).merged_latency_share(cluster, 1e5, 30 * 1024 * 1024)
+            assert combined == max(_group_time("all_reduce", 1e5, cluster, g, share)
+                                   for g in mesh.groups(axes))
