@@ -102,3 +102,32 @@ def test_a_collective_is_timed_on_one_group_per_host_layout(shape):
             share = backend_for(cluster).merged_latency_share(cluster, 1e5, 30 * 1024 * 1024)
             assert combined == max(_group_time("all_reduce", 1e5, cluster, g, share)
                                    for g in mesh.groups(axes))
+
+
+def test_a_layer_without_parameters_cuts_no_mesh():
+    """The rule asks each layer that holds parameters: a layer of scalars only (a loss cut
+    out as a layer of its own) leaves every shape of one host in place, where the
+    parameter layers split them all; a 3-host submesh goes (3 divides none of theirs)."""
+    from types import SimpleNamespace
+
+    from autopar.graph import Role
+    from autopar.inter._choose import _splittable
+    from autopar.inter._options import StageOptions
+    from autopar.inter._submesh import submesh_shapes
+
+    def var(shape, role=Role.ACTIVATION):
+        return SimpleNamespace(shape=shape, role=role)
+
+    variables = [var((64, 256), Role.PARAM), var((8, 64)), var((8, 256)), var(()),
+                 var((), Role.PARAM)]
+    block = SimpleNamespace(vars=variables, invars=(0, 1), outvars=(2,),
+                            nodes=[SimpleNamespace(inputs=(0, 1), outputs=(2,))])
+    loss = SimpleNamespace(vars=variables, invars=(3,), outvars=(3,), nodes=[])
+    table = SimpleNamespace(per_layer=SimpleNamespace(stage_graphs=[block, loss]),
+                            fingerprints=["block", "loss"])
+    one_host = submesh_shapes(1, 8)
+    assert _splittable(table, one_host, StageOptions()) == (one_host, None)
+    kept, shapes = _splittable(table, submesh_shapes(3, 8), StageOptions())
+    assert [s.num_hosts for s in kept] == [1, 1, 1, 1, 2]
+    assert (3, 8) not in shapes and (2, 8) in shapes
+    assert _splittable(table, submesh_shapes(3, 8), StageOptions(lower_bounds=False))[1] is None

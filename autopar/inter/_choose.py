@@ -25,7 +25,7 @@ from autopar.cost import (
     stage_dispatch_time,
     stage_recompute_seconds,
 )
-from autopar.graph import OpGraph
+from autopar.graph import OpGraph, Role
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._options import StageOptions
@@ -180,8 +180,8 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
 
 def _splittable(table: LayerCostTable, submeshes, options: StageOptions):
     """(`submeshes`, None), or where some logical mesh shape has an axis that can only
-    replicate one of the layers (`splittable_shapes`: it divides no tensor dimension of
-    that layer), the submeshes with a shape left and those shapes (for
+    replicate one of the layers that hold parameters (`splittable_shapes`: it divides no
+    tensor dimension of that layer), the submeshes with a shape left and those shapes (for
     `_StageCosts.logical_shapes`). A stage on such a shape runs that layer whole on every
     group of the axis (Megatron-LM's rule: each parallel degree divides what it splits).
     Only when the options leave the submeshes and shapes to the search, with its lower
@@ -194,12 +194,17 @@ def _splittable(table: LayerCostTable, submeshes, options: StageOptions):
     counts = [sub.num_devices for sub in submeshes]
     if len(set(counts)) != len(counts):
         return submeshes, None
-    dims = []  # per layer structure: the dimension sizes of the values its nodes touch
+    # Per layer structure that holds parameters: the dimension sizes of the values its
+    # nodes touch. (A layer without parameters, such as a loss cut out as a layer of its
+    # own, whose values may be scalars, is light work whatever the mesh: no rule.)
+    dims = []
     seen = set()
     for k, sub in enumerate(table.per_layer.stage_graphs):
         if table.fingerprints[k] in seen:
             continue
         seen.add(table.fingerprints[k])
+        if not any(sub.vars[v].role is Role.PARAM for v in sub.invars):
+            continue
         used = set(sub.invars) | set(sub.outvars)
         for node in sub.nodes:
             used.update(node.inputs)
