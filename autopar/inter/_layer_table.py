@@ -114,9 +114,7 @@ class LayerCostTable:
         # The first layer of each structure: every ILP (and priced layout) of the
         # structure is built on its graph, so that the memoised problem
         # (`autopar.intra._planner._built_problem`, per graph) serves each of its memory
-        # levels whichever layer of the structure the stage DP asks about (a scanned
-        # stack's 32 identical layers were asked level by level from different layers,
-        # each a graph of its own: a rebuild per level).
+        # levels whichever layer of the structure the stage DP asks about.
         self._representative = {}
         for k, f in enumerate(self.fingerprints):
             self._representative.setdefault(f, k)
