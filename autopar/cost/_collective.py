@@ -73,7 +73,8 @@ def collective_time(
     alpha_beta_terms(kind, nbytes, n)  # checks the arguments
     if n == 1:
         return 0.0
-    return max(_group_time(kind, nbytes, cluster, group) for group in mesh.groups(axes))
+    return max(_group_time(kind, nbytes, cluster, group)
+               for group in _distinct_groups(cluster, mesh, axes))
 
 
 # XLA's combiners merge independent collectives of one kind over the same replica groups
@@ -151,7 +152,8 @@ def combined_collective_time(
     if n == 1:
         return 0.0
     share = backend_for(cluster).merged_latency_share(cluster, nbytes, threshold)
-    return max(_group_time(kind, nbytes, cluster, group, share) for group in mesh.groups(axes))
+    return max(_group_time(kind, nbytes, cluster, group, share)
+               for group in _distinct_groups(cluster, mesh, axes))
 
 
 def combined_bucket_count(
@@ -172,6 +174,25 @@ def combined_bucket_count(
         else:
             buckets, held, count = buckets + 1, size, 1
     return buckets
+
+
+def _distinct_groups(cluster: Cluster, mesh: LogicalMesh, axes: tuple[str, ...]) -> list:
+    """One group of each distinct layout on the hosts among `mesh.groups(axes)`:
+    `_group_time` depends on a group only through its devices' counts per host, so the
+    slowest group is among these. Memoised on the mesh per axes and cluster shape (issue
+    45: Llama 3 405B's meshes of hundreds of hosts have thousands of groups per axis;
+    timing each was 130 of the 199 s its first 70 layer ILPs took to build, under
+    cProfile)."""
+    memo = mesh.__dict__.setdefault("_distinct_groups", {})
+    key = (axes, cluster.num_hosts, cluster.devices_per_host)
+    found = memo.get(key)
+    if found is None:
+        layouts: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for group in mesh.groups(axes):
+            per_host = Counter(cluster.host_of(d) for d in group)
+            layouts.setdefault(tuple(sorted(per_host.values())), group)
+        found = memo[key] = list(layouts.values())
+    return found
 
 
 def _group_time(kind: CollectiveKind, nbytes: float, cluster: Cluster, group,

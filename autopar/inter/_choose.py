@@ -25,7 +25,7 @@ from autopar.cost import (
     stage_dispatch_time,
     stage_recompute_seconds,
 )
-from autopar.graph import OpGraph
+from autopar.graph import OpGraph, Role
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._options import StageOptions
@@ -36,7 +36,12 @@ from autopar.inter._stage_costs import (
     _StageCosts,
 )
 from autopar.inter._stage_dp import StagePlan, plan_stages
-from autopar.inter._submesh import SubmeshShape, logical_mesh_shapes, submesh_shapes
+from autopar.inter._submesh import (
+    SubmeshShape,
+    logical_mesh_shapes,
+    splittable_shapes,
+    submesh_shapes,
+)
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.intra import ShardingPlan
@@ -116,11 +121,12 @@ def choose_stages(
     all_submeshes = list(options.submeshes) if options.submeshes else submesh_shapes(
         cluster.num_hosts, cluster.devices_per_host
     )
+    all_submeshes, splittable = _splittable(table, all_submeshes, options)
     crossing = boundary_bytes(graph, layers)
     start_time = time.perf_counter()
     per_count = None if stage_counts is None else {}
     dp = _stage_dp(table, layers.num_layers, cluster, num_microbatches, options, budget,
-                   all_submeshes, crossing, allowed, range_shapes, per_count)
+                   all_submeshes, crossing, allowed, range_shapes, per_count, splittable)
     dp_seconds = time.perf_counter() - start_time
     _log_dp(table, dp, dp_seconds)
     ilp_seconds = table.ilp_seconds
@@ -144,10 +150,11 @@ def choose_stages(
 
 def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches: int,
               options: StageOptions, budget: float, all_submeshes, crossing, allowed,
-              range_shapes, stage_counts=None):
+              range_shapes, stage_counts=None, splittable=None):
     """Alpa's stage DP (`plan_stages`) over `_StageCosts` of the table's layers (under
-    `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`."""
-    logical_shapes = options.logical_shapes
+    `allowed` and `range_shapes`), after a bound search when `options.prune_by_bound`.
+    `splittable`: the logical mesh shapes to try when the options name none (`_splittable`)."""
+    logical_shapes = options.logical_shapes or splittable
     if logical_shapes is None and options.every_mesh_shape:
         # Each submesh has its own device count, so one list filtered by device count
         # (`_StageCosts`) gives each submesh its own shapes, in their order.
@@ -169,6 +176,54 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         memory_budget=budget, num_positions=stage_cost.num_positions,
         stage_counts=stage_counts,
     )
+
+
+def _splittable(table: LayerCostTable, submeshes, options: StageOptions):
+    """(`submeshes`, None), or where some logical mesh shape has an axis that can only
+    replicate one of the layers that hold parameters (`splittable_shapes`: it divides no
+    tensor dimension of that layer), the submeshes with a shape left and those shapes (for
+    `_StageCosts.logical_shapes`). A stage on such a shape runs that layer whole on every
+    group of the axis (Megatron-LM's rule: each parallel degree divides what it splits).
+    Only when the options leave the submeshes and shapes to the search, with its lower
+    bounds on (`lower_bounds=False`, the unpruned reference, tries every shape) and the
+    usual shapes (`every_mesh_shape=False`); and only where each submesh has a device
+    count of its own (`_StageCosts` tells a submesh's shapes apart by it)."""
+    if (options.submeshes is not None or options.logical_shapes is not None
+            or options.every_mesh_shape or not options.lower_bounds):
+        return submeshes, None
+    counts = [sub.num_devices for sub in submeshes]
+    if len(set(counts)) != len(counts):
+        return submeshes, None
+    # Per layer structure that holds parameters: the dimension sizes of the values its
+    # nodes touch. (A layer without parameters, such as a loss cut out as a layer of its
+    # own, whose values may be scalars, is light work whatever the mesh: no rule.)
+    dims = []
+    seen = set()
+    for k, sub in enumerate(table.per_layer.stage_graphs):
+        if table.fingerprints[k] in seen:
+            continue
+        seen.add(table.fingerprints[k])
+        if not any(sub.vars[v].role is Role.PARAM for v in sub.invars):
+            continue
+        used = set(sub.invars) | set(sub.outvars)
+        for node in sub.nodes:
+            used.update(node.inputs)
+            used.update(node.outputs)
+        dims.append({d for v in used for d in sub.vars[v].shape})
+    kept, shapes, cut = [], [], False
+    for sub in submeshes:
+        own = splittable_shapes(sub, *dims) if dims else logical_mesh_shapes(sub)
+        cut = cut or len(own) < len(logical_mesh_shapes(sub))
+        if own:
+            kept.append(sub)
+            shapes.extend(own)
+    if not cut:
+        return submeshes, None
+    log.info("stage DP: %d of %d submeshes left out, and %d logical meshes in all: an axis "
+             "of theirs divides no tensor dimension of some layer (it could only replicate "
+             "it)", len(submeshes) - len(kept), len(submeshes),
+             sum(len(logical_mesh_shapes(s)) for s in submeshes) - len(shapes))
+    return kept, tuple(shapes)
 
 
 def _call_timings(table: LayerCostTable, before: tuple, clustering: float, dp_seconds: float,

@@ -111,6 +111,13 @@ class LayerCostTable:
         self._init_reference(reference, layers.num_layers, keep_layouts)
         self._init_layers(graph, layers)
         self._init_pins(fixed)
+        # The first layer of each structure: every ILP (and priced layout) of the
+        # structure is built on its graph, so that the memoised problem
+        # (`autopar.intra._planner._built_problem`, per graph) serves each of its memory
+        # levels whichever layer of the structure the stage DP asks about.
+        self._representative = {}
+        for k, f in enumerate(self.fingerprints):
+            self._representative.setdefault(f, k)
         self._init_caches()
 
     def _init_reference(self, reference: LayerCostTable | None, num_layers: int,
@@ -263,7 +270,9 @@ class LayerCostTable:
         time, sent each one's solution (or the exception its solve raised); it returns
         (cost, (plan, graph solved on)), or (None, None) when none fits. With a
         `reference`, its layout priced here where it applies (`_priced`), else the
-        level's own ILPs (`autopar.inter._levels.level_steps`)."""
+        level's own ILPs (`autopar.inter._levels.level_steps`). Solved on the first layer
+        of the structure (`_representative`)."""
+        layer = self._representative[self.fingerprints[layer]]
         if self.reference is not None and self.solve is None:
             found = self._priced(layer, shape, level)
             if found is not None:

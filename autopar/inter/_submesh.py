@@ -112,6 +112,26 @@ def logical_mesh_shapes(sub: SubmeshShape, every: bool = False) -> list[tuple[in
     return shapes
 
 
+def splittable_shapes(sub: SubmeshShape, dims, *more_dims) -> list[tuple[int, ...]]:
+    """`logical_mesh_shapes(sub)` less the shapes with an axis that divides none of `dims`
+    (the dimension sizes of a layer's tensors), nor, given `more_dims`, none of each
+    further layer's.
+
+    A split needs its mesh axes to divide the dimension evenly (`_strategies._divisible`),
+    so such an axis can only replicate that layer: every tensor of it whole along the
+    axis, every device of it doing the same work as the others. Llama 3 405B on 16,384
+    GPUs: of its 2,051 submeshes, those of k hosts for every k but a power of two have no
+    shape left (13 x 2^i divides a block's MLP width, 53,248, but no dimension of the
+    embedding's), and the stage DP leaves them out (`choose_stages`): 15 submeshes and 51
+    logical meshes are left of 8,195."""
+    sets = [{int(d) for d in ds if int(d) > 1} for ds in (dims, *more_dims)]
+
+    def splits(axis: int) -> bool:
+        return axis == 1 or all(any(d % axis == 0 for d in sizes) for sizes in sets)
+
+    return [shape for shape in logical_mesh_shapes(sub) if all(map(splits, shape))]
+
+
 def _check_fits(sub: SubmeshShape, num_hosts: int, devices_per_host: int) -> None:
     if sub.devices_per_host > devices_per_host or sub.num_hosts > num_hosts:
         raise ValueError(

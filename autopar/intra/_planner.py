@@ -37,6 +37,7 @@ from autopar.intra._problem import (
     Footprint,
     LayoutMismatch,
     build_problem,
+    layout_choices,
     operands,
 )
 from autopar.intra._reshard import reshard_collectives
@@ -209,14 +210,29 @@ def price_layout(
     or a split these shapes do not divide) or does not fit the memory budget.
     """
     start = time.perf_counter()
+    # The layout's choices in the problem of the graph built once for every layout priced
+    # on this mesh and for its own ILPs (`_built_problem`): the same strategies, costs
+    # and resharding entries as a problem cut to the layout (`build_problem(...,
+    # layout=...)`, built anew for each layout: issue 45, a third of Llama-8B@64's
+    # planning). A layout whose followers disagree with their leaders there is priced on
+    # its own problem.
     try:
-        built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
-                              layout=layout)
+        built = _built_problem(graph, mesh, cluster, options, tied, None, weights, footprint)
+        problem, choices = built.problem, layout_choices(built, layout)
+        peak = peak_memory(problem, choices)
     except LayoutMismatch as err:
         log.debug("layout not priced on mesh %s: %s", tuple(mesh.shape), err)
         return None
-    problem, choices = built.problem, (0,) * len(built.ilp_nodes)
-    if problem.memory_budget is not None and peak_memory(problem, choices) > problem.memory_budget:
+    except ValueError:  # a follower off its leader's strategy (`evaluate`'s check)
+        try:
+            built = build_problem(graph, mesh, cluster, options, tied, None, weights,
+                                  footprint, layout=layout)
+        except LayoutMismatch as err:
+            log.debug("layout not priced on mesh %s: %s", tuple(mesh.shape), err)
+            return None
+        problem, choices = built.problem, (0,) * len(built.ilp_nodes)
+        peak = peak_memory(problem, choices)
+    if problem.memory_budget is not None and peak > problem.memory_budget:
         return None
     build_time = time.perf_counter() - start
     n = len(choices)
@@ -228,8 +244,11 @@ def price_layout(
     prepared = PreparedILP(
         problem, {}, graph, mesh, cluster, options, tuple(tied), footprint, built, build_time
     )
-    return finish_on_mesh(prepared, Solution(choices, evaluate(problem, choices), "optimal",
+    plan = finish_on_mesh(prepared, Solution(choices, evaluate(problem, choices), "optimal",
                                              stats))
+    if footprint is not None:  # a layout is the only plan priced: the least footprint is its
+        plan.stats["least_footprint"] = plan.stats["footprint"]
+    return plan
 
 
 def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint,

@@ -205,6 +205,28 @@ def _keep_layout(ilp_nodes: list[IlpNode], layout: Sequence[tuple]) -> None:
         node.strategies = kept[:1]
 
 
+def layout_choices(built: BuiltProblem, layout: Sequence[tuple]) -> tuple[int, ...]:
+    """The strategy index per ILP node of `built` (a problem built without a layout) that
+    `build_problem(..., layout=layout)` keeps (`_keep_layout`: each node's first strategy
+    of the layout's specs), so that a layout is priced on a problem built once for every
+    layout (and for the ILP) of the graph on that mesh. Raises `LayoutMismatch` as
+    `build_problem` does."""
+    if len(layout) != len(built.ilp_nodes):
+        raise LayoutMismatch(
+            f"the layout has {len(layout)} ILP nodes and this graph {len(built.ilp_nodes)}"
+        )
+    choices = []
+    for node, (kind, specs) in zip(built.ilp_nodes, layout):
+        if _kind(node) != kind:
+            raise LayoutMismatch(f"the layout's {kind!r} node is {node.name!r} here")
+        index = next((i for i, s in enumerate(node.strategies)
+                      if (s.in_specs, s.out_specs) == specs), None)
+        if index is None:
+            raise LayoutMismatch(f"{node.name}: this graph's shapes rule out {specs}")
+        choices.append(index)
+    return tuple(choices)
+
+
 def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:
     """One ILP node per non-constant input: its layouts (pinned ones only when `fixed`)."""
     for v in graph.invars:
