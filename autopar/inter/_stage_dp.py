@@ -884,9 +884,9 @@ def _why_no_plan(problem: _Problem, costs: _Costs, relaxed: _Costs, count: int
     pruned a stage of each (then the least objective they can have: the bound, or the
     plan of the pruned stages at their least latency where that is more), or none fits."""
     stages, _ = _best_packable(problem, relaxed)
-    if stages is not None:
-        pruned = [relaxed[key].detail for key in stages
-                  if isinstance(relaxed[key].detail, Pruned)]
+    pruned = [] if stages is None else [relaxed[key].detail for key in stages
+                                        if isinstance(relaxed[key].detail, Pruned)]
+    if pruned:
         bound = max(p.bound for p in pruned)
         floor = max(bound, _plan_latency(problem, stages, relaxed))
         return NoPlanOfCount(
