@@ -133,7 +133,7 @@ def test_each_stage_count_has_its_best_plan(explored):
 
 def test_best_per_stage_count_matches_brute_force():
     """Each stage count's plan from the DP's table is that count's optimum (numbers only)."""
-    from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
+    from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
 
     weights = (3.0, 1.0, 2.0, 4.0, 1.5)
 
@@ -148,17 +148,61 @@ def test_best_per_stage_count_matches_brute_force():
     subs = [SubmeshShape(1, 1), SubmeshShape(1, 2), SubmeshShape(1, 4)]
     found: dict = {}
     best = plan_stages(5, 1, 4, stage_cost, 4, submeshes=subs, stage_counts=found)
-    assert best.latency == min(p.latency for p in found.values())
+    plans = {count: p for count, p in found.items() if isinstance(p, StagePlan)}
+    assert best.latency == min(p.latency for p in plans.values())
     for count in range(1, 5):
         try:
             brute = brute_force_stages(5, 1, 4, stage_cost, 4, submeshes=subs,
                                        num_stages=count)
         except ValueError:
-            assert count not in found
+            assert found[count].reason.startswith(f"no plan of {count} stage(s)")
             continue
         assert len(found[count].stages) == count
         assert found[count].latency == pytest.approx(brute.latency, rel=1e-12)
-    assert len(found) >= 2
+    assert len(plans) >= 2
+
+
+def test_a_stage_count_without_a_plan_says_why():
+    """A stage count whose every plan holds a stage cut off by the bound (`Pruned`) is
+    "pruned by bound" with a lower bound no plan of that count beats (brute force on the
+    stages' true costs); one that no slicing fits says so (numbers only)."""
+    from autopar.inter._stage_dp import (
+        NoPlanOfCount,
+        Pruned,
+        StageCost,
+        StagePlan,
+        brute_force_stages,
+        plan_stages,
+    )
+    from autopar.inter._submesh import SubmeshShape
+
+    weights = (3.0, 1.0, 2.0, 4.0, 1.5)
+
+    def true_cost(start, end, index):  # the whole model on one stage never fits
+        devices = (1, 2, 4)[index]
+        work = sum(weights[start:end])
+        return StageCost(work / devices + 0.1 * (devices - 1),
+                         work / devices <= 3.0 and end - start < 5, work / devices)
+
+    def pruned_cost(start, end, index):  # slow stages cut off, at 0.9 of their latency
+        cost = true_cost(start, end, index)
+        if cost.feasible and cost.latency > 3.05:
+            return StageCost(float("inf"), False, float("inf"), Pruned(0.0, 0.9 * cost.latency))
+        return cost
+
+    subs = [SubmeshShape(1, 1), SubmeshShape(1, 2), SubmeshShape(1, 4)]
+    found: dict = {}
+    plan_stages(5, 1, 4, pruned_cost, 4, submeshes=subs, stage_counts=found)
+    assert set(found) == {1, 2, 3, 4}
+    brute = brute_force_stages(5, 1, 4, true_cost, 4, submeshes=subs, num_stages=2)
+    assert isinstance(found[2], NoPlanOfCount) and found[2].reason.startswith("pruned by bound")
+    assert 0 < found[2].lower_bound <= brute.latency
+    assert isinstance(found[3], StagePlan)
+    for count in (1, 4):  # no slicing fits: no bound to give
+        assert found[count].reason.startswith(f"no plan of {count} stage(s)")
+        assert found[count].lower_bound is None
+        with pytest.raises(ValueError):
+            brute_force_stages(5, 1, 4, true_cost, 4, submeshes=subs, num_stages=count)
 
 
 def test_explain_of_a_memory_bound_plan_shows_the_frontier(explored):
@@ -190,6 +234,14 @@ def test_the_loader_round_trips(explored, tmp_path):
         load(tmp_path / "old.jsonl")
     with pytest.raises(ValueError, match="no space file"):
         load(tmp_path / "missing.jsonl")
+    # A version-2 file (no `lower_bound` column) reads with the column null.
+    header, *rows = (json.loads(line) for line in path.read_text().splitlines())
+    header["schema_version"] = 2
+    (tmp_path / "v2.jsonl").write_text("\n".join(
+        json.dumps(r) for r in [header] + [{k: v for k, v in r.items() if k != "lower_bound"}
+                                           for r in rows]))
+    assert load(tmp_path / "v2.jsonl").rows == json.loads(json.dumps(
+        [dict(r, lower_bound=None) for r in space.rows]))
 
 
 def test_the_picture_with_and_without_matplotlib(explored, tmp_path):

@@ -35,7 +35,7 @@ from autopar.inter._stage_costs import (
     _Restricted,
     _StageCosts,
 )
-from autopar.inter._stage_dp import StagePlan, plan_stages
+from autopar.inter._stage_dp import NoPlanOfCount, StagePlan, plan_stages
 from autopar.inter._submesh import (
     SubmeshShape,
     logical_mesh_shapes,
@@ -109,7 +109,8 @@ def choose_stages(
     the same arguments (`layer_cost_table`), so that a re-run with other restrictions
     solves no layer ILP twice. `stage_counts`: when given, filled with
     ``{count: PipelineChoice}``, the best plan of each stage count the stage DP's table
-    holds (`best_per_stage_count`; no layer ILP solved for them).
+    holds (`best_per_stage_count`; no layer ILP solved for them), and ``{count:
+    NoPlanOfCount}`` for each count it holds none of (why: pruned by the bound, or none fits).
     """
     schedule = options.schedule
     budget = memory_budget(cluster, options.shard.memory_budget)
@@ -137,11 +138,17 @@ def choose_stages(
     stitching = time.perf_counter() - start_time - (table.ilp_seconds - ilp_seconds)
     timings = _call_timings(table, before, clustering, dp_seconds, ilp_seconds, stitching)
     for count, other in (per_count or {}).items():  # the explored space (`autopar.space`)
+        if isinstance(other, NoPlanOfCount):  # why the table holds no plan of this count
+            stage_counts[count] = other
+            continue
         ranges = tuple((s, e) for s, e, _ in other.stages)
-        other_part = partition(graph, layers, list(ranges))
+        if other.stages == dp.stages and other.stage_costs == dp.stage_costs:
+            other_part, other_plans = part, stage_plans  # the chosen stages, stitched above
+        else:
+            other_part = partition(graph, layers, list(ranges))
+            other_plans = _stage_plans(table, graph, other_part, other, ranges, tied)
         stage_counts[count] = _pipeline_choice(
-            table, other, ranges, all_submeshes,
-            _stage_plans(table, graph, other_part, other, ranges, tied), other_part,
+            table, other, ranges, all_submeshes, other_plans, other_part,
             crossing, num_microbatches, schedule, num_layer_ilps=0, timings={})
     return _pipeline_choice(table, dp, stage_layers, all_submeshes, stage_plans, part,
                             crossing, num_microbatches, schedule,

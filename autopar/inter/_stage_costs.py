@@ -18,7 +18,7 @@ from autopar.cost import boundary_transfer_time, in_flight_microbatches, stage_d
 from autopar.inter import _stage_fit
 from autopar.inter._layer_table import LayerCostTable
 from autopar.inter._range_cache import _prefetch, _range_cache_key
-from autopar.inter._stage_dp import StageCost
+from autopar.inter._stage_dp import Pruned, StageCost
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
 from autopar.inter._submesh import SubmeshShape, assign_devices, logical_mesh_shapes
 
@@ -83,7 +83,8 @@ class _StageCosts:
         # entries by (start, end, index), 331 MB).
         self._orders: dict[tuple, list] = {}
         self._fixed: dict[tuple, float] = {}  # (start, whole, devices) -> `_fixed_seconds`
-        self._hopeless: set[tuple] = set()  # (start, end, index, shapes) beyond `bound`
+        # (start, end, index, shapes) beyond `bound` -> its answer (`Pruned`)
+        self._hopeless: dict[tuple, StageCost] = {}
         self._shapes: dict[tuple, tuple] = {}  # (index, shapes asked) -> shapes to try
         self._prefix: dict[tuple, tuple] = {}  # shape -> prefix sums of level 0 (`_fastest`)
 
@@ -175,7 +176,7 @@ class _StageCosts:
         shapes = self._shapes_to_try(index, shapes)
         key = (start, end, index, shapes)
         if key in self._hopeless:
-            return StageCost(math.inf, False, math.inf, None)
+            return self._hopeless[key]
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         whole = start == 0 and end == len(self.table.per_layer.stage_graphs)
         transfer = self._fixed_seconds(start, whole, sub.num_devices)
@@ -184,8 +185,9 @@ class _StageCosts:
         # shape whose fastest plans (`_lower_bound`) reach it is not costed, at any position.
         hopeless = self.latency_cutoff(start, end, sub.num_devices) - transfer
         if order and all(o[3] >= hopeless for o in order):
-            self._hopeless.add(key)
-            return StageCost(math.inf, False, math.inf, None)
+            self._hopeless[key] = StageCost(math.inf, False, math.inf, Pruned(
+                self.bound, max(0.0, min(o[3] for o in order) + transfer)))
+            return self._hopeless[key]
         layer_range = range(start, end)
         known = self._known_fit_latency(layer_range, order, in_flight, hopeless)
         return self._fastest_fit(layer_range, order, in_flight, transfer,
@@ -255,8 +257,10 @@ class _StageCosts:
         the least memory seen) when none fits."""
         best, best_rank = None, None
         least_memory = math.inf
+        cut = []  # least latency of each shape cut off at `limit` (`Pruned`)
         for _, rank, shape, lower in order:
             if lower >= hopeless:
+                cut.append(lower)
                 continue
             # Once a shape fits, another must beat it (`least_memory` is then unused).
             cutoff = math.inf if best is None else best.latency - transfer
@@ -264,7 +268,8 @@ class _StageCosts:
             fit = _stage_fit._fitting_level(
                 self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
-            if fit is None:
+            if fit is None:  # its fastest plans reach `cutoff` (every shape of `order` has some)
+                cut.append(max(lower, cutoff))
                 continue
             least_memory = min(least_memory, fit.memory)
             if fit.memory <= self.budget:
@@ -274,6 +279,10 @@ class _StageCosts:
                                      fit.parts)
                     best_rank = rank
         if best is None:
+            if cut and least_memory == math.inf and math.isfinite(self.bound):
+                # Cut off by the bound on every shape, never measured: say so.
+                return StageCost(math.inf, False, math.inf,
+                                 Pruned(self.bound, max(0.0, min(cut) + transfer)))
             return StageCost(math.inf, False, least_memory, None)
         return best
 

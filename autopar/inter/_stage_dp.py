@@ -87,6 +87,27 @@ class StageCost:
 
 
 @dataclass(frozen=True)
+class Pruned:
+    """The `StageCost.detail` of a stage the callback cut off by a bound instead of costing
+    it (`StageOptions.prune_by_bound`): no plan holding it is as fast as `bound`, the DP
+    objective (seconds per step) of a plan known to exist, and it takes at least
+    `latency` seconds per microbatch. Infeasible, with infinite memory (never measured)."""
+
+    bound: float
+    latency: float = 0.0
+
+
+@dataclass(frozen=True)
+class NoPlanOfCount:
+    """`best_per_stage_count`'s answer for a stage count its table holds no plan of:
+    why (`reason`) and, where the bound pruned every plan of the count, the least DP
+    objective (seconds per step) any of them can have (`lower_bound`; None otherwise)."""
+
+    reason: str
+    lower_bound: float | None = None
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """The chosen pipeline stages.
 
@@ -756,6 +777,9 @@ def plan_stages(
       cost depends on where it sits (its memory under 1F1B: P = B, see the module
       docstring); called at most once per argument quadruple, and once more for each
       chosen stage when it is `monotone_in_position` (module docstring).
+    - `stage_counts`: when given, filled with ``{count: StagePlan}``, the best plan of
+      each stage count the table holds (`best_per_stage_count`), and ``{count:
+      NoPlanOfCount}`` for each count it holds none of (pruned by a bound, or none fits).
 
     **Returns:**
     The `StagePlan` minimising ``sum_i t_i + (B - 1) * max_j t_j``.
@@ -785,7 +809,9 @@ def plan_stages(
         # A position between two asked ones shares their latency but not their memory
         # parts: the chosen stages are asked at their own positions.
         if stage_counts is not None:  # the explored space's rows (`autopar.space`)
-            stage_counts.update(best_per_stage_count(problem, costs, stage_cost))
+            missing: dict = {}
+            stage_counts.update(best_per_stage_count(problem, costs, stage_cost, missing))
+            stage_counts.update(missing)
         if not costs.bisected:
             return _make_plan(problem, stages, costs, costs.num_calls, solve_time, num_runs)
         exact = {key: _call_cost(problem, stage_cost, key) for key in stages}
@@ -798,8 +824,8 @@ def plan_stages(
         bisect = False
 
 
-def best_per_stage_count(problem: _Problem, costs: _Costs,
-                         stage_cost: StageCostFn) -> dict[int, StagePlan]:
+def best_per_stage_count(problem: _Problem, costs: _Costs, stage_cost: StageCostFn,
+                         missing: dict | None = None) -> dict[int, StagePlan]:
     """``{count: StagePlan}``: for each stage count the problem allows, the best plan the
     DP finds on the cost table `costs` already holds (`_best_packable` with the count
     fixed). No stage is costed anew, except that a chosen stage whose position the table
@@ -807,26 +833,73 @@ def best_per_stage_count(problem: _Problem, costs: _Costs,
     (a count whose answer changes there is left out). A stage the callback pruned by a
     known plan's bound (`StageOptions.prune_by_bound`) is infeasible in the table, so a
     count's plan is the best the table holds, which a search of that count alone may beat.
+    `missing`, when given, is filled with a `NoPlanOfCount` for each count left out: the
+    bound pruned it (with the least objective its plans can have), or none fits.
     """
     found = {}
     fewest, most = problem.stage_count_range()
     begun = time.perf_counter()
+    relaxed = None
     for count in range(fewest, most + 1):
         started = time.perf_counter()
-        stages, num_runs = _best_packable(dataclasses.replace(problem, num_stages=count),
-                                          costs)
+        fixed = dataclasses.replace(problem, num_stages=count)
+        stages, num_runs = _best_packable(fixed, costs)
         if stages is None:
+            if missing is not None:
+                if relaxed is None:
+                    relaxed = _with_pruned_as_floors(costs)
+                missing[count] = _why_no_plan(fixed, costs, relaxed, count)
             continue
         answers = costs
         if costs.bisected:
             answers = {key: _call_cost(problem, stage_cost, key) for key in stages}
             if not all(_same_answer(answers[key], costs[key]) for key in stages):
+                if missing is not None:
+                    missing[count] = NoPlanOfCount(
+                        f"left out: the best plan of {count} stage(s) in the table changes "
+                        "when its stages are asked at their own positions")
                 continue
         found[count] = _make_plan(problem, stages, answers, costs.num_calls,
                                   time.perf_counter() - started, num_runs)
     log.info("stage DP: the best plan of %d of stage counts %d..%d, %.2f s", len(found),
              fewest, most, time.perf_counter() - begun)
     return found
+
+
+def _with_pruned_as_floors(costs: _Costs) -> _Costs:
+    """`costs` with every stage the callback pruned (`Pruned`) feasible at the latency it
+    takes at least: a plan the DP finds on it is a lower bound on its stage count."""
+    relaxed = _Costs(costs.bisected)
+    for (start, end, index), runs in costs.runs.items():
+        for first, last, cost in runs:
+            if isinstance(cost.detail, Pruned):
+                cost = StageCost(max(cost.detail.latency, 0.0), True, 0.0, cost.detail)
+            relaxed.add(start, end, index, first, last, cost)
+    return relaxed
+
+
+def _why_no_plan(problem: _Problem, costs: _Costs, relaxed: _Costs, count: int
+                 ) -> NoPlanOfCount:
+    """Why the table holds no plan of `count` stages (`problem` has it fixed): the bound
+    pruned a stage of each (then the least objective they can have: the bound, or the
+    plan of the pruned stages at their least latency where that is more), or none fits."""
+    stages, _ = _best_packable(problem, relaxed)
+    pruned = [] if stages is None else [relaxed[key].detail for key in stages
+                                        if isinstance(relaxed[key].detail, Pruned)]
+    if pruned:
+        bound = max(p.bound for p in pruned)
+        floor = max(bound, _plan_latency(problem, stages, relaxed))
+        return NoPlanOfCount(
+            f"pruned by bound: every plan of {count} stage(s) holds a stage that cannot be "
+            f"part of a plan as fast as one already found ({bound:.6g} s per step by the "
+            f"stage DP); costing every stage (prune_by_bound=False) prices them",
+            floor)
+    short = [c.memory for c in costs.values() if not c.feasible and 0 < c.memory < math.inf]
+    least = f" (the leanest stage that does not fit needs {_format_bytes(min(short))})" \
+        if short else ""
+    return NoPlanOfCount(f"no plan of {count} stage(s): every way to slice the layers into "
+                         f"{count} stages on the cluster holds a stage that does not fit "
+                         f"the memory budget or cannot be sharded{least}")
 
 
 def brute_force_stages(

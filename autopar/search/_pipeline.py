@@ -48,6 +48,7 @@ from autopar.inter import (
     plan_chosen_stages,
     scan_layers,
 )
+from autopar.inter._stage_dp import NoPlanOfCount
 from autopar.inter.passes import per_iteration
 from autopar.intra._context import ContextParallelError
 from autopar.intra._sharding_plan import graph_fingerprint
@@ -298,6 +299,8 @@ class _PipelineSearch:
                                      {m: str(err) for m, err in self.errors.items()})
             if hasattr(self.recorder, "stage_counts"):
                 self.recorder.stage_counts(self.stage_count_plans())
+            if hasattr(self.recorder, "stage_count_gaps"):
+                self.recorder.stage_count_gaps(self.stage_count_gaps())
         return chosen, best.graph
 
     def stage_count_plans(self) -> list[Plan]:
@@ -307,10 +310,20 @@ class _PipelineSearch:
         for num_micro, choices in sorted(self.stage_counts.items()):
             graph = self.traced[num_micro][0]
             for _, choice in sorted(choices.items()):
+                if isinstance(choice, NoPlanOfCount):  # `stage_count_gaps`
+                    continue
                 schedule, latency = self.schedule_for(choice, num_micro)
                 plans.append(self.plan_of(_Candidate(choice, graph, num_micro, schedule,
                                                      latency)))
         return plans
+
+    def stage_count_gaps(self) -> list[tuple[int, int, NoPlanOfCount]]:
+        """(microbatch count, stage count, why) for each stage count of each microbatch
+        count searched that the stage DP's table holds no plan of (`NoPlanOfCount`: pruned
+        by the bound, with the least objective its plans can have, or none fits)."""
+        return [(num_micro, count, why)
+                for num_micro, choices in sorted(self.stage_counts.items())
+                for count, why in sorted(choices.items()) if isinstance(why, NoPlanOfCount)]
 
     def stage_choices(self, rows: int | None, pretraced=None) -> list[_Candidate]:
         """The stage DP's choice for each microbatch count that has a plan; raises the last

@@ -37,7 +37,9 @@ from autopar.space._rows import COLUMNS, auto_label, plan_row, point_of, unprice
 
 log = logging.getLogger("autopar")
 
-SCHEMA_VERSION = 2  # 2: the `kind` column; the stage DP's best per stage count
+SCHEMA_VERSION = 3  # 2: the `kind` column; the stage DP's best per stage count
+# 3: a stage count without a plan is a row (why; `lower_bound` where the bound pruned it)
+READABLE_VERSIONS = (2, 3)  # `load` reads a version-2 file with `lower_bound` null
 # Other memory budgets autopar is searched under, as fractions of its plan's peak memory
 # per device: what a smaller budget costs, what a larger one buys. A budget between the
 # plan's peak and the budget it was searched under is skipped: the plan already fits it.
@@ -75,6 +77,17 @@ class _Recorder:
         for plan in plans:
             self.rows.append(plan_row(plan, "auto", auto_label(plan), budget=self.budget,
                                       kind="stage_count"))
+
+    def stage_count_gaps(self, gaps) -> None:
+        """A row (kind "stage_count", not feasible) for each stage count at a microbatch
+        count that the stage DP's table holds no plan of: ``(microbatches, stages,
+        NoPlanOfCount)``, why and, where the bound pruned it, its `lower_bound`."""
+        for num_micro, count, why in gaps:
+            row = unpriced_row("auto", f"auto: {count} stage(s), {num_micro} mb", why.reason,
+                               budget=self.budget, num_microbatches=num_micro,
+                               kind="stage_count")
+            row.update(num_stages=count, lower_bound=why.lower_bound)
+            self.rows.append(row)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from autopar.space._explore import SCHEMA_VERSION, Space
+from autopar.space._explore import READABLE_VERSIONS, SCHEMA_VERSION, Space
 from autopar.space._rows import COLUMNS
 
 
@@ -38,10 +38,13 @@ def load(path: str | Path) -> Space:
                          "autopar.space")
     header, rows = records[0], records[1:]
     version = header.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(f"{path} has schema version {version!r}; this autopar reads "
-                         f"version {SCHEMA_VERSION}: explore the space again to rewrite it")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))} (it writes "
+                         f"{SCHEMA_VERSION}): explore the space again to rewrite it")
     for i, row in enumerate(rows, start=2):
+        if version == 2 and "lower_bound" not in row:  # a column version 3 added
+            row["lower_bound"] = None
         if set(row) != set(COLUMNS):
             missing, extra = sorted(set(COLUMNS) - set(row)), sorted(set(row) - set(COLUMNS))
             raise ValueError(f"{path} line {i} does not have the schema's columns "

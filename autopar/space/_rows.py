@@ -26,7 +26,7 @@ COLUMNS = {
     "source": '"auto" (a candidate of autopar\'s search) or "megatron" (a grid configuration)',
     "kind": '"grid" (a Megatron configuration), "search" (the plan autopar\'s search kept '
             'for a microbatch count and schedule) or "stage_count" (the stage DP\'s best plan '
-            'for one stage count at a microbatch count)',
+            'for one stage count at a microbatch count, or why it has none)',
     "label": "the plan in words (a Megatron configuration's name, or autopar's stages)",
     "feasible": "whether it was priced as a plan that fits",
     "reason": "why not, when not feasible (a Megatron rule, 'not needed', a memory error)",
@@ -61,6 +61,9 @@ COLUMNS = {
     "memory_peak": "peak bytes per device (the largest stage's)",
     "memory_per_stage": "peak bytes per device, per stage",
     "measured_step_time": "seconds per step measured on devices (null: not run)",
+    "lower_bound": "for a stage count the search's bound pruned (kind stage_count, not "
+                   "feasible): the least stage-DP objective, seconds per step, any plan of "
+                   "that count can have (null elsewhere)",
 }
 
 
@@ -113,9 +116,9 @@ def plan_row(plan: Plan, source: str, label: str, *, budget: float, chosen: bool
 
 
 def unpriced_row(source: str, label: str, reason: str, *, budget: float, config=None,
-                 num_microbatches: int | None = None) -> dict:
+                 num_microbatches: int | None = None, kind: str | None = None) -> dict:
     """The row of a configuration that was not priced as a plan, with why."""
-    row = _empty(source, label, budget, False, None)
+    row = _empty(source, label, budget, False, kind)
     row.update(_config_columns(config))
     row.update(reason=reason)
     if config is not None:
