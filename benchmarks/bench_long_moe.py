@@ -244,7 +244,33 @@ def table(results: list[dict]) -> str:
             versus = f"{with_['seconds'] / auto['seconds']:.2f}"
         lines.append(f"| {r['row']} | {_cell(with_)} | {_cell(without)} | {speedup} | "
                      f"{_cell(auto)} | {versus} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *NOTES]) + "\n"
+
+
+# Why the rows' autopar and grid columns differ, from
+# `benchmarks/investigations/long_context_decomposition.py` (its command in each note).
+NOTES = (
+    "Row notes (`python benchmarks/investigations/long_context_decomposition.py --row KEY "
+    "--grid tp=..,cp=..,mb=.. [--auto-options ...]`: both plans by stage, layer and kind "
+    "of node, priced by the same model):",
+    "",
+    "- **llama-8B-32k@8.** Per layer and one-sequence microbatch autopar's ring x8 "
+    "(sequence over all 8 devices, no TP) computes 21.3 ms, the grid's tp2 cp4 14.2 ms "
+    "plus 6.1 ms of CP's extra attention dots; the rest of the step is alike (collectives "
+    "and resharding within 0.5 s per step, no bubble). The difference is the attention "
+    "core's score-sized element-wise work (scale, mask, softmax and their gradients): "
+    "autopar charges it on the s/8 x s score share each device really holds, skipping "
+    "the zig-zag ring's masked blocks (8.7 ms), while the grid, traced at one CP rank's "
+    "shapes, charges it on the local (s/cp)^2 piece (3.9 ms): `context_terms` scales the "
+    "dots to the rank's real work (the whole square, cp times the local) but not the "
+    "element-wise work. Priced as autopar prices the ring (cp x ring_compute_fraction(cp) "
+    "= 2.5 x the local core, dots and element-wise work alike), the grid's step is 3.0 s "
+    "longer (`--grid tp=2,cp=4,mb=32 --grid-only` prints it): 25.7 s, behind autopar's. "
+    "Autopar's own plan (16 microbatches, memory level 2, 72.9 GiB) and its plan at the "
+    "grid's 32 microbatches (24.4 s, `--auto-options num_microbatches=32`) agree. Before "
+    "the ring's element-wise work was priced on the blocks it computes "
+    "(`ring_core_strategies`) autopar's plan was 30.9 s.",
+)
 
 
 def main() -> None:

@@ -229,6 +229,8 @@ def main() -> None:
                         help="plan with these `autopar.plan` options instead of its defaults, "
                         "e.g. num_microbatches=32 (repeatable; one plan each; '' for the "
                         "defaults)")
+    parser.add_argument("--grid-only", action="store_true",
+                        help="decompose the grid's plan alone (no autopar.plan)")
     args = parser.parse_args()
     row = next(r for r in ROWS if r.key == args.row)
     cfg, step, step_args = model_step(row)
@@ -248,7 +250,7 @@ def main() -> None:
     grid_core_at_ring_price(grid, recorder, cluster, config, attention, micro_batch,
                             row.seq_len)
     plans = []
-    for text in args.auto_options or [""]:
+    for text in [] if args.grid_only else args.auto_options or [""]:
         options = {}
         for item in filter(None, text.split(",")):
             key, value = item.split("=")
