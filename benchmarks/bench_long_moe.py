@@ -264,8 +264,8 @@ NOTES = (
     "`ring_core_strategies`, without which its plans were 30.9 s and 12.2 s). Priced as "
     "autopar prices the ring (cp x ring_compute_fraction(cp) times the local core's "
     "seconds, dots and element-wise work alike), the grid's best would be slower than "
-    "autopar's plan on both rows. The rest of the step is alike (collectives and resharding within 0.6 s "
-    "per step, no bubble, one stage each).",
+    "autopar's plan on both rows. The rest of the step is alike (collectives and "
+    "resharding within 0.6 s per step, no bubble, one stage each).",
     "- **llama-8B-32k@8** (`--grid tp=2,cp=4,mb=32`). Attention core per layer and "
     "one-sequence microbatch: the grid is charged 12.2 ms (local dots 2.2, local "
     "element-wise 3.9, CP's extra dots 6.1), 15.1 ms at the ring's price (+3.0 s per "
