@@ -135,3 +135,73 @@ def test_layer_table_prices_the_exact_ring_under_auto():
     priced = LayerCostTable(graph, layers, cluster, ShardOptions(), tied, reference=kept)
     assert priced.cost(attention, (8,)).latency == pytest.approx(costs["ring"], rel=1e-12)
     assert priced.num_priced == 1
+
+
+def test_liveness_walk_holds_the_ring_buffers(cp_graph):
+    """The plan's peak (the liveness walk) counts the ring's buffers where the plan runs
+    the ring, as the ILP's twins do: the forced ring on (2, 4) splitting the batch over x
+    and the sequence over y (cp 4) holds, per attention, 12 KiB from ``Q K^T`` to ``P V``
+    (2 K/V blocks of 4 KiB and a 4 KiB Q share, by hand in the test above) and 20 KiB
+    from the backward's first dot to its last. A temporary live over the whole step adds
+    exactly its bytes to the peak; the ring's buffers add between nothing (freed before the
+    peak) and their sum."""
+    from autopar.intra._liveness import peak_live_bytes
+    from autopar.intra._ring_strategies import ring_buffer_temporaries
+
+    graph = cp_graph
+    mesh = LogicalMesh.create((2, 4))
+    dots = ring_dots(graph, sequence_length(graph))
+    roles = next(r for _, r in dots.values())
+    # The layout the hand count above names: every tensor of the attention with its
+    # batch over x; the score's queries, and Q's, over y (the ring's axis).
+    specs = [None] * len(graph.vars)
+    for v, labels in roles.labels.items():
+        specs[v] = tuple(("x",) if lab == "b0" else ("y",) if lab == "sq" else ()
+                         for lab in labels)
+    strategies = [""] * (max(n.id for n in graph.nodes) + 1)
+    assert ring_buffer_temporaries(graph, specs, strategies, mesh) == []  # no ring chosen
+    strategies[roles.qk.id] = "S0 ring"
+    temporaries = ring_buffer_temporaries(graph, specs, strategies, mesh)
+    backward = [n for n, (r, other) in dots.items()
+                if other is roles and r in ("dp", "dq", "dk", "dv")]
+    assert temporaries == [(roles.qk.id, roles.roles["o"][0].id, 12 * 1024),
+                           (min(backward), max(backward), 20 * 1024)]
+    # The walk: a temporary over every node adds its bytes to the peak exactly; the
+    # ring's add at most their sum.
+    base = peak_live_bytes(graph, specs, mesh)
+    last = graph.nodes[-1].id
+    assert peak_live_bytes(graph, specs, mesh, extra=[(0, last, 1000.0)]) == base + 1000.0
+    with_ring = peak_live_bytes(graph, specs, mesh, extra=temporaries)
+    assert base <= with_ring <= base + 32 * 1024
+
+
+def test_ring_core_skips_the_masked_blocks(cp_graph):
+    """Under "ring" the attention's other nodes (scale, mask, softmax, their gradients)
+    are priced on the blocks the zig-zag ring computes, as its dots are: a strategy
+    splitting the score's queries over cp devices and keeping its keys whole costs
+    ``(cp + 1) / (2 cp)`` of its compute (x, cp 2: 3/4; y, cp 4: 5/8; both: 9/16),
+    collectives and bytes unchanged; one splitting no query axis (or the keys) is left
+    as it is."""
+    from autopar.intra._ring_strategies import ring_core_nodes, ring_core_strategies
+
+    graph = cp_graph
+    mesh = LogicalMesh.create((2, 4))
+    ctx = CostContext(_cpu(), mesh)
+    core = ring_core_nodes(ring_dots(graph, sequence_length(graph)))
+    exp = next(graph.nodes[n] for n in core if graph.nodes[n].primitive == "exp")
+    roles = core[exp.id]
+    labels = roles.labels[exp.outputs[0]]
+    plain = node_strategies(exp, graph, node_signature(exp, graph), ctx)
+    priced = ring_core_strategies(exp, roles, plain, mesh)
+    by_hand = {("x",): 3 / 4, ("y",): 5 / 8, ("x", "y"): 9 / 16, ("y", "x"): 9 / 16}
+    scaled = set()
+    for before, after in zip(plain, priced):
+        spec = before.out_specs[0]
+        queries = tuple(spec[labels.index("sq")])
+        fraction = by_hand.get(queries, 1.0) if not spec[labels.index("sk")] else 1.0
+        assert after.compute_cost == pytest.approx(before.compute_cost * fraction)
+        assert (after.name, after.comm_cost, after.out_bytes) == (
+            before.name, before.comm_cost, before.out_bytes)
+        if fraction < 1:
+            scaled.add(queries)
+    assert {("x",), ("y",)} <= scaled  # the ring's layouts are among exp's strategies

@@ -90,6 +90,21 @@ def test_auto_takes_the_ring_where_it_pays():
     assert auto.stages[0].sharding.context_parallel.algorithm == "ring"
     assert auto.predicted_step_time == plans["ring"].predicted_step_time
     assert auto.predicted_step_time < plans["allgather"].predicted_step_time
+    # The plan's peak is the liveness walk's with the ring's buffers in it
+    # (`ring_buffer_temporaries`; by hand in tests/test_ring_memory.py), not without.
+    from autopar.graph import tied_state, trace
+    from autopar.intra._liveness import peak_live_bytes
+    from autopar.intra._ring_strategies import ring_buffer_temporaries
+
+    graph = trace(*args, batch_argnums=(1,))
+    ring = plans["ring"].stages[0].sharding
+    buffers = ring_buffer_temporaries(graph, ring.var_specs, ring.node_strategies, ring.mesh)
+    assert len(buffers) == 2  # the forward's and the backward's, one attention
+    walk = dict(donated=[u for _, u in tied_state(graph, (0,))],
+                operand_specs=ring.operand_specs, fused_attention=cluster.fused_attention)
+    peak = peak_live_bytes(graph, ring.var_specs, ring.mesh, extra=buffers, **walk)
+    assert plans["ring"].stages[0].memory_per_device == peak
+    assert peak > peak_live_bytes(graph, ring.var_specs, ring.mesh, **walk)
 
 
 @pytest.mark.extended  # two pipeline stages, full remat: ~150 s on 2 loaded cores; the

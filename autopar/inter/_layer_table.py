@@ -50,6 +50,7 @@ from autopar.intra._liveness import split_peak_live_bytes
 from autopar.intra._planner import exact_ring_problem, finish_on_mesh, prepare_on_mesh
 from autopar.intra._pool import jobs, solver_pool
 from autopar.intra._problem import Footprint, chosen_layout
+from autopar.intra._ring_strategies import ring_buffer_temporaries
 from autopar.intra._rules_annotations import AnnotationMismatch
 
 
@@ -304,7 +305,9 @@ class LayerCostTable:
         # runs once per step after every microbatch's backward (`split_peak_live_bytes`).
         peak, update_peak = split_peak_live_bytes(
             sub, plan.var_specs, plan.mesh, self._update_start(layer, sub),
-            operand_specs=plan.operand_specs, free=self._attention_core(sub))
+            operand_specs=plan.operand_specs, free=self._attention_core(sub),
+            extra=ring_buffer_temporaries(sub, plan.var_specs, plan.node_strategies,
+                                          plan.mesh))
         state = _state_bytes(sub, plan)
         gradients = _gradient_bytes(sub, plan, self.per_layer)
         # With several microbatches a backward's fresh gradients are held beside the

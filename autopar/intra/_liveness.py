@@ -37,6 +37,10 @@ from that model in four ways, each modelled here:
   reads it: a kernel split over its features but gathered for the convolution is copied
   whole.
 
+A kernel's own buffers (`extra`: the ring attention's K/V blocks in flight and its zig-zag
+copies, `autopar.intra._ring_strategies.ring_buffer_temporaries`) are temporaries like the
+resharded operands, live over the nodes the kernel replaces.
+
 The identity markers (`layer_boundary`, `grad_boundary`) pass their operands through: an
 output is the same buffer as its operand, counted once and live until the last use of
 either. On a cluster whose attention runs as one fused kernel (`fused_attention`), the
@@ -73,6 +77,7 @@ def peak_live_bytes(
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
     free: Collection[int] = (),
     fused_attention: bool = False,
+    extra: Sequence[tuple[int, int, float]] = (),
 ) -> float:
     """Largest live bytes per device at any program point of `graph` under these layouts.
 
@@ -85,11 +90,14 @@ def peak_live_bytes(
     - `fused_attention`: attention runs as one fused kernel (`Cluster.fused_attention`):
       each value of `attention_core` holds only its per-row softmax statistics
       (`autopar.cost.fused_attention_bytes`).
+    - `extra`: (first node id, last node id, bytes per device) of buffers a kernel holds
+      beside its operands and results, live from before the first node to after the last
+      (the ring's K/V blocks: `autopar.intra._ring_strategies.ring_buffer_temporaries`).
 
     **Returns:** bytes per device (float).
     """
     return _walk(graph, var_specs, mesh, donated, operand_specs, free=free,
-                 fused_attention=fused_attention)[0]
+                 fused_attention=fused_attention, extra=extra)[0]
 
 
 def split_peak_live_bytes(
@@ -99,6 +107,7 @@ def split_peak_live_bytes(
     split: int,
     operand_specs: Sequence[tuple[int, int, tuple]] = (),
     free: Collection[int] = (),
+    extra: Sequence[tuple[int, int, float]] = (),
 ) -> tuple[float, float]:
     """`peak_live_bytes` over the program points before node `split` and over those from
     it on: (peak before, peak from). A layer's per-microbatch forward and backward come
@@ -106,12 +115,12 @@ def split_peak_live_bytes(
     backward (`autopar.inter.passes.partition`'s apply fragments), when no microbatch's
     kept activations are held: the two peaks never coincide with the same activations."""
     _, _, before, after = _walk(graph, var_specs, mesh, (), operand_specs, free=free,
-                                split=split)
+                                split=split, extra=extra)
     return before, after
 
 
 def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, free=(),
-          fused_attention=False, split=None):
+          fused_attention=False, split=None, extra=()):
     """`peak_live_bytes` and, with `record`, what is live at the peak: (node id, {var:
     bytes}, [(first, last, bytes) of live temporaries], bytes of the always-live inputs).
     With `split` (a node id), also the peaks before that node and from it on."""
@@ -130,7 +139,8 @@ def _walk(graph, var_specs, mesh, donated=(), operand_specs=(), record=False, fr
     temporaries = [*_reshard_temporaries(graph, operand_specs, var_specs, mesh, nbytes,
                                          sliced, made),
                    *((first, last, copy_bytes[key]) for key, (first, last) in
-                     _layout_copies(graph, consumers).items())]
+                     _layout_copies(graph, consumers).items()),
+                   *extra]
     starting: dict[int, list[int]] = {}
     for t, (first, _, _) in enumerate(temporaries):
         starting.setdefault(first, []).append(t)

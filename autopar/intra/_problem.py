@@ -25,7 +25,12 @@ from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
 from autopar.intra._reshard import reshard_time, shared_reshard_cache
-from autopar.intra._ring_strategies import ring_dots, ring_strategies
+from autopar.intra._ring_strategies import (
+    ring_core_nodes,
+    ring_core_strategies,
+    ring_dots,
+    ring_strategies,
+)
 from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES, annotated_strategies
 from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._strategies import (
@@ -254,6 +259,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
     # the ring's dots (`_ring_strategies`): their strategies get ring twins
     ring = ring_dots(graph, sequence_length(graph)) if cp_mode in ("auto", "ring") else {}
+    # and under "ring" the rest of each attention it runs skips the masked blocks too
+    ring_core = ring_core_nodes(ring) if cp_mode == "ring" else {}
     facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
     memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
     specs_of: dict[tuple[int, int], tuple[Spec, ...]] = {}
@@ -283,7 +290,8 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         annotated = node.primitive in ANNOTATION_PRIMITIVES and options.annotations != "ignore"
         # (a scan's slice and stack markers move a layer's values in and out whole)
         cut = node.primitive not in SCAN_MARKERS and (
-            constrains(node, graph, cp_mode, seq_len, score_ids) or node.id in ring)
+            constrains(node, graph, cp_mode, seq_len, score_ids) or node.id in ring
+            or node.id in ring_core)
         if options.merge_followers and not annotated and not cut:
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
@@ -303,6 +311,9 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             role, roles = ring[node.id]
             strategies = ring_strategies(node, graph, role, roles, list(strategies), ctx,
                                          forced=cp_mode == "ring")
+        elif node.id in ring_core:
+            strategies = ring_core_strategies(node, ring_core[node.id], list(strategies),
+                                              ctx.mesh)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))

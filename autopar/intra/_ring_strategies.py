@@ -48,6 +48,7 @@ from autopar.cost import (
 )
 from autopar.graph import Node, OpGraph
 from autopar.intra._attention_roles import AttentionRoles, attention_components
+from autopar.intra._context import sequence_length
 
 RING = " ring"
 
@@ -88,9 +89,102 @@ def ring_strategies(node: Node, graph: OpGraph, role: str, roles: AttentionRoles
     return [*strategies, *twins]
 
 
+def ring_core_nodes(dots: dict[int, tuple[str, AttentionRoles]]) -> dict[int, AttentionRoles]:
+    """Node id -> its attention for the nodes of each attention the ring runs (`dots`,
+    as `ring_dots` found them) that are not its dots: the scale, mask, softmax and their
+    gradients, each reading or making a score tensor."""
+    found: dict[int, AttentionRoles] = {}
+    for role, roles in dots.values():
+        if role != "qk":
+            continue
+        for node in roles.nodes:
+            if node.primitive != "dot_general":
+                found[node.id] = roles
+    return found
+
+
+def ring_core_strategies(node: Node, roles: AttentionRoles, strategies: list, mesh
+                         ) -> list:
+    """`strategies` of a node of the ring's attention beside its dots (`ring_core_nodes`),
+    priced as the ring runs it under "ring": where a strategy splits the score's queries
+    over mesh axes A (cp devices) and keeps its keys whole, the zig-zag ring computes its
+    score elements on the blocks it does not skip, ``cost.ring_compute_fraction(cp)`` of
+    them, as it does its dots' (the masked blocks are neither multiplied nor scaled,
+    masked or exponentiated). Other strategies are left as they are."""
+    out = []
+    for strategy in strategies:
+        fraction = _core_fraction(node, roles, strategy, mesh)
+        out.append(strategy if fraction == 1.0 else type(strategy)(
+            strategy.name, strategy.in_specs, strategy.out_specs,
+            strategy.compute_cost * fraction, strategy.comm_cost, strategy.out_bytes,
+            strategy.collectives))
+    return out
+
+
+def _core_fraction(node: Node, roles: AttentionRoles, strategy, mesh) -> float:
+    pairs = [*zip(node.outputs, strategy.out_specs), *zip(node.inputs, strategy.in_specs)]
+    for v, spec in pairs:
+        labels = roles.labels.get(v)
+        if v not in roles.score or spec is None or labels is None:
+            continue
+        axes = tuple(spec[labels.index("sq")])
+        if not axes or spec[labels.index("sk")]:
+            return 1.0
+        cp = math.prod(mesh.axis_size(a) for a in axes)
+        return ring_compute_fraction(cp) if roles.seq_len % (2 * cp) == 0 else 1.0
+    return 1.0
+
+
 def chose_ring(strategy_names) -> bool:
     """Whether a solved plan's strategies (their names) run a ring."""
     return any(name.endswith(RING) for name in strategy_names)
+
+
+def ring_buffer_temporaries(graph: OpGraph, var_specs, node_strategies, mesh
+                            ) -> list[tuple[int, int, float]]:
+    """The ring's buffers in a solved plan, as the liveness walk counts temporaries
+    (`autopar.intra._liveness`): ``(first node id, last node id, bytes per device)``, one
+    per attention and direction the plan runs on the ring (its score dot's strategy is a
+    twin, `RING`). The forward's (`cost.ring_attention_buffer_bytes`: the K/V blocks in
+    flight and the zig-zag copy of Q) lives from the score dot ``Q K^T`` to the output
+    dot ``P V``; the backward's (the dK/dV blocks too, and the copy of dO) from the first
+    of its dots (``dO V^T``, dQ, dK, dV) to the last. Sizes as the ILP's twins price them
+    (`_ring_sizes`): the score's query axes are the ring's, K split over them as the
+    ring kernel holds it. Empty where no ring runs."""
+    if not chose_ring(node_strategies):
+        return []
+    found = ring_dots(graph, sequence_length(graph))
+    by_id = {node.id: node for node in graph.nodes}
+    out = []
+    for nid, (role, roles) in found.items():
+        if role != "qk" or not node_strategies[nid].endswith(RING):
+            continue
+        node = by_id[nid]
+        score_labels = roles.labels.get(node.outputs[0])
+        score_spec = var_specs[node.outputs[0]]
+        if score_labels is None or score_spec is None:
+            continue
+        axes = tuple(score_spec[score_labels.index("sq")])
+        if not axes:
+            continue
+        cp = math.prod(mesh.axis_size(a) for a in axes)
+        in_specs = []
+        for v in node.inputs:
+            spec = var_specs[v]
+            if spec is None:
+                spec = ((),) * len(graph.vars[v].shape)
+            if "sk" in roles.labels.get(v, ()):
+                spec = _split(spec, roles.labels[v].index("sk"), axes)
+            in_specs.append(spec)
+        sizes = _ring_sizes(node, graph, roles, in_specs, cp, mesh)
+        forward_end = roles.roles["o"][0].id if "o" in roles.roles else nid
+        out.append((nid, forward_end, ring_attention_buffer_bytes(sizes.block, sizes.q_bytes)))
+        backward = [n for n, (r, other) in found.items()
+                    if other is roles and r in ("dp", "dq", "dk", "dv")]
+        if backward:
+            out.append((min(backward), max(backward),
+                        ring_attention_buffer_bytes(sizes.block, sizes.q_bytes, True)))
+    return out
 
 
 def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy, ctx,

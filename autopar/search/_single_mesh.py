@@ -13,6 +13,7 @@ import time
 from autopar.graph import OpGraph, tied_state
 from autopar.intra import MemoryBudgetError, ShardOptions, peak_live_bytes, plan_sharding
 from autopar.intra._planner import mesh_shapes
+from autopar.intra._ring_strategies import ring_buffer_temporaries
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size
 from autopar.search._options import PlanOptions
@@ -78,6 +79,8 @@ def _with_live_peak(graph: OpGraph, sharding, tied, cluster=None) -> object:
         graph, sharding.var_specs, sharding.mesh, donated=[u for _, u in tied],
         operand_specs=sharding.operand_specs,
         fused_attention=getattr(cluster, "fused_attention", False),
+        extra=ring_buffer_temporaries(graph, sharding.var_specs, sharding.node_strategies,
+                                      sharding.mesh),
     )
     return dataclasses.replace(
         sharding, cost=dataclasses.replace(sharding.cost, memory_per_device=peak)

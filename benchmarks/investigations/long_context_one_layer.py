@@ -6,7 +6,8 @@ with its step split into compute, collectives and resharding.
 
 Separates the ring's per-layer price from what the stage search does with 32 layers
 (memory levels, microbatches): `docs/benchmarks.md`'s long-context rows compare whole
-models. Plans only (shapes; nothing runs).
+models, and `long_context_decomposition.py` splits them by stage, layer and kind of node.
+Plans only (shapes; nothing runs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import optax
 import autopar
 from autopar.cluster import Cluster
 from autopar.manual import AttentionShape, megatron_plan
-from autopar.manual._context_experts import context_args
 from examples import llama
 
 
@@ -41,7 +41,8 @@ def main() -> None:
 
     for tp, cp in ((2, 4), (1, 8)):
         start = time.perf_counter()
-        p = megatron_plan(step, *context_args(args, (1,), cp), cluster=cluster, dp=1, tp=tp,
+        # (megatron_plan traces at one CP rank's shapes itself: `context_args`)
+        p = megatron_plan(step, *args, cluster=cluster, dp=1, tp=tp,
                           cp=cp, sequence_parallel=tp > 1, distributed_optimizer=True,
                           attention=attention, memory_budget=1e15)
         show(f"megatron tp{tp} cp{cp} (ring)", p, time.perf_counter() - start)
