@@ -1,6 +1,9 @@
 """Test set-up: 8 virtual CPU devices, float32, strict checks."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # XLA:CPU's LLVM optimisation level 0: the suite compiles about a thousand small programs,
 # and LLVM's optimisation passes are most of each compile (a pipeline test measured 51 s of
@@ -20,6 +23,20 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# One compilation cache for the run, on disk, shared by xdist's workers (the controller
+# makes the folder before it starts them; they inherit the variable): the suite compiles
+# the same small programs many times over (the tiny GPT's one-device step in most files,
+# the same stage programs in several), and a program XLA compiled once is loaded, not
+# compiled again. The key is the program without its source locations, so a hit can
+# carry another caller's line numbers in its HLO metadata; what the tests read of a
+# compiled program (its instructions, collectives, `memory_analysis`) is the program's.
+if "AUTOPAR_TEST_XLA_CACHE" not in os.environ:
+    os.environ["AUTOPAR_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="autopar-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["AUTOPAR_TEST_XLA_CACHE"], True)
+jax.config.update("jax_compilation_cache_dir", os.environ["AUTOPAR_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")

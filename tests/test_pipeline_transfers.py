@@ -73,6 +73,12 @@ def test_repeated_copies_compile_once():
         lambda event, *_, **__: compiled.append(event)
         if event == "/jax/core/compile/backend_compile_duration" else None
     )
+    # (the suite's on-disk compilation cache, conftest: a program loaded from it instead of
+    # compiled is a program obtained again all the same)
+    jax.monitoring.register_event_listener(
+        lambda event, **__: compiled.append(event)
+        if event == "/jax/compilation_cache/cache_hits" else None
+    )
     try:
         for value in values[1:]:
             y = copy_to_devices(jax.device_put(value, source), target)

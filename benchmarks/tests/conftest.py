@@ -21,3 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# Run from the library's suite (tests/test_benchmarks_smoke.py): its on-disk compilation
+# cache (tests/conftest.py), so the tiny GPT's programs compiled there are loaded here.
+if os.environ.get("AUTOPAR_TEST_XLA_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["AUTOPAR_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
