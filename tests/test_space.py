@@ -133,7 +133,8 @@ def test_each_stage_count_has_its_best_plan(explored):
 
 def test_best_per_stage_count_matches_brute_force():
     """Each stage count's plan from the DP's table is that count's optimum (numbers only)."""
-    from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
+    from autopar.inter._stage_brute import brute_force_stages
+    from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 
     weights = (3.0, 1.0, 2.0, 4.0, 1.5)
 
@@ -166,14 +167,8 @@ def test_a_stage_count_without_a_plan_says_why():
     """A stage count whose every plan holds a stage cut off by the bound (`Pruned`) is
     "pruned by bound" with a lower bound no plan of that count beats (brute force on the
     stages' true costs); one that no slicing fits says so (numbers only)."""
-    from autopar.inter._stage_dp import (
-        NoPlanOfCount,
-        Pruned,
-        StageCost,
-        StagePlan,
-        brute_force_stages,
-        plan_stages,
-    )
+    from autopar.inter._stage_brute import brute_force_stages
+    from autopar.inter._stage_dp import NoPlanOfCount, Pruned, StageCost, StagePlan, plan_stages
     from autopar.inter._submesh import SubmeshShape
 
     weights = (3.0, 1.0, 2.0, 4.0, 1.5)

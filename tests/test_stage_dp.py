@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from autopar.inter._stage_dp import StageCost, brute_force_stages, plan_stages
+from autopar.inter._stage_brute import brute_force_stages
+from autopar.inter._stage_dp import StageCost, plan_stages
 from autopar.inter._submesh import (
     SubmeshShape,
     assign_devices,

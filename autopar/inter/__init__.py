@@ -33,7 +33,8 @@ from autopar.inter._choose import (
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._levels import LEVEL_FRACTIONS, LEVEL_PRICES
 from autopar.inter._options import StageOptions
-from autopar.inter._stage_dp import StageCost, StagePlan, brute_force_stages, plan_stages
+from autopar.inter._stage_brute import brute_force_stages
+from autopar.inter._stage_dp import StageCost, StagePlan, plan_stages
 from autopar.inter._stitch import stitch
 from autopar.inter._submesh import (
     SubmeshShape,

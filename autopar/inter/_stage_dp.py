@@ -50,7 +50,6 @@ other sizes (brute_force_stages finds it).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import time
@@ -61,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost import pipeline_latency
-from autopar.cost._units import format_gib
+from autopar.inter._stage_dp_messages import format_bytes, no_plan_error
 from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
 
 log = logging.getLogger("autopar")
@@ -665,64 +664,6 @@ def _search(problem: _Problem, costs: _Costs):
     return best, num_runs
 
 
-def _format_bytes(num_bytes: float) -> str:
-    return format_gib(num_bytes)
-
-
-def _memory_note(problem: _Problem, costs, memory_budget: float | None) -> str:
-    short = [(c.memory, key) for key, c in costs.items()
-             if not c.feasible and 0 < c.memory < math.inf]
-    if not short:
-        if memory_budget is None:
-            return ""
-        return (f" No stage could be costed within the memory budget of "
-                f"{_format_bytes(memory_budget)} per device (not even one layer on the "
-                "largest submesh).")
-    memory, (start, end, index, position) = min(short)
-    where = f"pipeline layers [{start}, {end}) on submesh {problem.submeshes[index]}"
-    if problem.positional:
-        where += f" as stage {position} from the last"
-    if memory_budget is None:
-        return (
-            f" The least memory an infeasible stage needs is {_format_bytes(memory)} per "
-            f"device ({where})."
-        )
-    return (
-        f" The smallest memory shortfall is {_format_bytes(memory - memory_budget)} per "
-        f"device: {where} needs {_format_bytes(memory)} against a budget of "
-        f"{_format_bytes(memory_budget)}."
-    )
-
-
-def _no_plan_error(problem: _Problem, costs, memory_budget) -> ValueError:
-    num_feasible = sum(c.feasible for c in costs.values())
-    note = _memory_note(problem, costs, memory_budget)
-    fix = "Use more devices or a larger memory budget, smaller microbatches, or rematerialisation"
-    if num_feasible == 0:
-        return ValueError(
-            f"no feasible pipeline stage: all {len(costs)} candidate stages (a range of "
-            f"the {_layers(problem.num_layers)} on a submesh) exceed the memory or were "
-            "rejected, on "
-            f"{problem.num_hosts}x{problem.devices_per_host} devices.{note} {fix}."
-        )
-    fewest, most = problem.stage_count_range()
-    subs = ", ".join(str(problem.submeshes[i]) for i in problem.allowed)
-    return ValueError(
-        f"no plan: the {_layers(problem.num_layers)} cannot be sliced into {fewest}..{most} "
-        f"stages that each fit and together use all {problem.num_devices} devices of the "
-        f"{problem.num_hosts}x{problem.devices_per_host} cluster (only {num_feasible} of "
-        f"the {len(costs)} candidate stages fit on their own, and no set of them covers "
-        f"every layer and device; submeshes allowed: {subs}).{note} {fix}, "
-        "or allow more submesh shapes and stage counts."
-    )
-
-
-def _layers(num_layers: int) -> str:
-    """``"3 pipeline layers"``: the units the stage DP slices (the model's marked layers,
-    or pieces cut automatically, `PlanOptions.num_layers`), named as such."""
-    return f"{num_layers} pipeline layer{'s' if num_layers != 1 else ''}"
-
-
 def _make_plan(problem, stages, costs, num_evaluations, solve_time, num_runs) -> StagePlan:
     stage_costs = tuple(costs[key] for key in stages)
     latencies = [c.latency for c in stage_costs]
@@ -804,7 +745,7 @@ def plan_stages(
         started = time.perf_counter()
         stages, num_runs = _best_packable(problem, costs)
         if stages is None:
-            raise _no_plan_error(problem, costs, memory_budget)
+            raise no_plan_error(problem, costs, memory_budget)
         solve_time = time.perf_counter() - started
         # A position between two asked ones shares their latency but not their memory
         # parts: the chosen stages are asked at their own positions.
@@ -895,66 +836,8 @@ def _why_no_plan(problem: _Problem, costs: _Costs, relaxed: _Costs, count: int
             f"stage DP); costing every stage (prune_by_bound=False) prices them",
             floor)
     short = [c.memory for c in costs.values() if not c.feasible and 0 < c.memory < math.inf]
-    least = f" (the leanest stage that does not fit needs {_format_bytes(min(short))})" \
+    least = f" (the leanest stage that does not fit needs {format_bytes(min(short))})" \
         if short else ""
     return NoPlanOfCount(f"no plan of {count} stage(s): every way to slice the layers into "
                          f"{count} stages on the cluster holds a stage that does not fit "
                          f"the memory budget or cannot be sharded{least}")
-
-
-def brute_force_stages(
-    num_layers: int,
-    num_hosts: int,
-    devices_per_host: int,
-    stage_cost: StageCostFn,
-    num_microbatches: int,
-    *,
-    submeshes: Sequence[SubmeshShape] | None = None,
-    num_stages: int | None = None,
-    max_stages: int | None = None,
-    allowed_submeshes: Collection[int] | None = None,
-    num_positions: int | None = None,
-) -> StagePlan:
-    """The slow reference for `plan_stages`: try every slicing and every submesh choice.
-
-    Same arguments and result; exponential in `num_layers`, for tests on small instances.
-    Only plans that use every device and pack (`assign_devices`) count.
-    """
-    problem = _prepare(
-        num_layers,
-        num_hosts,
-        devices_per_host,
-        stage_cost,
-        num_microbatches,
-        submeshes=submeshes,
-        num_stages=num_stages,
-        max_stages=max_stages,
-        allowed_submeshes=allowed_submeshes,
-        num_positions=num_positions,
-    )
-    started = time.perf_counter()
-    costs: dict[StageKey, StageCost] = {}
-    fewest, most = problem.stage_count_range()
-    best, best_latency = None, math.inf
-    for count in range(fewest, most + 1):
-        for cuts in itertools.combinations(range(1, problem.num_layers), count - 1):
-            bounds = (0, *cuts, problem.num_layers)
-            for choice in itertools.product(problem.allowed, repeat=count):
-                if sum(problem.submeshes[j].num_devices for j in choice) != problem.num_devices:
-                    continue
-                stages = problem.keys(
-                    [(bounds[i], bounds[i + 1], j) for i, j in enumerate(choice)]
-                )
-                for key in stages:
-                    if key not in costs:
-                        costs[key] = _call_cost(problem, stage_cost, key)
-                if not all(costs[key].feasible for key in stages):
-                    continue
-                latency = pipeline_latency(
-                    [costs[key].latency for key in stages], problem.num_microbatches
-                )
-                if latency < best_latency and _is_packable(problem, stages):
-                    best, best_latency = stages, latency
-    if best is None:
-        raise _no_plan_error(problem, costs, None)
-    return _make_plan(problem, best, costs, len(costs), time.perf_counter() - started, 0)
