@@ -30,5 +30,6 @@ def test_table_shows_autopar_beside_the_grid():
               "without": {"error": "none fits"},
               "auto": {"config": "1 stage(s): mesh (8,), ring CP x8, remat none; 4 mb",
                        "seconds": 4.0, "tflops": 0.75, "peak_gib": 70.25}}
-    line = bench_long_moe.table([result]).splitlines()[-1]
+    # (the row's line; the row notes follow the table)
+    line = next(x for x in bench_long_moe.table([result]).splitlines() if x.startswith("| r |"))
     assert "ring CP x8" in line and "(70.2 GiB)" in line and line.endswith("| 0.75 |")
