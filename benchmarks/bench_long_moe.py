@@ -82,6 +82,7 @@ class Row:
     ep_values: tuple[int, ...] | None = None
     cp_values: tuple[int, ...] | None = None  # None: every divisor of the devices
     tp_values: tuple[int, ...] | None = None  # None: every divisor
+    uneven_stages: bool = False  # pp need not divide the layers (MoE rows' grid)
 
     @property
     def key(self) -> str:
@@ -101,8 +102,8 @@ ROWS = (
     Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
         tp_values=(8,)),
     Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (2,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
-    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4,), DEEPSEEK_MOE, (1, 64),
-        tp_values=(1,)),
+    Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4, 8, 16), DEEPSEEK_MOE, (1, 8, 16, 32, 64),
+        tp_values=(1,), uneven_stages=True),
 )
 
 
@@ -123,7 +124,7 @@ def run_grid(row: Row, cfg, step, args, cluster):
                                cfg.num_layers)
     if row.moe is not None:
         extra = dict(moe=row.moe, ep_values=row.ep_values, etp_values=(None,),
-                     attention=attention, cp_values=(1,))
+                     attention=attention, cp_values=(1,), uneven_stages=row.uneven_stages)
     else:
         extra = dict(attention=attention, cp_values=row.cp_values)
     start = time.perf_counter()

@@ -80,6 +80,7 @@ def megatron_grid_search(
     etp_values: Sequence[int | None] | None = None,
     tp_values: Sequence[int] | None = None,
     plans: dict[MegatronConfig, Plan] | None = None,
+    uneven_stages: bool = False,
 ) -> tuple[Plan, list[GridResult]]:
     """Try every valid Megatron configuration; return the fastest predicted plan.
 
@@ -113,6 +114,10 @@ def megatron_grid_search(
       `etp_values` (None: ``(None, 1)``, i.e. etp = tp or 1).
     - `plans`: a dict filled with the plan of every configuration costed (by its config,
       as `results` names it), for callers that want more than the time (`autopar.space`).
+    - `uneven_stages`: also try a pp (without interleaving) that does not divide the
+      layers, its stages split as evenly as the marks allow: Megatron-LM's
+      ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``,
+      which a model with a prime layer count needs to pipeline at all (DeepSeek-V3's 61).
 
     **Returns:** ``(best plan, results)``; `results` lists every configuration
     considered, in order, with its predicted step time in seconds or a string saying why
@@ -156,6 +161,7 @@ def megatron_grid_search(
         ep_values=ep_values,
         etp_values=etp_values,
         tp_values=tp_values,
+        uneven_stages=uneven_stages,
     )
     results: list[GridResult] = [(c, reason) for c, reason in candidates if reason]
     to_cost = [c for c, reason in candidates if not reason]
@@ -285,6 +291,7 @@ def megatron_candidates(
     ep_values: Sequence[int] | None = None,
     etp_values: Sequence[int | None] | None = None,
     tp_values: Sequence[int] | None = None,
+    uneven_stages: bool = False,
 ) -> list[tuple[MegatronConfig, str]]:
     """Every configuration of the grid with the rule it breaks ("" when valid).
 
@@ -298,7 +305,7 @@ def megatron_candidates(
     values to try, as `megatron_grid_search` takes them; `cp_values` with the sequence
     length `seq_len` (None: unchecked), and with `num_experts` (None: no MoE) the
     `ep_values` / `etp_values` (None: every ep dividing the experts and tp·cp·dp; etp = tp
-    or 1).
+    or 1); `uneven_stages`: pp need not divide the layers (pp <= layers).
 
     **Returns:** ``[(config, reason)]`` in enumeration order, recompute left "none".
     """
@@ -310,7 +317,8 @@ def megatron_candidates(
         for tp, cp in _tp_cp(num_devices // pp, cp_values, tp_values):
             dp = num_devices // (pp * tp * cp)
             base = MegatronConfig(dp=dp, tp=tp, pp=pp, cp=cp)
-            reason = (_degree_rule(base, devices_per_host, num_layers, num_heads)
+            reason = (_degree_rule(base, devices_per_host, num_layers, num_heads,
+                                   uneven_stages)
                       or _context_rule(cp, seq_len))
             if reason:
                 out.append((base, f"{PRUNED}: {reason}"))
@@ -430,7 +438,8 @@ def _expert_configs(base: MegatronConfig, num_experts, ep_values, etp_values):
     return out
 
 
-def _degree_rule(config: MegatronConfig, devices_per_host: int, num_layers, num_heads) -> str:
+def _degree_rule(config: MegatronConfig, devices_per_host: int, num_layers, num_heads,
+                 uneven_stages: bool = False) -> str:
     """Why Megatron would not use these degrees, or ""."""
     if config.tp > devices_per_host:
         return (f"tp={config.tp} > {devices_per_host} devices per host (tensor parallelism "
@@ -440,8 +449,11 @@ def _degree_rule(config: MegatronConfig, devices_per_host: int, num_layers, num_
     if config.pp > 1 and (num_layers or 1) <= 1:
         return (f"pp={config.pp} needs layers marked with autopar.layer_boundary (for the "
                 "GPT example: GPTConfig(layer_markers=True))")
-    if config.pp > 1 and num_layers % config.pp:
-        return f"pp={config.pp} does not divide the {num_layers} layers"
+    if config.pp > 1 and uneven_stages and config.pp > num_layers:
+        return f"pp={config.pp} stages for {num_layers} layers"
+    if config.pp > 1 and num_layers % config.pp and not uneven_stages:
+        return (f"pp={config.pp} does not divide the {num_layers} layers (uneven_stages="
+                "True splits them as evenly as they allow)")
     return ""
 
 
