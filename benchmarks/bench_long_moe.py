@@ -33,6 +33,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -171,10 +172,19 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
 
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
-    except ValueError as err:  # the first line and the first reason that is no pruning
+    except ValueError as err:  # the first line and the closest miss that is no pruning
         lines = str(err).splitlines()
         reasons = [x for x in lines[1:] if "pruned:" not in x] or lines[1:2]
-        out["with"] = out["without"] = dict(error=" ".join(lines[:1] + reasons[:1])[:300])
+        needs = [(float(m.group(1)), x) for x in reasons
+                 if (m := re.search(r"needs ([0-9.]+) GiB", x))]
+        # a configuration refused on the dense proxy's memory would need more with its
+        # real experts; those that got to the expert terms say their whole need
+        needs = [n for n in needs if "expert weights" in n[1]] or needs
+        closest = min(needs)[1] if needs else reasons[0]
+        out["with"] = out["without"] = dict(
+            error=(f"{lines[0].rstrip(':')}: none of {len(lines) - 2} configurations "
+                   f"({sum('pruned:' in x for x in lines)} pruned by Megatron's rules); "
+                   f"closest: {_short(closest)}")[:400])
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
@@ -184,6 +194,12 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
                           dict(error="no configuration without CP/EP fits"))
     print(row.key, out, flush=True)
     return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
+
+
+def _short(reason: str) -> str:
+    """A grid reason without the repeated layout name and the generic advice."""
+    reason = re.sub(r"ValueError: the Megatron layout megatron\([^)]*\) ", "", reason.strip())
+    return reason.split("; use a larger")[0]
 
 
 def _with_auto(out: dict, row: Row, auto: bool, auto_options, step, args, cluster, flops
@@ -245,7 +261,7 @@ def table(results: list[dict]) -> str:
             versus = f"{with_['seconds'] / auto['seconds']:.2f}"
         lines.append(f"| {r['row']} | {_cell(with_)} | {_cell(without)} | {speedup} | "
                      f"{_cell(auto)} | {versus} |")
-    return "\n".join(lines + ["", *NOTES]) + "\n"
+    return "\n".join(lines + ["", *NOTES, *MOE_NOTES]) + "\n"
 
 
 # Why the rows' autopar and grid columns differ, from
@@ -278,6 +294,26 @@ NOTES = (
     "per layer and microbatch (2.2 + 3.9 + 14.4), 27.2 ms at the ring's price (+1.74 s per "
     "step: 9.16 s); autopar's ring x16 on (16, 4) pays 25.5 ms (9.0 ms of dots, 16.5 ms "
     "element-wise) and holds more state per device (71.0 against 18.8 GiB).",
+)
+
+
+# The MoE rows (`python -m benchmarks bench_long_moe --rows KEY`; the grid's reasons per
+# configuration at INFO on the ``autopar`` logger).
+MOE_NOTES = (
+    "- **The MoE rows' autopar column plans the dense proxy** (the row's `LlamaConfig`, "
+    "FFN width top-k x the expert width), as the grid traces it; the grid then adds EP's "
+    "all-to-alls and the real experts' memory (`expert_terms`), autopar's plan has "
+    "neither, so its peak memory and step time are those of the proxy, not of the MoE.",
+    "- **deepseek-v3-4k@256: no Megatron configuration fits 256 H100s.** DeepSeek-V3 "
+    "trained with 16-way PP, 64-way EP over 8 nodes and ZeRO-1 DP on 2,048 GPUs "
+    "(H800s; DeepSeek-AI 2024, secs. 3.1-3.2); its 61 layers are prime, so the grid's rule pp | "
+    "layers left pp = 1 only (351.8 GiB per device). The row now tries pp 4, 8 and 16 "
+    "split unevenly (`uneven_stages`: Megatron-LM's --decoder-first/last-pipeline-num-"
+    "layers) with ep 1, 8, 16, 32, 64 (ep <= a stage's dp), tp = 1, ZeRO-1 over dp: "
+    "without recompute each fails on the proxy's activations (pp 4 / 8 / 16: 120.2 / "
+    "98.5 / 84.0 GiB), with full recompute on the experts' weights, gradients and "
+    "moments (ep = dp of a stage leaves ZeRO-1 nothing to shard them over): least "
+    "pp=4, ep=64 at 103.7 GiB and pp=8, ep=32 at 104.1 GiB against 80 GiB.",
 )
 
 

@@ -38,7 +38,11 @@ from autopar.cost._context import _check_positive  # one check for both formula 
 # auxiliary-loss (GShard, Switch, Mixtral) and bias-based (DeepSeek-V3, sec. 2.1.2)
 # balancing drive toward; no published run gives one measured figure to default to, so
 # it is a parameter: pass the imbalance you measure (e.g. 1.25, Switch Transformer's
-# capacity factor, for a router allowed that much skew).
+# capacity factor, for a router allowed that much skew). The nearest published measure,
+# MaxVio (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
+# Mixture-of-Experts", arXiv 2408.15664: the busiest *expert*'s load over the mean, minus
+# one), is per expert on 1B-3B models, not per EP rank, which holds E/ep experts and so
+# averages their loads; it is not taken as the default.
 DEFAULT_TOKEN_IMBALANCE = 1.0
 # Dispatch and combine, each in the forward and again in the backward.
 ALL_TO_ALLS_PER_LAYER = 4
