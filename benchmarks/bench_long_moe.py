@@ -17,7 +17,8 @@ sequence parallelism and the distributed optimizer on (what long-context and MoE
 use), one sequence per microbatch per data-parallel rank, no interleaving, recompute tried
 in order (none, selective, full) where a configuration does not fit, and each row's
 tensor- and pipeline-parallel degrees (`Row.tp_values`, `Row.pp_values`): the rows
-compare CP (EP) degrees at fixed tp and pp, not the whole grid.
+compare CP (EP) degrees at fixed tp and pp, not the whole grid. A row with a prime layer
+count (DeepSeek-V3's 61) splits its layers unevenly over the stages (`Row.uneven_stages`).
 
 TFLOP/s per GPU counts the traced step's FLOPs at the full sequence (attention's whole
 s x s square, as the traced einsum does) over the predicted step time and the GPUs.
