@@ -173,19 +173,8 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
 
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
-    except ValueError as err:  # the first line and the closest miss that is no pruning
-        lines = str(err).splitlines()
-        reasons = [x for x in lines[1:] if "pruned:" not in x] or lines[1:2]
-        needs = [(float(m.group(1)), x) for x in reasons
-                 if (m := re.search(r"needs ([0-9.]+) GiB", x))]
-        # a configuration refused on the dense proxy's memory would need more with its
-        # real experts; those that got to the expert terms say their whole need
-        needs = [n for n in needs if "expert weights" in n[1]] or needs
-        closest = min(needs)[1] if needs else reasons[0]
-        out["with"] = out["without"] = dict(
-            error=(f"{lines[0].rstrip(':')}: none of {len(lines) - 2} configurations "
-                   f"({sum('pruned:' in x for x in lines)} pruned by Megatron's rules); "
-                   f"closest: {_short(closest)}")[:400])
+    except ValueError as err:
+        out["with"] = out["without"] = dict(error=no_plan(str(err)))
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
@@ -195,6 +184,23 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
                           dict(error="no configuration without CP/EP fits"))
     print(row.key, out, flush=True)
     return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
+
+
+def no_plan(message: str) -> str:
+    """The grid's no-configuration error in one cell: its first line, how many
+    configurations it listed (how many Megatron's rules pruned) and the closest miss, the
+    one needing the least memory (counted with the experts where the grid got that far)."""
+    lines = message.splitlines()
+    reasons = [x for x in lines[1:-1] if "pruned:" not in x] or lines[1:2]
+    needs = [(float(m.group(1)), x) for x in reasons
+             if (m := re.search(r"needs ([0-9.]+) GiB", x))]
+    # a configuration refused on the dense proxy's memory would need more with its real
+    # experts; those that got to the expert terms say their whole need
+    needs = [n for n in needs if "expert weights" in n[1]] or needs
+    closest = min(needs)[1] if needs else (reasons or [""])[0]
+    return (f"{lines[0].rstrip(':')}: none of {len(lines[1:-1])} configurations "
+            f"({sum('pruned:' in x for x in lines)} pruned by Megatron's rules); "
+            f"closest: {_short(closest)}")[:400]
 
 
 def _short(reason: str) -> str:

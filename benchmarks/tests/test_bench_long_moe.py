@@ -33,3 +33,32 @@ def test_table_shows_autopar_beside_the_grid():
     # (the row's line; the row notes follow the table)
     line = next(x for x in bench_long_moe.table([result]).splitlines() if x.startswith("| r |"))
     assert "ring CP x8" in line and "(70.2 GiB)" in line and line.endswith("| 0.75 |")
+
+
+def test_a_row_nothing_fits_reports_its_closest_miss():
+    """The grid's no-plan error in one cell names the configuration needing least memory,
+    preferring a figure counted with the experts over one the dense proxy failed."""
+    message = "\n".join([
+        "no Megatron configuration of this step works on 256 devices of 'dgx-h100':",
+        "  megatron(dp=64,tp=1,pp=4,zero1,ep=1): pruned: 1 microbatch(es) for 4 pipeline "
+        "stages (at least one per stage)",
+        "  megatron(dp=16,tp=1,pp=16,zero1,mb=32,ep=1): ValueError: the Megatron layout "
+        "megatron(dp=16,tp=1,pp=16,zero1,mb=32,ep=1) does not fit stage 0 (layers 0..3) in "
+        "80.00 GiB per device: it needs 84.00 GiB with the activations of 16 microbatch(es) "
+        "in flight (1f1b); use a larger tp or pp",
+        "  megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,ep=64): ValueError: the "
+        "Megatron layout megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,ep=64) does "
+        "not fit stage 0 in 80.00 GiB per device: it needs 103.69 GiB with context-parallel "
+        "K/V buffers and expert weights; use a larger tp, cp, ep or pp, or recompute",
+        "  megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,ep=8): ValueError: the "
+        "Megatron layout megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,ep=8) does "
+        "not fit stage 0 in 80.00 GiB per device: it needs 232.89 GiB with context-parallel "
+        "K/V buffers and expert weights; use a larger tp, cp, ep or pp, or recompute",
+        "Use more devices or memory, or other pp_values / microbatch_sizes.",
+    ])
+    cell = bench_long_moe.no_plan(message)
+    assert cell.startswith("no Megatron configuration of this step works on 256 devices")
+    assert "none of 4 configurations (1 pruned by Megatron's rules)" in cell
+    assert cell.endswith("closest: megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,"
+                         "ep=64): does not fit stage 0 in 80.00 GiB per device: it needs "
+                         "103.69 GiB with context-parallel K/V buffers and expert weights")
