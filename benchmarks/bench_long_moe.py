@@ -174,7 +174,8 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
     try:
         best, results, seconds = run_grid(row, cfg, step, args, cluster)
     except ValueError as err:
-        out["with"] = out["without"] = dict(error=no_plan(str(err)))
+        out["with"] = dict(error=no_plan(str(err)))
+        out["without"] = dict(error=no_plan(str(err), plain=True))
     else:
         costed = [(c, t) for c, t in results if isinstance(t, float)]
         out["with"] = result(*min(costed, key=lambda ct: ct[1]), costed=len(costed),
@@ -186,11 +187,15 @@ def evaluate(row: Row, auto: bool, auto_options: dict | None = None,
     return _with_auto(out, row, auto, auto_options, step, args, cluster, flops)
 
 
-def no_plan(message: str) -> str:
+def no_plan(message: str, plain: bool = False) -> str:
     """The grid's no-configuration error in one cell: its first line, how many
     configurations it listed (how many Megatron's rules pruned) and the closest miss, the
-    one needing the least memory (counted with the experts where the grid got that far)."""
+    one needing the least memory (counted with the experts where the grid got that far);
+    `plain`: of the configurations without CP / EP only."""
     lines = message.splitlines()
+    if plain:
+        lines = [lines[0], *[x for x in lines[1:-1] if not re.search(
+            r"megatron\([^)]*\b(cp|ep)=(?!1\b)\d+", x)], lines[-1]]
     reasons = [x for x in lines[1:-1] if "pruned:" not in x] or lines[1:2]
     needs = [(float(m.group(1)), x) for x in reasons
              if (m := re.search(r"needs ([0-9.]+) GiB", x))]
@@ -338,7 +343,8 @@ def main() -> None:
     parser.add_argument("--save", help="also write the results to this JSON file")
     parser.add_argument("--load", nargs="*", default=(),
                         help="JSON files of results saved earlier (--save) to table with "
-                        "this run's, in row order (processes can run disjoint --rows)")
+                        "this run's, in row order (processes can run disjoint --rows; a "
+                        "later file's with / without / auto replace an earlier one's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     wanted, auto = args.rows.split(","), set(filter(None, args.auto.split(",")))
@@ -347,9 +353,10 @@ def main() -> None:
         raise SystemExit(f"unknown rows {unknown}; choose from "
                          f"{', '.join(r.key for r in ROWS)}")
     loaded = {}
-    for path in args.load:
+    for path in args.load:  # a later file's keys replace an earlier one's, row by row
         with open(path) as f:
-            loaded.update({r["row"]: r for r in json.load(f)})
+            for r in json.load(f):
+                loaded[r["row"]] = {**loaded.get(r["row"], {}), **r}
     auto_options = ({"num_microbatches": args.auto_microbatches}
                     if args.auto_microbatches else {})
     grids = {}

@@ -62,3 +62,8 @@ def test_a_row_nothing_fits_reports_its_closest_miss():
     assert cell.endswith("closest: megatron(dp=64,tp=1,pp=4,zero1,mb=8,recompute=full,"
                          "ep=64): does not fit stage 0 in 80.00 GiB per device: it needs "
                          "103.69 GiB with context-parallel K/V buffers and expert weights")
+    plain = bench_long_moe.no_plan(message, plain=True)
+    assert "none of 2 configurations (1 pruned by Megatron's rules)" in plain
+    assert plain.endswith("ep=1): does not fit stage 0 (layers 0..3) in 80.00 GiB per "
+                          "device: it needs 84.00 GiB with the activations of 16 "
+                          "microbatch(es) in flight (1f1b)")
