@@ -24,17 +24,19 @@ TFLOP/s per GPU counts the traced step's FLOPs at the full sequence (attention's
 s x s square, as the traced einsum does) over the predicted step time and the GPUs.
 
 Usage: ``python -m benchmarks bench_long_moe [--rows KEY,...] [--auto KEY,...]
-[--no-write] [--save FILE] [--load FILE ...]``.
+[--auto-limit SECONDS] [--no-write] [--save FILE] [--load FILE ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -208,6 +210,53 @@ def no_plan(message: str, plain: bool = False) -> str:
             f"closest: {_short(closest)}")[:400]
 
 
+class PlanningStopped(Exception):
+    """autopar's planning ran past `--auto-limit` seconds; says how far it got."""
+
+
+@contextlib.contextmanager
+def _planning_limit(seconds: int | None):
+    """Stop `plan` after `seconds` (SIGALRM), with how far it got: the last progress
+    lines of the ``autopar`` logger (which microbatch count, the stage DP's bound) and the
+    layer ILPs solved so far in the table being filled."""
+    if not seconds:
+        yield
+        return
+    progress: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith(("microbatch counts", "stage DP", "search")):
+                progress.append(text)
+
+    def stop(signum, frame):
+        ilps = None
+        while frame is not None and ilps is None:
+            table = next((v for v in frame.f_locals.values()
+                          if type(v).__name__ == "LayerCostTable"), None)
+            ilps = getattr(table, "num_ilps", None)
+            frame = frame.f_back
+        raise PlanningStopped(
+            f"planning stopped at {seconds} s"
+            + (f", {ilps} layer ILPs solved in the current table" if ilps is not None
+               else "") + "; last progress: " + " / ".join(progress[-2:]))
+
+    handler, logger = Keep(level=logging.INFO), logging.getLogger("autopar")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.INFO, logging.INFO))
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def _short(reason: str) -> str:
     """A grid reason without the repeated layout name and the generic advice."""
     reason = re.sub(r"ValueError: the Megatron layout megatron\([^)]*\) ", "", reason.strip())
@@ -218,14 +267,19 @@ def _with_auto(out: dict, row: Row, auto: bool, auto_options, step, args, cluste
                ) -> dict:
     if auto:
         start = time.perf_counter()
+        options = dict(auto_options or {})
+        limit = options.pop("limit", None)
         try:
-            p = plan(step, *args, cluster=cluster, cache=False, **(auto_options or {}))
+            with _planning_limit(limit):
+                p = plan(step, *args, cluster=cluster, cache=False, **options)
             out["auto"] = dict(config=auto_config(p), seconds=p.predicted_step_time,
                                peak_gib=max(s.memory_per_device for s in p.stages) / 2**30,
                                tflops=flops / p.predicted_step_time / cluster.num_devices
                                / TERA, planning=time.perf_counter() - start)
         except ValueError as err:
             out["auto"] = dict(error=str(err).splitlines()[0][:160])
+        except PlanningStopped as stop:
+            out["auto"] = dict(error=str(stop)[:400])
         print(row.key, "auto", out["auto"], flush=True)
         if "error" not in out["auto"] and os.environ.get("BENCH_LONG_EXPLAIN"):
             print(p.explain(), flush=True)  # where autopar's step goes, by cause
@@ -335,6 +389,9 @@ def main() -> None:
     parser.add_argument("--auto", default="", help="rows to plan with autopar.plan too")
     parser.add_argument("--auto-microbatches", type=int,
                         help="fix autopar's microbatch count (default: its own search)")
+    parser.add_argument("--auto-limit", type=int,
+                        help="stop autopar's planning after this many seconds and report "
+                        "how far it got (the row's autopar cell)")
     parser.add_argument("--grid-from", nargs="*", default=(),
                         help="JSON files saved earlier (--save) whose rows' grid results "
                         "are taken instead of running the grid again (autopar's plan still "
@@ -359,6 +416,8 @@ def main() -> None:
                 loaded[r["row"]] = {**loaded.get(r["row"], {}), **r}
     auto_options = ({"num_microbatches": args.auto_microbatches}
                     if args.auto_microbatches else {})
+    if args.auto_limit:
+        auto_options["limit"] = args.auto_limit
     grids = {}
     for path in args.grid_from:
         with open(path) as f:

@@ -4,6 +4,8 @@ both."""
 
 from __future__ import annotations
 
+import time
+
 import bench_long_moe
 import pytest
 
@@ -67,3 +69,12 @@ def test_a_row_nothing_fits_reports_its_closest_miss():
     assert plain.endswith("ep=1): does not fit stage 0 (layers 0..3) in 80.00 GiB per "
                           "device: it needs 84.00 GiB with the activations of 16 "
                           "microbatch(es) in flight (1f1b)")
+
+
+def test_planning_limit_stops_and_says_so():
+    """--auto-limit: planning that runs past the limit is stopped with a message."""
+    with pytest.raises(bench_long_moe.PlanningStopped, match="planning stopped at 1 s"):
+        with bench_long_moe._planning_limit(1):
+            time.sleep(3)
+    with bench_long_moe._planning_limit(None):
+        pass  # no limit: nothing happens
