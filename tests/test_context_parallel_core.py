@@ -27,6 +27,7 @@ from autopar.intra._strategies import CostContext, node_signature, node_strategi
 from autopar.manual import AttentionShape, MegatronConfig, context_args
 from autopar.manual._context_experts import (
     LocalCore,
+    _layer_graphs,
     context_terms,
     local_attention_core,
     stage_cp_mesh,
@@ -147,22 +148,28 @@ def _autopar_ring_core(graph, cluster, mesh, seq_len: int, axis: str) -> float:
     return total
 
 
-def test_grid_core_matches_autopar_ring_on_the_same_ring():
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_grid_core_matches_autopar_ring_on_the_same_ring(per_layer):
+    # per_layer: layer marks, each attention priced on its layer's sub-graph (as the
+    # layer-wise planners, the grid's pipeline path and autopar's, price it)
+    cfg = dataclasses.replace(CFG, layer_markers=per_layer)
     cp, tp, batch = 4, 2, 2
     cluster = _flat(Cluster.from_profile("dgx-h100").with_shape(1, 8))
     opt = optax.adamw(1e-3)
-    step = llama.make_train_step(CFG, opt)
-    args = (llama.abstract_state(CFG, opt), llama.abstract_batch(CFG, batch))
+    step = llama.make_train_step(cfg, opt)
+    args = (llama.abstract_state(cfg, opt), llama.abstract_batch(cfg, batch))
     # the grid: the step at one CP rank's shapes on its (dp·cp, tp) mesh
     local = trace(step, *context_args(args, (1,), cp), batch_argnums=(1,))
     grid_mesh = LogicalMesh.create((cp, tp), range(8), ("data", "model"))
-    core = local_attention_core(local, cluster, grid_mesh, CFG.seq_len // cp)
+    core = local_attention_core(local, cluster, grid_mesh, cfg.seq_len // cp, per_layer)
     assert core.forward_dots > 0 and core.forward_other > 0 and core.backward > 0
     grid = context_core_time(core.forward + core.backward, "ring", cp)
     # autopar: the whole sequence, queries over a context axis of cp, heads over tp
     full = trace(step, *args, batch_argnums=(1,))
+    if per_layer:
+        full = next(g for g in _layer_graphs(full) if attention_components(g, cfg.seq_len))
     mesh = LogicalMesh.create((cp, tp), range(8), ("context", "model"))
-    ring = _autopar_ring_core(full, cluster, mesh, CFG.seq_len, "context")
+    ring = _autopar_ring_core(full, cluster, mesh, cfg.seq_len, "context")
     assert grid == pytest.approx(ring, rel=1e-6)
     # the element-wise part is a real share of it (what the grid once left at 1/cp)
     assert core.forward_other / core.forward > 0.05

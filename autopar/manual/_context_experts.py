@@ -208,25 +208,32 @@ class LocalCore:
         return self.forward_dots + self.forward_other
 
 
-def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int
-                         ) -> LocalCore | None:
+def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int,
+                         per_layer: bool = False) -> LocalCore | None:
     """The first attention of `graph` (traced at one CP rank's shapes, sequence
     `local_seq`) priced as the Megatron plan on `mesh` lays it out: each of its nodes
     (`autopar.intra._attention_roles`: the dots and every node reading or making a score
     tensor, forward and backward) at its cheapest strategy that keeps both sequence
     dimensions of the scores whole (batch and heads split over the mesh), by the
     planner's own node costs (`node_strategies`: roofline FLOPs and bytes across fusion
-    boundaries, kernel launches). None when no attention's roles can be named."""
+    boundaries, kernel launches). With `per_layer` (a plan made layer by layer, the
+    pipeline runtime's) the nodes are priced on their layer's sub-graph
+    (`autopar.inter.partition`), as the layer's plan prices them: a score tensor its
+    layer hands on is written there. None when no attention's roles can be named."""
     from autopar.intra._attention_roles import AttentionRoles, attention_components
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
     roles = None
-    for component in attention_components(graph, local_seq):
-        try:
-            roles = AttentionRoles(graph, component, local_seq)
+    for sub in _layer_graphs(graph) if per_layer else (graph,):
+        for component in attention_components(sub, local_seq):
+            try:
+                roles = AttentionRoles(sub, component, local_seq)
+                break
+            except ValueError:
+                continue
+        if roles is not None:
+            graph = sub
             break
-        except ValueError:
-            continue
     if roles is None:
         return None
     backward_dots = [n.id for n in roles.nodes if n.primitive == "dot_general"
@@ -245,6 +252,21 @@ def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int
                 else 0 if node.primitive == "dot_general" else 1)
         parts[part] += seconds
     return LocalCore(*parts)
+
+
+def _layer_graphs(graph):
+    """The per-layer sub-graphs of `graph` as the layer-wise planner splits it (its layer
+    marks); `graph` alone without marks."""
+    from autopar.inter import assign_layers, partition
+
+    try:
+        layers = assign_layers(graph)
+    except ValueError:
+        layers = None
+    if layers is None or layers.num_layers == 1:
+        return (graph,)
+    return partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)]
+                     ).stage_graphs
 
 
 def _keeps_sequence(node, roles, strategy) -> bool:

@@ -773,8 +773,8 @@ def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
     micro_batch, seq_len = _sequences(graph, config)
     counts = _attention_layers(graph, stages, seq_len // config.cp,
                                attention.num_heads if attention is not None else None)
-    core = (local_attention_core(graph, cluster, stages[0].mesh, seq_len // config.cp)
-            if config.cp > 1 else None)
+    core = (local_attention_core(graph, cluster, stages[0].mesh, seq_len // config.cp,
+                                 _layer_wise(graph, config)) if config.cp > 1 else None)
     out, before = [], 0
     for s, (stage, layers) in enumerate(zip(stages, counts)):
         terms = []

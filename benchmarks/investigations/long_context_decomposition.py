@@ -31,7 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from autopar.cluster import Cluster  # noqa: E402
-from autopar.cost import ring_compute_fraction  # noqa: E402
+from autopar.cost import context_compute_fraction, context_core_time  # noqa: E402
 from autopar.inter._layer_table import LayerCostTable  # noqa: E402
 from autopar.intra._context import sequence_length  # noqa: E402
 from autopar.intra._ring_strategies import (  # noqa: E402
@@ -45,8 +45,7 @@ from autopar.intra._strategies import (  # noqa: E402
     node_signature,
     node_strategies,
 )
-from autopar.manual import AttentionShape, MegatronConfig, megatron_plan  # noqa: E402
-from autopar.manual._context_experts import context_terms  # noqa: E402
+from autopar.manual import AttentionShape, megatron_plan  # noqa: E402
 from autopar.report import time_split  # noqa: E402
 from autopar.report._differences import explain_differences  # noqa: E402
 from autopar.search import plan as autopar_plan  # noqa: E402
@@ -55,12 +54,12 @@ from benchmarks.bench_long_moe import PROFILE, ROWS, model_step  # noqa: E402
 
 def _grid_config(text: str) -> dict:
     """``tp=2,cp=4,mb=32[,pp=1][,recompute=full]`` -> `megatron_plan` keywords."""
-    names = {"mb": "num_microbatches"}
+    names = {"mb": "num_microbatches", "alg": "cp_algorithm"}
     out = dict(dp=1, tp=1, pp=1, cp=1, num_microbatches=1, recompute="none")
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
         key = names.get(key, key)
-        out[key] = value if key == "recompute" else int(value)
+        out[key] = value if key in ("recompute", "cp_algorithm") else int(value)
     return out
 
 
@@ -184,17 +183,15 @@ def print_layers(p, recorder: LayerRecorder, cluster, layers_shown=(1,)) -> None
                       f"{kind} {_ms(c)} / {_ms(m)}" for kind, (c, m) in sorted(split.items())))
 
 
-def grid_core_at_ring_price(grid, recorder: LayerRecorder, cluster, config: dict,
-                            attention, micro_batch: int, seq_len: int, layer: int = 1
-                            ) -> None:
-    """The grid's attention core per layer and microbatch as it is charged (its local
-    trace's dots and scale/mask/softmax at one CP rank's (s/cp)^2 piece, plus
-    `context_terms`' extra compute: the dots' whole square, cp times the local) against
-    the same core at the ring's price, as autopar's ring twins charge theirs:
-    ``cp * ring_compute_fraction(cp)`` times the local core, the dots *and* the
-    element-wise work (the real rank scores s/cp queries against all s keys, and the
-    zig-zag ring skips the masked blocks)."""
-    cp = config["cp"]
+def grid_core(grid, recorder: LayerRecorder, cluster, config: dict, layer: int = 1
+              ) -> None:
+    """The grid's attention core per layer and microbatch as it is charged: its local
+    trace's dots and scale/mask/softmax at one CP rank's (s/cp)^2 piece (the layer plan's
+    nodes priced again, `node_split`) and the rank's real core,
+    `cost.context_core_time` (cp x `context_compute_fraction` of the algorithm times the
+    local core, dots and element-wise work alike: as autopar's ring twins price the
+    ring), which `context_terms` charges."""
+    cp, algorithm = config["cp"], config.get("cp_algorithm", "ring")
     if cp == 1:
         return
     shape, level, layers = recorder.calls[-1]
@@ -203,20 +200,11 @@ def grid_core_at_ring_price(grid, recorder: LayerRecorder, cluster, config: dict
     dots = sum(c for kind, (c, _) in split.items()
                if kind.startswith("attention") and "softmax" not in kind)
     softmax = split.get("attention scale/mask/softmax", [0.0])[0]
-    mega = MegatronConfig(dp=config["dp"], tp=config["tp"], pp=config["pp"],
-                          sequence_parallel=True, distributed_optimizer=True,
-                          num_microbatches=config["num_microbatches"], cp=cp,
-                          recompute=config["recompute"])
-    extra = context_terms(mega, cluster, attention, micro_batch, seq_len, 1, 0).compute
-    charged = dots + softmax + extra
-    ring = cp * ring_compute_fraction(cp) * (dots + softmax)
-    layers_n = attention.num_layers
-    print(f"  grid attention core per layer and microbatch (layer {k}): charged "
-          f"{_ms(charged)} (local dots {_ms(dots)} + local scale/mask/softmax "
-          f"{_ms(softmax)} + CP's extra dots {_ms(extra)}); at the ring's price "
-          f"(cp x ring_compute_fraction = {cp * ring_compute_fraction(cp):.3g} x the local "
-          f"core) {_ms(ring)}: {(ring - charged) * layers_n * grid.num_microbatches:+.2f} s "
-          f"per step over {layers_n} layers x {grid.num_microbatches} microbatches")
+    charged = context_core_time(dots + softmax, algorithm, cp)
+    print(f"  grid attention core per layer and microbatch (layer {k}): local dots "
+          f"{_ms(dots)} + local scale/mask/softmax {_ms(softmax)}; charged {_ms(charged)} "
+          f"(cp x context_compute_fraction({algorithm!r}, {cp}) = "
+          f"{cp * context_compute_fraction(algorithm, cp):.3g} x the local core)")
 
 
 def main() -> None:
@@ -246,9 +234,7 @@ def main() -> None:
     print_split(f"grid {grid.method}", grid)
     print_layers(grid, recorder, cluster)
     config = _grid_config(args.grid)
-    micro_batch = row.global_batch // (config["dp"] * config["num_microbatches"])
-    grid_core_at_ring_price(grid, recorder, cluster, config, attention, micro_batch,
-                            row.seq_len)
+    grid_core(grid, recorder, cluster, config)
     plans = []
     for text in [] if args.grid_only else args.auto_options or [""]:
         options = {}
