@@ -261,7 +261,11 @@ NOTES = (
     "as the plan prices it node by node (`local_attention_core`) times cp x the share of "
     "the rank's dense s/cp x s core its algorithm computes under causal load balancing "
     "(`cost.context_core_time`; the ring's (cp + 1)/(2 cp), the share autopar's ring "
-    "charges, `ring_compute_fraction`). Before, it charged the dots on the whole s/cp x s "
+    "charges, `ring_compute_fraction`). On the same ring (queries over cp, heads over tp) "
+    "autopar's planner prices the core 1.8% below the grid on both 8B rows "
+    "(`ring_core_seconds`: the rank's GEMMs at their own shapes' efficiency, where the "
+    "grid scales the local piece's, kernel launches with it). Before, it charged the "
+    "dots on the whole s/cp x s "
     "share and the element-wise work on the local piece only (1/cp of the rank's): 22.6 s "
     "and 7.42 s on the 8B rows, ahead of autopar's plans. The rest of the step is alike "
     "(collectives and resharding within 0.6 s per step, no bubble, one stage each).",

@@ -21,14 +21,13 @@ from autopar.cost import (
     ring_compute_fraction,
 )
 from autopar.graph import trace
-from autopar.intra._attention_roles import AttentionRoles, attention_components
-from autopar.intra._ring_strategies import ring_core_strategies, ring_dots, ring_strategies
-from autopar.intra._strategies import CostContext, node_signature, node_strategies
+from autopar.intra._attention_roles import attention_components
+from autopar.intra._ring_strategies import ring_core_seconds
 from autopar.manual import AttentionShape, MegatronConfig, context_args
 from autopar.manual._context_experts import (
     LocalCore,
-    _layer_graphs,
     context_terms,
+    layer_graphs,
     local_attention_core,
     stage_cp_mesh,
 )
@@ -120,34 +119,6 @@ def _flat(cluster: Cluster) -> Cluster:
                                gemm_shapes=None, kernel_overhead=0.0)
 
 
-def _autopar_ring_core(graph, cluster, mesh, seq_len: int, axis: str) -> float:
-    """One attention's core as autopar's planner prices the ring on it: each node at its
-    cheapest ring strategy (`ring_strategies` twins for the dots, `ring_core_strategies`
-    for the rest) whose scores keep their queries split over `axis` and keys whole."""
-    dots = ring_dots(graph, seq_len)
-    roles = AttentionRoles(graph, attention_components(graph, seq_len)[0], seq_len)
-    ctx = CostContext(cluster, mesh)
-    total = 0.0
-    for node in roles.nodes:
-        strategies = node_strategies(node, graph, node_signature(node, graph), ctx)
-        if node.id in dots:
-            strategies = ring_strategies(node, graph, dots[node.id][0], roles, strategies,
-                                         ctx, forced=True)
-        else:
-            strategies = ring_core_strategies(node, roles, strategies, mesh)
-
-        def ring_layout(t, node=node):
-            for v, spec in [*zip(node.outputs, t.out_specs), *zip(node.inputs, t.in_specs)]:
-                if v in roles.score and spec is not None:
-                    labels = roles.labels[v]
-                    return (spec[labels.index("sq")] == (axis,)
-                            and not spec[labels.index("sk")])
-            return False
-
-        total += min(t.compute_cost for t in strategies if ring_layout(t))
-    return total
-
-
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_grid_core_matches_autopar_ring_on_the_same_ring(per_layer):
     # per_layer: layer marks, each attention priced on its layer's sub-graph (as the
@@ -167,9 +138,9 @@ def test_grid_core_matches_autopar_ring_on_the_same_ring(per_layer):
     # autopar: the whole sequence, queries over a context axis of cp, heads over tp
     full = trace(step, *args, batch_argnums=(1,))
     if per_layer:
-        full = next(g for g in _layer_graphs(full) if attention_components(g, cfg.seq_len))
+        full = next(g for g in layer_graphs(full) if attention_components(g, cfg.seq_len))
     mesh = LogicalMesh.create((cp, tp), range(8), ("context", "model"))
-    ring = _autopar_ring_core(full, cluster, mesh, cfg.seq_len, "context")
+    ring = ring_core_seconds(full, cluster, mesh, cfg.seq_len, "context")
     assert grid == pytest.approx(ring, rel=1e-6)
     # the element-wise part is a real share of it (what the grid once left at 1/cp)
     assert core.forward_other / core.forward > 0.05

@@ -138,6 +138,46 @@ def _core_fraction(node: Node, roles: AttentionRoles, strategy, mesh) -> float:
     return 1.0
 
 
+def ring_core_seconds(graph: OpGraph, cluster, mesh, seq_len: int, axis: str) -> float:
+    """Seconds per device of the first attention of `graph` (sequence `seq_len`) as the
+    ILP prices it on the ring whose queries are split over mesh axis `axis`: each of its
+    nodes (dots and the score-sized element-wise work, forward and backward) at its
+    cheapest strategy whose scores keep their queries split over `axis` alone and their
+    keys whole, the dots' ring twins (`ring_strategies`) and the rest as
+    `ring_core_strategies` prices them. For comparing the Megatron grid's CP core
+    (`autopar.manual._context_experts.context_terms`) with the planner's on one ring."""
+    from autopar.intra._strategies import CostContext, node_signature, node_strategies
+
+    dots = ring_dots(graph, seq_len)
+    roles = AttentionRoles(graph, attention_components(graph, seq_len)[0], seq_len)
+    ctx = CostContext(cluster, mesh)
+    total = 0.0
+    for node in roles.nodes:
+        sig = node_signature(node, graph)
+        if sig is None:
+            continue
+        strategies = node_strategies(node, graph, sig, ctx)
+        if node.id in dots:
+            strategies = ring_strategies(node, graph, dots[node.id][0], roles, strategies,
+                                         ctx, forced=True)
+        else:
+            strategies = ring_core_strategies(node, roles, strategies, mesh)
+        ring = [t for t in strategies if _queries_over(node, roles, t, axis)]
+        total += min(t.compute_cost for t in ring or strategies)
+    return total
+
+
+def _queries_over(node: Node, roles: AttentionRoles, strategy, axis: str) -> bool:
+    """Whether `strategy` splits the node's score tensor's queries over `axis` alone and
+    keeps its keys whole."""
+    pairs = [*zip(node.outputs, strategy.out_specs), *zip(node.inputs, strategy.in_specs)]
+    for v, spec in pairs:
+        if v in roles.score and spec is not None:
+            labels = roles.labels[v]
+            return spec[labels.index("sq")] == (axis,) and not spec[labels.index("sk")]
+    return False
+
+
 def chose_ring(strategy_names) -> bool:
     """Whether a solved plan's strategies (their names) run a ring."""
     return any(name.endswith(RING) for name in strategy_names)

@@ -224,7 +224,7 @@ def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int,
     from autopar.intra._strategies import CostContext, node_signature, node_strategies
 
     roles = None
-    for sub in _layer_graphs(graph) if per_layer else (graph,):
+    for sub in layer_graphs(graph) if per_layer else (graph,):
         for component in attention_components(sub, local_seq):
             try:
                 roles = AttentionRoles(sub, component, local_seq)
@@ -254,7 +254,7 @@ def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int,
     return LocalCore(*parts)
 
 
-def _layer_graphs(graph):
+def layer_graphs(graph):
     """The per-layer sub-graphs of `graph` as the layer-wise planner splits it (its layer
     marks); `graph` alone without marks."""
     from autopar.inter import assign_layers, partition

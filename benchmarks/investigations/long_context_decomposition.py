@@ -30,12 +30,15 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from autopar.cluster import Cluster  # noqa: E402
+from autopar.cluster import Cluster, LogicalMesh  # noqa: E402
 from autopar.cost import context_compute_fraction, context_core_time  # noqa: E402
+from autopar.graph import trace  # noqa: E402
 from autopar.inter._layer_table import LayerCostTable  # noqa: E402
+from autopar.intra._attention_roles import attention_components  # noqa: E402
 from autopar.intra._context import sequence_length  # noqa: E402
 from autopar.intra._ring_strategies import (  # noqa: E402
     ring_core_nodes,
+    ring_core_seconds,
     ring_core_strategies,
     ring_dots,
     ring_strategies,
@@ -46,8 +49,10 @@ from autopar.intra._strategies import (  # noqa: E402
     node_strategies,
 )
 from autopar.manual import AttentionShape, megatron_plan  # noqa: E402
+from autopar.manual._context_experts import layer_graphs  # noqa: E402
 from autopar.report import time_split  # noqa: E402
 from autopar.report._differences import explain_differences  # noqa: E402
+from autopar.search import microbatch_args  # noqa: E402
 from autopar.search import plan as autopar_plan  # noqa: E402
 from benchmarks.bench_long_moe import PROFILE, ROWS, model_step  # noqa: E402
 
@@ -183,8 +188,8 @@ def print_layers(p, recorder: LayerRecorder, cluster, layers_shown=(1,)) -> None
                       f"{kind} {_ms(c)} / {_ms(m)}" for kind, (c, m) in sorted(split.items())))
 
 
-def grid_core(grid, recorder: LayerRecorder, cluster, config: dict, layer: int = 1
-              ) -> None:
+def grid_core(grid, recorder: LayerRecorder, cluster, config: dict, row, step,
+              step_args, layer: int = 1) -> None:
     """The grid's attention core per layer and microbatch as it is charged: its local
     trace's dots and scale/mask/softmax at one CP rank's (s/cp)^2 piece (the layer plan's
     nodes priced again, `node_split`) and the rank's real core,
@@ -205,6 +210,21 @@ def grid_core(grid, recorder: LayerRecorder, cluster, config: dict, layer: int =
           f"{_ms(dots)} + local scale/mask/softmax {_ms(softmax)}; charged {_ms(charged)} "
           f"(cp x context_compute_fraction({algorithm!r}, {cp}) = "
           f"{cp * context_compute_fraction(algorithm, cp):.3g} x the local core)")
+    if algorithm != "ring":
+        return
+    # The same ring as autopar's planner prices it: the step at the whole sequence (one
+    # microbatch), queries over a context axis of cp, heads over tp, on the layer's
+    # sub-graph (`ring_core_seconds`).
+    args = microbatch_args(step_args, (1,), config["num_microbatches"])
+    full = trace(step, *args, batch_argnums=(1,))
+    sub = next(g for g in layer_graphs(full) if attention_components(g, row.seq_len))
+    dp, tp = config["dp"], config["tp"]
+    mesh = LogicalMesh.create((dp, cp, tp), range(dp * cp * tp),
+                              ("data", "context", "model"))
+    ring = ring_core_seconds(sub, cluster, mesh, row.seq_len, "context")
+    print(f"  the same ring as autopar's planner prices it (ring_core_seconds): "
+          f"{_ms(ring)}; grid / autopar {charged / ring:.4f} (the grid scales its local "
+          "piece, GEMM efficiency and kernel launches with it)")
 
 
 def main() -> None:
@@ -234,7 +254,7 @@ def main() -> None:
     print_split(f"grid {grid.method}", grid)
     print_layers(grid, recorder, cluster)
     config = _grid_config(args.grid)
-    grid_core(grid, recorder, cluster, config)
+    grid_core(grid, recorder, cluster, config, row, step, step_args)
     plans = []
     for text in [] if args.grid_only else args.auto_options or [""]:
         options = {}
