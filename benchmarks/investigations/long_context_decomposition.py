@@ -15,6 +15,9 @@ plans under fixed options, e.g. ``num_microbatches=32``):
   collectives, resharding per microbatch, the CP split, the memory level, and for one
   transformer layer its compute and collectives by kind of node (attention's dots by
   role, its scale/mask/softmax, the other matmuls, the rest);
+- the grid's attention core per layer as charged (the local piece times cp x the
+  algorithm's computed share, `cost.context_core_time`) and, for the ring, the same ring
+  as autopar's planner prices it (`ring_core_seconds`);
 - `autopar.report.explain_differences` (the largest differences, ranked).
 
 Plans only (shapes; nothing runs).
