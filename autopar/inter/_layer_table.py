@@ -21,7 +21,7 @@ from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
 from autopar.cluster import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
 from autopar.graph import OpGraph, Role, attention_core, dtype_itemsize, stored_residuals
-from autopar.inter import _range_cache, _repricing
+from autopar.inter import _progress, _range_cache, _repricing
 from autopar.inter._compact_specs import _CompactSpecs
 from autopar.inter._ilp_driver import drive
 from autopar.inter._layer_graphs import _tied_in, structural_fingerprint
@@ -184,6 +184,10 @@ class LayerCostTable:
         self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
         self.ilp_seconds = 0.0  # wall seconds in `_drive`
+        # The logical mesh shapes the stage DP may ask about (`choose_stages` sets them),
+        # for the progress lines' count of level-0 ILPs left (`autopar.inter._progress`).
+        self.candidate_shapes: tuple = ()
+        self.progress_at = time.perf_counter()  # when the last progress line was logged
         self.num_hits = 0  # `cost` look-ups answered from the table
         self._driving = False  # inside `_drive` (nested solves count once in ilp_seconds)
         self._var_index: dict[int, dict[int, int]] = {}  # id(layer graph) -> `_compact`'s
@@ -265,6 +269,7 @@ class LayerCostTable:
             if outermost:
                 self._driving = False
                 self.ilp_seconds += time.perf_counter() - start
+                _progress.report(self)
 
     def _level_steps(self, layer: int, shape, level: int):
         """A generator yielding the `PreparedILP`s of one level (`_plan_level`) one at a
