@@ -120,10 +120,15 @@ def test_layer_ilp_progress_says_what_is_solved_and_what_is_left(caplog):
         assert not _progress.report(table, now=100.0 + _progress.EVERY - 1)
         assert _progress.report(table, now=100.0 + _progress.EVERY)
         assert not _progress.report(table, now=101.0 + _progress.EVERY)
+        assert _progress.report(table, now=100.0 + 2 * _progress.EVERY, batch=(2, 6),
+                                seconds=8.0)
     assert [r.getMessage() for r in caplog.records] == [
-        "32 microbatch(es): 3 layer ILPs solved in 42 s, 5 priced from another count's "
-        "layouts; fastest layer plans: 4 of 6 left at most (leaner levels as the stages "
-        "need)"]
+        "32 microbatch(es): 3 layer ILPs so far, 42 s, 5 priced from another count's "
+        "layouts; fastest layer plans: 4 of 6 not known yet, at most (leaner levels as "
+        "the stages need)",
+        "32 microbatch(es): 3 layer ILPs so far, 50 s, 5 priced from another count's "
+        "layouts (2 of the 6 plans solved side by side now are done); fastest layer plans: "
+        "4 of 6 not known yet, at most (leaner levels as the stages need)"]
 
 
 def test_a_refused_count_does_not_set_the_pace():

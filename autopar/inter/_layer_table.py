@@ -210,6 +210,7 @@ class LayerCostTable:
         self._cache[key], plan = self._plan_level(layer, shape, level)
         if plan is not None:
             self._plans[key] = plan
+        _progress.report(self)
         return self._cache[key]
 
     def is_solved(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
@@ -249,6 +250,7 @@ class LayerCostTable:
                     self._cache[key] = cost
                     if plan is not None:
                         self._plans[key] = plan
+            _progress.report(self)
 
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
@@ -264,12 +266,12 @@ class LayerCostTable:
         start = time.perf_counter()
         pool = solver_pool() if parallel else None
         try:
-            return drive(all_steps, pool)
+            return drive(all_steps, pool, finished=lambda done, total: _progress.report(
+                self, batch=(done, total), seconds=time.perf_counter() - start))
         finally:
             if outermost:
                 self._driving = False
                 self.ilp_seconds += time.perf_counter() - start
-                _progress.report(self)
 
     def _level_steps(self, layer: int, shape, level: int):
         """A generator yielding the `PreparedILP`s of one level (`_plan_level`) one at a

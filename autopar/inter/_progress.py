@@ -23,9 +23,11 @@ def level0_left(table) -> tuple[int, int]:
     return left, len(keys)
 
 
-def report(table, now: float | None = None) -> bool:
+def report(table, now: float | None = None, batch: tuple[int, int] | None = None,
+           seconds: float = 0.0) -> bool:
     """Log `table`'s progress line when `EVERY` seconds have passed since its last one;
-    whether it did."""
+    whether it did. `batch`: (done, all) of the layer plans being solved side by side now
+    (`LayerCostTable.prefetch`), `seconds` into it (not yet in `ilp_seconds`)."""
     now = time.perf_counter() if now is None else now
     if now - table.progress_at < EVERY:
         return False
@@ -33,7 +35,10 @@ def report(table, now: float | None = None) -> bool:
     left, total = level0_left(table)
     priced = f", {table.num_priced} priced from another count's layouts" \
         if table.num_priced else ""
-    log.info("%d microbatch(es): %d layer ILPs solved in %.0f s%s; fastest layer plans: "
-             "%d of %d left at most (leaner levels as the stages need)",
-             table.num_microbatches, table.num_ilps, table.ilp_seconds, priced, left, total)
+    now_solving = "" if batch is None or batch[1] < 2 else \
+        f" ({batch[0]} of the {batch[1]} plans solved side by side now are done)"
+    log.info("%d microbatch(es): %d layer ILPs so far, %.0f s%s%s; fastest layer plans: %d of "
+             "%d not known yet, at most (leaner levels as the stages need)",
+             table.num_microbatches, table.num_ilps, table.ilp_seconds + seconds, priced,
+             now_solving, left, total)
     return True
