@@ -160,11 +160,12 @@ class Countdown:
                        self.name, item, f" {note}" if note else "", len(self.finished) + 1,
                        total, after, time.perf_counter() - self.start_time, left)
 
-    def done(self, item) -> None:
-        """`item` finished: its seconds count in the pace."""
-        if self._began is not None:
+    def done(self, item, paced: bool = True) -> None:
+        """`item` finished: its seconds count in the pace unless not `paced` (an item
+        settled without the work the others take, e.g. refused by a bound)."""
+        if self._began is not None and paced:
             self.seconds.append(time.perf_counter() - self._began)
-            self._began = None
+        self._began = None
         if item in self.todo:
             self.todo.remove(item)
         self.finished.append(item)

@@ -337,29 +337,31 @@ NOTES = (
     "--grid tp=..,cp=..,mb=.. [--auto-options ...]`: both plans by stage, layer and kind "
     "of node, priced by the same model; `--grid-only` for the grid's alone):",
     "",
-    "- **Where autopar trails (8B rows), the grid's attention core is cheaper than its "
-    "rank's work.** The grid prices CP on a trace at one CP rank's shapes, a (s/cp)^2 "
-    "score piece, and `context_terms` adds the dots' missing work (the whole square, cp "
-    "times the local) but not the score-sized element-wise work (scale, mask, softmax and "
-    "their gradients), which it charges on the local piece: 1/cp of what its rank holds. "
-    "autopar's ring charges both on the s/cp x s score share each device holds, on the "
-    "blocks the zig-zag ring computes (`ring_compute_fraction`; the element-wise part by "
-    "`ring_core_strategies`, without which its plans were 30.9 s and 12.2 s). Priced as "
-    "autopar prices the ring (cp x ring_compute_fraction(cp) times the local core's "
-    "seconds, dots and element-wise work alike), the grid's best would be slower than "
-    "autopar's plan on both rows. The rest of the step is alike (collectives and "
-    "resharding within 0.6 s per step, no bubble, one stage each).",
+    "- **The grid prices a CP algorithm's attention core as autopar prices the same "
+    "algorithm.** It traces at one CP rank's shapes, an (s/cp)^2 score piece; "
+    "`context_terms` charges the rank's real core, the dots and the score-sized "
+    "element-wise work (scale, mask, softmax and their gradients) alike: the local piece "
+    "as the plan prices it node by node (`local_attention_core`) times cp x the share of "
+    "the rank's dense s/cp x s core its algorithm computes under causal load balancing "
+    "(`cost.context_core_time`; the ring's (cp + 1)/(2 cp), the share autopar's ring "
+    "charges, `ring_compute_fraction`). On the same ring (queries over cp, heads over tp) "
+    "autopar's planner prices the core 1.8% below the grid on both 8B rows "
+    "(`ring_core_seconds`: the rank's GEMMs at their own shapes' efficiency, where the "
+    "grid scales the local piece's, kernel launches with it). Before, it charged the "
+    "dots on the whole s/cp x s "
+    "share and the element-wise work on the local piece only (1/cp of the rank's): 22.6 s "
+    "and 7.42 s on the 8B rows, ahead of autopar's plans. The rest of the step is alike "
+    "(collectives and resharding within 0.6 s per step, no bubble, one stage each).",
     "- **llama-8B-32k@8** (`--grid tp=2,cp=4,mb=32`). Attention core per layer and "
-    "one-sequence microbatch: the grid is charged 12.2 ms (local dots 2.2, local "
-    "element-wise 3.9, CP's extra dots 6.1), 15.1 ms at the ring's price (+3.0 s per "
-    "step: 25.7 s); autopar's ring x8 on (4, 2) (sequence over all 8 devices, no TP) "
-    "pays 9.0 ms of dots and 17.5 ms of element-wise work per two-sequence microbatch. "
-    "With the grid's 32 microbatches fixed (`--auto-options num_microbatches=32`) "
-    "autopar plans ring x8 on (8,) at 24.4 s.",
-    "- **llama-8B-128k@64** (`--grid tp=8,cp=8,mb=8`). The grid's core is charged 20.4 ms "
-    "per layer and microbatch (2.2 + 3.9 + 14.4), 27.2 ms at the ring's price (+1.74 s per "
-    "step: 9.16 s); autopar's ring x16 on (16, 4) pays 25.5 ms (9.0 ms of dots, 16.5 ms "
-    "element-wise) and holds more state per device (71.0 against 18.8 GiB).",
+    "one-sequence microbatch: the local piece costs 6.0 ms (dots 2.2, element-wise 3.9), "
+    "the rank's ring core 15.1 ms (2.5 x); autopar's ring x8 on (4, 2) (sequence over "
+    "all 8 devices, no TP) pays 9.0 ms of dots and 17.5 ms of element-wise work per "
+    "two-sequence microbatch. With the grid's 32 microbatches fixed "
+    "(`--auto-options num_microbatches=32`) autopar plans ring x8 on (8,) at 24.4 s.",
+    "- **llama-8B-128k@64** (`--grid tp=8,cp=8,mb=8`). The local piece costs 6.0 ms per "
+    "layer and microbatch, the rank's ring core 27.2 ms (4.5 x); autopar's ring x16 on "
+    "(16, 4) pays 25.5 ms (9.0 ms of dots, 16.5 ms element-wise) and holds more state "
+    "per device (71.0 against 18.8 GiB).",
 )
 
 
@@ -379,7 +381,12 @@ MOE_NOTES = (
     "without recompute each fails on the proxy's activations (pp 4 / 8 / 16: 120.2 / "
     "98.5 / 84.0 GiB), with full recompute on the experts' weights, gradients and "
     "moments (ep = dp of a stage leaves ZeRO-1 nothing to shard them over): least "
-    "pp=4, ep=64 at 103.7 GiB and pp=8, ep=32 at 104.1 GiB against 80 GiB.",
+    "pp=4, ep=64 at 103.7 GiB and pp=8, ep=32 at 104.1 GiB against 80 GiB. The published "
+    "run of this very step on 256 H100s (NeMo AutoModel: TP1 PP4 EP64 VP8, FSDP over 64, "
+    "8.18 s; validation row deepseek-v3-256) shards the parameters and gradients too "
+    "(FSDP), which Megatron's ZeRO-1 does not, and autopar's memory model does not fit "
+    "that row in 80 GiB either. autopar's own column plans the 38.6B-parameter dense proxy, which "
+    "fits, so it has a plan where the MoE has none.",
 )
 
 

@@ -23,8 +23,10 @@ Each row runs the published plan as published where autopar can express it: reco
 (`MegatronConfig(recompute="full")` for BLOOM, MT-NLG and Megatron-LM, which all used full
 activation recomputation), the distributed optimizer (ZeRO-1) where the system had it
 (Megatron-DeepSpeed, Llama 3; not Megatron-LM 2021), with the gradients sharded too for
-Llama 3 405B at 8k (ZeRO-2, `MegatronConfig(zero2=True)`: its FSDP "shards the optimizer
-states and gradients", Dubey et al. 2024, sec. 3.3.2) and sequence parallelism only for
+Llama 3 405B at every sequence length (ZeRO-2, `MegatronConfig(zero2=True)`: its FSDP
+"shards the optimizer states and gradients", Dubey et al. 2024, sec. 3.3.2; at 128k the
+whole fp32 gradient sums alone, 11.9 GiB per device, would take the layout past 80 GiB)
+and sequence parallelism only for
 Llama 3 (Korthikanti et al. 2022 came after the other runs), 1F1B except Llama 3, which
 ran an interleaved schedule (Dubey et al. 2024, sec. 3.3.2: "we use an interleaved
 schedule (Narayanan et al., 2021) with V pipeline stages on one pipeline rank", and one
@@ -263,11 +265,12 @@ RUNS = RUNS + (
     PublishedRun("llama3-405b-128k", "Meta Llama 3 (4D parallelism)", LLAMA405_128K, "llama",
                  "dgx-h100", 16384, 8, 8, 16, 128, 1, 380.0, False, "", LLAMA_128K_SRC,
                  schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES, cp=16,
-                 cp_algorithm="all_gather"),
+                 cp_algorithm="all_gather", zero2=True),
     PublishedRun("llama3-405b-128k-ring", "Meta Llama 3 (4D parallelism)", LLAMA405_128K,
                  "llama", "dgx-h100", 16384, 8, 8, 16, 128, 1, 380.0, False,
                  "the paper's all-gather (this row: Megatron's ring)", LLAMA_128K_SRC,
-                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES, cp=16),
+                 schedule="interleaved_1f1b", virtual_stages=LLAMA_VIRTUAL_STAGES, cp=16,
+                 zero2=True),
     PublishedRun("deepseek-v3-2048", "DeepSeek-V3 (HAI-LLM)", DEEPSEEK_V3, "llama", "dgx-h100",
                  2048, 128, 1, 16, 15360, 1, 0.0, False, "FP8 GEMMs, DualPipe, node-limited "
                  "routing", DEEPSEEK_SRC, sequence_parallel=False, ep=64,

@@ -8,7 +8,6 @@ import optax
 import pytest
 
 from autopar.cluster import Cluster
-from autopar.cost import compute_time
 from autopar.graph import trace
 from autopar.manual import (
     AttentionShape,
@@ -19,6 +18,7 @@ from autopar.manual import (
     megatron_plan,
     megatron_plan_for_graph,
 )
+from autopar.manual._context_experts import local_attention_core
 from examples import llama, moe
 
 NVLINK_BW, NVLINK_LAT = 450e9, 5e-6
@@ -91,21 +91,19 @@ def test_grid_has_cp_for_long_sequences_and_prunes_uneven_chunks():
     assert not any(c.ep == 3 for c, _ in experts)  # 3 does not divide 8 experts
 
 
-def _ring_terms(cluster, micro_batch, cp, tp, layers):
-    """Ring CP on a stage, per microbatch, by hand: attention core (both GEMMs, the whole
-    square as traced) at s/cp queries against s keys, less what the local trace counts,
-    three passes; the ring's exposed hops forward and backward."""
+def _ring_terms(cluster, graph, mesh, micro_batch, cp, tp, layers):
+    """Ring CP on a stage, per microbatch, by hand: the rank's attention core (dots and
+    score-sized element-wise work) is cp x 3/4 (`ring_compute_fraction(2)`) the local
+    piece the plan prices (`local_attention_core`), forward and backward, less the local
+    piece; the ring's hops overlap the forward's dots at that price."""
     s, d = CFG.seq_len, CFG.head_dim
-    heads, kv_heads = CFG.num_heads // tp, max(1, CFG.num_kv_heads // tp)
-    real = 4 * micro_batch * s * s * heads * d / cp
-    local = 4 * micro_batch * (s // cp) ** 2 * heads * d
-    shape = (micro_batch * heads * s / cp, s, d)
-    forward = compute_time(real, 0, cluster, "bfloat16", matmul=True, gemm_shape=shape)
-    forward_local = compute_time(local, 0, cluster, "bfloat16", matmul=True,
-                                 gemm_shape=(shape[0], s / cp, d))
-    compute = 3 * (forward - forward_local)
+    kv_heads = max(1, CFG.num_kv_heads // tp)
+    core = local_attention_core(graph, cluster, mesh, s // cp)
+    factor = cp * (cp + 1) / (2 * cp)
+    compute = (factor - 1) * (core.forward + core.backward)
     block = 2 * micro_batch * s / cp * kv_heads * d * 2
     hop = NVLINK_LAT + block / NVLINK_BW
+    forward = factor * core.forward_dots
     step = forward / cp
     fwd = (cp - 1) * max(step, hop) + step - forward
     bwd = (cp - 1) * max(2 * step, 2 * hop) + 2 * step + hop - 2 * forward
@@ -120,7 +118,9 @@ def test_cp_terms_against_hand_computation():
     base = megatron_plan_for_graph(graph, cluster, MegatronConfig(dp=4, tp=2))
     plan = megatron_plan_for_graph(graph, cluster, MegatronConfig(dp=2, tp=2, cp=2),
                                    attention=ATTENTION)
-    compute, comm, buffers = _ring_terms(cluster, micro_batch=4, cp=2, tp=2, layers=2)
+    compute, comm, buffers = _ring_terms(cluster, graph, plan.stages[0].mesh,
+                                         micro_batch=4, cp=2, tp=2, layers=2)
+    assert compute > 0
     assert plan.stages[0].sharding.cost.compute == pytest.approx(
         base.stages[0].sharding.cost.compute + compute)
     assert plan.stages[0].sharding.cost.communication == pytest.approx(

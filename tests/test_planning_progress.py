@@ -103,3 +103,38 @@ def test_no_count_with_a_plan_raises_the_largest_counts_error():
     with pytest.raises(ValueError, match="64: no plan"):
         search.stage_choices(64)
     assert [c[0] for c in search.calls] == [1, 64, 32]
+
+
+def test_layer_ilp_progress_says_what_is_solved_and_what_is_left(caplog):
+    """Inside a count's stage DP, at most every `EVERY` seconds after a solve: the layer
+    ILPs solved and their seconds, and how many fastest layer plans (one per layer
+    structure and candidate shape) are at most left."""
+    from autopar.inter import _progress
+
+    table = SimpleNamespace(
+        fingerprints=["embed", "block", "block", "head"], candidate_shapes=((8,), (2, 4)),
+        _cache={("embed", (8,), 0): None, ("block", (8,), 0): None, ("block", (8,), 1): None},
+        num_microbatches=32, num_ilps=3, ilp_seconds=41.6, num_priced=5, progress_at=100.0)
+    assert _progress.level0_left(table) == (4, 6)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        assert not _progress.report(table, now=100.0 + _progress.EVERY - 1)
+        assert _progress.report(table, now=100.0 + _progress.EVERY)
+        assert not _progress.report(table, now=101.0 + _progress.EVERY)
+        assert _progress.report(table, now=100.0 + 2 * _progress.EVERY, batch=(2, 6),
+                                seconds=8.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "32 microbatch(es): 3 layer ILPs so far, 42 s, 5 priced from another count's "
+        "layouts; fastest layer plans: 4 of 6 not known yet, at most (leaner levels as "
+        "the stages need)",
+        "32 microbatch(es): 3 layer ILPs so far, 50 s, 5 priced from another count's "
+        "layouts (2 of the 6 plans solved side by side now are done); fastest layer plans: "
+        "4 of 6 not known yet, at most (leaner levels as the stages need)"]
+
+
+def test_a_refused_count_does_not_set_the_pace():
+    """A count settled without its ILPs (refused by its memory floor) is finished but
+    gives no pace: the estimate waits for a count searched in full."""
+    left = Countdown("microbatch counts", [1, 64, 32])
+    left.start(1)
+    left.done(1, paced=False)
+    assert left.finished == [1] and left.estimate() is None

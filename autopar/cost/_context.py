@@ -199,6 +199,57 @@ def ring_compute_fraction(cp: int) -> float:
     return (cp + 1) / (2 * cp)
 
 
+def all_gather_compute_fraction(cp: int) -> float:
+    """The share of the dense score work the all-gather algorithm computes under a causal
+    mask: ``(2·cp + 1) / (4·cp)``.
+
+    With 2·cp chunks of c tokens, rank i holds query chunks i and j = 2·cp − 1 − i; its
+    dense share is those 2c rows against all 2·cp·c gathered keys, ``4·cp·c²``. Each
+    chunk attends to the keys up to its own end, its diagonal block whole and masked
+    inside (Llama 3's all-gather CP, Dubey et al. 2024, sec. 3.3.2; TransformerEngine's
+    ``AttnFuncWithCPAndKVAllGather`` runs each chunk against ``K[:(chunk + 1)·c]``):
+    chunk i computes ``(i + 1)·c²``, chunk j ``(2·cp − i)·c²``, together
+    ``(2·cp + 1)·c²`` whatever i, so every rank does the same. Against the ring
+    (`ring_compute_fraction`, ``(2·cp + 2)/(4·cp)``) it skips one more c² block: the ring
+    computes its own chunks' block whole, chunk i's queries against chunk j's keys
+    (wholly masked) included. **Example:** cp = 4: 9/16."""
+    _check_positive(cp=cp)
+    return (2 * cp + 1) / (4 * cp)
+
+
+def context_compute_fraction(algorithm: CPAlgorithm, cp: int) -> float:
+    """The share of a CP rank's dense attention core (its s/cp queries against all s
+    keys, every score element) that `algorithm` computes under causal load balancing:
+    the ring `ring_compute_fraction`, all-gather `all_gather_compute_fraction`, Ulysses
+    1 (the rank runs the local kernel on the whole sequence for heads/cp, and the traced
+    kernel, an einsum with a mask, computes the whole square); 1 at cp = 1."""
+    check_algorithm(algorithm)
+    _check_positive(cp=cp)
+    if cp == 1 or algorithm == "ulysses":
+        return 1.0
+    if algorithm == "all_gather":
+        return all_gather_compute_fraction(cp)
+    return ring_compute_fraction(cp)
+
+
+def context_core_time(local_core: float, algorithm: CPAlgorithm, cp: int) -> float:
+    """Seconds of a CP rank's attention core (dots and the score-sized element-wise work:
+    scale, mask, softmax and their gradients) from those of the piece one CP rank's
+    local trace holds, `local_core` (its s/cp queries against its own s/cp keys, priced
+    node by node as the planner prices them): ``local_core · cp ·
+    context_compute_fraction(algorithm, cp)``.
+
+    The rank's dense share is cp times the local piece (s/cp × s against s/cp × s/cp
+    score elements per head; every dot's FLOPs and every element-wise node's bytes and
+    FLOPs scale with the keys), of which `algorithm` computes its fraction. The local
+    piece's per-kernel launch overheads and GEMM efficiency are scaled with it (they are
+    a small part of a core this size). **Example:** ring, cp = 4, a 10 ms local core:
+    ``10 · 4 · 5/8`` = 25 ms."""
+    if local_core < 0:
+        raise ValueError(f"context_core_time: local_core must be >= 0, got {local_core}")
+    return local_core * cp * context_compute_fraction(algorithm, cp)
+
+
 def zigzag_swap_time(tensor_bytes: float, cluster: Cluster, mesh: LogicalMesh,
                      axis: str | tuple[str, ...]) -> float:
     """Seconds to swap one device's contiguous share of a tensor (`tensor_bytes`) into

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,9 +26,11 @@ from autopar.cost import (
     stage_dispatch_time,
     stage_recompute_seconds,
 )
+from autopar.cost._units import format_gib
 from autopar.graph import OpGraph, Role
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
+from autopar.inter._memory_bound import hopeless_layer
 from autopar.inter._options import StageOptions
 from autopar.inter._stage_costs import (
     _bound_by_even_plans,
@@ -167,6 +170,9 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         # (`_StageCosts`) gives each submesh its own shapes, in their order.
         logical_shapes = tuple(s for sub in all_submeshes
                                for s in logical_mesh_shapes(sub, every=True))
+    if range_shapes is None:
+        _refuse_hopeless(table, all_submeshes, logical_shapes, num_microbatches, budget,
+                         refuse=table.lower_bounds)
     stage_cost = inner = _StageCosts(
         table, all_submeshes, logical_shapes, options.schedule, num_microbatches, budget,
         options.remat, crossing, prune=options.prune_by_bound,
@@ -183,6 +189,36 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         memory_budget=budget, num_positions=stage_cost.num_positions,
         stage_counts=stage_counts,
     )
+
+
+class NoStageHoldsLayer(ValueError):
+    """A layer no stage on any candidate mesh can hold within the memory budget, found by
+    its memory floor before any ILP (`autopar.inter._memory_bound.hopeless_layer`)."""
+
+
+def _refuse_hopeless(table: LayerCostTable, submeshes, logical_shapes,
+                     num_microbatches: int, budget: float, refuse: bool = True) -> None:
+    """Raise `NoStageHoldsLayer` when some layer's memory floor exceeds `budget` on every
+    logical mesh a stage may take (each submesh's shapes as `_StageCosts` tries them):
+    every pipeline plan has a stage holding that layer, so there is none, and no layer
+    ILP need say so. Records the shapes on the table for its progress lines; refuses
+    nothing unless `refuse` (the unpruned reference search solves every ILP)."""
+    shapes = [tuple(s) for sub in submeshes
+              for s in (logical_shapes or logical_mesh_shapes(sub))
+              if math.prod(s) == sub.num_devices]
+    table.candidate_shapes = tuple(dict.fromkeys(shapes))
+    found = hopeless_layer(table, shapes, budget) if refuse else None
+    if found is None:
+        return
+    layer, floors = found
+    least_shape, least = min(floors, key=lambda f: f[1])
+    why = (f"pipeline layer {layer} needs at least {format_gib(least)} per device on every "
+           f"stage mesh (its least, on mesh {least_shape}, with every value at its smallest "
+           f"split), against a memory budget of {format_gib(budget)}")
+    log.info("%d microbatch(es): refused before any ILP: %s", num_microbatches, why)
+    raise NoStageHoldsLayer(
+        f"no pipeline plan of {num_microbatches} microbatch(es): {why}. Use more "
+        "microbatches (smaller ones), more devices, or a larger memory budget")
 
 
 def _splittable(table: LayerCostTable, submeshes, options: StageOptions):

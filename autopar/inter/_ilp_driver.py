@@ -17,33 +17,41 @@ from autopar.intra._pool import WorkerDied
 log = logging.getLogger("autopar")
 
 
-def drive(all_steps: list, pool) -> list:
+def drive(all_steps: list, pool, finished=None) -> list:
     """Run the generators `all_steps` to their ends, solving the ILPs they yield (in
     `pool` when given: every generator's next ILP is in flight at once); their results in
-    order."""
+    order. `finished(done, total)`, when given, is called as each generator ends."""
     results: list = [None] * len(all_steps)
+    ended = [0]
+
+    def end(i: int, value) -> None:
+        results[i] = value
+        ended[0] += 1
+        if finished is not None:
+            finished(ended[0], len(all_steps))
+
     # Each ILP goes to the pool as soon as it is built, so that building the next
     # overlaps solving this one.
     handles = {}
     for i, steps in enumerate(all_steps):
-        _advance(i, steps, None, handles, results, pool)
+        _advance(i, steps, None, handles, end, pool)
     while handles:
         asked, handles = handles, {}
         for i, handle in asked.items():
-            _advance(i, all_steps[i], _outcome(handle), handles, results, pool)
+            _advance(i, all_steps[i], _outcome(handle), handles, end, pool)
     return results
 
 
-def _advance(i: int, steps, outcome, handles: dict, results: list, pool) -> None:
+def _advance(i: int, steps, outcome, handles: dict, end, pool) -> None:
     """Send `outcome` (a solution or the exception its solve raised) into generator
-    `i`: its next ILP is started (`handles[i]`), or its result goes to `results`."""
+    `i`: its next ILP is started (`handles[i]`), or its result goes to `end(i, result)`."""
     try:
         if isinstance(outcome, BaseException) and not isinstance(outcome, MemoryBudgetError):
             prepared = steps.throw(outcome)
         else:
             prepared = steps.send(outcome)
     except StopIteration as stop:
-        results[i] = stop.value
+        end(i, stop.value)
         return
     handles[i] = _start_solve(prepared, pool)
 

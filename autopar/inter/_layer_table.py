@@ -21,7 +21,7 @@ from autopar.choices import MEMORY_LEVELS, MemoryLevels, check_choice
 from autopar.cluster import LogicalMesh
 from autopar.cost import LayerCost, bytes_per_device, in_flight_microbatches
 from autopar.graph import OpGraph, Role, attention_core, dtype_itemsize, stored_residuals
-from autopar.inter import _range_cache, _repricing
+from autopar.inter import _progress, _range_cache, _repricing
 from autopar.inter._compact_specs import _CompactSpecs
 from autopar.inter._ilp_driver import drive
 from autopar.inter._layer_graphs import _tied_in, structural_fingerprint
@@ -184,6 +184,10 @@ class LayerCostTable:
         self._fused_by_level: dict[tuple, float] = {}  # (fingerprint, shape, level)
         self.num_ilps = 0
         self.ilp_seconds = 0.0  # wall seconds in `_drive`
+        # The logical mesh shapes the stage DP may ask about (`choose_stages` sets them),
+        # for the progress lines' count of level-0 ILPs left (`autopar.inter._progress`).
+        self.candidate_shapes: tuple = ()
+        self.progress_at = time.perf_counter()  # when the last progress line was logged
         self.num_hits = 0  # `cost` look-ups answered from the table
         self._driving = False  # inside `_drive` (nested solves count once in ilp_seconds)
         self._var_index: dict[int, dict[int, int]] = {}  # id(layer graph) -> `_compact`'s
@@ -206,6 +210,7 @@ class LayerCostTable:
         self._cache[key], plan = self._plan_level(layer, shape, level)
         if plan is not None:
             self._plans[key] = plan
+        _progress.report(self)
         return self._cache[key]
 
     def is_solved(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
@@ -245,6 +250,7 @@ class LayerCostTable:
                     self._cache[key] = cost
                     if plan is not None:
                         self._plans[key] = plan
+            _progress.report(self)
 
     def _plan_level(self, layer: int, shape, level: int):
         """(cost, (plan, graph solved on)) of one level; (None, None) when none fits."""
@@ -260,7 +266,8 @@ class LayerCostTable:
         start = time.perf_counter()
         pool = solver_pool() if parallel else None
         try:
-            return drive(all_steps, pool)
+            return drive(all_steps, pool, finished=lambda done, total: _progress.report(
+                self, batch=(done, total), seconds=time.perf_counter() - start))
         finally:
             if outermost:
                 self._driving = False

@@ -8,8 +8,10 @@ all-gather's layout), a *ring twin* whose K/V-side tensor keeps its sequence spl
 as well, as the ring kernel holds it (no all-gather into the dot, no reduce-scatter out
 of it), priced as the ring runs:
 
-- every dot of the attention computes ``cost.ring_compute_fraction(cp)`` of its dense
-  share (the zig-zag ring skips the masked blocks);
+- every dot of the attention computes ``cost.context_compute_fraction("ring", cp)``
+  (`ring_compute_fraction`) of its dense share (the zig-zag ring skips the masked
+  blocks); the Megatron grid prices its ring with the same function
+  (`autopar.manual._context_experts.context_terms`, `cost.context_core_time`);
 - the forward score dot ``Q K^T`` also pays the forward ring's exposed communication,
   ``cost.ring_attention_time`` (forward) less its compute, and the zig-zag swaps of Q,
   K, V in and the output out (``cost.zigzag_swap_time``);
@@ -40,10 +42,10 @@ from typing import NamedTuple
 from autopar.cluster._mesh import Spec
 from autopar.cost import (
     bytes_per_device,
+    context_compute_fraction,
     kv_block_bytes,
     ring_attention_buffer_bytes,
     ring_attention_time,
-    ring_compute_fraction,
     zigzag_swap_time,
 )
 from autopar.graph import Node, OpGraph
@@ -108,7 +110,7 @@ def ring_core_strategies(node: Node, roles: AttentionRoles, strategies: list, me
     """`strategies` of a node of the ring's attention beside its dots (`ring_core_nodes`),
     priced as the ring runs it under "ring": where a strategy splits the score's queries
     over mesh axes A (cp devices) and keeps its keys whole, the zig-zag ring computes its
-    score elements on the blocks it does not skip, ``cost.ring_compute_fraction(cp)`` of
+    score elements on the blocks it does not skip, ``context_compute_fraction("ring")`` of
     them, as it does its dots' (the masked blocks are neither multiplied nor scaled,
     masked or exponentiated). Other strategies are left as they are."""
     out = []
@@ -131,8 +133,49 @@ def _core_fraction(node: Node, roles: AttentionRoles, strategy, mesh) -> float:
         if not axes or spec[labels.index("sk")]:
             return 1.0
         cp = math.prod(mesh.axis_size(a) for a in axes)
-        return ring_compute_fraction(cp) if roles.seq_len % (2 * cp) == 0 else 1.0
+        return (context_compute_fraction("ring", cp) if roles.seq_len % (2 * cp) == 0
+                else 1.0)
     return 1.0
+
+
+def ring_core_seconds(graph: OpGraph, cluster, mesh, seq_len: int, axis: str) -> float:
+    """Seconds per device of the first attention of `graph` (sequence `seq_len`) as the
+    ILP prices it on the ring whose queries are split over mesh axis `axis`: each of its
+    nodes (dots and the score-sized element-wise work, forward and backward) at its
+    cheapest strategy whose scores keep their queries split over `axis` alone and their
+    keys whole, the dots' ring twins (`ring_strategies`) and the rest as
+    `ring_core_strategies` prices them. For comparing the Megatron grid's CP core
+    (`autopar.manual._context_experts.context_terms`) with the planner's on one ring."""
+    from autopar.intra._strategies import CostContext, node_signature, node_strategies
+
+    dots = ring_dots(graph, seq_len)
+    roles = AttentionRoles(graph, attention_components(graph, seq_len)[0], seq_len)
+    ctx = CostContext(cluster, mesh)
+    total = 0.0
+    for node in roles.nodes:
+        sig = node_signature(node, graph)
+        if sig is None:
+            continue
+        strategies = node_strategies(node, graph, sig, ctx)
+        if node.id in dots:
+            strategies = ring_strategies(node, graph, dots[node.id][0], roles, strategies,
+                                         ctx, forced=True)
+        else:
+            strategies = ring_core_strategies(node, roles, strategies, mesh)
+        ring = [t for t in strategies if _queries_over(node, roles, t, axis)]
+        total += min(t.compute_cost for t in ring or strategies)
+    return total
+
+
+def _queries_over(node: Node, roles: AttentionRoles, strategy, axis: str) -> bool:
+    """Whether `strategy` splits the node's score tensor's queries over `axis` alone and
+    keeps its keys whole."""
+    pairs = [*zip(node.outputs, strategy.out_specs), *zip(node.inputs, strategy.in_specs)]
+    for v, spec in pairs:
+        if v in roles.score and spec is not None:
+            labels = roles.labels[v]
+            return spec[labels.index("sq")] == (axis,) and not spec[labels.index("sk")]
+    return False
 
 
 def chose_ring(strategy_names) -> bool:
@@ -215,7 +258,7 @@ def _twin(node: Node, graph: OpGraph, role: str, roles: AttentionRoles, strategy
         comm, collectives = 0.0, ()
         var = graph.vars[out]
         out_bytes = bytes_per_device(var.shape, var.dtype, out_specs[0], mesh)
-    fraction = ring_compute_fraction(cp)
+    fraction = context_compute_fraction("ring", cp)
     compute = strategy.compute_cost * fraction
     if role == "qk" or role == "dp":
         directions = (False, True) if both else (role == "dp",)

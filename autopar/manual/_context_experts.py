@@ -15,10 +15,16 @@ the step is traced with each sequence cut into cp pieces laid along the batch
 CP, DP, PP from the innermost). Attention is the exception: each query chunk attends to
 the keys of the whole sequence, so
 
-- its core (``q·kᵀ``, ``p·v``: `causal_attention_flops`) does cp times the work the
-  local trace holds (the local trace counts s/cp keys per query; the real rank s keys for
-  s/cp queries). The difference is added as compute, counted as the trace counts the
-  core (the whole square; load balanced, so no rank waits: `causal_imbalance` = 1);
+- its core (the dots ``q·kᵀ``, ``p·v`` and their gradients, and the score-sized
+  element-wise work: scale, mask, softmax and their gradients) does more than the local
+  trace holds: the local trace scores s/cp queries against s/cp keys, the real rank
+  against all s keys, of which the algorithm computes the blocks it does not skip under
+  the causal mask with load balancing (`cost.context_core_time`: the ring's zig-zag
+  blocks, all-gather's two chunks against the keys up to their ends, Ulysses' whole
+  sequence for heads/cp). The local core is priced node by node as the plan prices it
+  (`local_attention_core`) and the difference is added as compute, so that the grid
+  prices an algorithm's attention exactly as autopar's planner prices the same one
+  (`autopar.intra._ring_strategies`);
 - the K/V blocks travel: Megatron's default is the ring (``--cp-comm-type p2p``), whose
   hops hide under the blockwise attention (`ring_attention_time`); all-gather and
   Ulysses all-to-all (``allgather``, ``a2a``) are the other choices
@@ -54,6 +60,7 @@ from autopar.cost import (
     check_load_balanced_sequence,
     check_ulysses_heads,
     compute_time,
+    context_core_time,
     context_parallel_buffer_bytes,
     context_parallel_time,
     expert_flops,
@@ -185,38 +192,145 @@ class StageTerms:
         return self.state + in_flight * self.activations + self.working
 
 
+@dataclass(frozen=True)
+class LocalCore:
+    """One attention layer's core per microbatch as a CP rank's local trace holds it and
+    its plan prices it (seconds per device): the forward's dots (``q·kᵀ``, ``p·v``),
+    the forward's score-sized element-wise work (scale, mask, softmax), and the
+    backward's dots and element-wise work together."""
+
+    forward_dots: float
+    forward_other: float
+    backward: float
+
+    @property
+    def forward(self) -> float:
+        return self.forward_dots + self.forward_other
+
+
+def local_attention_core(graph, cluster, mesh: LogicalMesh, local_seq: int,
+                         per_layer: bool = False) -> LocalCore | None:
+    """The first attention of `graph` (traced at one CP rank's shapes, sequence
+    `local_seq`) priced as the Megatron plan on `mesh` lays it out: each of its nodes
+    (`autopar.intra._attention_roles`: the dots and every node reading or making a score
+    tensor, forward and backward) at its cheapest strategy that keeps both sequence
+    dimensions of the scores whole (batch and heads split over the mesh), by the
+    planner's own node costs (`node_strategies`: roofline FLOPs and bytes across fusion
+    boundaries, kernel launches). With `per_layer` (a plan made layer by layer, the
+    pipeline runtime's) the nodes are priced on their layer's sub-graph
+    (`autopar.inter.partition`), as the layer's plan prices them: a score tensor its
+    layer hands on is written there. None when no attention's roles can be named."""
+    from autopar.intra._attention_roles import AttentionRoles, attention_components
+    from autopar.intra._strategies import CostContext, node_signature, node_strategies
+
+    roles = None
+    for sub in layer_graphs(graph) if per_layer else (graph,):
+        for component in attention_components(sub, local_seq):
+            try:
+                roles = AttentionRoles(sub, component, local_seq)
+                break
+            except ValueError:
+                continue
+        if roles is not None:
+            graph = sub
+            break
+    if roles is None:
+        return None
+    backward_dots = [n.id for n in roles.nodes if n.primitive == "dot_general"
+                     and n is not roles.qk and n is not roles.roles.get("o", (None,))[0]]
+    first_backward = min(backward_dots, default=len(graph.nodes))
+    ctx = CostContext(cluster, mesh)
+    parts = [0.0, 0.0, 0.0]
+    for node in roles.nodes:
+        sig = node_signature(node, graph)
+        if sig is None:
+            continue
+        strategies = node_strategies(node, graph, sig, ctx)
+        whole = [t for t in strategies if _keeps_sequence(node, roles, t)] or strategies
+        seconds = min(t.compute_cost for t in whole)
+        part = (2 if node.id >= first_backward
+                else 0 if node.primitive == "dot_general" else 1)
+        parts[part] += seconds
+    return LocalCore(*parts)
+
+
+def layer_graphs(graph):
+    """The per-layer sub-graphs of `graph` as the layer-wise planner splits it (its layer
+    marks); `graph` alone without marks."""
+    from autopar.inter import assign_layers, partition
+
+    try:
+        layers = assign_layers(graph)
+    except ValueError:
+        layers = None
+    if layers is None or layers.num_layers == 1:
+        return (graph,)
+    return partition(graph, layers, [(k, k + 1) for k in range(layers.num_layers)]
+                     ).stage_graphs
+
+
+def _keeps_sequence(node, roles, strategy) -> bool:
+    """Whether `strategy` keeps the query and key dimensions of the node's score tensors
+    whole (Megatron's layout: CP is in the batch of the local trace)."""
+    pairs = [*zip(node.outputs, strategy.out_specs), *zip(node.inputs, strategy.in_specs)]
+    for v, spec in pairs:
+        labels = roles.labels.get(v)
+        if v in roles.score and spec is not None and labels is not None:
+            if spec[labels.index("sq")] or spec[labels.index("sk")]:
+                return False
+    return True
+
+
+def formula_core(cluster, attention: AttentionShape, micro_batch: int, seq_len: int,
+                 tp: int, cp: int) -> LocalCore:
+    """The local core's dots by formula (`causal_attention_flops` of the local piece, the
+    whole square, as the traced einsum computes it; the backward twice the forward), for
+    a step whose attention `local_attention_core` cannot name: no element-wise work."""
+    heads = attention.num_heads // tp
+    d = attention.head_dim
+    dtype = "bfloat16" if attention.itemsize == 2 else "float32"
+    local = causal_attention_flops(micro_batch, seq_len // cp, heads, d, causal=False)
+    forward = compute_time(local, 0.0, cluster, dtype, matmul=True,
+                           gemm_shape=(micro_batch * heads * seq_len / cp, seq_len / cp, d))
+    return LocalCore(forward, 0.0, 2 * forward)
+
+
 def context_terms(config, cluster, attention: AttentionShape, micro_batch: int,
-                  seq_len: int, num_layers: int, stage: int) -> StageTerms:
+                  seq_len: int, num_layers: int, stage: int,
+                  core: LocalCore | None = None) -> StageTerms:
     """CP's additions to a stage of `num_layers` attention layers, per microbatch of
-    `micro_batch` sequences of `seq_len` per data-parallel rank (module docstring)."""
+    `micro_batch` sequences of `seq_len` per data-parallel rank (module docstring).
+    `core`: one attention layer's local core as the plan prices it
+    (`local_attention_core`); None: its dots by formula (`formula_core`)."""
     cp, tp = config.cp, config.tp
     if cp == 1 or num_layers == 0:
         return StageTerms()
     heads = attention.num_heads // tp
     kv_heads = max(1, attention.num_kv_heads // tp)
-    if config.cp_algorithm == "ulysses":
+    algorithm = config.cp_algorithm
+    if algorithm == "ulysses":
         check_ulysses_heads(heads, kv_heads, cp)
-    dtype = "bfloat16" if attention.itemsize == 2 else "float32"
+    if core is None:
+        core = formula_core(cluster, attention, micro_batch, seq_len, tp, cp)
     d = attention.head_dim
-    # What the local trace counts (s/cp queries, s/cp keys) and what a rank does (s/cp
-    # queries, s keys), both as the trace counts the core: the whole square.
-    local = causal_attention_flops(micro_batch, seq_len // cp, heads, d, causal=False)
-    real = causal_attention_flops(micro_batch, seq_len, heads, d, cp=cp, causal=False)
-    shape = (micro_batch * heads * seq_len / cp, seq_len, d)
-    forward = compute_time(real, 0.0, cluster, dtype, matmul=True, gemm_shape=shape)
-    forward_local = compute_time(local, 0.0, cluster, dtype, matmul=True,
-                                 gemm_shape=(shape[0], seq_len / cp, d))
-    # forward, backward (twice the forward) and the recomputed forward, if any
-    passes = 3 + (config.recompute in ("selective", "full"))
-    compute = passes * (forward - forward_local)
+    recompute = config.recompute in ("selective", "full")
+    # The rank's real core (`context_core_time`) less what the local trace charges: the
+    # forward, the backward, and the recomputed forward, if any.
+    real_forward = context_core_time(core.forward, algorithm, cp)
+    real_backward = context_core_time(core.backward, algorithm, cp)
+    compute = ((1 + recompute) * (real_forward - core.forward)
+               + real_backward - core.backward)
+    # The ring's steps overlap its hops with the forward's dots, as autopar's ring twins
+    # price it (`autopar.intra._ring_strategies`).
+    dots = context_core_time(core.forward_dots, algorithm, cp)
     mesh = stage_cp_mesh(config, stage)
     fwd, bwd = context_parallel_time(
-        config.cp_algorithm, attention_compute=forward, batch=micro_batch, seq_len=seq_len,
+        algorithm, attention_compute=dots, batch=micro_batch, seq_len=seq_len,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=d, itemsize=attention.itemsize,
         cluster=cluster, mesh=mesh, axis=CONTEXT_AXIS)
-    recomputed = fwd if config.recompute in ("selective", "full") else 0.0
+    recomputed = fwd if recompute else 0.0
     buffers = context_parallel_buffer_bytes(
-        config.cp_algorithm, batch=micro_batch, seq_len=seq_len, cp=cp, num_heads=heads,
+        algorithm, batch=micro_batch, seq_len=seq_len, cp=cp, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=d, itemsize=attention.itemsize)
     return StageTerms(num_layers * compute, num_layers * (fwd + bwd + recomputed),
                       working=buffers)

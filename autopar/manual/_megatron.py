@@ -64,6 +64,7 @@ from autopar.manual._context_experts import (
     context_args,
     context_terms,
     expert_terms,
+    local_attention_core,
     with_terms,
 )
 from autopar.manual._dataflow import classify_parameters
@@ -772,12 +773,14 @@ def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
     micro_batch, seq_len = _sequences(graph, config)
     counts = _attention_layers(graph, stages, seq_len // config.cp,
                                attention.num_heads if attention is not None else None)
+    core = (local_attention_core(graph, cluster, stages[0].mesh, seq_len // config.cp,
+                                 _layer_wise(graph, config)) if config.cp > 1 else None)
     out, before = [], 0
     for s, (stage, layers) in enumerate(zip(stages, counts)):
         terms = []
         if config.cp > 1:
             terms.append(context_terms(config, cluster, attention, micro_batch, seq_len,
-                                       layers, s))
+                                       layers, s, core))
         if moe is not None:
             dense = moe.num_layers - moe.num_moe_layers
             moe_layers = max(0, min(before + layers, moe.num_layers) - max(before, dense))

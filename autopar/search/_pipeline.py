@@ -48,6 +48,7 @@ from autopar.inter import (
     plan_chosen_stages,
     scan_layers,
 )
+from autopar.inter._choose import NoStageHoldsLayer
 from autopar.inter._stage_dp import NoPlanOfCount
 from autopar.inter.passes import per_iteration
 from autopar.intra._context import ContextParallelError
@@ -360,7 +361,9 @@ class _PipelineSearch:
             progress.start(num_micro, "microbatch(es)")
             found[num_micro], table = self.search_count(
                 num_micro, reference, keep_layouts=share and reference is None)
-            progress.done(num_micro)
+            # A count refused by its memory floor took no ILP: no measure of the pace.
+            progress.done(num_micro, paced=not isinstance(self.errors.get(num_micro),
+                                                          NoStageHoldsLayer))
             # A count without a plan is no reference: its layouts are those of layers
             # that do not fit, and priced here they answer few costs (every count priced
             # on them is searched again, in full, when it wins). The next count is

@@ -15,6 +15,9 @@ plans under fixed options, e.g. ``num_microbatches=32``):
   collectives, resharding per microbatch, the CP split, the memory level, and for one
   transformer layer its compute and collectives by kind of node (attention's dots by
   role, its scale/mask/softmax, the other matmuls, the rest);
+- the grid's attention core per layer as charged (the local piece times cp x the
+  algorithm's computed share, `cost.context_core_time`) and, for the ring, the same ring
+  as autopar's planner prices it (`ring_core_seconds`);
 - `autopar.report.explain_differences` (the largest differences, ranked).
 
 Plans only (shapes; nothing runs).
@@ -30,12 +33,15 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from autopar.cluster import Cluster  # noqa: E402
-from autopar.cost import ring_compute_fraction  # noqa: E402
+from autopar.cluster import Cluster, LogicalMesh  # noqa: E402
+from autopar.cost import context_compute_fraction, context_core_time  # noqa: E402
+from autopar.graph import trace  # noqa: E402
 from autopar.inter._layer_table import LayerCostTable  # noqa: E402
+from autopar.intra._attention_roles import attention_components  # noqa: E402
 from autopar.intra._context import sequence_length  # noqa: E402
 from autopar.intra._ring_strategies import (  # noqa: E402
     ring_core_nodes,
+    ring_core_seconds,
     ring_core_strategies,
     ring_dots,
     ring_strategies,
@@ -45,22 +51,23 @@ from autopar.intra._strategies import (  # noqa: E402
     node_signature,
     node_strategies,
 )
-from autopar.manual import AttentionShape, MegatronConfig, megatron_plan  # noqa: E402
-from autopar.manual._context_experts import context_terms  # noqa: E402
+from autopar.manual import AttentionShape, megatron_plan  # noqa: E402
+from autopar.manual._context_experts import layer_graphs  # noqa: E402
 from autopar.report import time_split  # noqa: E402
 from autopar.report._differences import explain_differences  # noqa: E402
+from autopar.search import microbatch_args  # noqa: E402
 from autopar.search import plan as autopar_plan  # noqa: E402
 from benchmarks.bench_long_moe import PROFILE, ROWS, model_step  # noqa: E402
 
 
 def _grid_config(text: str) -> dict:
     """``tp=2,cp=4,mb=32[,pp=1][,recompute=full]`` -> `megatron_plan` keywords."""
-    names = {"mb": "num_microbatches"}
+    names = {"mb": "num_microbatches", "alg": "cp_algorithm"}
     out = dict(dp=1, tp=1, pp=1, cp=1, num_microbatches=1, recompute="none")
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
         key = names.get(key, key)
-        out[key] = value if key == "recompute" else int(value)
+        out[key] = value if key in ("recompute", "cp_algorithm") else int(value)
     return out
 
 
@@ -184,17 +191,15 @@ def print_layers(p, recorder: LayerRecorder, cluster, layers_shown=(1,)) -> None
                       f"{kind} {_ms(c)} / {_ms(m)}" for kind, (c, m) in sorted(split.items())))
 
 
-def grid_core_at_ring_price(grid, recorder: LayerRecorder, cluster, config: dict,
-                            attention, micro_batch: int, seq_len: int, layer: int = 1
-                            ) -> None:
-    """The grid's attention core per layer and microbatch as it is charged (its local
-    trace's dots and scale/mask/softmax at one CP rank's (s/cp)^2 piece, plus
-    `context_terms`' extra compute: the dots' whole square, cp times the local) against
-    the same core at the ring's price, as autopar's ring twins charge theirs:
-    ``cp * ring_compute_fraction(cp)`` times the local core, the dots *and* the
-    element-wise work (the real rank scores s/cp queries against all s keys, and the
-    zig-zag ring skips the masked blocks)."""
-    cp = config["cp"]
+def grid_core(grid, recorder: LayerRecorder, cluster, config: dict, row, step,
+              step_args, layer: int = 1) -> None:
+    """The grid's attention core per layer and microbatch as it is charged: its local
+    trace's dots and scale/mask/softmax at one CP rank's (s/cp)^2 piece (the layer plan's
+    nodes priced again, `node_split`) and the rank's real core,
+    `cost.context_core_time` (cp x `context_compute_fraction` of the algorithm times the
+    local core, dots and element-wise work alike: as autopar's ring twins price the
+    ring), which `context_terms` charges."""
+    cp, algorithm = config["cp"], config.get("cp_algorithm", "ring")
     if cp == 1:
         return
     shape, level, layers = recorder.calls[-1]
@@ -203,20 +208,26 @@ def grid_core_at_ring_price(grid, recorder: LayerRecorder, cluster, config: dict
     dots = sum(c for kind, (c, _) in split.items()
                if kind.startswith("attention") and "softmax" not in kind)
     softmax = split.get("attention scale/mask/softmax", [0.0])[0]
-    mega = MegatronConfig(dp=config["dp"], tp=config["tp"], pp=config["pp"],
-                          sequence_parallel=True, distributed_optimizer=True,
-                          num_microbatches=config["num_microbatches"], cp=cp,
-                          recompute=config["recompute"])
-    extra = context_terms(mega, cluster, attention, micro_batch, seq_len, 1, 0).compute
-    charged = dots + softmax + extra
-    ring = cp * ring_compute_fraction(cp) * (dots + softmax)
-    layers_n = attention.num_layers
-    print(f"  grid attention core per layer and microbatch (layer {k}): charged "
-          f"{_ms(charged)} (local dots {_ms(dots)} + local scale/mask/softmax "
-          f"{_ms(softmax)} + CP's extra dots {_ms(extra)}); at the ring's price "
-          f"(cp x ring_compute_fraction = {cp * ring_compute_fraction(cp):.3g} x the local "
-          f"core) {_ms(ring)}: {(ring - charged) * layers_n * grid.num_microbatches:+.2f} s "
-          f"per step over {layers_n} layers x {grid.num_microbatches} microbatches")
+    charged = context_core_time(dots + softmax, algorithm, cp)
+    print(f"  grid attention core per layer and microbatch (layer {k}): local dots "
+          f"{_ms(dots)} + local scale/mask/softmax {_ms(softmax)}; charged {_ms(charged)} "
+          f"(cp x context_compute_fraction({algorithm!r}, {cp}) = "
+          f"{cp * context_compute_fraction(algorithm, cp):.3g} x the local core)")
+    if algorithm != "ring":
+        return
+    # The same ring as autopar's planner prices it: the step at the whole sequence (one
+    # microbatch), queries over a context axis of cp, heads over tp, on the layer's
+    # sub-graph (`ring_core_seconds`).
+    args = microbatch_args(step_args, (1,), config["num_microbatches"])
+    full = trace(step, *args, batch_argnums=(1,))
+    sub = next(g for g in layer_graphs(full) if attention_components(g, row.seq_len))
+    dp, tp = config["dp"], config["tp"]
+    mesh = LogicalMesh.create((dp, cp, tp), range(dp * cp * tp),
+                              ("data", "context", "model"))
+    ring = ring_core_seconds(sub, cluster, mesh, row.seq_len, "context")
+    print(f"  the same ring as autopar's planner prices it (ring_core_seconds): "
+          f"{_ms(ring)}; grid / autopar {charged / ring:.4f} (the grid scales its local "
+          "piece, GEMM efficiency and kernel launches with it)")
 
 
 def main() -> None:
@@ -246,9 +257,7 @@ def main() -> None:
     print_split(f"grid {grid.method}", grid)
     print_layers(grid, recorder, cluster)
     config = _grid_config(args.grid)
-    micro_batch = row.global_batch // (config["dp"] * config["num_microbatches"])
-    grid_core_at_ring_price(grid, recorder, cluster, config, attention, micro_batch,
-                            row.seq_len)
+    grid_core(grid, recorder, cluster, config, row, step, step_args)
     plans = []
     for text in [] if args.grid_only else args.auto_options or [""]:
         options = {}
