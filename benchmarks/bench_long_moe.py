@@ -93,7 +93,7 @@ class Row:
         return f"{self.name}-{self.seq_len // 1024}k@{self.num_hosts * 8}"
 
 
-# Each row's grid is cut to a few configurations (one tp, one pp) so that the rows plan
+# Each row's grid is cut to a few configurations (one tp, one or two pp) so that the rows plan
 # on a shared two-core machine; `--rows` picks rows, and widening a row's values widens
 # its grid.
 ROWS = (
@@ -101,9 +101,9 @@ ROWS = (
         tp_values=(2,)),
     Row("llama-8B", llama.CONFIGS["8B"], 131072, 8, 8, (1,), cp_values=(1, 2, 4, 8),
         tp_values=(8,)),
-    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (4,), cp_values=(1, 2),
+    Row("llama-70B", llama.CONFIGS["70B"], 32768, 32, 8, (1, 4), cp_values=(1, 2, 4, 8),
         tp_values=(8,)),
-    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (4,), cp_values=(1, 2),
+    Row("llama-70B", llama.CONFIGS["70B"], 131072, 8, 8, (1, 4), cp_values=(1, 2, 4, 8),
         tp_values=(8,)),
     Row("mixtral-8x7B", MIXTRAL, 4096, 256, 2, (2,), MIXTRAL_MOE, (1, 8), tp_values=(1,)),
     Row("deepseek-v3", DEEPSEEK, 4096, 512, 32, (4, 8, 16), DEEPSEEK_MOE, (1, 8, 16, 32, 64),
