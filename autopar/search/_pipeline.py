@@ -310,12 +310,13 @@ class _PipelineSearch:
         plans = []
         for num_micro, choices in sorted(self.stage_counts.items()):
             graph = self.traced[num_micro][0]
+            fingerprint = graph_fingerprint(graph)  # once for all its stage counts
             for _, choice in sorted(choices.items()):
                 if isinstance(choice, NoPlanOfCount):  # `stage_count_gaps`
                     continue
                 schedule, latency = self.schedule_for(choice, num_micro)
                 plans.append(self.plan_of(_Candidate(choice, graph, num_micro, schedule,
-                                                     latency)))
+                                                     latency), fingerprint=fingerprint))
         return plans
 
     def stage_count_gaps(self) -> list[tuple[int, int, NoPlanOfCount]]:
@@ -606,8 +607,9 @@ class _PipelineSearch:
 
     # -- the plan --------------------------------------------------------------------
 
-    def plan_of(self, best: _Candidate, scan_ranges=()) -> Plan:
-        """The `Plan` of the chosen candidate."""
+    def plan_of(self, best: _Candidate, scan_ranges=(), fingerprint: str | None = None
+                ) -> Plan:
+        """The `Plan` of the chosen candidate (`fingerprint`: its graph's, if known)."""
         choice = best.choice
         stages = tuple(
             Stage(layers, sp, remat if any(r != "none" for r in remat) else (), seconds,
@@ -625,7 +627,7 @@ class _PipelineSearch:
             stages=stages,
             inputs=input_infos(best.graph, lambda s: choice.stage_plans[s],
                                choice.partition.home),
-            graph_fingerprint=graph_fingerprint(best.graph),
+            graph_fingerprint=fingerprint or graph_fingerprint(best.graph),
             num_microbatches=best.num_microbatches,
             schedule=best.schedule,
             warnings=warnings,

@@ -14,15 +14,15 @@ the gradient in it. Scalar-only update nodes run on the stage of their first con
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
 from autopar._memo import declare
 from autopar.cost import MATMUL_PRIMITIVES, compute_time
 from autopar.graph import Node, OpGraph, Role
-from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable, deferrable_gradients
-from autopar.inter.passes._layers import LayerAssignment, accumulated_values
+from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable
+from autopar.inter.passes._layers import LayerAssignment
+from autopar.inter.passes._partition_skeleton import FIRST_STAGE, Skeleton, skeleton
 
 
 @dataclass(frozen=True)
@@ -81,41 +81,63 @@ PARTITIONS_PER_GRAPH = 8
 
 
 def _partition(graph: OpGraph, layers: LayerAssignment, stage_layers) -> Partition:
+    """The split-independent facts come from the graph's `Skeleton` (computed once);
+    here they are only mapped to stages and sliced."""
     num_stages = len(stage_layers)
     layer_stage = {}
     for s, (start, end) in enumerate(stage_layers):
         for layer in range(start, end):
             layer_stage[layer] = s
-    boundary = graph.nodes[layers.grad_boundary]
-    alias = dict(zip(boundary.outputs, boundary.inputs))
-    grad_vars = accumulated_values(graph, layers)
+    sk = skeleton(graph, layers)
+    if _ordered(stage_layers):
+        node_stage: list[int | None] = [
+            None if p is None else 0 if p == FIRST_STAGE else layer_stage[p]
+            for p in sk.place]
+    else:
+        node_stage = node_stages_per_split(graph, layers, layer_stage)
 
-    node_stage: list[int | None] = [None] * len(graph.nodes)
-    for node in graph.nodes:
-        if node.id != boundary.id and layers.layer[node.id] is not None:
-            node_stage[node.id] = layer_stage[layers.layer[node.id]]
-    dead = {n.id for n in graph.nodes if layers.phase[n.id] == "dead"}
-    _assign_update_nodes(graph, layers, node_stage, alias)
-    for n in dead:
-        node_stage[n] = None
-
-    stage_graphs, renumber = _stage_graphs(graph, node_stage, num_stages, alias)
-
-    consumers = _outside_consumers(graph, node_stage, alias, layers)
+    stage_graphs, renumber = _stage_graphs(graph, sk, node_stage, num_stages)
     placed: dict[tuple, list[int]] = {}  # (stage, phase) -> its nodes, in program order
-    for n in graph.nodes:
-        placed.setdefault((node_stage[n.id], layers.phase[n.id]), []).append(n.id)
+    for n, s in enumerate(node_stage):
+        placed.setdefault((s, layers.phase[n]), []).append(n)
     forward, backward = [], []
     for s in range(num_stages):
         for phase, bucket in (("forward", forward), ("backward", backward)):
             nodes = placed.get((s, phase), [])
-            bucket.append(_segment(graph, s, phase, nodes, renumber[s], consumers, alias))
-    apply = _apply_fragments(graph, layers, node_stage, renumber, alias)
-    home = _homes(graph, node_stage, alias)
+            bucket.append(_segment(graph, sk, node_stage, layers.phase, s, phase, nodes,
+                                   renumber[s]))
+    apply = _apply_fragments(graph, sk, node_stage, renumber)
+    home = {v: node_stage[n] for v, n in sk.first_readers}
+    for v in graph.invars:
+        home.setdefault(v, 0)
     return Partition(
-        num_stages, stage_graphs, node_stage, alias, grad_vars, forward, backward, apply, home,
-        renumber, deferrable_gradients(graph, layers),
+        num_stages, stage_graphs, node_stage, dict(sk.alias), sk.grad_vars, forward,
+        backward, apply, home, renumber, sk.deferrable,
     )
+
+
+def _ordered(stage_layers) -> bool:
+    """Whether every stage's layers come before the next non-empty stage's (`Skeleton`'s
+    condition: the layer -> stage map keeps order)."""
+    ranges = [(a, b) for a, b in stage_layers if a < b]
+    return all(b <= c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+
+
+def node_stages_per_split(graph: OpGraph, layers: LayerAssignment, layer_stage: dict
+                          ) -> list[int | None]:
+    """Every node's stage by the rule applied to this split itself (stages given out of
+    layer order; tests compare it with the `Skeleton`'s)."""
+    boundary = graph.nodes[layers.grad_boundary]
+    alias = dict(zip(boundary.outputs, boundary.inputs))
+    node_stage: list[int | None] = [None] * len(graph.nodes)
+    for node in graph.nodes:
+        if node.id != boundary.id and layers.layer[node.id] is not None:
+            node_stage[node.id] = layer_stage[layers.layer[node.id]]
+    _assign_update_nodes(graph, layers, node_stage, alias)
+    for n in graph.nodes:
+        if layers.phase[n.id] == "dead":
+            node_stage[n.id] = None
+    return node_stage
 
 
 def _is_array(graph: OpGraph, v: int) -> bool:
@@ -123,8 +145,9 @@ def _is_array(graph: OpGraph, v: int) -> bool:
     return var.role is not Role.CONST and len(var.shape) > 0
 
 
-def _assign_update_nodes(graph, layers, node_stage, alias) -> None:
-    """Give each optimizer-update node the stage that computes its gradient."""
+def _assign_update_nodes(graph, layers, node_stage, alias, default: int = 0) -> None:
+    """Give each optimizer-update node the stage that computes its gradient (`default`:
+    where no rule gives one)."""
     parent: dict[int, int] = {}
 
     def find(v: int) -> int:
@@ -181,7 +204,7 @@ def _assign_update_nodes(graph, layers, node_stage, alias) -> None:
                 for v in node.inputs
                 if _stage_of(alias.get(v, v), producer, node_stage) is not None
             ]
-        node_stage[node.id] = min(stages) if stages else 0
+        node_stage[node.id] = min(stages) if stages else default
     assert all(
         s is not None
         for n, s in zip(graph.nodes, node_stage)
@@ -194,7 +217,18 @@ def _stage_of(v, producer, node_stage):
     return None if p is None else node_stage[p]
 
 
-def _stage_graphs(graph: OpGraph, node_stage, num_stages: int, alias
+def _renumbered(node: Node, new_id: int, inputs: tuple[int, ...]) -> Node:
+    """`dataclasses.replace(node, id=new_id, inputs=inputs)` without its per-field checks
+    (a frozen `Node` has no `__post_init__`; 5x faster, and a cut makes one per node)."""
+    new = object.__new__(Node)
+    fields = new.__dict__
+    fields.update(node.__dict__)
+    fields["id"] = new_id
+    fields["inputs"] = inputs
+    return new
+
+
+def _stage_graphs(graph: OpGraph, sk: Skeleton, node_stage, num_stages: int
                   ) -> tuple[list[OpGraph], list[dict[int, int]]]:
     """The sub-graph of each stage (nodes renumbered from 0, variables shared) and each
     one's renumbering, in two passes over the graph rather than two per stage (a split
@@ -203,17 +237,19 @@ def _stage_graphs(graph: OpGraph, node_stage, num_stages: int, alias
     ids: list[dict[int, int]] = [{} for _ in range(num_stages)]
     produced: list[set[int]] = [set() for _ in range(num_stages)]
     invars: list[dict[int, None]] = [{} for _ in range(num_stages)]
+    array = sk.array
     for node in graph.nodes:
         s = node_stage[node.id]
         if s is None or not 0 <= s < num_stages:
             continue
-        inputs = tuple(alias.get(v, v) for v in node.inputs)
+        inputs = sk.inputs[node.id]
+        made = produced[s]
         for v in inputs:
-            if v not in produced[s] and graph.vars[v].role is not Role.CONST:
+            if v not in made and array[v]:
                 invars[s].setdefault(v)
         ids[s][node.id] = len(nodes[s])
-        nodes[s].append(dataclasses.replace(node, id=len(nodes[s]), inputs=inputs))
-        produced[s].update(node.outputs)
+        nodes[s].append(_renumbered(node, len(nodes[s]), inputs))
+        made.update(node.outputs)
     makers: dict[int, list[int]] = {}  # var -> the stages producing it
     for s in range(num_stages):
         for v in produced[s]:
@@ -221,13 +257,12 @@ def _stage_graphs(graph: OpGraph, node_stage, num_stages: int, alias
     needed_outside: list[dict[int, None]] = [{} for _ in range(num_stages)]
     for node in graph.nodes:
         here = node_stage[node.id]
-        for v in node.inputs:
-            v = alias.get(v, v)
+        for v in sk.inputs[node.id]:
             for s in makers.get(v, ()):
                 if s != here:
                     needed_outside[s].setdefault(v)
     for v in graph.outvars:
-        v = alias.get(v, v)
+        v = sk.alias.get(v, v)
         for s in makers.get(v, ()):
             needed_outside[s].setdefault(v)
     subs = [
@@ -238,72 +273,49 @@ def _stage_graphs(graph: OpGraph, node_stage, num_stages: int, alias
     return subs, ids
 
 
-def _outside_consumers(graph, node_stage, alias, layers) -> dict[int, set]:
-    """For every variable, the (stage, phase) places that read it, plus "out" for results."""
-    places: dict[int, set] = {}
-    for node in graph.nodes:
-        if node_stage[node.id] is None:
-            continue
-        for v in node.inputs:
-            place = (node_stage[node.id], layers.phase[node.id])
-            places.setdefault(alias.get(v, v), set()).add(place)
-    for v in graph.outvars:
-        places.setdefault(alias.get(v, v), set()).add("out")
-    for v in alias.values():
-        places.setdefault(v, set()).add("grad")
-    return places
-
-
-def _read_from_outside(graph, nodes, alias) -> tuple[int, ...]:
+def _read_from_outside(graph, sk: Skeleton, nodes) -> tuple[int, ...]:
     """Variables the nodes read that none of them produce (constants aside), in order."""
     produced: set[int] = set()
     inputs: dict[int, None] = {}
+    array = sk.array
     for n in nodes:
-        for v in graph.nodes[n].inputs:
-            v = alias.get(v, v)
-            if v not in produced and graph.vars[v].role is not Role.CONST:
+        for v in sk.inputs[n]:
+            if v not in produced and array[v]:
                 inputs.setdefault(v)
         produced.update(graph.nodes[n].outputs)
     return tuple(inputs)
 
 
-def _segment(graph, stage, phase, nodes, ids, consumers, alias) -> Segment:
-    here = (stage, phase)
-    outputs = tuple(
-        v
-        for n in nodes
-        for v in graph.nodes[n].outputs
-        if consumers.get(v, set()) - {here}
-    )
-    inputs = _read_from_outside(graph, nodes, alias)
+def _segment(graph, sk: Skeleton, node_stage, phases, stage, phase, nodes, ids) -> Segment:
+    """A stage's nodes of one phase; its outputs: what a reader elsewhere (another stage
+    or phase), the step's results or the grad boundary needs."""
+
+    def handed_out(v: int) -> bool:
+        return v in sk.always_out or any(
+            node_stage[u] != stage or phases[u] != phase for u in sk.readers.get(v, ()))
+
+    outputs = tuple(v for n in nodes for v in graph.nodes[n].outputs if handed_out(v))
+    inputs = _read_from_outside(graph, sk, nodes)
     return Segment(stage, phase, tuple(ids[n] for n in nodes), inputs, outputs)
 
 
-def _apply_fragments(graph, layers, node_stage, renumber, alias) -> list[Segment]:
+def _apply_fragments(graph, sk: Skeleton, node_stage, renumber) -> list[Segment]:
     """Update nodes grouped by stage into rounds: a round waits for values of other stages."""
     producer_round: dict[int, tuple[int, int]] = {}  # var -> (round, stage)
     node_round: dict[int, int] = {}
-    for node in graph.nodes:
-        if layers.phase[node.id] != "apply":
-            continue
-        s = node_stage[node.id]
+    for n in sk.apply:
+        s = node_stage[n]
         r = 0
-        for v in node.inputs:
-            v = alias.get(v, v)
+        for v in sk.inputs[n]:
             if v in producer_round:
                 pr, ps = producer_round[v]
                 r = max(r, pr + (ps != s))
-        node_round[node.id] = r
-        for v in node.outputs:
+        node_round[n] = r
+        for v in graph.nodes[n].outputs:
             producer_round[v] = (r, s)
     groups: dict[tuple[int, int], list[int]] = {}
     for n, r in node_round.items():
         groups.setdefault((r, node_stage[n]), []).append(n)
-    users: dict[int, list[int]] = {}
-    for node in graph.nodes:
-        for v in node.inputs:
-            users.setdefault(alias.get(v, v), []).append(node.id)
-    outvars = {alias.get(v, v) for v in graph.outvars}
     fragments = []
     for r, s in sorted(groups):
         nodes = sorted(groups[(r, s)])
@@ -312,29 +324,12 @@ def _apply_fragments(graph, layers, node_stage, renumber, alias) -> list[Segment
             v
             for n in nodes
             for v in graph.nodes[n].outputs
-            if v in outvars or any(u not in node_set for u in users.get(v, ()))
+            if v in sk.outvars or any(u not in node_set for u in sk.users.get(v, ()))
         )
-        inputs = _read_from_outside(graph, nodes, alias)
+        inputs = _read_from_outside(graph, sk, nodes)
         ids = renumber[s]
         fragments.append(Segment(s, "apply", tuple(ids[n] for n in nodes), inputs, outputs, r))
     return fragments
-
-
-def _homes(graph: OpGraph, node_stage, alias) -> dict[int, int]:
-    """The stage that keeps each graph input: its updater if it is state, else first reader."""
-    home: dict[int, int] = {}
-    invars = set(graph.invars)  # a tuple's `in` walked it once per operand
-    for node in graph.nodes:
-        s = node_stage[node.id]
-        if s is None:
-            continue
-        for v in node.inputs:
-            if v in invars and graph.vars[v].role is not Role.CONST:
-                if node.primitive != "grad_boundary":
-                    home.setdefault(v, s)
-    for v in graph.invars:
-        home.setdefault(v, 0)
-    return home
 
 
 def split_backward(seg: Segment, graph: OpGraph, grad_set: set) -> tuple[Segment, Segment]:
