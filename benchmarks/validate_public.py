@@ -52,7 +52,9 @@ traced at one CP rank's shapes (`autopar.manual.context_args`: batch x cp, seque
 and scored with ``MegatronConfig(cp=16)``, ring CP as Megatron runs it; its model FLOPs
 are the traced step's plus the attention the local trace leaves out (each query chunk
 against the whole sequence; counted, like every row here, as the traced einsum counts it:
-the whole s x s square, not the causal half). The MoE rows trace the model's dense proxy
+the whole s x s square, not the causal half, as torchtitan, Meta's PyTorch training
+library, counts it in its MFU: `get_num_flop_per_token`, 12 x layers x heads x head_dim x
+sequence per token, no causal halving). The MoE rows trace the model's dense proxy
 (a SwiGLU of width (top-k + shared) x expert FFN, the FLOPs per token of the MoE layer)
 with `MoEShape` adding expert parallelism's all-to-alls and the memory of the experts the
 proxy does not hold; their published step time is tokens per step over the published
