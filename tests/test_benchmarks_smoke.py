@@ -40,4 +40,4 @@ def test_the_benchmark_scripts_own_tests_pass():
     )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) == 13, done.stdout[-2000:]
+    assert passed and int(passed.group(1)) == 15, done.stdout[-2000:]
