@@ -13,9 +13,15 @@ import pytest
 from helpers import tiny_gpt_step
 
 import autopar
+from autopar.cluster import LogicalMesh
+from autopar.graph import tied_state
+from autopar.inter import LayerCostTable
 from autopar.inter.passes import _partition as partition_module
 from autopar.inter.passes._layers import assign_layers
 from autopar.inter.passes._partition_skeleton import skeleton
+from autopar.intra import ShardOptions
+
+CPU = autopar.Cluster.from_profile("cpu-local")
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +77,25 @@ def test_stages_out_of_layer_order_take_the_per_split_rule(adamw_graph):
                                                                      layer_stage)
     assert {part.node_stage[i] for i, k in enumerate(layers.layer)
             if k == 0 and layers.phase[i] != "dead" and i != layers.grad_boundary} == {1}
+
+
+def test_a_stage_shared_by_two_splits_is_stitched_once(adamw_graph):
+    """The explored space's stage counts share stages (same layers, mesh and layer plans):
+    `LayerCostTable.stage_plan` stitches such a stage once, and that plan equals a fresh
+    stitch of the other split's sub-graph; a stage of other layers is stitched anew."""
+    graph, layers = adamw_graph
+    last = layers.num_layers
+    tied = tied_state(graph, (0,))
+    table = LayerCostTable(graph, layers, CPU, ShardOptions(), tied)
+    shape = (1, 2)
+    mesh = LogicalMesh.create(shape, (0, 1))
+    two = partition_module.partition(graph, layers, [(0, 1), (1, last)])
+    three = partition_module.partition(graph, layers, [(0, 1), (1, 2), (2, last)])
+    assert two.stage_graphs[0] is not three.stage_graphs[0]
+    first = table.stage_plan(graph, two, 0, (0, 1), shape, mesh, tied)
+    again = table.stage_plan(graph, three, 0, (0, 1), shape, mesh, tied)
+    assert again is first
+    table._stitched.clear()
+    assert table.stage_plan(graph, three, 0, (0, 1), shape, mesh, tied) == first
+    rest = table.stage_plan(graph, two, 1, (1, last), shape, mesh, tied)
+    assert table.stage_plan(graph, three, 1, (1, 2), shape, mesh, tied) is not rest

@@ -173,6 +173,8 @@ class LayerCostTable:
         self._cache: dict[tuple, LayerCost | None] = {}  # (fingerprint, shape, level)
         self._plans: dict[tuple, tuple[ShardingPlan, OpGraph]] = {}
         self._remat_cache: dict[tuple, LayerCost] = {}
+        # (layer range, mesh, ids of its layers' plans) -> what `stage_plan` stitched
+        self._stitched: dict[tuple, tuple] = {}
         self._recomputes: dict[tuple, object] = {}
         self._kept: dict[int, frozenset[int]] = {}
         self._shared: dict[int, list[int]] | None = None  # state var -> layers reading it
@@ -644,15 +646,37 @@ class LayerCostTable:
             plan, solved_on = self.solved_plan(k, shape, level)
             sub = self.per_layer.stage_graphs[k]
             parts.append((sub, self.per_layer.node_index[k], plan, solved_on))
+        stage_graph = stage_part.stage_graphs[stage]
+        # The same layers' plans on the same mesh stitched onto the same stage sub-graph
+        # (another split sharing this stage, e.g. another stage count of the explored
+        # space) give the same plan: stitched once.
+        key = (tuple(layer_range), mesh, tuple((id(p[2]), id(p[3])) for p in parts))
+        held = self._stitched.get(key)
+        if held is not None and _same_stage(held[0], stage_graph, stage_index):
+            return held[2]
+        for k in range(*layer_range):
             for full, i in self.per_layer.node_index[k].items():
                 if i in self.weights[k]:
                     weights[stage_index[full]] = self.weights[k][i][0]
-        stage_graph = stage_part.stage_graphs[stage]
-        return stitch(
+        plan = stitch(
             stage_graph, stage_index, parts, mesh, self.cluster,
             _tied_in(stage_graph, self.tied), weights=weights,
             tie_weight=1.0 / self.num_microbatches, handed_on=handed_on,
         )
+        # The parts are kept so that the ids in the key stay theirs.
+        self._stitched[key] = ((stage_graph, stage_index), parts, plan)
+        return plan
+
+
+def _same_stage(held, stage_graph, stage_index) -> bool:
+    """Whether `stage_graph` (with full node id -> its node id `stage_index`) is the
+    stage sub-graph `held` (graph, index) is, but for its name: the same step's variables,
+    the same nodes numbered alike (so the same node list), inputs and outputs."""
+    graph, index = held
+    return graph is stage_graph or (
+        graph.vars is stage_graph.vars and graph.invars == stage_graph.invars
+        and graph.outvars == stage_graph.outvars
+        and len(graph.nodes) == len(stage_graph.nodes) and index == stage_index)
 
 
 def layer_cost_table(graph, layers, cluster, num_microbatches, options: StageOptions, tied, *,

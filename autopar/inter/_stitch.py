@@ -9,9 +9,11 @@ layout copy reads across a layer edge (`_copies_across_layers`), which no layer'
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.cost import repriced_copy_seconds
 from autopar.cost.backends import backend_for
@@ -22,8 +24,22 @@ from autopar.intra._reshard import reshard_collectives, reshard_time
 from autopar.intra._strategies import CostContext, _layout_seconds
 
 
-def canonical_vars(graph: OpGraph) -> list[int]:
-    """Non-constant variables in order of first appearance (as the fingerprint names them)."""
+def canonical_vars(graph: OpGraph) -> tuple[int, ...]:
+    """Non-constant variables in order of first appearance (as the fingerprint names them);
+    once per graph (a layer's sub-graph is carried into every stage stitched with it)."""
+    held = _CANONICAL.get(graph)
+    if held is None:
+        held = _CANONICAL[graph] = tuple(_canonical_vars(graph))
+    return held
+
+
+# graph -> `canonical_vars(graph)`
+_CANONICAL: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "inter.canonical_vars",
+    "graph -> its non-constant variables in order of first appearance")
+
+
+def _canonical_vars(graph: OpGraph) -> list[int]:
     seen: dict[int, None] = {}
     for v in graph.invars:
         seen.setdefault(v)

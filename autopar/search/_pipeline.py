@@ -260,6 +260,7 @@ class _PipelineSearch:
         # for the recorder (`autopar.space`) when it asks for them
         self.stage_counts: dict[int, dict] = {}
         self.shared_traces: dict = {}  # graphs traced before, by count (`search_plan`)
+        self.fingerprints: dict[int, tuple] = {}  # id(graph) -> (graph, its fingerprint)
 
     # -- the flow ---------------------------------------------------------------------
 
@@ -310,7 +311,7 @@ class _PipelineSearch:
         plans = []
         for num_micro, choices in sorted(self.stage_counts.items()):
             graph = self.traced[num_micro][0]
-            fingerprint = graph_fingerprint(graph)  # once for all its stage counts
+            fingerprint = self.fingerprint(graph)  # once for all its stage counts
             for _, choice in sorted(choices.items()):
                 if isinstance(choice, NoPlanOfCount):  # `stage_count_gaps`
                     continue
@@ -607,6 +608,14 @@ class _PipelineSearch:
 
     # -- the plan --------------------------------------------------------------------
 
+    def fingerprint(self, graph: OpGraph) -> str:
+        """`graph_fingerprint(graph)`, once per graph (every candidate and stage-count plan
+        of a microbatch count has that count's graph)."""
+        held = self.fingerprints.get(id(graph))
+        if held is None or held[0] is not graph:
+            held = self.fingerprints[id(graph)] = (graph, graph_fingerprint(graph))
+        return held[1]
+
     def plan_of(self, best: _Candidate, scan_ranges=(), fingerprint: str | None = None
                 ) -> Plan:
         """The `Plan` of the chosen candidate (`fingerprint`: its graph's, if known)."""
@@ -627,7 +636,7 @@ class _PipelineSearch:
             stages=stages,
             inputs=input_infos(best.graph, lambda s: choice.stage_plans[s],
                                choice.partition.home),
-            graph_fingerprint=fingerprint or graph_fingerprint(best.graph),
+            graph_fingerprint=fingerprint or self.fingerprint(best.graph),
             num_microbatches=best.num_microbatches,
             schedule=best.schedule,
             warnings=warnings,

@@ -377,14 +377,22 @@ def phase_times(part: Partition, cluster) -> tuple[float, float, float]:
     they matter (small layers, CPU).
     """
     grad_set = set(part.grad_vars)
+    # The roofline of each distinct (flops, bytes, dtype, matmul): a model's identical
+    # layers repeat them, and the same sum comes out (each node's seconds, added in order).
+    timed: dict[tuple, float] = {}
 
     def seconds(graph: OpGraph, nodes) -> float:
         total = 0.0
         for n in nodes:
             node = graph.nodes[n]
             dtype = graph.vars[node.outputs[0]].dtype if node.outputs else "float32"
-            total += compute_time(node.flops, node.bytes_read + node.bytes_written, cluster,
-                                  dtype, matmul=node.primitive in MATMUL_PRIMITIVES)
+            key = (node.flops, node.bytes_read + node.bytes_written, dtype,
+                   node.primitive in MATMUL_PRIMITIVES)
+            took = timed.get(key)
+            if took is None:
+                took = timed[key] = compute_time(key[0], key[1], cluster, dtype,
+                                                 matmul=key[3])
+            total += took
         return total
 
     forward = input_grad = weight_grad = 0.0
