@@ -208,3 +208,88 @@ def hopeless_layer(table, shapes, budget: float):
         else:
             return k, floors
     return None
+
+
+def _whole_over(var, num_devices: int) -> float:
+    """The least bytes of `var` any layout puts on one of `num_devices` devices: its
+    whole size over the devices (a scalar whole), as `liveness_floor` counts it."""
+    return float(var.nbytes) if not var.shape else var.nbytes / num_devices
+
+
+def held_floors(table, layer: int, num_devices: int) -> tuple[float, float]:
+    """(state, gradients): the least bytes per device of the layer's parameters and
+    optimizer state (`LayerCost.state_memory`: every state input has a layout, at least
+    its whole size over the devices) and of the gradients it accumulates
+    (`LayerCost.gradient_memory`: each at its running sum's layout, a deferred one's
+    unreduced partial sum no smaller), under any plan on `num_devices` devices; the
+    state counts the inputs other layers also read (`stage_memory_floor` counts those
+    once). Memoised per structure."""
+    key = ("held floor", table.fingerprints[layer], num_devices)
+    cache = table.range_cache
+    if key not in cache:
+        sub = table.per_layer.stage_graphs[layer]
+        state = math.fsum(_whole_over(sub.vars[v], num_devices)
+                          for v in dict.fromkeys(sub.invars)
+                          if sub.vars[v].role in STATE_ROLES)
+        produced = {v for node in sub.nodes for v in node.outputs}
+        grads = math.fsum(sub.vars[v].nbytes / num_devices
+                          for v in set(table.per_layer.grad_vars) & produced
+                          if sub.vars[v].shape)
+        cache[key] = (state, grads)
+    return cache[key]
+
+
+def stage_memory_floor(table, layer_range, shape: tuple[int, ...], budget: float) -> float:
+    """A lower bound on the memory per device of any stage holding layers `layer_range` on
+    a mesh of `shape` (at any memory level, with any recompute, in any position), as
+    `autopar.cost.stage_memory_parts` prices it: the state of every layer (each shared
+    input once) and its accumulated gradients at their `held_floors`, plus the largest
+    working memory, at least one layer's `layer_liveness_floor` (less the state it shares,
+    as `hopeless_layer` takes it) plus, with several microbatches, its fresh gradients
+    (`LayerCostTable._layer_cost`). The kept activations count 0 (a full recompute keeps
+    little). Where the liveness floors alone leave the stage within `budget`, that figure;
+    else the layers over it are refined by their ILP model's floor (`ilp_floor_on_mesh`,
+    which builds their problems). Shared by ranges of equal content."""
+    from autopar.inter._range_cache import _range_cached
+
+    return _range_cached(table, "stage floor", layer_range, (tuple(shape), budget),
+                         lambda: _stage_memory_floor(table, list(layer_range), tuple(shape),
+                                                     budget))
+
+
+def _stage_memory_floor(table, layers: list[int], shape: tuple[int, ...],
+                        budget: float) -> float:
+    n = math.prod(shape)
+    shared = table.shared_readers()
+    inside = set(layers)
+    held = 0.0
+    for k in layers:
+        state, grads = held_floors(table, k, n)
+        held += state + grads
+    sub_vars = table.per_layer.stage_graphs[layers[0]].vars if layers else {}
+    for v, readers in shared.items():  # counted once per reader inside: once is enough
+        extra = sum(1 for k in readers if k in inside) - 1
+        if extra > 0:
+            held -= extra * _whole_over(sub_vars[v], n)
+    fresh = table.num_microbatches > 1
+    working = []
+    for k in dict.fromkeys(layers):
+        grads = held_floors(table, k, n)[1] if fresh else 0.0
+        shared_k = shared_state_full(table, k)
+        working.append((layer_liveness_floor(table, k, n) - shared_k + grads, k, shared_k,
+                        grads))
+    working.sort(reverse=True)
+    floor = held + max(0.0, working[0][0]) if working else held
+    if floor <= budget:
+        return floor
+    # The liveness floors alone put the stage over: take the ILP model's floor where it
+    # is smaller, for the layers whose working floor matters, largest first.
+    best = 0.0
+    for live, k, shared_k, grads in working:
+        if held + live <= budget or live <= best:
+            break
+        ilp = ilp_floor_on_mesh(table, k, shape) - shared_k + grads
+        best = max(best, min(live, ilp))
+        if held + best > budget:
+            break
+    return held + max(0.0, best)
