@@ -242,14 +242,23 @@ def held_floors(table, layer: int, num_devices: int) -> tuple[float, float]:
 def stage_memory_floor(table, layer_range, shape: tuple[int, ...], budget: float) -> float:
     """A lower bound on the memory per device of any stage holding layers `layer_range` on
     a mesh of `shape` (at any memory level, with any recompute, in any position), as
-    `autopar.cost.stage_memory_parts` prices it: the state of every layer (each shared
-    input once) and its accumulated gradients at their `held_floors`, plus the largest
-    working memory, at least one layer's `layer_liveness_floor` (less the state it shares,
-    as `hopeless_layer` takes it) plus, with several microbatches, its fresh gradients
-    (`LayerCostTable._layer_cost`). The kept activations count 0 (a full recompute keeps
-    little). Where the liveness floors alone leave the stage within `budget`, that figure;
-    else the layers over it are refined by their ILP model's floor (`ilp_floor_on_mesh`,
-    which builds their problems). Shared by ranges of equal content."""
+    `autopar.cost.stage_memory_parts` prices it.
+
+    Why it is a bound. The stage holds every layer's state (each input several layers
+    read, once), gradient sums and kept activations (at least one microbatch's), and the
+    largest transient memory, a layer's memory (`LayerCost.memory`) less its own state,
+    gradients and kept activations. So for each layer k it holds at least k's memory plus
+    the other layers' state and gradients: k's memory is at least its floor
+    (`layer_liveness_floor`, or the ILP model's, `ilp_floor_on_mesh`) plus, with several
+    microbatches, its fresh gradients (`LayerCostTable._layer_cost`); the others' state
+    and gradients at least their `held_floors`, a state input k also reads not counted
+    again, and k's state other layers also read taken off at its whole size
+    (`shared_state_full`: the stage counts it once, at its least size). Kept
+    activations count 0 beyond that (a full recompute keeps little).
+
+    Where the liveness floors alone leave the stage within `budget`, that figure; else
+    the layers that put it over are refined by their ILP model's floor (which builds
+    their problems). Shared by ranges of equal content."""
     from autopar.inter._range_cache import _range_cached
 
     return _range_cached(table, "stage floor", layer_range, (tuple(shape), budget),
@@ -259,37 +268,35 @@ def stage_memory_floor(table, layer_range, shape: tuple[int, ...], budget: float
 
 def _stage_memory_floor(table, layers: list[int], shape: tuple[int, ...],
                         budget: float) -> float:
+    if not layers:
+        return 0.0
     n = math.prod(shape)
-    shared = table.shared_readers()
+    graph_vars = table.per_layer.stage_graphs[layers[0]].vars  # the whole step's table
     inside = set(layers)
-    held = 0.0
+    held = 0.0  # every layer's state (each input once) and gradients at their floors
     for k in layers:
         state, grads = held_floors(table, k, n)
         held += state + grads
-    sub_vars = table.per_layer.stage_graphs[layers[0]].vars if layers else {}
-    for v, readers in shared.items():  # counted once per reader inside: once is enough
+    for v, readers in table.shared_readers().items():
         extra = sum(1 for k in readers if k in inside) - 1
         if extra > 0:
-            held -= extra * _whole_over(sub_vars[v], n)
+            held -= extra * _whole_over(graph_vars[v], n)
     fresh = table.num_microbatches > 1
-    working = []
-    for k in dict.fromkeys(layers):
-        grads = held_floors(table, k, n)[1] if fresh else 0.0
-        shared_k = shared_state_full(table, k)
-        working.append((layer_liveness_floor(table, k, n) - shared_k + grads, k, shared_k,
-                        grads))
-    working.sort(reverse=True)
-    floor = held + max(0.0, working[0][0]) if working else held
-    if floor <= budget:
-        return floor
-    # The liveness floors alone put the stage over: take the ILP model's floor where it
-    # is smaller, for the layers whose working floor matters, largest first.
+    rest = []  # per layer: its memory floor beyond its own held floors, less shared state
+    for k in layers:
+        state, grads = held_floors(table, k, n)
+        beyond = (grads if fresh else 0.0) - shared_state_full(table, k) - state - grads
+        rest.append((layer_liveness_floor(table, k, n) + beyond, k, beyond))
+    rest.sort(reverse=True)
+    if held + rest[0][0] <= budget:
+        return held + max(0.0, rest[0][0])
+    # The liveness floors put the stage over: take the ILP model's floor where it is the
+    # smaller, for the layers that put it over, largest first.
     best = 0.0
-    for live, k, shared_k, grads in working:
+    for live, k, beyond in rest:
         if held + live <= budget or live <= best:
             break
-        ilp = ilp_floor_on_mesh(table, k, shape) - shared_k + grads
-        best = max(best, min(live, ilp))
+        best = max(best, min(live, ilp_floor_on_mesh(table, k, shape) + beyond))
         if held + best > budget:
             break
-    return held + max(0.0, best)
+    return held + best
