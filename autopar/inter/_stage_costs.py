@@ -216,7 +216,7 @@ class _StageCosts:
                     floor = stage_memory_floor(self.table, layer_range, shape, self.budget)
                     if floor > self.budget:
                         over[shape] = floor
-            self.floor_cuts[key] = over
+            self.floor_cuts[key] = over or _NO_CUTS  # one shared empty dict: most keys
             if over and len(over) == len(order):
                 self.floor_skipped.add(key)
         return self.floor_cuts[key]
@@ -324,6 +324,8 @@ class _StageCosts:
             return StageCost(math.inf, False, least_memory, None)
         return best
 
+
+_NO_CUTS: dict = {}  # `_StageCosts._over_budget`'s answer where nothing is over (never written)
 
 # `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
 # known one by more than this (relative), far above rounding.
