@@ -175,7 +175,7 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
                          refuse=table.lower_bounds)
     stage_cost = inner = _StageCosts(
         table, all_submeshes, logical_shapes, options.schedule, num_microbatches, budget,
-        options.remat, crossing, prune=options.prune_by_bound,
+        options.remat, crossing, prune=options.prune_by_bound, floors=options.memory_floors,
     )
     restricted = allowed is not None or range_shapes is not None
     if restricted:
@@ -183,12 +183,27 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
     if options.prune_by_bound:
         _bound_search(inner, stage_cost, table, num_layers, cluster, all_submeshes,
                       logical_shapes, options.num_stages, restricted)
-    return plan_stages(
-        num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
-        num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
-        memory_budget=budget, num_positions=stage_cost.num_positions,
-        stage_counts=stage_counts,
-    )
+    try:
+        return plan_stages(
+            num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
+            num_microbatches, submeshes=all_submeshes, num_stages=options.num_stages,
+            memory_budget=budget, num_positions=stage_cost.num_positions,
+            stage_counts=stage_counts,
+        )
+    finally:
+        _log_floor_cuts(inner)
+
+
+def _log_floor_cuts(inner: _StageCosts) -> None:
+    """Log how many (layer range, submesh) pairs the stages' memory floors ruled out
+    (every logical mesh of the submesh over the budget) and how many (range, logical
+    mesh) pairs of the others, their leaner levels never solved (`_StageCosts._over_budget`)."""
+    asked = inner.floor_cuts
+    whole = len(inner.floor_skipped)
+    some = sum(len(over) for key, over in asked.items() if key not in inner.floor_skipped)
+    log.info("stage DP: %d of %d (layer range, submesh) pairs skipped by their memory floor "
+             "(no logical mesh of theirs can hold the stage), and %d more (range, logical "
+             "mesh) pairs", whole, len(asked), some)
 
 
 class NoStageHoldsLayer(ValueError):

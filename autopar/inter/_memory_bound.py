@@ -208,3 +208,95 @@ def hopeless_layer(table, shapes, budget: float):
         else:
             return k, floors
     return None
+
+
+def _whole_over(var, num_devices: int) -> float:
+    """The least bytes of `var` any layout puts on one of `num_devices` devices: its
+    whole size over the devices (a scalar whole), as `liveness_floor` counts it."""
+    return float(var.nbytes) if not var.shape else var.nbytes / num_devices
+
+
+def held_floors(table, layer: int, num_devices: int) -> tuple[float, float]:
+    """(state, gradients): the least bytes per device of the layer's parameters and
+    optimizer state (`LayerCost.state_memory`: every state input has a layout, at least
+    its whole size over the devices) and of the gradients it accumulates
+    (`LayerCost.gradient_memory`: each at its running sum's layout, a deferred one's
+    unreduced partial sum no smaller), under any plan on `num_devices` devices; the
+    state counts the inputs other layers also read (`stage_memory_floor` counts those
+    once). Memoised per structure."""
+    key = ("held floor", table.fingerprints[layer], num_devices)
+    cache = table.range_cache
+    if key not in cache:
+        sub = table.per_layer.stage_graphs[layer]
+        state = math.fsum(_whole_over(sub.vars[v], num_devices)
+                          for v in dict.fromkeys(sub.invars)
+                          if sub.vars[v].role in STATE_ROLES)
+        produced = {v for node in sub.nodes for v in node.outputs}
+        grads = math.fsum(sub.vars[v].nbytes / num_devices
+                          for v in set(table.per_layer.grad_vars) & produced
+                          if sub.vars[v].shape)
+        cache[key] = (state, grads)
+    return cache[key]
+
+
+def stage_memory_floor(table, layer_range, shape: tuple[int, ...], budget: float) -> float:
+    """A lower bound on the memory per device of any stage holding layers `layer_range` on
+    a mesh of `shape` (at any memory level, with any recompute, in any position), as
+    `autopar.cost.stage_memory_parts` prices it.
+
+    Why it is a bound. The stage holds every layer's state (each input several layers
+    read, once), gradient sums and kept activations (at least one microbatch's), and the
+    largest transient memory, a layer's memory (`LayerCost.memory`) less its own state,
+    gradients and kept activations. So for each layer k it holds at least k's memory plus
+    the other layers' state and gradients: k's memory is at least its floor
+    (`layer_liveness_floor`, or the ILP model's, `ilp_floor_on_mesh`) plus, with several
+    microbatches, its fresh gradients (`LayerCostTable._layer_cost`); the others' state
+    and gradients at least their `held_floors`, a state input k also reads not counted
+    again, and k's state other layers also read taken off at its whole size
+    (`shared_state_full`: the stage counts it once, at its least size). Kept
+    activations count 0 beyond that (a full recompute keeps little).
+
+    Where the liveness floors alone leave the stage within `budget`, that figure; else
+    the layers that put it over are refined by their ILP model's floor (which builds
+    their problems). Shared by ranges of equal content."""
+    from autopar.inter._range_cache import _range_cached
+
+    return _range_cached(table, "stage floor", layer_range, (tuple(shape), budget),
+                         lambda: _stage_memory_floor(table, list(layer_range), tuple(shape),
+                                                     budget))
+
+
+def _stage_memory_floor(table, layers: list[int], shape: tuple[int, ...],
+                        budget: float) -> float:
+    if not layers:
+        return 0.0
+    n = math.prod(shape)
+    graph_vars = table.per_layer.stage_graphs[layers[0]].vars  # the whole step's table
+    inside = set(layers)
+    held = 0.0  # every layer's state (each input once) and gradients at their floors
+    for k in layers:
+        state, grads = held_floors(table, k, n)
+        held += state + grads
+    for v, readers in table.shared_readers().items():
+        extra = sum(1 for k in readers if k in inside) - 1
+        if extra > 0:
+            held -= extra * _whole_over(graph_vars[v], n)
+    fresh = table.num_microbatches > 1
+    rest = []  # per layer: its memory floor beyond its own held floors, less shared state
+    for k in layers:
+        state, grads = held_floors(table, k, n)
+        beyond = (grads if fresh else 0.0) - shared_state_full(table, k) - state - grads
+        rest.append((layer_liveness_floor(table, k, n) + beyond, k, beyond))
+    rest.sort(reverse=True)
+    if held + rest[0][0] <= budget:
+        return held + max(0.0, rest[0][0])
+    # The liveness floors put the stage over: take the ILP model's floor where it is the
+    # smaller, for the layers that put it over, largest first.
+    best = 0.0
+    for live, k, beyond in rest:
+        if held + live <= budget or live <= best:
+            break
+        best = max(best, min(live, ilp_floor_on_mesh(table, k, shape) + beyond))
+        if held + best > budget:
+            break
+    return held + best

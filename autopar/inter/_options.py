@@ -43,6 +43,10 @@ class StageOptions:
       fastest plans already lose (`_stage_fit._lower_bound`, `DOMINANCE_MARGIN`); False
       uses no lower bound at all: every shape and level the DP asks about is solved (the
       reference the pruned search is checked against; the same answer, more solves).
+    - `memory_floors`: skip the (layer range, logical mesh) pairs whose memory floor
+      exceeds the budget before solving their leaner levels
+      (`autopar.inter._memory_bound.stage_memory_floor`; with `lower_bounds` only); False
+      walks them (the same answer, more solves).
     - `every_mesh_shape`: where `logical_shapes` is None, also the shapes
       `logical_mesh_shapes` leaves out (a several-host stage whose axes would both cross
       hosts); the reference that rule is checked against.
@@ -58,6 +62,7 @@ class StageOptions:
     prune_by_bound: bool = True
     lower_bounds: bool = True
     every_mesh_shape: bool = False
+    memory_floors: bool = True
 
     def __post_init__(self):
         if self.submeshes is not None:

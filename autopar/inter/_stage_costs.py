@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from autopar.cost import boundary_transfer_time, in_flight_microbatches, stage_dispatch_time
 from autopar.inter import _stage_fit
 from autopar.inter._layer_table import LayerCostTable
+from autopar.inter._memory_bound import stage_memory_floor
 from autopar.inter._range_cache import _prefetch, _range_cache_key
 from autopar.inter._stage_dp import Pruned, StageCost
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
@@ -76,6 +77,9 @@ class _StageCosts:
     # times the devices running it, least over every logical mesh the search may use
     # (`_least_work`); empty: not known (then only the stage's own latency bounds a plan).
     work: Sequence[float] = ()
+    # Skip the shapes on which a stage's memory floor exceeds the budget
+    # (`autopar.inter._memory_bound.stage_memory_floor`; `StageOptions.memory_floors`).
+    floors: bool = True
 
     def __post_init__(self):
         # (range content, shapes) -> shapes by speed: layer ranges of equal content
@@ -87,6 +91,9 @@ class _StageCosts:
         self._hopeless: dict[tuple, StageCost] = {}
         self._shapes: dict[tuple, tuple] = {}  # (index, shapes asked) -> shapes to try
         self._prefix: dict[tuple, tuple] = {}  # shape -> prefix sums of level 0 (`_fastest`)
+        # (start, end, index, shapes) -> shapes skipped by their memory floor ({} none)
+        self.floor_cuts: dict[tuple, dict] = {}
+        self.floor_skipped: set[tuple] = set()  # those keys with every shape skipped
 
     @property
     def num_positions(self) -> int | None:
@@ -189,9 +196,30 @@ class _StageCosts:
                 self.bound, max(0.0, min(o[3] for o in order) + transfer)))
             return self._hopeless[key]
         layer_range = range(start, end)
-        known = self._known_fit_latency(layer_range, order, in_flight, hopeless)
+        over = self._over_budget(layer_range, order, key)
+        known = self._known_fit_latency(layer_range, [o for o in order if o[2] not in over],
+                                        in_flight, hopeless)
         return self._fastest_fit(layer_range, order, in_flight, transfer,
-                                 min(hopeless, known * (1 + BOUND_MARGIN)), hopeless)
+                                 min(hopeless, known * (1 + BOUND_MARGIN)), hopeless, over)
+
+    def _over_budget(self, layer_range, order, key) -> dict:
+        """{shape: floor} of the shapes of `order` on which no stage of these layers fits
+        the budget at any memory level or recompute: its memory floor
+        (`stage_memory_floor`) exceeds it. Their leaner levels are never solved. Empty
+        unless `floors`, the table's lower bounds are on and its own ILPs make its plans.
+        The same for every position: computed once per `key`."""
+        if key not in self.floor_cuts:
+            over = {}
+            if self.floors and self.table.lower_bounds and self.table.solve is None \
+                    and math.isfinite(self.budget):
+                for _, _, shape, _ in order:
+                    floor = stage_memory_floor(self.table, layer_range, shape, self.budget)
+                    if floor > self.budget:
+                        over[shape] = floor
+            self.floor_cuts[key] = over or _NO_CUTS  # one shared empty dict: most keys
+            if over and len(over) == len(order):
+                self.floor_skipped.add(key)
+        return self.floor_cuts[key]
 
     def _shapes_to_try(self, index: int, shapes) -> tuple[tuple[int, ...], ...]:
         """The logical mesh shapes of submesh `index` a stage tries: `shapes` when given,
@@ -251,10 +279,12 @@ class _StageCosts:
         return known
 
     def _fastest_fit(self, layer_range, order, in_flight, transfer: float, limit: float,
-                     hopeless: float) -> StageCost:
+                     hopeless: float, over=None) -> StageCost:
         """The fastest fit of the layers over the shapes of `order` (`_fitting_level`),
         each walk cut off at `limit` and at the best fit found so far; infeasible (with
-        the least memory seen) when none fits."""
+        the least memory seen) when none fits. `over`: {shape: memory floor} of shapes
+        that cannot fit (`_over_budget`): not walked, each taken as the walk would end
+        there (cut off, or not fitting, its floor as its memory)."""
         best, best_rank = None, None
         least_memory = math.inf
         cut = []  # least latency of each shape cut off at `limit` (`Pruned`)
@@ -265,6 +295,14 @@ class _StageCosts:
             # Once a shape fits, another must beat it (`least_memory` is then unused).
             cutoff = math.inf if best is None else best.latency - transfer
             cutoff = min(cutoff, limit)
+            if over and shape in over:
+                # As `_fitting_level` ends on it: level 0 does not fit, so cut off where
+                # its fastest plans reach `cutoff`, else the leanest tried does not fit.
+                if _stage_fit._lower_bound(self.table, layer_range, shape, 0) >= cutoff:
+                    cut.append(max(lower, cutoff))
+                else:
+                    least_memory = min(least_memory, over[shape])
+                continue
             fit = _stage_fit._fitting_level(
                 self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
             )
@@ -286,6 +324,8 @@ class _StageCosts:
             return StageCost(math.inf, False, least_memory, None)
         return best
 
+
+_NO_CUTS: dict = {}  # `_StageCosts._over_budget`'s answer where nothing is over (never written)
 
 # `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
 # known one by more than this (relative), far above rounding.
