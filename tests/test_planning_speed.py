@@ -262,8 +262,10 @@ def test_pruning_keeps_every_stage_cost_on_made_up_tables(seed):
     for prune in (True, False):
         table = _FakeTable(np.random.default_rng(seed), 6, shapes)
         table.lower_bounds = prune  # False: no bound at all (`StageOptions.lower_bounds`)
+        # made-up costs have no graphs to take memory floors from (tested on real tables
+        # in test_planning_stage_floor.py)
         stage_cost = _stage_costs._StageCosts(table, [SubmeshShape(1, 8)], shapes, "1f1b",
-                                              4, budget, "auto")
+                                              4, budget, "auto", floors=False)
         answers.append([stage_cost(a, b, 0, p) for a in range(6) for b in range(a + 1, 7)
                         for p in (1, 2, 4)])
         solved.append(table.solved)
@@ -292,7 +294,8 @@ def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
     for prune in (True, False):
         table = _FakeTable(np.random.default_rng(seed), 8, shapes)
         table.cluster = SimpleNamespace(num_devices=8)
-        inner = _stage_costs._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto")
+        inner = _stage_costs._StageCosts(table, submeshes, None, "1f1b", 4, budget, "auto",
+                                         floors=False)  # made-up costs: no graphs to floor
         if prune:
             inner.work = _stage_costs._least_work(table, submeshes, None)
             _stage_costs._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
