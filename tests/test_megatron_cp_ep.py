@@ -159,3 +159,21 @@ def test_ep_terms_against_hand_computation():
     hidden = min(2 * 4 * a2a, base.stages[0].sharding.cost.compute)
     assert overlapped.stages[0].sharding.cost.communication == pytest.approx(
         plan.stages[0].sharding.cost.communication - hidden)
+
+
+def test_cp_core_by_formula_is_named_in_the_warnings(monkeypatch):
+    # a step whose attention's roles cannot be named falls back to the dots by formula
+    # (`formula_core`): the plan says so instead of pricing it silently
+    import autopar.manual._megatron as megatron
+
+    cluster = _h100()
+    step, state, batch = _step()
+    graph = trace(step, *context_args((state, batch), (1,), 2), batch_argnums=(1,))
+    config = MegatronConfig(dp=2, tp=2, cp=2)
+    named = megatron_plan_for_graph(graph, cluster, config, attention=ATTENTION)
+    assert not any("by formula" in w for w in named.warnings)
+    monkeypatch.setattr(megatron, "local_attention_core", lambda *args, **kwargs: None)
+    plan = megatron_plan_for_graph(graph, cluster, config, attention=ATTENTION)
+    assert any("priced by formula (its dots only" in w for w in plan.warnings)
+    # the fallback charges the dots alone, less than the named core's dots and more
+    assert plan.stages[0].sharding.cost.compute < named.stages[0].sharding.cost.compute

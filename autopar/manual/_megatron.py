@@ -775,12 +775,19 @@ def add_context_experts(stages, graph: OpGraph, cluster, config: MegatronConfig,
                                attention.num_heads if attention is not None else None)
     core = (local_attention_core(graph, cluster, stages[0].mesh, seq_len // config.cp,
                                  _layer_wise(graph, config)) if config.cp > 1 else None)
+    # Where no attention's roles can be named, the core is its dots by formula: say so.
+    by_formula = (f"{config.name}: context parallelism's attention core is priced by formula "
+                  "(its dots only, no score-sized element-wise work): no attention's query, "
+                  "key and score could be named in the traced step",)
     out, before = [], 0
     for s, (stage, layers) in enumerate(zip(stages, counts)):
         terms = []
         if config.cp > 1:
             terms.append(context_terms(config, cluster, attention, micro_batch, seq_len,
                                        layers, s, core))
+            if core is None and layers:
+                stage = replace(stage, sharding=replace(
+                    stage.sharding, warnings=tuple(stage.sharding.warnings) + by_formula))
         if moe is not None:
             dense = moe.num_layers - moe.num_moe_layers
             moe_layers = max(0, min(before + layers, moe.num_layers) - max(before, dense))
