@@ -194,8 +194,9 @@ def _compressed_edge(matrix: np.ndarray):
 def _class_sums(columns: np.ndarray, classes: np.ndarray, count: int) -> list[np.ndarray]:
     """The strategy columns of each class (their sum is the class's indicator), each in
     column order (a stable sort by class, cut at the class sizes)."""
-    order = np.argsort(classes, kind="stable")
-    return np.split(columns[order], np.cumsum(np.bincount(classes, minlength=count))[:-1])
+    grouped = columns[np.argsort(classes, kind="stable")]
+    ends = np.cumsum(np.bincount(classes, minlength=count)).tolist()
+    return [grouped[start:end] for start, end in zip([0, *ends], ends)]
 
 
 def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
