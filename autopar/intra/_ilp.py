@@ -432,7 +432,8 @@ def _break_ties(
     of the nodes left, so that they do not depend on the fixing either. The relative gap
     is 0: tie-break values are a few units apart and must be told apart exactly. When the
     fixing leaves one strategy per node (the optimum is unique: half the demo's layer
-    ILPs), no tie-break ILP is built.
+    ILPs), or `choice` takes every node's lowest strategy left (`_lowest_kept`), no
+    tie-break ILP is built.
 
     **Returns:** (ILP choice, "canonical" or "incomplete": the solver stopped at the time
     limit or failed, and the best plan it had, still of optimal cost, is returned).
@@ -444,9 +445,11 @@ def _break_ties(
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
     keep = _tie_strategies(reduction, model, built, choice, window, solver, time_limit, msg,
                            budget, formulation, vertex_round_columns)
+    if _lowest_kept(choice, keep):  # `choice` is canonical
+        return choice, "canonical"
     graph, groups = restrict_strategies(reduction.graph, reduction.groups, budget, keep)
     tie_model = sharding_model(graph, groups, budget, formulation)
-    if not tie_model.node_columns or _lowest_kept(choice, keep):  # `choice` is canonical
+    if not tie_model.node_columns:  # one plan left: `choice`
         return choice, "canonical"
     remaining = deadline - time.process_time()
     if remaining < _LEAST_TIE_BREAK_TIME:
