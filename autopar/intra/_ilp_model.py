@@ -103,7 +103,7 @@ class _Model:
 
     def add_columns(self, costs: np.ndarray, binary: bool) -> np.ndarray:
         start = len(self.cost)
-        self.cost.extend(float(c) for c in costs)
+        self.cost.extend(np.asarray(costs, float).tolist())
         self.binary.extend([binary] * len(costs))
         return np.arange(start, len(self.cost))
 
@@ -138,7 +138,7 @@ class _Model:
     def objective_of(self, choice: Mapping[int, int]) -> float:
         """cost . x of a choice, summed exactly."""
         values = self.values_of(choice)
-        return math.fsum(c for c, x in zip(self.cost, values) if x)
+        return math.fsum(np.asarray(self.cost)[values != 0].tolist())
 
 
 def _normalised_costs(graph: CostGraph):
@@ -192,8 +192,11 @@ def _compressed_edge(matrix: np.ndarray):
 
 
 def _class_sums(columns: np.ndarray, classes: np.ndarray, count: int) -> list[np.ndarray]:
-    """The strategy columns of each class (their sum is the class's indicator)."""
-    return [columns[classes == k] for k in range(count)]
+    """The strategy columns of each class (their sum is the class's indicator), each in
+    column order (a stable sort by class, cut at the class sizes)."""
+    grouped = columns[np.argsort(classes, kind="stable")]
+    ends = np.cumsum(np.bincount(classes, minlength=count)).tolist()
+    return [grouped[start:end] for start, end in zip([0, *ends], ends)]
 
 
 def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
@@ -211,12 +214,15 @@ def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> Non
     pairs = np.argwhere(np.ones(classes.shape, dtype=bool))  # row-major, as classes.ravel()
     e = model.add_edge_columns(v, w, (rows, cols), pairs, classes.ravel()).reshape(rows, cols)
     model.edge_classes.append((row_class, col_class))
+    # (the rows appended whole, as `add_row` would make them: issue 45)
+    ones, minus = np.ones(max(rows, cols)), -np.ones(max(len(c) for c in (*s_v, *s_w)))
+    append = model.rows.append
     for a in range(rows):
-        model.add_row(np.concatenate([e[a, :], s_v[a]]),
-                      [1.0] * cols + [-1.0] * len(s_v[a]), _EQ, 0.0)
+        append((np.concatenate([e[a, :], s_v[a]]),
+                np.concatenate([ones[:cols], minus[:len(s_v[a])]]), _EQ, 0.0))
     for b in range(cols - 1):
-        model.add_row(np.concatenate([e[:, b], s_w[b]]),
-                      [1.0] * rows + [-1.0] * len(s_w[b]), _EQ, 0.0)
+        append((np.concatenate([e[:, b], s_w[b]]),
+                np.concatenate([ones[:rows], minus[:len(s_w[b])]]), _EQ, 0.0))
 
 
 def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
@@ -306,7 +312,8 @@ def plans_within(model: _Model, duals: np.ndarray, bound: float) -> dict[int, np
     senses = np.array([sense for _, _, sense, _ in model.rows])
     y = np.where(senses == _LE, np.minimum(y, 0.0), np.where(senses == _GE, np.maximum(y, 0.0), y))
     columns = np.concatenate([c for c, _, _, _ in model.rows])
-    weights = np.concatenate([a * y_i for (_, a, _, _), y_i in zip(model.rows, y)])
+    lengths = np.array([len(c) for c, _, _, _ in model.rows], dtype=np.int64)
+    weights = np.concatenate([a for _, a, _, _ in model.rows]) * np.repeat(y, lengths)
     reduced = cost - np.bincount(columns, weights, minlength=len(cost))
     rhs = np.array([b for _, _, _, b in model.rows])
     lower = math.fsum((y * rhs).tolist()) + math.fsum(np.minimum(reduced, 0.0).tolist())

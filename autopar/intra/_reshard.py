@@ -346,11 +346,34 @@ def reshard_time(
     if src == dst:
         return 0.0
     key = (tuple(shape), dtype, src, dst)
-    if cache is not None and key in cache:
-        return cache[key]
+    if cache is not None:
+        if key in cache:
+            return cache[key]
+        reduced = _reduced_key(shape, dtype, src, dst)
+        if reduced is not None and reduced in cache:
+            seconds = cache[key] = cache[reduced]
+            return seconds
     collectives = reshard_collectives(shape, dtype, src, dst, mesh)
     seconds = collectives_seconds(((c.kind, c.nbytes, c.axes) for c in collectives),
                                   cluster, mesh, cache)
     if cache is not None:
         cache[key] = seconds
+        if reduced is not None:
+            cache[reduced] = seconds
     return seconds
+
+
+def _reduced_key(shape, dtype: str, src: Spec, dst: Spec) -> tuple | None:
+    """What `reshard_collectives` reads of a resharding that leaves some dimension whole
+    on both sides: the product of those dimensions' sizes, the dtype, and the other
+    dimensions' sizes and specs (None when every dimension is split on some side). Tensors
+    that agree on it get the same collectives of the same bytes, so one memo entry serves
+    them all: the same layer's activations at other microbatch sizes when their batch
+    dimension stays whole (issue 45: 40 % of the resharding computations of the demo's and
+    of llama-8B@64's planning)."""
+    kept = [d for d, (a, b) in enumerate(zip(src, dst)) if a or b]
+    if len(kept) == len(shape):
+        return None
+    whole = math.prod(n for d, n in enumerate(shape) if not (src[d] or dst[d]))
+    return ("reduced", whole, dtype, tuple(shape[d] for d in kept),
+            tuple(src[d] for d in kept), tuple(dst[d] for d in kept))
