@@ -6,6 +6,7 @@ count, placed by their consumers: the rule's least-stage case)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import optax
@@ -99,3 +100,47 @@ def test_a_stage_shared_by_two_splits_is_stitched_once(adamw_graph):
     assert table.stage_plan(graph, three, 0, (0, 1), shape, mesh, tied) == first
     rest = table.stage_plan(graph, two, 1, (1, last), shape, mesh, tied)
     assert table.stage_plan(graph, three, 1, (1, 2), shape, mesh, tied) is not rest
+
+
+def test_per_graph_memos_hit_on_the_graph_and_miss_on_another(adamw_graph, monkeypatch):
+    """The Megatron grid asks about one traced graph once per configuration, and the
+    explored space's search about the grid's graphs: a graph's `assign_layers`, its
+    layers' `structural_fingerprint`s and a graph's `fingerprint_of` are computed once per
+    graph object (a hit: no new computation, the same value), and anew for another graph
+    object of the same content (a miss: computed, equal to the first)."""
+    from autopar.inter import _layer_graphs, _stitch
+    from autopar.inter.passes import _layers
+    from autopar.intra import graph_fingerprint
+
+    graph, layers = adamw_graph
+    calls = {"layers": 0, "structure": 0, "graph": 0}
+
+    def counted(name, fn):
+        def wrapped(g):
+            calls[name] += 1
+            return fn(g)
+        return wrapped
+
+    monkeypatch.setattr(_layers, "_assign_layers", counted("layers", _layers._assign_layers))
+    monkeypatch.setattr(_layer_graphs, "_structural_fingerprint",
+                        counted("structure", _layer_graphs._structural_fingerprint))
+    monkeypatch.setattr(_stitch, "graph_fingerprint", counted("graph", graph_fingerprint))
+    other = copy.copy(graph)  # the same content, another graph object
+    assert other is not graph
+    assert assign_layers(other) == layers and calls["layers"] == 1
+    assert assign_layers(other) is assign_layers(other) and calls["layers"] == 1
+    assert assign_layers(copy.copy(graph)) == layers and calls["layers"] == 2
+
+    part = partition_module.partition(graph, layers,
+                                      [(k, k + 1) for k in range(layers.num_layers)])
+    sub = copy.copy(part.stage_graphs[1])
+    first = _layer_graphs.structural_fingerprint(sub)
+    assert calls["structure"] == 1
+    assert _layer_graphs.structural_fingerprint(sub) == first and calls["structure"] == 1
+    assert _layer_graphs.structural_fingerprint(copy.copy(sub)) == first
+    assert calls["structure"] == 2
+
+    whole = _stitch.fingerprint_of(other)
+    assert whole == graph_fingerprint(graph) and calls["graph"] == 1
+    assert _stitch.fingerprint_of(other) == whole and calls["graph"] == 1
+    assert _stitch.fingerprint_of(copy.copy(other)) == whole and calls["graph"] == 2

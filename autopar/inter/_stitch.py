@@ -39,6 +39,21 @@ _CANONICAL: weakref.WeakKeyDictionary = declare(
     "graph -> its non-constant variables in order of first appearance")
 
 
+def fingerprint_of(graph: OpGraph) -> str:
+    """`graph_fingerprint(graph)`, once per graph: a partition's stage sub-graphs are
+    stitched again for other meshes and layer plans, and the Megatron grid's plans of one
+    microbatch count share their traced graph."""
+    held = _FINGERPRINTS.get(graph)
+    if held is None:
+        held = _FINGERPRINTS[graph] = graph_fingerprint(graph)
+    return held
+
+
+# graph -> `graph_fingerprint(graph)`
+_FINGERPRINTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "inter.graph_fingerprints", "graph -> its graph_fingerprint")
+
+
 def _canonical_vars(graph: OpGraph) -> list[int]:
     seen: dict[int, None] = {}
     for v in graph.invars:
@@ -139,7 +154,7 @@ def stitch(
             found.compute, found.communication, found.resharding, found.memory,
             {k: (n, b) for k, (n, b) in found.collectives.items()},
         ),
-        graph_fingerprint=graph_fingerprint(stage_graph),
+        graph_fingerprint=fingerprint_of(stage_graph),
         output_overrides=tuple(sorted(overrides)),
         operand_specs=tuple(operand_specs),
         warnings=tuple(found.warnings),

@@ -52,12 +52,13 @@ from autopar.inter import assign_layers, partition
 from autopar.inter._choose import recompute_time
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._stage_fit import choose_remat
+from autopar.inter._stitch import fingerprint_of
 from autopar.intra import ContextParallelError, MemoryBudgetError
 from autopar.intra._ilp import evaluate, solve
 from autopar.intra._options import ShardOptions
 from autopar.intra._planner import _to_plan
 from autopar.intra._problem import build_problem
-from autopar.intra._sharding_plan import ShardingPlan, graph_fingerprint
+from autopar.intra._sharding_plan import ShardingPlan
 from autopar.manual._context_experts import (
     AttentionShape,
     MoEShape,
@@ -252,7 +253,7 @@ def _megatron_result(graph: OpGraph, cluster, config: MegatronConfig, stages,
         cluster=cluster.to_json(),
         stages=stages,
         inputs=_pipeline_inputs(graph, stages) if pipelined else input_infos(graph, first),
-        graph_fingerprint=graph_fingerprint(graph) if pipelined else first.graph_fingerprint,
+        graph_fingerprint=fingerprint_of(graph) if pipelined else first.graph_fingerprint,
         num_microbatches=config.num_microbatches,
         schedule=config.schedule,
         warnings=tuple(dict.fromkeys(w for s in stages for w in s.sharding.warnings))

@@ -50,9 +50,9 @@ from autopar.inter import (
 )
 from autopar.inter._choose import NoStageHoldsLayer
 from autopar.inter._stage_dp import NoPlanOfCount
+from autopar.inter._stitch import fingerprint_of
 from autopar.inter.passes import per_iteration
 from autopar.intra._context import ContextParallelError
-from autopar.intra._sharding_plan import graph_fingerprint
 from autopar.plan import Plan, Stage, input_infos
 from autopar.search._microbatch import batch_size, microbatch_args
 from autopar.search._options import PlanOptions
@@ -260,7 +260,6 @@ class _PipelineSearch:
         # for the recorder (`autopar.space`) when it asks for them
         self.stage_counts: dict[int, dict] = {}
         self.shared_traces: dict = {}  # graphs traced before, by count (`search_plan`)
-        self.fingerprints: dict[int, tuple] = {}  # id(graph) -> (graph, its fingerprint)
 
     # -- the flow ---------------------------------------------------------------------
 
@@ -610,11 +609,9 @@ class _PipelineSearch:
 
     def fingerprint(self, graph: OpGraph) -> str:
         """`graph_fingerprint(graph)`, once per graph (every candidate and stage-count plan
-        of a microbatch count has that count's graph)."""
-        held = self.fingerprints.get(id(graph))
-        if held is None or held[0] is not graph:
-            held = self.fingerprints[id(graph)] = (graph, graph_fingerprint(graph))
-        return held[1]
+        of a microbatch count has that count's graph, and `autopar space`'s search the
+        grid's): `autopar.inter._stitch.fingerprint_of`."""
+        return fingerprint_of(graph)
 
     def plan_of(self, best: _Candidate, scan_ranges=(), fingerprint: str | None = None
                 ) -> Plan:
