@@ -404,7 +404,7 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
     for k in range(len(table.per_layer.stage_graphs)):
         least = math.inf
         for shape in shapes:
-            if shape not in solved and not table.is_solved(k, shape, 0):
+            if shape not in solved and not table.is_known(k, shape, 0):
                 least = min(least, layer_time_floor(table, k, shape) * math.prod(shape))
                 continue
             cost = table.cost(k, shape)
@@ -473,7 +473,7 @@ def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> floa
         shape = tuple(shape)
         if math.prod(shape) != sub.num_devices:
             continue
-        if floors and not all(inner.table.is_solved(k, shape, 0) for k in range(start, end)):
+        if floors and not all(inner.table.is_known(k, shape, 0) for k in range(start, end)):
             lows.append(max(0.0, inner._time_floor(start, end, shape)))  # no ILP solved
             continue
         if all(inner.table.cost(k, shape) is not None for k in range(start, end)):
