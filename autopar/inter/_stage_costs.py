@@ -270,13 +270,15 @@ class _StageCosts:
         order = self._orders.get(order_key)
         if order is None:
             prefetch = getattr(self.table, "prefetch", None)  # a made-up table has none
-            if self.work and prefetch is not None:
-                # Every layer's fastest plan on each shape not yet summed (`_fastest`),
-                # solved side by side: a reference's `is_solved` would otherwise let
-                # them be solved one at a time where its layouts do not apply.
-                num_layers = len(self.table.per_layer.stage_graphs)
-                prefetch((k, shape, 0) for shape in shapes if shape not in self._prefix
-                         for k in range(num_layers))
+            if prefetch is not None:
+                # The fastest plans this order reads (with `work`, every layer's on each
+                # shape not yet summed, `_fastest`), solved side by side: a reference's
+                # `is_solved` would otherwise let them be solved one at a time where its
+                # layouts do not apply.
+                every = range(len(self.table.per_layer.stage_graphs))
+                prefetch((k, shape, 0) for shape in shapes
+                         if not self.work or shape not in self._prefix
+                         for k in (every if self.work else layer_range))
             order = []
             for rank, shape in enumerate(shapes):
                 if self.work:  # every layer's level 0 is solved on every shape
