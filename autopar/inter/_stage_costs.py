@@ -375,6 +375,7 @@ def _time_floors_on(table) -> bool:
     return TIME_FLOORS and table.lower_bounds and table.solve is None \
         and hasattr(table, "range_cache")
 
+
 # `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
 # known one by more than this (relative), far above rounding.
 BOUND_MARGIN = 1e-6
@@ -467,7 +468,8 @@ def _bound_by_even_plans(inner: _StageCosts, stage_cost, num_layers: int, num_ho
 def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> float:
     """A lower bound on the stage's latency on submesh `index` (`_lower_bound` on its
     fastest logical mesh; 0 where a plan there is not a proven optimum, inf where no
-    mesh has a plan for every layer)."""
+    mesh has a plan for every layer). With `TIME_FLOORS`, a mesh whose layers' fastest
+    plans are not all in the table takes their time floors (`_StageCosts._time_floor`)."""
     sub = inner.submeshes[index]
     lows = []
     floors = _time_floors_on(inner.table)
