@@ -222,6 +222,11 @@ class LayerCostTable:
             return True
         return self.reference is not None and self.reference.is_solved(layer, shape, level)
 
+    def is_known(self, layer: int, shape: tuple[int, ...], level: int) -> bool:
+        """Whether `cost(layer, shape, level)` is in this table already (no pricing of a
+        reference's layout, which may not apply and then solves, one ILP at a time)."""
+        return (self.fingerprints[layer], shape, level) in self._cache
+
     def prefetch(self, requests) -> None:
         """Solve the ILPs of the (layer, shape, level) costs in `requests` not known yet,
         side by side in the solver pool (`autopar.intra._pool`; nothing when it has one

@@ -139,6 +139,36 @@ def ilp_floor_on_mesh(table, layer: int, shape: tuple[int, ...]) -> float:
     solve builds it (`LayerCostTable._solve_steps`; the build is memoised for that solve);
     0 where the mesh takes no plan of the layer at all (a pin or a forced context
     parallelism it cannot hold: that is for the ILP to say)."""
+    key = ("ilp floor", table.fingerprints[layer], shape)
+    if key not in table.range_cache:
+        table.range_cache[key] = _ilp_floors(table, layer, shape)[0]
+    return table.range_cache[key]
+
+
+def layer_time_floor(table, layer: int, shape: tuple[int, ...]) -> float:
+    """A lower bound on the layer's latency (`LayerCost.latency`) on a mesh of `shape`, at
+    any memory level and with any recompute, from its ILP built, not solved: each ILP
+    node's cheapest strategy (compute plus the collectives it issues), summed.
+
+    Why it is a bound. A plan's predicted time is the sum of its chosen strategies'
+    compute and communication plus the resharding on its edges (`PredictedCost.total`,
+    `autopar.intra._planner._graph_plan`); resharding, the fused reruns
+    (`LayerCostTable._layer_cost`) and a recompute only add. Every memory level solves
+    (or prices a layout of) the same problem with a footprint limit or price that the
+    plan's time leaves out, and under "auto" a plan may be the exact ring's ILP's (other
+    strategies), so the floor is the smaller of the two problems'. 0 where the mesh takes
+    no plan of the layer (`ilp_floor_on_mesh`)."""
+    return _ilp_floors(table, layer, shape)[1]
+
+
+def _ilp_time_floor(built) -> float:
+    """Sum over `built`'s ILP nodes of their cheapest strategy's compute and communication."""
+    return math.fsum(min((s.compute_cost + s.comm_cost for s in node.strategies), default=0.0)
+                     for node in built.ilp_nodes)
+
+
+def _ilp_floors(table, layer: int, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(`ilp_floor_on_mesh`, `layer_time_floor`) of one build; memoised per structure."""
     from autopar.cluster import LogicalMesh
     from autopar.inter._layer_graphs import _tied_in
     from autopar.intra import MemoryBudgetError
@@ -147,7 +177,7 @@ def ilp_floor_on_mesh(table, layer: int, shape: tuple[int, ...]) -> float:
     from autopar.intra._ring_strategies import ring_dots
     from autopar.intra._rules_annotations import AnnotationMismatch
 
-    key = ("ilp floor", table.fingerprints[layer], shape)
+    key = ("ilp floors", table.fingerprints[layer], shape)
     if key not in table.range_cache:
         layer = table._representative[table.fingerprints[layer]]
         sub = table.per_layer.stage_graphs[layer]
@@ -159,11 +189,12 @@ def ilp_floor_on_mesh(table, layer: int, shape: tuple[int, ...]) -> float:
                 fixed=table._pins_on(sub, mesh), weights=table.weights[layer],
                 footprint=table.footprint(layer, shape, None, None, 0.0))
             floor = ilp_model_floor(prepared.problem)
+            seconds = _ilp_time_floor(prepared.built)
             options = table.options
             if options.context_parallel == "auto" and mesh.num_devices > 1 \
                     and ring_dots(sub, sequence_length(sub)):
                 # The layer's plan may be the exact ring's ILP's (`exact_ring_problem`):
-                # other strategies, so its floor too.
+                # other strategies, so its floors too.
                 try:
                     ring = prepare_on_mesh(
                         sub, table.cluster, mesh,
@@ -171,11 +202,12 @@ def ilp_floor_on_mesh(table, layer: int, shape: tuple[int, ...]) -> float:
                         prepared.tied, table._pins_on(sub, mesh), table.weights[layer],
                         prepared.footprint)
                     floor = min(floor, ilp_model_floor(ring.problem))
+                    seconds = min(seconds, _ilp_time_floor(ring.built))
                 except MemoryBudgetError:
                     pass
-            table.range_cache[key] = floor
+            table.range_cache[key] = (floor, seconds)
         except (MemoryBudgetError, AnnotationMismatch):
-            table.range_cache[key] = 0.0
+            table.range_cache[key] = (0.0, 0.0)
     return table.range_cache[key]
 
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from autopar.cost import boundary_transfer_time, in_flight_microbatches, stage_dispatch_time
 from autopar.inter import _stage_fit
 from autopar.inter._layer_table import LayerCostTable
-from autopar.inter._memory_bound import stage_memory_floor
+from autopar.inter._memory_bound import layer_time_floor, stage_memory_floor
 from autopar.inter._range_cache import _prefetch, _range_cache_key
 from autopar.inter._stage_dp import Pruned, StageCost
+from autopar.inter._stage_dp_messages import MemoryFloor
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
 from autopar.inter._submesh import SubmeshShape, assign_devices, logical_mesh_shapes
 
@@ -91,6 +92,7 @@ class _StageCosts:
         self._hopeless: dict[tuple, StageCost] = {}
         self._shapes: dict[tuple, tuple] = {}  # (index, shapes asked) -> shapes to try
         self._prefix: dict[tuple, tuple] = {}  # shape -> prefix sums of level 0 (`_fastest`)
+        self._time_floors: dict[tuple, list] = {}  # shape -> prefix sums (`_time_floor`)
         # (start, end, index, shapes) -> shapes skipped by their memory floor ({} none)
         self.floor_cuts: dict[tuple, dict] = {}
         self.floor_skipped: set[tuple] = set()  # those keys with every shape skipped
@@ -130,6 +132,18 @@ class _StageCosts:
         if unproven[end] - unproven[start] or not self.table.lower_bounds:
             return fastest, -math.inf
         return fastest, fastest * (1 - DOMINANCE_MARGIN)
+
+    def _time_floor(self, start: int, end: int, shape) -> float:
+        """A lower bound on the latency of layers [start, end) on `shape` at any memory
+        level and recompute, from their ILPs built, not solved: the sum of their
+        `layer_time_floor`s, less `DOMINANCE_MARGIN` for rounding (prefix sums per shape)."""
+        if shape not in self._time_floors:
+            sums = [0.0]
+            for k in range(len(self.table.per_layer.stage_graphs)):
+                sums.append(sums[-1] + layer_time_floor(self.table, k, shape))
+            self._time_floors[shape] = sums
+        sums = self._time_floors[shape]
+        return (sums[end] - sums[start]) * (1 - DOMINANCE_MARGIN)
 
     def _fixed_seconds(self, start: int, whole: bool, num_devices: int) -> float:
         """A stage's fixed seconds per microbatch: the activations moved in at its first
@@ -187,10 +201,19 @@ class _StageCosts:
         in_flight = in_flight_microbatches(self.schedule, self.num_microbatches, stages_from_here)
         whole = start == 0 and end == len(self.table.per_layer.stage_graphs)
         transfer = self._fixed_seconds(start, whole, sub.num_devices)
-        order = self._shape_order(start, end, shapes, key)
         # No plan as fast as `bound` holds this stage at or above `hopeless` latency; a
         # shape whose fastest plans (`_lower_bound`) reach it is not costed, at any position.
         hopeless = self.latency_cutoff(start, end, sub.num_devices) - transfer
+        if shapes and math.isfinite(self.bound) and _time_floors_on(self.table):
+            # First by the layers' time floors (`layer_time_floor`: no ILP solved): a
+            # stage they already put at or above `hopeless` on every shape is answered
+            # without its layers' fastest plans.
+            lows = [self._time_floor(start, end, shape) for shape in shapes]
+            if all(low >= hopeless for low in lows):
+                self._hopeless[key] = StageCost(math.inf, False, math.inf, Pruned(
+                    self.bound, max(0.0, min(lows) + transfer)))
+                return self._hopeless[key]
+        order = self._shape_order(start, end, shapes, key)
         if order and all(o[3] >= hopeless for o in order):
             self._hopeless[key] = StageCost(math.inf, False, math.inf, Pruned(
                 self.bound, max(0.0, min(o[3] for o in order) + transfer)))
@@ -246,6 +269,16 @@ class _StageCosts:
         order_key = key if content is None else content
         order = self._orders.get(order_key)
         if order is None:
+            prefetch = getattr(self.table, "prefetch", None)  # a made-up table has none
+            if prefetch is not None:
+                # The fastest plans this order reads (with `work`, every layer's on each
+                # shape not yet summed, `_fastest`), solved side by side: a reference's
+                # `is_solved` would otherwise let them be solved one at a time where its
+                # layouts do not apply.
+                every = range(len(self.table.per_layer.stage_graphs))
+                prefetch((k, shape, 0) for shape in shapes
+                         if not self.work or shape not in self._prefix
+                         for k in (every if self.work else layer_range))
             order = []
             for rank, shape in enumerate(shapes):
                 if self.work:  # every layer's level 0 is solved on every shape
@@ -287,6 +320,7 @@ class _StageCosts:
         there (cut off, or not fitting, its floor as its memory)."""
         best, best_rank = None, None
         least_memory = math.inf
+        floor = False  # whether `least_memory` is a memory floor, not a fit's peak
         cut = []  # least latency of each shape cut off at `limit` (`Pruned`)
         for _, rank, shape, lower in order:
             if lower >= hopeless:
@@ -300,8 +334,8 @@ class _StageCosts:
                 # its fastest plans reach `cutoff`, else the leanest tried does not fit.
                 if _stage_fit._lower_bound(self.table, layer_range, shape, 0) >= cutoff:
                     cut.append(max(lower, cutoff))
-                else:
-                    least_memory = min(least_memory, over[shape])
+                elif over[shape] < least_memory:
+                    least_memory, floor = over[shape], True
                 continue
             fit = _stage_fit._fitting_level(
                 self.table, layer_range, shape, in_flight, self.budget, self.remat, cutoff,
@@ -309,7 +343,8 @@ class _StageCosts:
             if fit is None:  # its fastest plans reach `cutoff` (every shape of `order` has some)
                 cut.append(max(lower, cutoff))
                 continue
-            least_memory = min(least_memory, fit.memory)
+            if fit.memory <= least_memory:
+                least_memory, floor = fit.memory, False
             if fit.memory <= self.budget:
                 latency = fit.latency + transfer
                 if best is None or (latency, rank) < (best.latency, best_rank):
@@ -321,11 +356,25 @@ class _StageCosts:
                 # Cut off by the bound on every shape, never measured: say so.
                 return StageCost(math.inf, False, math.inf,
                                  Pruned(self.bound, max(0.0, min(cut) + transfer)))
-            return StageCost(math.inf, False, least_memory, None)
+            return StageCost(math.inf, False, least_memory, MemoryFloor() if floor else None)
         return best
 
 
 _NO_CUTS: dict = {}  # `_StageCosts._over_budget`'s answer where nothing is over (never written)
+
+# Bound stages and the layers' least work by the layers' time floors (`layer_time_floor`:
+# from their ILPs built, not solved) before any of their fastest plans is solved. False:
+# only solved plans bound them (every layer's fastest plan on every logical mesh is solved
+# first), the reference the floors are checked against (`tests/test_planning_time_floor.py`).
+TIME_FLOORS = True
+
+
+def _time_floors_on(table) -> bool:
+    """Whether `TIME_FLOORS` apply: the table's lower bounds are on and its own ILPs make
+    its plans (a caller's `solve` has no problem to build)."""
+    return TIME_FLOORS and table.lower_bounds and table.solve is None \
+        and hasattr(table, "range_cache")
+
 
 # `_StageCosts.latency_cutoff` cuts off only stages that would make a plan slower than the
 # known one by more than this (relative), far above rounding.
@@ -336,7 +385,10 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
     """Prefix sums (`_StageCosts.work`) of each layer's least work: its fastest plan's
     seconds (level 0) times the mesh's devices, least over every logical mesh of
     `submeshes` (`logical_shapes` when given), times (1 - `DOMINANCE_MARGIN`) as
-    `_lower_bound`; empty when one such plan is not a proven optimum (no bound then)."""
+    `_lower_bound`; empty when one such plan is not a proven optimum (no bound then).
+    With `TIME_FLOORS`, only the plans on one device (a trivial ILP) and those already
+    solved are solved plans here; on every other mesh the layer's time floor
+    (`layer_time_floor`) stands in for its fastest plan (no less work, so a bound too)."""
     shapes = []
     for sub in submeshes:
         for shape in logical_shapes or logical_mesh_shapes(sub):
@@ -345,14 +397,19 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
                 shapes.append(shape)
     if table.solve is not None or not shapes or not table.lower_bounds:
         return []
+    floors = _time_floors_on(table)
+    solved = [s for s in shapes if not floors or math.prod(s) == 1]
     prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
     if prefetch is not None:
         num_layers = len(table.per_layer.stage_graphs)
-        prefetch((k, shape, 0) for shape in shapes for k in range(num_layers))
+        prefetch((k, shape, 0) for shape in solved for k in range(num_layers))
     sums = [0.0]
     for k in range(len(table.per_layer.stage_graphs)):
         least = math.inf
         for shape in shapes:
+            if shape not in solved and not table.is_known(k, shape, 0):
+                least = min(least, layer_time_floor(table, k, shape) * math.prod(shape))
+                continue
             cost = table.cost(k, shape)
             if cost is None:
                 continue
@@ -411,12 +468,17 @@ def _bound_by_even_plans(inner: _StageCosts, stage_cost, num_layers: int, num_ho
 def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> float:
     """A lower bound on the stage's latency on submesh `index` (`_lower_bound` on its
     fastest logical mesh; 0 where a plan there is not a proven optimum, inf where no
-    mesh has a plan for every layer)."""
+    mesh has a plan for every layer). With `TIME_FLOORS`, a mesh whose layers' fastest
+    plans are not all in the table takes their time floors (`_StageCosts._time_floor`)."""
     sub = inner.submeshes[index]
     lows = []
+    floors = _time_floors_on(inner.table)
     for shape in inner.logical_shapes or logical_mesh_shapes(sub):
         shape = tuple(shape)
         if math.prod(shape) != sub.num_devices:
+            continue
+        if floors and not all(inner.table.is_known(k, shape, 0) for k in range(start, end)):
+            lows.append(max(0.0, inner._time_floor(start, end, shape)))  # no ILP solved
             continue
         if all(inner.table.cost(k, shape) is not None for k in range(start, end)):
             lows.append(max(0.0, _stage_fit._lower_bound(inner.table, range(start, end),

@@ -5,8 +5,17 @@ DP's own (`_Problem`, `_Costs`), read by their fields."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from autopar.cost._units import format_gib
+
+
+@dataclass(frozen=True)
+class MemoryFloor:
+    """The `StageCost.detail` of an infeasible stage whose `memory` is a lower bound, not
+    a fit's peak: every logical mesh it could have taken was skipped by its memory floor
+    (`autopar.inter._memory_bound.stage_memory_floor`) or fitted no better, so the stage
+    needs at least that much (the message says so)."""
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -14,7 +23,7 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def _memory_note(problem, costs, memory_budget: float | None) -> str:
-    short = [(c.memory, key) for key, c in costs.items()
+    short = [(c.memory, key, isinstance(c.detail, MemoryFloor)) for key, c in costs.items()
              if not c.feasible and 0 < c.memory < math.inf]
     if not short:
         if memory_budget is None:
@@ -22,7 +31,8 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
         return (f" No stage could be costed within the memory budget of "
                 f"{format_bytes(memory_budget)} per device (not even one layer on the "
                 "largest submesh).")
-    memory, (start, end, index, position) = min(short)
+    memory, (start, end, index, position), floor = min(short)
+    needs = "needs at least" if floor else "needs"
     where = f"pipeline layers [{start}, {end}) on submesh {problem.submeshes[index]}"
     if problem.positional:
         where += f" as stage {position} from the last"
@@ -32,9 +42,9 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
             f"device ({where})."
         )
     return (
-        f" The smallest memory shortfall is {format_bytes(memory - memory_budget)} per "
-        f"device: {where} needs {format_bytes(memory)} against a budget of "
-        f"{format_bytes(memory_budget)}."
+        f" The smallest memory shortfall is {'at least ' if floor else ''}"
+        f"{format_bytes(memory - memory_budget)} per device: {where} {needs} "
+        f"{format_bytes(memory)} against a budget of {format_bytes(memory_budget)}."
     )
 
 
