@@ -22,6 +22,7 @@ from autopar.inter._range_cache import _prefetch, _range_cache_key
 from autopar.inter._stage_dp import Pruned, StageCost
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
 from autopar.inter._submesh import SubmeshShape, assign_devices, logical_mesh_shapes
+from autopar.inter._submesh_cut import layer_fits
 
 
 @dataclass
@@ -112,10 +113,14 @@ class _StageCosts:
         when a plan is not a proven optimum. Rounding differs from a sum over the range by
         far less than `DOMINANCE_MARGIN`, which the lower bound keeps."""
         if shape not in self._prefix:
-            _prefetch(self.table, range(len(self.table.per_layer.stage_graphs)), shape, 0)
+            # A layer alone over the budget on `shape` (`holds`) is taken as having no
+            # plan there: no stage holding it can use `shape`; its ILP is not solved.
+            held = [k for k in range(len(self.table.per_layer.stage_graphs))
+                    if self.holds(k, shape)]
+            _prefetch(self.table, held, shape, 0)
             sums, missing, unproven = [0.0], [0], [0]
             for k in range(len(self.table.per_layer.stage_graphs)):
-                cost = self.table.cost(k, shape)
+                cost = self.table.cost(k, shape) if self.holds(k, shape) else None
                 sums.append(sums[-1] + (0.0 if cost is None else cost.latency))
                 missing.append(missing[-1] + (cost is None))
                 unproven.append(unproven[-1] + (
@@ -130,6 +135,16 @@ class _StageCosts:
         if unproven[end] - unproven[start] or not self.table.lower_bounds:
             return fastest, -math.inf
         return fastest, fastest * (1 - DOMINANCE_MARGIN)
+
+    def holds(self, layer: int, shape) -> bool:
+        """False where layer `layer` alone is over the budget on `shape` by its memory floor
+        (`autopar.inter._submesh_cut.layer_fits`): every stage holding it has a floor at
+        least that (`stage_memory_floor`), so `_over_budget` would skip `shape` for it.
+        True wherever `_over_budget` cuts nothing."""
+        if not (self.floors and self.table.lower_bounds and self.table.solve is None
+                and math.isfinite(self.budget)):
+            return True
+        return layer_fits(self.table, layer, tuple(shape), self.budget)
 
     def _fixed_seconds(self, start: int, whole: bool, num_devices: int) -> float:
         """A stage's fixed seconds per microbatch: the activations moved in at its first
@@ -253,7 +268,8 @@ class _StageCosts:
                     if fastest is not None:
                         order.append((fastest, rank, shape, lower))
                     continue
-                plain = [self.table.cost(k, shape) for k in layer_range]
+                plain = [self.table.cost(k, shape) if self.holds(k, shape) else None
+                         for k in layer_range]
                 if all(c is not None for c in plain):
                     order.append((math.fsum(c.latency for c in plain), rank, shape,
                                   _stage_fit._lower_bound(self.table, layer_range, shape, 0)))
@@ -332,11 +348,14 @@ _NO_CUTS: dict = {}  # `_StageCosts._over_budget`'s answer where nothing is over
 BOUND_MARGIN = 1e-6
 
 
-def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]:
+def _least_work(table: LayerCostTable, submeshes, logical_shapes,
+                holds=None) -> list[float]:
     """Prefix sums (`_StageCosts.work`) of each layer's least work: its fastest plan's
     seconds (level 0) times the mesh's devices, least over every logical mesh of
-    `submeshes` (`logical_shapes` when given), times (1 - `DOMINANCE_MARGIN`) as
+    `submeshes` (`logical_shapes` when given) on which it may be staged (`holds(layer,
+    shape)`, when given: `_StageCosts.holds`), times (1 - `DOMINANCE_MARGIN`) as
     `_lower_bound`; empty when one such plan is not a proven optimum (no bound then)."""
+    holds = holds or (lambda k, shape: True)
     shapes = []
     for sub in submeshes:
         for shape in logical_shapes or logical_mesh_shapes(sub):
@@ -348,12 +367,13 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
     prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
     if prefetch is not None:
         num_layers = len(table.per_layer.stage_graphs)
-        prefetch((k, shape, 0) for shape in shapes for k in range(num_layers))
+        prefetch((k, shape, 0) for shape in shapes for k in range(num_layers)
+                 if holds(k, shape))
     sums = [0.0]
     for k in range(len(table.per_layer.stage_graphs)):
         least = math.inf
         for shape in shapes:
-            cost = table.cost(k, shape)
+            cost = table.cost(k, shape) if holds(k, shape) else None
             if cost is None:
                 continue
             if table.plan(k, shape).stats.get("status") != "optimal":
@@ -418,7 +438,8 @@ def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> floa
         shape = tuple(shape)
         if math.prod(shape) != sub.num_devices:
             continue
-        if all(inner.table.cost(k, shape) is not None for k in range(start, end)):
+        if all(inner.holds(k, shape) and inner.table.cost(k, shape) is not None
+               for k in range(start, end)):
             lows.append(max(0.0, _stage_fit._lower_bound(inner.table, range(start, end),
                                                           shape, 0)))
     return min(lows, default=math.inf)
