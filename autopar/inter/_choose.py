@@ -45,6 +45,7 @@ from autopar.inter._submesh import (
     splittable_shapes,
     submesh_shapes,
 )
+from autopar.inter._submesh_cut import usable_submeshes
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition import Partition, partition
 from autopar.intra import ShardingPlan
@@ -126,6 +127,8 @@ def choose_stages(
         cluster.num_hosts, cluster.devices_per_host
     )
     all_submeshes, splittable = _splittable(table, all_submeshes, options)
+    all_submeshes, splittable = usable_submeshes(  # memory floor and device-count cuts
+        table, all_submeshes, splittable, options, budget, layers.num_layers)
     crossing = boundary_bytes(graph, layers)
     start_time = time.perf_counter()
     per_count = None if stage_counts is None else {}
@@ -306,7 +309,7 @@ def _bound_search(inner: _StageCosts, stage_cost, table: LayerCostTable, num_lay
     """A plan that exists bounds the answer: stages that cannot be part of a plan as fast
     are not costed at their leaner levels (`_StageCosts.bound`)."""
     if not restricted:
-        inner.work = _least_work(table, submeshes, logical_shapes)
+        inner.work = _least_work(table, submeshes, logical_shapes, inner.holds)
     _bound_by_even_plans(
         inner, stage_cost, num_layers, cluster.num_hosts, cluster.devices_per_host,
         submeshes, num_stages,

@@ -23,6 +23,7 @@ from autopar.inter._stage_dp import Pruned, StageCost
 from autopar.inter._stage_dp_messages import MemoryFloor
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
 from autopar.inter._submesh import SubmeshShape, assign_devices, logical_mesh_shapes
+from autopar.inter._submesh_cut import layer_fits
 
 
 @dataclass
@@ -114,10 +115,14 @@ class _StageCosts:
         when a plan is not a proven optimum. Rounding differs from a sum over the range by
         far less than `DOMINANCE_MARGIN`, which the lower bound keeps."""
         if shape not in self._prefix:
-            _prefetch(self.table, range(len(self.table.per_layer.stage_graphs)), shape, 0)
+            # A layer alone over the budget on `shape` (`holds`) is taken as having no
+            # plan there: no stage holding it can use `shape`; its ILP is not solved.
+            held = [k for k in range(len(self.table.per_layer.stage_graphs))
+                    if self.holds(k, shape)]
+            _prefetch(self.table, held, shape, 0)
             sums, missing, unproven = [0.0], [0], [0]
             for k in range(len(self.table.per_layer.stage_graphs)):
-                cost = self.table.cost(k, shape)
+                cost = self.table.cost(k, shape) if self.holds(k, shape) else None
                 sums.append(sums[-1] + (0.0 if cost is None else cost.latency))
                 missing.append(missing[-1] + (cost is None))
                 unproven.append(unproven[-1] + (
@@ -144,6 +149,16 @@ class _StageCosts:
             self._time_floors[shape] = sums
         sums = self._time_floors[shape]
         return (sums[end] - sums[start]) * (1 - DOMINANCE_MARGIN)
+
+    def holds(self, layer: int, shape) -> bool:
+        """False where layer `layer` alone is over the budget on `shape` by its memory floor
+        (`autopar.inter._submesh_cut.layer_fits`): every stage holding it has a floor at
+        least that (`stage_memory_floor`), so `_over_budget` would skip `shape` for it.
+        True wherever `_over_budget` cuts nothing."""
+        if not (self.floors and self.table.lower_bounds and self.table.solve is None
+                and math.isfinite(self.budget)):
+            return True
+        return layer_fits(self.table, layer, tuple(shape), self.budget)
 
     def _fixed_seconds(self, start: int, whole: bool, num_devices: int) -> float:
         """A stage's fixed seconds per microbatch: the activations moved in at its first
@@ -278,7 +293,8 @@ class _StageCosts:
                 every = range(len(self.table.per_layer.stage_graphs))
                 prefetch((k, shape, 0) for shape in shapes
                          if not self.work or shape not in self._prefix
-                         for k in (every if self.work else layer_range))
+                         for k in (every if self.work else layer_range)
+                         if self.holds(k, shape))
             order = []
             for rank, shape in enumerate(shapes):
                 if self.work:  # every layer's level 0 is solved on every shape
@@ -286,7 +302,8 @@ class _StageCosts:
                     if fastest is not None:
                         order.append((fastest, rank, shape, lower))
                     continue
-                plain = [self.table.cost(k, shape) for k in layer_range]
+                plain = [self.table.cost(k, shape) if self.holds(k, shape) else None
+                         for k in layer_range]
                 if all(c is not None for c in plain):
                     order.append((math.fsum(c.latency for c in plain), rank, shape,
                                   _stage_fit._lower_bound(self.table, layer_range, shape, 0)))
@@ -381,14 +398,17 @@ def _time_floors_on(table) -> bool:
 BOUND_MARGIN = 1e-6
 
 
-def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]:
+def _least_work(table: LayerCostTable, submeshes, logical_shapes,
+                holds=None) -> list[float]:
     """Prefix sums (`_StageCosts.work`) of each layer's least work: its fastest plan's
     seconds (level 0) times the mesh's devices, least over every logical mesh of
-    `submeshes` (`logical_shapes` when given), times (1 - `DOMINANCE_MARGIN`) as
+    `submeshes` (`logical_shapes` when given) on which it may be staged (`holds(layer,
+    shape)`, when given: `_StageCosts.holds`), times (1 - `DOMINANCE_MARGIN`) as
     `_lower_bound`; empty when one such plan is not a proven optimum (no bound then).
     With `TIME_FLOORS`, only the plans on one device (a trivial ILP) and those already
     solved are solved plans here; on every other mesh the layer's time floor
     (`layer_time_floor`) stands in for its fastest plan (no less work, so a bound too)."""
+    holds = holds or (lambda k, shape: True)
     shapes = []
     for sub in submeshes:
         for shape in logical_shapes or logical_mesh_shapes(sub):
@@ -402,11 +422,14 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes) -> list[float]
     prefetch = getattr(table, "prefetch", None)  # a test's made-up table has none
     if prefetch is not None:
         num_layers = len(table.per_layer.stage_graphs)
-        prefetch((k, shape, 0) for shape in solved for k in range(num_layers))
+        prefetch((k, shape, 0) for shape in solved for k in range(num_layers)
+                 if holds(k, shape))
     sums = [0.0]
     for k in range(len(table.per_layer.stage_graphs)):
         least = math.inf
         for shape in shapes:
+            if not holds(k, shape):
+                continue
             if shape not in solved and not table.is_known(k, shape, 0):
                 least = min(least, layer_time_floor(table, k, shape) * math.prod(shape))
                 continue
@@ -476,6 +499,8 @@ def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> floa
     for shape in inner.logical_shapes or logical_mesh_shapes(sub):
         shape = tuple(shape)
         if math.prod(shape) != sub.num_devices:
+            continue
+        if not all(inner.holds(k, shape) for k in range(start, end)):
             continue
         if floors and not all(inner.table.is_known(k, shape, 0) for k in range(start, end)):
             lows.append(max(0.0, inner._time_floor(start, end, shape)))  # no ILP solved
