@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -105,6 +106,25 @@ def memo(name: str, keys: str, *, maxsize: int, scope: Scope = "process") -> Cal
 
     def wrap(fn: Callable) -> Callable:
         return declare(functools.lru_cache(maxsize=maxsize)(fn), name, keys, scope=scope)
+
+    return wrap
+
+
+def per_graph(name: str, keys: str) -> Callable:
+    """A decorator: `fn(graph)` computed once per graph object, in a weak-keyed table
+    declared as search-scoped memo `name` (a graph freed takes its entry with it)."""
+
+    def wrap(fn: Callable) -> Callable:
+        table = declare(weakref.WeakKeyDictionary(), name, keys)
+
+        @functools.wraps(fn)
+        def once(graph):
+            held = table.get(graph)
+            if held is None:
+                held = table[graph] = fn(graph)
+            return held
+
+        return once
 
     return wrap
 

@@ -102,45 +102,46 @@ def test_a_stage_shared_by_two_splits_is_stitched_once(adamw_graph):
     assert table.stage_plan(graph, three, 1, (1, 2), shape, mesh, tied) is not rest
 
 
-def test_per_graph_memos_hit_on_the_graph_and_miss_on_another(adamw_graph, monkeypatch):
+def test_per_graph_memos_hit_on_the_graph_and_miss_on_another(adamw_graph):
     """The Megatron grid asks about one traced graph once per configuration, and the
     explored space's search about the grid's graphs: a graph's `assign_layers`, its
     layers' `structural_fingerprint`s and a graph's `fingerprint_of` are computed once per
     graph object (a hit: no new computation, the same value), and anew for another graph
     object of the same content (a miss: computed, equal to the first)."""
+    from autopar import _memo
     from autopar.inter import _layer_graphs, _stitch
-    from autopar.inter.passes import _layers
     from autopar.intra import graph_fingerprint
 
     graph, layers = adamw_graph
-    calls = {"layers": 0, "structure": 0, "graph": 0}
 
-    def counted(name, fn):
-        def wrapped(g):
-            calls[name] += 1
-            return fn(g)
-        return wrapped
+    def held(name):  # the entries of memo `name` (one per graph computed)
+        return _memo.sizes()[name]
 
-    monkeypatch.setattr(_layers, "_assign_layers", counted("layers", _layers._assign_layers))
-    monkeypatch.setattr(_layer_graphs, "_structural_fingerprint",
-                        counted("structure", _layer_graphs._structural_fingerprint))
-    monkeypatch.setattr(_stitch, "graph_fingerprint", counted("graph", graph_fingerprint))
     other = copy.copy(graph)  # the same content, another graph object
     assert other is not graph
-    assert assign_layers(other) == layers and calls["layers"] == 1
-    assert assign_layers(other) is assign_layers(other) and calls["layers"] == 1
-    assert assign_layers(copy.copy(graph)) == layers and calls["layers"] == 2
+    before = held("inter.layer_assignments")
+    assert assign_layers(other) == layers
+    assert assign_layers(other) is assign_layers(other)  # a hit: the same object
+    assert held("inter.layer_assignments") == before + 1
+    third = copy.copy(graph)
+    assert assign_layers(third) == layers and held("inter.layer_assignments") == before + 2
 
     part = partition_module.partition(graph, layers,
                                       [(k, k + 1) for k in range(layers.num_layers)])
     sub = copy.copy(part.stage_graphs[1])
+    before = held("inter.structural_fingerprints")
     first = _layer_graphs.structural_fingerprint(sub)
-    assert calls["structure"] == 1
-    assert _layer_graphs.structural_fingerprint(sub) == first and calls["structure"] == 1
-    assert _layer_graphs.structural_fingerprint(copy.copy(sub)) == first
-    assert calls["structure"] == 2
+    assert _layer_graphs.structural_fingerprint(sub) == first
+    assert held("inter.structural_fingerprints") == before + 1
+    sub_copy = copy.copy(sub)
+    assert _layer_graphs.structural_fingerprint(sub_copy) == first
+    assert held("inter.structural_fingerprints") == before + 2
 
+    before = held("inter.graph_fingerprints")
     whole = _stitch.fingerprint_of(other)
-    assert whole == graph_fingerprint(graph) and calls["graph"] == 1
-    assert _stitch.fingerprint_of(other) == whole and calls["graph"] == 1
-    assert _stitch.fingerprint_of(copy.copy(other)) == whole and calls["graph"] == 2
+    assert whole == graph_fingerprint(graph)
+    assert _stitch.fingerprint_of(other) is whole
+    assert held("inter.graph_fingerprints") == before + 1
+    other_copy = copy.copy(other)
+    assert _stitch.fingerprint_of(other_copy) == whole
+    assert held("inter.graph_fingerprints") == before + 2

@@ -9,29 +9,16 @@ output the layer makes and whose input it reads.
 from __future__ import annotations
 
 import hashlib
-import weakref
 
-from autopar._memo import declare
+from autopar._memo import per_graph
 from autopar.graph import OpGraph, Role
 
 
+@per_graph("inter.structural_fingerprints", "graph -> its structural fingerprint")
 def structural_fingerprint(graph: OpGraph) -> str:
     """A hash of a sub-graph up to renaming of its variables; once per graph (every
     `LayerCostTable` of one step's per-layer partition, one per configuration of the
     Megatron grid, asks about the same layer sub-graphs)."""
-    held = _FINGERPRINTS.get(graph)
-    if held is None:
-        held = _FINGERPRINTS[graph] = _structural_fingerprint(graph)
-    return held
-
-
-# graph -> `structural_fingerprint(graph)`
-_FINGERPRINTS: weakref.WeakKeyDictionary = declare(
-    weakref.WeakKeyDictionary(), "inter.structural_fingerprints",
-    "graph -> its structural fingerprint")
-
-
-def _structural_fingerprint(graph: OpGraph) -> str:
     names: dict[int, int] = {}
 
     def name(v: int) -> str:

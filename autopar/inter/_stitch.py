@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from autopar._memo import declare
+from autopar._memo import declare, per_graph
 from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.cost import repriced_copy_seconds
 from autopar.cost.backends import backend_for
@@ -39,19 +39,12 @@ _CANONICAL: weakref.WeakKeyDictionary = declare(
     "graph -> its non-constant variables in order of first appearance")
 
 
+@per_graph("inter.graph_fingerprints", "graph -> its graph_fingerprint")
 def fingerprint_of(graph: OpGraph) -> str:
     """`graph_fingerprint(graph)`, once per graph: a partition's stage sub-graphs are
     stitched again for other meshes and layer plans, and the Megatron grid's plans of one
     microbatch count share their traced graph."""
-    held = _FINGERPRINTS.get(graph)
-    if held is None:
-        held = _FINGERPRINTS[graph] = graph_fingerprint(graph)
-    return held
-
-
-# graph -> `graph_fingerprint(graph)`
-_FINGERPRINTS: weakref.WeakKeyDictionary = declare(
-    weakref.WeakKeyDictionary(), "inter.graph_fingerprints", "graph -> its graph_fingerprint")
+    return graph_fingerprint(graph)
 
 
 def _canonical_vars(graph: OpGraph) -> list[int]:

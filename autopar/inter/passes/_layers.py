@@ -11,11 +11,10 @@ backward mark k to backward mark k - 1.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Literal
 
-from autopar._memo import declare
+from autopar._memo import per_graph
 from autopar.graph import OpGraph
 
 Phase = Literal["forward", "backward", "apply", "dead"]
@@ -65,6 +64,7 @@ def ancestors(graph: OpGraph, roots) -> set[int]:
     return needed
 
 
+@per_graph("inter.layer_assignments", "graph -> its LayerAssignment")
 def assign_layers(graph: OpGraph) -> LayerAssignment:
     """Layers from the marks in program order (see the module docstring).
 
@@ -72,18 +72,6 @@ def assign_layers(graph: OpGraph) -> LayerAssignment:
     on the same traced graph, and `autopar space`'s search plans on the grid's traces
     (`gpt-1.3B` on 2 hosts: 91 calls on 4 graphs took a ninth of the profiled run). A
     `LayerAssignment` is frozen; its users only read it."""
-    held = _ASSIGNED.get(graph)
-    if held is None:
-        held = _ASSIGNED[graph] = _assign_layers(graph)
-    return held
-
-
-# graph -> `assign_layers(graph)`
-_ASSIGNED: weakref.WeakKeyDictionary = declare(
-    weakref.WeakKeyDictionary(), "inter.layer_assignments", "graph -> its LayerAssignment")
-
-
-def _assign_layers(graph: OpGraph) -> LayerAssignment:
     boundary = find_grad_boundary(graph)
     grad_nodes = gradient_nodes(graph, boundary)
     marks = [n.id for n in graph.nodes if n.primitive == "layer_boundary" and n.id in grad_nodes]
