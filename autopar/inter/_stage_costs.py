@@ -380,10 +380,14 @@ class _StageCosts:
 _NO_CUTS: dict = {}  # `_StageCosts._over_budget`'s answer where nothing is over (never written)
 
 # Bound stages and the layers' least work by the layers' time floors (`layer_time_floor`:
-# from their ILPs built, not solved) before any of their fastest plans is solved. False:
-# only solved plans bound them (every layer's fastest plan on every logical mesh is solved
-# first), the reference the floors are checked against (`tests/test_planning_time_floor.py`).
-TIME_FLOORS = True
+# from their ILPs built, not solved) before any of their fastest plans is solved. Off: only
+# solved plans bound them (every layer's fastest plan on every logical mesh is solved
+# first). Exact either way (`tests/test_planning_time_floor.py`), but off by default: on a
+# quiet machine the floors' extra problem builds cost more than the solves they save
+# (`python -m benchmarks planning_time --rows demo llama-8B@64`, 2 interleaved rounds: demo
+# 6.4 / 6.3 s wall with them against 4.2 / 3.7 s without; llama-8B@64 55.3 / 59.6 against
+# 52.6 / 48.6 s, 115 ILPs against 116).
+TIME_FLOORS = False
 
 
 def _time_floors_on(table) -> bool:
