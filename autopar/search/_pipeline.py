@@ -310,7 +310,7 @@ class _PipelineSearch:
         plans = []
         for num_micro, choices in sorted(self.stage_counts.items()):
             graph = self.traced[num_micro][0]
-            fingerprint = self.fingerprint(graph)  # once for all its stage counts
+            fingerprint = fingerprint_of(graph)  # once per graph, for all its stage counts
             for _, choice in sorted(choices.items()):
                 if isinstance(choice, NoPlanOfCount):  # `stage_count_gaps`
                     continue
@@ -607,12 +607,6 @@ class _PipelineSearch:
 
     # -- the plan --------------------------------------------------------------------
 
-    def fingerprint(self, graph: OpGraph) -> str:
-        """`graph_fingerprint(graph)`, once per graph (every candidate and stage-count plan
-        of a microbatch count has that count's graph, and `autopar space`'s search the
-        grid's): `autopar.inter._stitch.fingerprint_of`."""
-        return fingerprint_of(graph)
-
     def plan_of(self, best: _Candidate, scan_ranges=(), fingerprint: str | None = None
                 ) -> Plan:
         """The `Plan` of the chosen candidate (`fingerprint`: its graph's, if known)."""
@@ -633,7 +627,7 @@ class _PipelineSearch:
             stages=stages,
             inputs=input_infos(best.graph, lambda s: choice.stage_plans[s],
                                choice.partition.home),
-            graph_fingerprint=fingerprint or self.fingerprint(best.graph),
+            graph_fingerprint=fingerprint or fingerprint_of(best.graph),
             num_microbatches=best.num_microbatches,
             schedule=best.schedule,
             warnings=warnings,
