@@ -371,7 +371,9 @@ def _solve_within_incumbent(
     **Returns:** (column values of `model`, or None; status), as `run_model`.
     """
     relaxed_choice = {v: int(np.argmax(relaxed[c])) for v, c in model.node_columns.items()}
-    incumbent = _local_descent(reduction.graph, relaxed_choice)
+    incumbent = _local_descent(reduction.graph, relaxed_choice, reduction.groups, budget)
+    if incumbent is None:  # no plan within the memory budget found: the whole MIP
+        return build_solver_model(model, solver).run(time_limit, msg, None, MIP_RELATIVE_GAP)
     everything = {v: np.arange(len(c)) for v, c in reduction.graph.node_cost.items()}
     cost = model.objective_of(incumbent)
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
@@ -393,10 +395,16 @@ def _solve_within_incumbent(
     return model.values_of(choice), status
 
 
-def _local_descent(graph: CostGraph, choice: dict[int, int]) -> dict[int, int]:
+def _local_descent(graph: CostGraph, choice: dict[int, int],
+                   groups: list[MemoryGroup] = (), budget: float | None = None,
+                   ) -> dict[int, int] | None:
     """`choice` improved one node at a time: in node order, each node moves to the lowest
     strategy of least cost given its neighbours when that is cheaper, until no node moves.
-    Deterministic; a local optimum, used only as an incumbent."""
+    Deterministic; a local optimum, used only as an incumbent. With memory `groups`, a
+    node moves only to a strategy that keeps them within `budget` (`_descent_in_budget`),
+    and None is returned when the plan does not fit."""
+    if groups:
+        return _descent_in_budget(graph, choice, groups, budget)
     choice = dict(choice)
     for _ in range(_MAX_DESCENT_SWEEPS):
         moved = False
@@ -408,6 +416,45 @@ def _local_descent(graph: CostGraph, choice: dict[int, int]) -> dict[int, int]:
         if not moved:
             break
     return choice
+
+
+def _within_budget(groups: list[MemoryGroup], budget: float, choice: Mapping[int, int]) -> bool:
+    """Whether every memory group's bytes at `choice` are within `budget`, summed exactly
+    (as `_prefer_lower_indices` checks them)."""
+    return all(group.constant + math.fsum(float(t[choice[v]]) for v, t in group.terms)
+               <= budget for group in groups)
+
+
+def _descent_in_budget(graph: CostGraph, choice: dict[int, int], groups: list[MemoryGroup],
+                       budget: float) -> dict[int, int] | None:
+    """`_local_descent` under memory groups: in node order, each node moves to its
+    cheapest strategy (lowest index among equals) that is cheaper given its neighbours
+    and keeps every group it is in within `budget` (running totals), until no node moves.
+    **Returns:** the plan, or None when it (checked exactly at the end, `_within_budget`)
+    does not fit: the relaxation's rounding was over budget and no descent mended it."""
+    choice = dict(choice)
+    terms_of: dict[int, list[tuple[int, np.ndarray]]] = {}
+    totals = []
+    for g, group in enumerate(groups):
+        totals.append(group.constant + sum(float(t[choice[v]]) for v, t in group.terms))
+        for v, t in group.terms:
+            terms_of.setdefault(v, []).append((g, t))
+    for _ in range(_MAX_DESCENT_SWEEPS):
+        moved = False
+        for v in sorted(graph.node_cost):
+            local, current = graph.local_cost(v, choice), choice[v]
+            terms = terms_of.get(v, ())
+            for k in np.argsort(local, kind="stable").tolist():
+                if not local[k] < local[current]:
+                    break
+                if all(totals[g] - t[current] + t[k] <= budget for g, t in terms):
+                    for g, t in terms:
+                        totals[g] += float(t[k] - t[current])
+                    choice[v], moved = k, True
+                    break
+        if not moved:
+            break
+    return choice if _within_budget(groups, budget, choice) else None
 
 
 # Below this many seconds left of the time limit the tie-break solve is not started.
