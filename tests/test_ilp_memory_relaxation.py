@@ -121,3 +121,25 @@ def test_descent_in_budget_keeps_the_budget_or_gives_up():
     assert peak_memory(agreeing, (0,) * 7) > agreeing.memory_budget
     assert _descent_in_budget(graph, dict.fromkeys(range(7), 0), groups,
                               agreeing.memory_budget) is None
+
+
+def test_dominance_checked_in_chunks_matches_every_column_at_once(monkeypatch):
+    """A hub node (many neighbours, more columns than `_EXACT_CHUNK_COLUMNS`): the pairs
+    dropped chunk by chunk are exactly those the exact terms over every column reject,
+    planted dominated strategies (a copy plus a constant) included."""
+    import autopar.intra._ilp_reduce as reduce
+
+    rng = np.random.default_rng(0)
+    size, neighbours = 12, 40
+    cost = rng.random(size)
+    matrices = [rng.random((size, int(rng.integers(8, 20)))) for _ in range(neighbours)]
+    for dominated, by in ((5, 2), (9, 4), (11, 2)):  # b = a + a constant: a dominates b
+        cost[dominated] = cost[by] + 0.25
+        for m in matrices:
+            m[dominated] = m[by] + 0.01
+    assert sum(m.shape[1] for m in matrices) > reduce._EXACT_CHUNK_COLUMNS
+    chunked = reduce._dominates(cost, matrices)
+    monkeypatch.setattr(reduce, "_EXACT_CHUNK_COLUMNS", 10**9)
+    whole = reduce._dominates(cost, matrices)
+    np.testing.assert_array_equal(chunked, whole)
+    assert chunked[2, 5] and chunked[4, 9] and chunked[2, 11] and chunked.sum() >= 3
