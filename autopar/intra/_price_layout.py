@@ -26,8 +26,11 @@ peak, footprint and choices are those of pricing on the whole problem
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
+from autopar._memo import declare
 from autopar.cluster import Spec
 from autopar.graph import OpGraph
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
@@ -53,7 +56,7 @@ from autopar.intra._ring_strategies import (
     ring_strategies,
 )
 from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES
-from autopar.intra._scan import SCAN_MARKERS
+from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
 from autopar.intra._signature import enumerate_assignments, reduced_axes
 from autopar.intra._strategies import (
     EXTRA_STRATEGIES,
@@ -88,9 +91,34 @@ def layout_problem(
     whole problem (under the footprint's peak limit, `_built_problem`); without it, one
     built for the layout (`price_layout`)."""
     nodes = _LayoutNodes(layout)
-    built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
-                          layout=layout, operator_nodes=nodes)
+    expansion = _expanded(graph, weights, tied) if options.open_scans else None
+    if expansion is None:
+        built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
+                              layout=layout, operator_nodes=nodes)
+    else:  # the planning graph `build_problem` would open, opened once per graph
+        built = build_problem(expansion.graph, mesh, cluster,
+                              replace(options, open_scans=False), expansion.tied, None,
+                              expansion.weights, footprint, layout=layout,
+                              operator_nodes=nodes)
+        built.expansion = expansion
     return built, nodes.agree
+
+
+def _expanded(graph: OpGraph, weights, tied) -> Expansion | None:
+    """`expand_scans(graph, weights, tied)`, memoised: each layout priced on a layer
+    graph would open its scans anew, and the facts memoised per planning graph
+    (`_node_facts`, `fusion_traffic`, `_memory_groups`) would be found anew with them."""
+    key = (tuple(sorted((weights or {}).items())), tuple(tied))
+    by_key = _EXPANSIONS.setdefault(graph, {})
+    if key not in by_key:
+        by_key[key] = expand_scans(graph, weights, tied)
+    return by_key[key]
+
+
+# graph -> {(weights, ties): its scans opened}; forgets graphs nothing else holds.
+_EXPANSIONS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.layout_expansions",
+    "graph -> {(weights, ties): Expansion}")
 
 
 class _LayoutNodes:
