@@ -15,6 +15,7 @@ import autopar
 from examples import gpt, llama
 
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)
+GPT_SCAN = dataclasses.replace(gpt.CONFIGS["tiny"], scan_layers=True)  # opened by the ILP
 LLAMA = dataclasses.replace(llama.CONFIGS["tiny"], layer_markers=True)
 CLUSTER = "dgx-a100-80g"
 
@@ -48,11 +49,12 @@ def _both(*args, **kwargs):
     return new
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (8,)])
-def test_a_layout_priced_alone_is_the_whole_problems_plan(shape):
-    """The tiny GPT's step at 8 rows solved on `shape`; its layout priced on the step at
-    16 rows and at 4 rows (on (8,) the 8-way batch split does not divide 4 rows: None),
-    on a graph of another structure (None), and under a budget below its peak (None)."""
+@pytest.mark.parametrize("cfg, shape", [(GPT, (2, 4)), (GPT, (8,)), (GPT_SCAN, (2, 4))])
+def test_a_layout_priced_alone_is_the_whole_problems_plan(cfg, shape):
+    """The tiny GPT's step at 8 rows (its layers marked, or scanned) solved on `shape`;
+    its layout priced on the step at 16 rows and at 4 rows (on (8,) the 8-way batch split
+    does not divide 4 rows: None), on a graph of another structure (None), and under a
+    budget below its peak (None)."""
     from autopar.intra._ilp import solve
     from autopar.intra._options import ShardOptions
     from autopar.intra._planner import prepare_on_mesh
@@ -60,15 +62,15 @@ def test_a_layout_priced_alone_is_the_whole_problems_plan(shape):
 
     cluster = autopar.Cluster.from_profile(CLUSTER)
     mesh = autopar.cluster.LogicalMesh.create(shape)
-    prepared = prepare_on_mesh(_step(gpt, GPT, 8), cluster, mesh)
+    prepared = prepare_on_mesh(_step(gpt, cfg, 8), cluster, mesh)
     layout = chosen_layout(prepared.built, solve(prepared.problem, **prepared.solve_args).choices)
-    large = _both(_step(gpt, GPT, 16), cluster, mesh, layout)
+    large = _both(_step(gpt, cfg, 16), cluster, mesh, layout)
     assert large is not None and large.stats["solver"] == "none (a layout priced)"
-    small = _both(_step(gpt, GPT, 4), cluster, mesh, layout)
+    small = _both(_step(gpt, cfg, 4), cluster, mesh, layout)
     assert small is None or shape != (8,)
-    assert _both(_step(gpt, GPT, 16), cluster, mesh, layout[:-1]) is None
+    assert _both(_step(gpt, cfg, 16), cluster, mesh, layout[:-1]) is None
     tight = ShardOptions(memory_budget=large.cost.memory_per_device / 2)
-    assert _both(_step(gpt, GPT, 16), cluster, mesh, layout, tight) is None
+    assert _both(_step(gpt, cfg, 16), cluster, mesh, layout, tight) is None
 
 
 def test_the_search_prices_each_layout_as_the_whole_problem_does(monkeypatch):

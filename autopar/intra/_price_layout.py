@@ -327,31 +327,44 @@ def _scattered_spec(out_spec: Spec, shape, split: int, axes) -> Spec | None:
 def _follower_pairs(node, graph, sig, main, leader_specs, mesh, memo, key):
     """The (operand, result) specs of `follow_strategies`' list for `leader_specs`, or
     None where it gives None (some spec cannot be carried through); found without
-    costing any."""
+    costing any, each distinct spec once per node key and mesh."""
     fkey = ("follow pairs", key, main, leader_specs)
-    if fkey in memo:
-        return memo[fkey]
-    labels = sig.inputs[main]
-    in_vars = [graph.vars[v] for v in node.inputs]
-    out_vars = [graph.vars[v] for v in node.outputs]
-    by_spec: dict[Spec, Pair] = {}
+    found = memo.get(fkey, _UNKNOWN)
+    if found is not _UNKNOWN:
+        return found
+    by_spec = memo.get(("follow pair", key, main))
+    if by_spec is None:
+        by_spec = memo[("follow pair", key, main)] = {}
     result = []
     for spec in leader_specs:
-        pair = by_spec.get(spec)
+        pair = by_spec.get(spec, _UNKNOWN)
+        if pair is _UNKNOWN:
+            pair = by_spec[spec] = _follower_pair(node, graph, sig, main, spec, mesh)
         if pair is None:
-            assignment: dict[str, tuple[str, ...]] = {}
-            for label, axes in zip(labels, spec):
-                if axes and label is None:
-                    memo[fkey] = None
-                    return None
-                if axes:
-                    assignment[label] = axes
-            pair = _specs_under(sig, assignment, in_vars, out_vars)
-            tensors = [*zip(in_vars, pair[0]), *zip(out_vars, pair[1])]
-            if not all(s is None or _divisible(v.shape, s, mesh) for v, s in tensors):
-                memo[fkey] = None
-                return None
-            by_spec[spec] = pair
+            result = None
+            break
         result.append(pair)
-    found = memo[fkey] = tuple(result)
+    found = memo[fkey] = None if result is None else tuple(result)
     return found
+
+
+def _follower_pair(node, graph, sig, main, spec, mesh) -> Pair | None:
+    """`follow_strategies`' (operand, result) specs for one leader spec; None where it
+    cannot carry that spec through (a split of a dimension without a label, or one these
+    shapes do not divide)."""
+    assignment: dict[str, tuple[str, ...]] = {}
+    for label, axes in zip(sig.inputs[main], spec):
+        if axes and label is None:
+            return None
+        if axes:
+            assignment[label] = axes
+    in_vars = [graph.vars[v] for v in node.inputs]
+    out_vars = [graph.vars[v] for v in node.outputs]
+    pair = _specs_under(sig, assignment, in_vars, out_vars)
+    tensors = [*zip(in_vars, pair[0]), *zip(out_vars, pair[1])]
+    if not all(s is None or _divisible(v.shape, s, mesh) for v, s in tensors):
+        return None
+    return pair
+
+
+_UNKNOWN = object()  # not memoised yet (None is a memoised answer)
