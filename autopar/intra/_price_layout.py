@@ -115,6 +115,17 @@ def _expanded(graph: OpGraph, weights, tied) -> Expansion | None:
     return by_key[key]
 
 
+def _ring_dots(graph: OpGraph) -> dict:
+    """`ring_dots(graph, sequence_length(graph))`, memoised per graph (read only)."""
+    found = _RING_DOTS.get(graph)
+    if found is None:
+        found = _RING_DOTS[graph] = ring_dots(graph, sequence_length(graph))
+    return found
+
+
+# graph -> its `ring_dots`; forgets graphs nothing else holds.
+_RING_DOTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.layout_ring_dots", "graph -> ring_dots")
 # graph -> {(weights, ties): its scans opened}; forgets graphs nothing else holds.
 _EXPANSIONS: weakref.WeakKeyDictionary = declare(
     weakref.WeakKeyDictionary(), "intra.layout_expansions",
@@ -136,7 +147,7 @@ class _LayoutNodes:
         cp_mode = options.context_parallel
         seq_len = None if cp_mode == "auto" else sequence_length(graph)
         score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
-        ring = ring_dots(graph, sequence_length(graph)) if cp_mode in ("auto", "ring") else {}
+        ring = _ring_dots(graph) if cp_mode in ("auto", "ring") else {}
         ring_core = ring_core_nodes(ring) if cp_mode == "ring" else {}
         facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
         memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
