@@ -58,6 +58,7 @@ def test_a_layout_priced_alone_is_the_whole_problems_plan(cfg, shape):
     from autopar.intra._ilp import solve
     from autopar.intra._options import ShardOptions
     from autopar.intra._planner import prepare_on_mesh
+    from autopar.intra._price_layout import layout_problem
     from autopar.intra._problem import chosen_layout
 
     cluster = autopar.Cluster.from_profile(CLUSTER)
@@ -71,17 +72,27 @@ def test_a_layout_priced_alone_is_the_whole_problems_plan(cfg, shape):
     assert _both(_step(gpt, cfg, 16), cluster, mesh, layout[:-1]) is None
     tight = ShardOptions(memory_budget=large.cost.memory_per_device / 2)
     assert _both(_step(gpt, cfg, 16), cluster, mesh, layout, tight) is None
+    # Every node's first strategy (replicated): read from the whole problem itself there
+    # (each follower at its leader's index), where the layout above is read from a
+    # problem built for it.
+    first = chosen_layout(prepared.built, (0,) * len(prepared.built.ilp_nodes))
+    assert _both(_step(gpt, cfg, 16), cluster, mesh, first) is not None
+    agree = [layout_problem(_step(gpt, cfg, 16), mesh, cluster, ShardOptions(), (), None,
+                            None, chosen)[1] for chosen in (first, layout)]
+    assert agree == [True, False]
 
 
 def test_the_search_prices_each_layout_as_the_whole_problem_does(monkeypatch):
     """The tiny Llama's layer cost tables at 1 and 2 microbatches (a reference and the
     table that prices its layouts: layer graphs with their ties, per-microbatch weights
     and footprints at every memory level) on a 1-D and a 2-D mesh: every layout priced
-    both ways gives the same plan, and some are priced (not all None)."""
+    both ways gives the same plan, and some are priced (not all None): layouts whose
+    followers take their leaders' strategies in the whole problem and layouts priced on
+    a problem of their own there."""
     from autopar.graph import tied_state
     from autopar.inter import StageOptions, _repricing, layer_cost_table
     from autopar.inter.passes._layers import assign_layers
-    from autopar.intra import _price_layout
+    from autopar.intra import _planner, _price_layout
 
     calls, costed = [], []
     own = _price_layout._own
@@ -91,6 +102,15 @@ def test_the_search_prices_each_layout_as_the_whole_problem_does(monkeypatch):
         return own(*args, **kwargs)
 
     monkeypatch.setattr(_price_layout, "_own", counted)
+    agreed = []
+    layout_problem = _price_layout.layout_problem
+
+    def noted(*args, **kwargs):  # whether every follower took its leader's index
+        built, agree = layout_problem(*args, **kwargs)
+        agreed.append(agree)
+        return built, agree
+
+    monkeypatch.setattr(_planner, "layout_problem", noted)
 
     def compared(*args, **kwargs):
         plan = _both(*args, **kwargs)
@@ -113,3 +133,6 @@ def test_the_search_prices_each_layout_as_the_whole_problem_does(monkeypatch):
         for layer, shape, level in asked:
             table.cost(layer, shape, level)
     assert shared.num_priced > 0 and any(calls) and costed
+    # layouts read from a problem of their own in the whole-problem way (a follower's
+    # first strategy of its specs off its leader's index); the other way: the direct test
+    assert False in agreed
