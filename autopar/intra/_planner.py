@@ -32,6 +32,7 @@ from autopar.intra._ilp import (
     with_footprint_price,
 )
 from autopar.intra._options import ShardOptions
+from autopar.intra._price_layout import layout_problem
 from autopar.intra._problem import (
     BuiltProblem,
     Footprint,
@@ -202,36 +203,35 @@ def price_layout(
     tied: Sequence[tuple[int, int]] = (),
     weights: Mapping[int, tuple[float, float]] | None = None,
     footprint: Footprint | None = None,
+    whole: bool = False,
 ) -> ShardingPlan | None:
     """The plan of `graph` on `mesh` that takes `layout`, a solution chosen for another
     graph of the same structure (`autopar.intra._problem.chosen_layout`: the same layer
     traced at another microbatch size), priced by the same cost model on this graph's
     shapes; no ILP is solved. None when the layout does not apply here (other ILP nodes,
-    or a split these shapes do not divide) or does not fit the memory budget.
+    or a split these shapes do not divide) or does not fit the memory budget. `whole`:
+    read the layout out of the graph's whole problem (`_whole_layout`, the slower way to
+    the same plan, kept to check the other against).
     """
     start = time.perf_counter()
-    # The layout's choices in the problem of the graph built once for every layout priced
-    # on this mesh and for its own ILPs (`_built_problem`): the same strategies, costs
-    # and resharding entries as a problem cut to the layout (`build_problem(...,
-    # layout=...)`, built anew for each layout: issue 45, a third of Llama-8B@64's
-    # planning). A layout whose followers disagree with their leaders there is priced on
-    # its own problem.
     try:
-        built = _built_problem(graph, mesh, cluster, options, tied, None, weights, footprint)
-        problem, choices = built.problem, layout_choices(built, layout)
-        peak = peak_memory(problem, choices)
+        if whole:
+            built, choices = _whole_layout(graph, cluster, mesh, layout, options, tied,
+                                           weights, footprint)
+        else:
+            # Only the layout's strategies (`autopar.intra._price_layout`: the same as the
+            # whole problem's, read out as `_whole_layout` does, without building the
+            # rest), under the limits of the problem that reads them.
+            built, agree = layout_problem(graph, mesh, cluster, options, tied, weights,
+                                          footprint, layout)
+            if agree:
+                built = _with_limits(built, footprint)
+            choices = (0,) * len(built.ilp_nodes)
     except LayoutMismatch as err:
         log.debug("layout not priced on mesh %s: %s", tuple(mesh.shape), err)
         return None
-    except ValueError:  # a follower off its leader's strategy (`evaluate`'s check)
-        try:
-            built = build_problem(graph, mesh, cluster, options, tied, None, weights,
-                                  footprint, layout=layout)
-        except LayoutMismatch as err:
-            log.debug("layout not priced on mesh %s: %s", tuple(mesh.shape), err)
-            return None
-        problem, choices = built.problem, (0,) * len(built.ilp_nodes)
-        peak = peak_memory(problem, choices)
+    problem = built.problem
+    peak = peak_memory(problem, choices)
     if problem.memory_budget is not None and peak > problem.memory_budget:
         return None
     build_time = time.perf_counter() - start
@@ -249,6 +249,24 @@ def price_layout(
     if footprint is not None:  # a layout is the only plan priced: the least footprint is its
         plan.stats["least_footprint"] = plan.stats["footprint"]
     return plan
+
+
+def _whole_layout(graph, cluster, mesh, layout, options, tied, weights, footprint):
+    """(problem, choices) of `layout` in the problem of the graph built once for every
+    layout priced on this mesh and for its own ILPs (`_built_problem`); a layout whose
+    followers disagree with their leaders there (`evaluate`'s check) is read from a
+    problem built for it (`build_problem(..., layout=...)`)."""
+    try:
+        built = _built_problem(graph, mesh, cluster, options, tied, None, weights, footprint)
+        choices = layout_choices(built, layout)
+        peak_memory(built.problem, choices)
+    except LayoutMismatch:
+        raise
+    except ValueError:  # a follower off its leader's strategy
+        built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
+                              layout=layout)
+        choices = (0,) * len(built.ilp_nodes)
+    return built, choices
 
 
 def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint,
@@ -271,6 +289,12 @@ def _built_problem(graph, mesh, cluster, options, tied, fixed, weights, footprin
     if built is None:
         built = build_problem(graph, mesh, cluster, options, tied, fixed, weights, footprint)
         cache.keep(graph, key, built)
+    return _with_limits(built, footprint)
+
+
+def _with_limits(built: BuiltProblem, footprint: Footprint | None) -> BuiltProblem:
+    """`built` under `footprint`'s limits (its budget, and its peak budget below the
+    problem's memory budget)."""
     if footprint is None:
         return built
     limits = {"footprint_budget": footprint.budget}

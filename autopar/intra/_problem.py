@@ -113,6 +113,7 @@ def build_problem(
     weights: Mapping[int, tuple[float, float]] | None = None,
     footprint: Footprint | None = None,
     layout: Sequence[tuple] | None = None,
+    operator_nodes=None,
 ) -> BuiltProblem:
     """Build the ILP for `graph` on `mesh`.
 
@@ -132,6 +133,9 @@ def build_problem(
       specs, so the problem has one choice and prices that layout on this graph's shapes
       (no edge matrix larger than 1 x 1). Raises `LayoutMismatch` when the nodes differ
       or this graph's shapes rule one of those strategies out.
+    - `operator_nodes`: what adds the graph nodes' ILP nodes instead of
+      `_add_operator_nodes` (same arguments and result; `autopar.intra._price_layout`
+      gives each only its layout's strategy).
     """
     expansion = expand_scans(graph, weights, tied) if options.open_scans else None
     if expansion is not None:  # the ILP is about the planning graph from here on
@@ -144,7 +148,8 @@ def build_problem(
     source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}
     _add_input_nodes(graph, ctx, options, dict(fixed or {}), ilp_nodes, source_of)
-    missing = _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers)
+    add_nodes = _add_operator_nodes if operator_nodes is None else operator_nodes
+    missing = add_nodes(graph, ctx, options, weights, ilp_nodes, source_of, followers)
     if layout is not None:
         _keep_layout(ilp_nodes, layout)
         followers = {}  # one strategy per node: nothing left to follow
