@@ -18,6 +18,23 @@ class MemoryFloor:
     needs at least that much (the message says so)."""
 
 
+@dataclass(frozen=True)
+class OffPlan:
+    """The `StageCost.detail` of a stage answered infeasible without a cost: no slicing of
+    the layers whose every stage is within the budget by its memory floor holds it
+    (`autopar.inter._floor_reach`). Its memory is not known (inf)."""
+
+
+OFF_PLAN = OffPlan()
+
+
+def _off_plan_note(costs) -> str:
+    """How many of the candidate stages are on no plan within their memory floors."""
+    off = sum(1 for c in costs.values() if isinstance(c.detail, OffPlan))
+    return (f" {off} of the candidate stages are on no slicing whose every stage is within "
+            "the budget by its memory floor." if off else "")
+
+
 def format_bytes(num_bytes: float) -> str:
     return format_gib(num_bytes)
 
@@ -50,7 +67,7 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
 
 def no_plan_error(problem, costs, memory_budget) -> ValueError:
     num_feasible = sum(c.feasible for c in costs.values())
-    note = _memory_note(problem, costs, memory_budget)
+    note = _memory_note(problem, costs, memory_budget) + _off_plan_note(costs)
     fix = "Use more devices or a larger memory budget, smaller microbatches, or rematerialisation"
     if num_feasible == 0:
         return ValueError(
