@@ -119,3 +119,19 @@ def test_the_plan_is_the_one_found_with_the_reach_off(monkeypatch, caplog):
     assert with_reach.latency == without.latency
     assert math.isfinite(with_reach.latency)
     assert with_reach.num_layer_ilps <= without.num_layer_ilps
+
+
+def test_the_no_plan_message_counts_the_pairs_off_plan():
+    """A stage answered off plan (`OFF_PLAN`) is counted once per (layer range, submesh)
+    in the no-plan message, which then does not claim that not even one layer fits."""
+    from autopar.inter._stage_dp import StageCost, plan_stages
+    from autopar.inter._stage_dp_messages import OFF_PLAN
+
+    def cost(start, end, index):
+        return StageCost(math.inf, False, math.inf, OFF_PLAN if index == 0 else None)
+
+    with pytest.raises(ValueError, match=r"No stage could be costed within the memory "
+                       r"budget of 0\.5 GiB per device\. 3 \(layer range, submesh\) pairs "
+                       r"are on no slicing") as err:
+        plan_stages(2, 1, 2, cost, 2, memory_budget=2**29)
+    assert "not even one layer" not in str(err.value)

@@ -30,9 +30,9 @@ OFF_PLAN = OffPlan()
 
 def _off_plan_note(costs) -> str:
     """How many of the candidate stages are on no plan within their memory floors."""
-    off = sum(1 for c in costs.values() if isinstance(c.detail, OffPlan))
-    return (f" {off} of the candidate stages are on no slicing whose every stage is within "
-            "the budget by its memory floor." if off else "")
+    off = len({key[:3] for key, c in costs.items() if isinstance(c.detail, OffPlan)})
+    return (f" {off} (layer range, submesh) pairs are on no slicing whose every stage is "
+            "within the budget by its memory floor, and were not costed." if off else "")
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -45,9 +45,10 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
     if not short:
         if memory_budget is None:
             return ""
+        largest = "" if any(isinstance(c.detail, OffPlan) for c in costs.values()) else (
+            " (not even one layer on the largest submesh)")
         return (f" No stage could be costed within the memory budget of "
-                f"{format_bytes(memory_budget)} per device (not even one layer on the "
-                "largest submesh).")
+                f"{format_bytes(memory_budget)} per device{largest}.")
     memory, (start, end, index, position), floor = min(short)
     needs = "needs at least" if floor else "needs"
     where = f"pipeline layers [{start}, {end}) on submesh {problem.submeshes[index]}"
