@@ -28,6 +28,7 @@ from autopar.cost import (
 )
 from autopar.cost._units import format_gib
 from autopar.graph import OpGraph, Role
+from autopar.inter._floor_reach import floor_reach
 from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._memory_bound import hopeless_layer
@@ -176,9 +177,12 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
     if range_shapes is None:
         _refuse_hopeless(table, all_submeshes, logical_shapes, num_microbatches, budget,
                          refuse=table.lower_bounds)
+    reach = _floor_reach(table, num_layers, all_submeshes, logical_shapes, budget, options,
+                         allowed, num_microbatches)
     stage_cost = inner = _StageCosts(
         table, all_submeshes, logical_shapes, options.schedule, num_microbatches, budget,
         options.remat, crossing, prune=options.prune_by_bound, floors=options.memory_floors,
+        reach=reach,
     )
     restricted = allowed is not None or range_shapes is not None
     if restricted:
@@ -237,6 +241,35 @@ def _refuse_hopeless(table: LayerCostTable, submeshes, logical_shapes,
     raise NoStageHoldsLayer(
         f"no pipeline plan of {num_microbatches} microbatch(es): {why}. Use more "
         "microbatches (smaller ones), more devices, or a larger memory budget")
+
+
+class NoPlanWithinFloors(NoStageHoldsLayer):
+    """No slicing of the layers into stages whose memory floors are all within the budget
+    uses the cluster's devices (`autopar.inter._floor_reach`), found before any ILP."""
+
+
+def _floor_reach(table: LayerCostTable, num_layers: int, submeshes, logical_shapes,
+                 budget: float, options: StageOptions, allowed, num_microbatches: int):
+    """The `FloorReach` of the DP's stages (None: nothing ruled out by it); raises
+    `NoPlanWithinFloors` where it holds no plan at all."""
+    start = time.perf_counter()
+    reach = floor_reach(table, num_layers, submeshes, logical_shapes, budget, options,
+                        allowed)
+    if reach is None:
+        return None
+    if not reach.exists:
+        why = (f"no slicing of the {num_layers} pipeline layers into stages "
+               f"{'' if options.num_stages is None else f'({options.num_stages}) '}that "
+               f"use all {table.cluster.num_devices} devices has every stage's memory floor "
+               f"(every value at its smallest split) within the memory budget of "
+               f"{format_gib(budget)}")
+        log.info("%d microbatch(es): refused before any ILP: %s", num_microbatches, why)
+        raise NoPlanWithinFloors(
+            f"no pipeline plan of {num_microbatches} microbatch(es): {why}. Use more "
+            "microbatches (smaller ones), more devices, or a larger memory budget")
+    log.info("stage DP: %d (layer range, submesh) pairs on no plan within the memory "
+             "floors, %.2f s", reach.num_ruled_out(), time.perf_counter() - start)
+    return reach
 
 
 def _splittable(table: LayerCostTable, submeshes, options: StageOptions):

@@ -20,7 +20,7 @@ from autopar.inter._layer_table import LayerCostTable
 from autopar.inter._memory_bound import layer_time_floor, stage_memory_floor
 from autopar.inter._range_cache import _prefetch, _range_cache_key
 from autopar.inter._stage_dp import Pruned, StageCost
-from autopar.inter._stage_dp_messages import MemoryFloor
+from autopar.inter._stage_dp_messages import OFF_PLAN, MemoryFloor
 from autopar.inter._stage_fit import DOMINANCE_MARGIN
 from autopar.inter._submesh import SubmeshShape, assign_devices, logical_mesh_shapes
 from autopar.inter._submesh_cut import layer_fits
@@ -82,6 +82,9 @@ class _StageCosts:
     # Skip the shapes on which a stage's memory floor exceeds the budget
     # (`autopar.inter._memory_bound.stage_memory_floor`; `StageOptions.memory_floors`).
     floors: bool = True
+    # The stages on some plan within the memory floors (`autopar.inter._floor_reach`):
+    # the others are infeasible without a cost; None: no such rule.
+    reach: object = None
 
     def __post_init__(self):
         # (range content, shapes) -> shapes by speed: layer ranges of equal content
@@ -158,6 +161,8 @@ class _StageCosts:
         if not (self.floors and self.table.lower_bounds and self.table.solve is None
                 and math.isfinite(self.budget)):
             return True
+        if self.reach is not None and not self.reach.holds(layer, shape):
+            return False  # on no plan within the memory floors (`_floor_reach`)
         return layer_fits(self.table, layer, tuple(shape), self.budget)
 
     def _fixed_seconds(self, start: int, whole: bool, num_devices: int) -> float:
@@ -209,6 +214,9 @@ class _StageCosts:
         """`shapes`: the logical mesh shapes to try (default: `logical_shapes`, else every
         shape of the submesh); those of another device count are skipped."""
         sub = self.submeshes[index]
+        if self.reach is not None and not self.reach.on_plan(start, end, index):
+            # No plan within the memory floors holds this stage (`_floor_reach`).
+            return StageCost(math.inf, False, math.inf, OFF_PLAN)
         shapes = self._shapes_to_try(index, shapes)
         key = (start, end, index, shapes)
         if key in self._hopeless:

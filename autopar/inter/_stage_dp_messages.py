@@ -18,6 +18,23 @@ class MemoryFloor:
     needs at least that much (the message says so)."""
 
 
+@dataclass(frozen=True)
+class OffPlan:
+    """The `StageCost.detail` of a stage answered infeasible without a cost: no slicing of
+    the layers whose every stage is within the budget by its memory floor holds it
+    (`autopar.inter._floor_reach`). Its memory is not known (inf)."""
+
+
+OFF_PLAN = OffPlan()
+
+
+def _off_plan_note(costs) -> str:
+    """How many of the candidate stages are on no plan within their memory floors."""
+    off = len({key[:3] for key, c in costs.items() if isinstance(c.detail, OffPlan)})
+    return (f" {off} (layer range, submesh) pairs are on no slicing whose every stage is "
+            "within the budget by its memory floor, and were not costed." if off else "")
+
+
 def format_bytes(num_bytes: float) -> str:
     return format_gib(num_bytes)
 
@@ -28,9 +45,10 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
     if not short:
         if memory_budget is None:
             return ""
+        largest = "" if any(isinstance(c.detail, OffPlan) for c in costs.values()) else (
+            " (not even one layer on the largest submesh)")
         return (f" No stage could be costed within the memory budget of "
-                f"{format_bytes(memory_budget)} per device (not even one layer on the "
-                "largest submesh).")
+                f"{format_bytes(memory_budget)} per device{largest}.")
     memory, (start, end, index, position), floor = min(short)
     needs = "needs at least" if floor else "needs"
     where = f"pipeline layers [{start}, {end}) on submesh {problem.submeshes[index]}"
@@ -50,7 +68,7 @@ def _memory_note(problem, costs, memory_budget: float | None) -> str:
 
 def no_plan_error(problem, costs, memory_budget) -> ValueError:
     num_feasible = sum(c.feasible for c in costs.values())
-    note = _memory_note(problem, costs, memory_budget)
+    note = _memory_note(problem, costs, memory_budget) + _off_plan_note(costs)
     fix = "Use more devices or a larger memory budget, smaller microbatches, or rematerialisation"
     if num_feasible == 0:
         return ValueError(
