@@ -19,12 +19,13 @@ import numpy as np
 from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import fused_attention_bytes, memory_budget
-from autopar.graph import OpGraph, Role, attention_core, fusion_traffic
+from autopar.cost.backends import backend_for
+from autopar.graph import OpGraph, Role, attention_core, fusion_traffic, kernel_roots
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
-from autopar.intra._reshard import reshard_time, shared_reshard_cache
+from autopar.intra._reshard import reshard_matrix, reshard_time, shared_reshard_cache
 from autopar.intra._ring_strategies import (
     ring_core_nodes,
     ring_core_strategies,
@@ -300,7 +301,11 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                     extra_strategy_key(node, graph, ctx))
             strategies = memo.get(okey)
             if strategies is None:
-                found = node_strategies(node, graph, sig, ctx)
+                # the same node under other weights has the same strategies unweighted
+                rkey = ("own raw", key, *okey[3:], _context_key(node, graph, ctx))
+                found = memo.get(rkey)
+                if found is None:
+                    found = memo[rkey] = tuple(node_strategies(node, graph, sig, ctx))
                 strategies = memo[okey] = _finished(found, extra)
         if annotated:
             strategies = _annotated(node, graph, strategies, ctx, options)
@@ -333,7 +338,11 @@ def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes,
     fkey = ("follow", key, main, specs, extra, ctx.moe_overlap, ctx.moe_dispatch)
     strategies = memo.get(fkey)
     if strategies is None:
-        found = follow_strategies(node, graph, sig, main, specs, ctx)
+        # per leader spec, shared by leaders' other spec lists and by other weights
+        per_spec = memo.setdefault(
+            ("follow spec", key, main, ctx.moe_overlap, ctx.moe_dispatch,
+             _context_key(node, graph, ctx)), {})
+        found = follow_strategies(node, graph, sig, main, specs, ctx, per_spec)
         strategies = memo[fkey] = (
             _CANNOT_FOLLOW if found is None else _finished(found, extra)
         )
@@ -353,6 +362,25 @@ def _annotated(node, graph, strategies, ctx, options):
 
     return annotated_strategies(node, var, list(strategies), ctx.mesh, options.annotations,
                                 reshard_seconds)
+
+
+def _context_key(node, graph: OpGraph, ctx: CostContext) -> tuple:
+    """What a node's strategies read of its graph and step beyond `_node_facts`' key, for
+    the memos that share them between nodes of other weights and leaders' other spec
+    lists: whether it writes donated state in place or its reductions combine
+    (`step_effects`), whether it is a kernel root and which of its results lie inside a
+    fused attention kernel (read only where the cluster prices kernels or fuses
+    attention), and the layout copies its backend prices."""
+    cluster = ctx.cluster
+    fused = getattr(cluster, "fused_attention", False)
+    core = attention_core(graph) if fused else frozenset()
+    roots = (kernel_roots(graph, fused) if getattr(cluster, "kernel_overhead", 0.0)
+             else frozenset())
+    backend = backend_for(cluster)
+    copies = (tuple(backend.layout_copies(graph, node))
+              if backend.prices_layout_copies(cluster) else ())
+    return (node.id in ctx.in_place, node.id in ctx.combinable, node.id in roots,
+            tuple(v in core for v in node.outputs), copies)
 
 
 # Memoised for a node that cannot follow its leader (`follow_strategies` gave None).
@@ -447,13 +475,13 @@ def _weighted(
 ) -> Strategy:
     """`exposed`: the share of the reduction collectives' time not hidden under compute
     (`autopar.cost.hideable_weight`); their counts stay whole."""
-    return replace(
-        strategy,
-        compute_cost=weight * strategy.compute_cost,
-        comm_cost=weight * reduction_weight * exposed * strategy.comm_cost,
-        collectives=tuple(
-            replace(c, weight=c.weight * weight * reduction_weight) for c in strategy.collectives
-        ),
+    return Strategy(  # (not `dataclasses.replace`: a tenth of the cost, issue 45)
+        strategy.name, strategy.in_specs, strategy.out_specs,
+        weight * strategy.compute_cost,
+        weight * reduction_weight * exposed * strategy.comm_cost,
+        strategy.out_bytes,
+        tuple(replace(c, weight=c.weight * weight * reduction_weight)
+              for c in strategy.collectives),
     )
 
 
@@ -530,11 +558,8 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
         key = ("matrix", tuple(var.shape), var.dtype, src.token, dst.token)
         small = cache.get(key)
         if small is None:
-            small = cache[key] = np.array([
-                [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache)
-                 for b in dst.unique]
-                for a in src.unique
-            ])
+            small = cache[key] = reshard_matrix(var.shape, var.dtype, src.unique, dst.unique,
+                                                mesh, cluster, cache, (src.token, dst.token))
         return small[src.index[:, None], dst.index]
 
     for index, ilp_node, p, var in operands(graph, ilp_nodes):
