@@ -10,6 +10,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,14 @@ from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import fused_attention_bytes, memory_budget
 from autopar.cost.backends import backend_for
-from autopar.graph import OpGraph, Role, attention_core, fusion_traffic, kernel_roots
+from autopar.graph import (
+    OpGraph,
+    Role,
+    attention_core,
+    dtype_itemsize,
+    fusion_traffic,
+    kernel_roots,
+)
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
@@ -402,7 +410,8 @@ def _finished(strategies: list[Strategy], extra) -> tuple[Strategy, ...]:
 
 
 def _node_facts(graph: OpGraph, fused_attention: bool):
-    """Per node id: (signature, key, has a rule, operands it could follow).
+    """Per node id: (signature, key, has a rule, (operand, its bytes) of each operand it
+    could follow).
 
     The key holds everything the node's strategies depend on besides the mesh and the
     cluster (`node_strategies`, `follow_strategies`): primitive, signature, operand and
@@ -434,7 +443,9 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
                 node.flops,
                 traffic.reads.get(node.id), traffic.writes.get(node.id),
             )
-            facts.append((sig, key, has_rule, follower_candidates(node, graph, sig)))
+            candidates = tuple((i, _nbytes(graph.vars[node.inputs[i]]))
+                               for i in follower_candidates(node, graph, sig))
+            facts.append((sig, key, has_rule, candidates))
         by_key[cache_key] = facts
     return by_key[cache_key]
 
@@ -444,6 +455,11 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
 _NODE_FACTS: weakref.WeakKeyDictionary = declare(
     weakref.WeakKeyDictionary(), "intra.node_facts",
     "graph -> {(fused attention, node count, rules): per-node facts}")
+
+
+def _nbytes(var) -> int:
+    """`var.nbytes` (a graph variable's bytes), without numpy's per-call overhead."""
+    return math.prod(var.shape) * dtype_itemsize(var.dtype)
 
 
 def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
@@ -457,11 +473,10 @@ def _leader(node, graph, candidates, ilp_nodes, source_of):
     Among the operands that fix the whole node, follow the largest one computed by
     another node (graph inputs keep their own decision)."""
     best = None
-    for i in candidates:
+    for i, nbytes in candidates:
         leader = source_of.get(node.inputs[i])
         if leader is None or ilp_nodes[leader[0]].node is None:
             continue
-        nbytes = graph.vars[node.inputs[i]].nbytes
         if best is None or nbytes > best[0]:
             best = (nbytes, i, leader)
     if best is None:
@@ -651,7 +666,7 @@ def _live_groups(graph: OpGraph, source_of, num_points: int, fused_attention: bo
 
     def nbytes(v: int) -> float:
         var = graph.vars[v]
-        return fused_attention_bytes(var.shape, None, None) if v in core else var.nbytes
+        return fused_attention_bytes(var.shape, None, None) if v in core else _nbytes(var)
 
     last_use = {}
     for node in graph.nodes:
