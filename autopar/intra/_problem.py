@@ -148,7 +148,8 @@ def build_problem(
     weights = dict(weights or {})
     effects = step_effects(graph, tied)
     ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place,
-                      options.moe_overlap, options.moe_dispatch)
+                      options.moe_overlap, options.moe_dispatch,
+                      shared_reshard_cache(mesh, cluster))
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}

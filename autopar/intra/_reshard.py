@@ -417,7 +417,8 @@ class _RouteTable:
         ids = cache.setdefault("spec ids", {})
         rows = [ids.setdefault(a, len(ids)) for a in srcs]
         cols = [ids.setdefault(b, len(ids)) for b in dsts]
-        routes = [_pair_route(i, a, j, b, ndim, mesh, cache)
+        known = cache.get  # (a memo hit without the call: half a million pairs a search)
+        routes = [known(("pair route", i, j)) or _pair_route(i, a, j, b, ndim, mesh, cache)
                   for i, a in zip(rows, srcs) for j, b in zip(cols, dsts)]
         slots = max((len(r[0]) for r in routes), default=0)
         depth = max((len(r[1][1]) for r in routes if r[1] is not None), default=1)

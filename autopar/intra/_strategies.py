@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -99,6 +99,9 @@ class CostContext:
     in_place: frozenset = frozenset()
     moe_overlap: str = "auto"
     moe_dispatch: str = "mlp"
+    # A memo for this mesh and cluster (`autopar.intra._reshard.shared_reshard_cache`'s),
+    # where `_reductions_seconds` keeps the seconds of each tuple of reductions; None: none.
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -308,8 +311,16 @@ def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:
 
 
 def _reductions_seconds(reduce: Sequence[Collective], ctx: CostContext) -> float:
-    return reductions_seconds(((c.kind, c.nbytes, c.axes, c.combined) for c in reduce),
-                              ctx.cluster, ctx.mesh)
+    """`reductions_seconds` of `reduce`, memoised in `ctx.memo` (the seconds depend on the
+    collectives, the mesh and the cluster alone; issue 45: strategies of many nodes and
+    shapes reduce the same bytes)."""
+    key = ("reductions", *((c.kind, c.nbytes, c.axes, c.combined) for c in reduce))
+    found = None if ctx.memo is None else ctx.memo.get(key)
+    if found is None:
+        found = reductions_seconds(key[1:], ctx.cluster, ctx.mesh)
+        if ctx.memo is not None:
+            ctx.memo[key] = found
+    return found
 
 
 def _carried_labels(sig: Signature, in_vars) -> set[str]:
