@@ -409,9 +409,9 @@ class _RouteTable:
     slot (a route's first, second, ... collective but its collective-permute), its kind
     and axes (`kinds`: 1 + an index into `names`, 0 where the pair's route is shorter) and
     the tile counts of every dimension when it runs (`tiles`: slot x pair x dimension);
-    then the collective-permute that ends some routes (`permute`: the same code, 0 for
-    none) and the tile counts of every state it may run at (`states`: pair x state x
-    dimension): it runs where the tensor is smallest."""
+    then the collective-permute that ends some routes (`permuted`: those pairs;
+    `permute`: its code) and the tile counts of every state it may run at (`states`:
+    permuted pair x state x dimension): it runs where the tensor is smallest."""
 
     def __init__(self, srcs, dsts, ndim: int, mesh: LogicalMesh, cache: dict):
         ids = cache.setdefault("spec ids", {})
@@ -435,35 +435,41 @@ class _RouteTable:
         one = (1,) * ndim
         kinds = [[0] * len(routes) for _ in range(slots)]
         tiles = [[one] * len(routes) for _ in range(slots)]
-        permute = [0] * len(routes)
-        states = [(one,) * depth] * len(routes)
+        permuted, permute, states = [], [], []
         for p, (steps, last) in enumerate(routes):
             for j, (name, at) in enumerate(steps):
                 kinds[j][p] = code_of(name)
                 tiles[j][p] = at
             if last is not None:
                 name, visited = last
-                permute[p] = code_of(name)
+                permuted.append(p)
+                permute.append(code_of(name))
                 # (padded with its first state, which leaves the smallest the same)
-                states[p] = visited + (visited[0],) * (depth - len(visited))
-        self.kinds = np.array(kinds, dtype=np.int64).reshape(slots, len(routes))
-        self.tiles = np.array(tiles, dtype=np.int64).reshape(slots, len(routes), ndim)
-        self.permute = np.array(permute, dtype=np.int64)
-        self.states = np.array(states, dtype=np.int64).reshape(len(routes), depth, ndim)
+                states.append(visited + (visited[0],) * (depth - len(visited)))
+        # (tile counts and codes are small: int32 keeps a search's tables some 50 MB)
+        self.size = len(routes)
+        self.kinds = np.array(kinds, dtype=np.int32).reshape(slots, len(routes))
+        self.tiles = np.array(tiles, dtype=np.int32).reshape(slots, len(routes), ndim)
+        self.permuted = np.array(permuted, dtype=np.intp)  # the pairs with a permute
+        self.permute = np.array(permute, dtype=np.int32)
+        self.states = np.array(states, dtype=np.int32).reshape(len(permuted), depth, ndim)
 
     def seconds(self, shape, dtype: str, cluster, mesh, cache) -> np.ndarray:
-        total = np.zeros(len(self.permute))
+        total = np.zeros(self.size)
         if not self.names:
             return total
         sizes = np.array(shape, dtype=np.int64)
         itemsize = dtype_itemsize(dtype)
-        # bytes per device: itemsize x the product of ceil(n / tiles)
+        # bytes per device: itemsize x the product of ceil(n / tiles), in int64
         per_device = (-(-sizes // self.tiles)).prod(axis=-1) * itemsize
         for kinds, nbytes in zip(self.kinds, per_device):
-            total = total + self._priced(kinds, nbytes, cluster, mesh, cache)
-        if self.permute.any():
+            total = total + self._priced(kinds.astype(np.int64), nbytes, cluster, mesh, cache)
+        if len(self.permuted):
             nbytes = (-(-sizes // self.states)).prod(axis=-1).min(axis=-1) * itemsize
-            total = total + self._priced(self.permute, nbytes, cluster, mesh, cache)
+            last = np.zeros(self.size)
+            last[self.permuted] = self._priced(self.permute.astype(np.int64), nbytes,
+                                               cluster, mesh, cache)
+            total = total + last
         return total
 
     def _priced(self, kinds, nbytes, cluster, mesh, cache) -> np.ndarray:
