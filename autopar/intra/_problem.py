@@ -142,7 +142,7 @@ def build_problem(
       (no edge matrix larger than 1 x 1). Raises `LayoutMismatch` when the nodes differ
       or this graph's shapes rule one of those strategies out.
     """
-    expansion = expand_scans(graph, weights, tied) if options.open_scans else None
+    expansion = _expanded(graph, weights, tied) if options.open_scans else None
     if expansion is not None:  # the ILP is about the planning graph from here on
         graph, weights, tied = expansion.graph, expansion.weights, expansion.tied
     weights = dict(weights or {})
@@ -181,6 +181,24 @@ def build_problem(
         **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
     )
     return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights, expansion)
+
+
+def _expanded(graph: OpGraph, weights, tied) -> Expansion | None:
+    """`expand_scans` of `graph`, memoised per graph, weights and ties: the stage DP builds
+    a layer's problem on many meshes, and one planning graph keeps its per-graph memos
+    (`_node_facts`, fusion traffic, step effects, memory groups) warm across them (issue
+    45: each build opened its scans into a new graph, and those memos missed)."""
+    key = (tuple(sorted((weights or {}).items())), tuple(tied))
+    by_key = _EXPANSIONS.setdefault(graph, {})
+    if key not in by_key:
+        by_key[key] = expand_scans(graph, weights, tied)
+    return by_key[key]
+
+
+# graph -> {(weights, ties): its Expansion or None}; dropped when the search ends.
+_EXPANSIONS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.expansions",
+    "graph -> {(weights, ties): expand_scans' Expansion}")
 
 
 class LayoutMismatch(ValueError):
