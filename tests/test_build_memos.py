@@ -6,10 +6,12 @@ computation gives, bit for bit (issue 45).
 - A follower's strategies are memoised per leader spec (`follow_strategies`' `cache`),
   and an operator node's unweighted strategies per node key and context (`_context_key`):
   a hit reuses what was computed, another context misses.
+- A graph's scans are opened once per weights and ties (`_problem._expanded`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from itertools import permutations, product
 
@@ -135,3 +137,38 @@ def test_unweighted_strategies_are_shared_by_weights_and_keyed_by_context(monkey
     in_place = CostContext(cluster, mesh, in_place=frozenset({node.id}))
     assert _problem._context_key(node, graph, plain) != \
         _problem._context_key(node, graph, in_place)
+
+
+@functools.cache
+def _scanned_llama():
+    import optax
+
+    from examples import llama
+
+    cfg = dataclasses.replace(llama.CONFIGS["tiny"], scan_layers=True)
+    optimizer = optax.sgd(0.1)
+    return trace(llama.make_train_step(cfg, optimizer), llama.abstract_state(cfg, optimizer),
+                 llama.abstract_batch(cfg, 16))
+
+
+def test_scans_are_opened_once_per_graph_weights_and_ties():
+    """A scanned model built on two meshes plans one planning graph (so its per-graph
+    memos serve both), and that problem equals one built from empty memos; other weights
+    open the scans again."""
+    graph, cluster = _scanned_llama(), _cluster()
+    _problem._EXPANSIONS.clear()
+    first = build_problem(graph, LogicalMesh.create((2, 4)), cluster, ShardOptions())
+    second = build_problem(graph, LogicalMesh.create((4, 2)), cluster, ShardOptions())
+    assert first.expansion is not None and second.expansion is first.expansion
+    _problem._EXPANSIONS.clear()
+    _problem._NODE_FACTS.clear()
+    _reshard._SHARED.clear()
+    fresh = build_problem(graph, LogicalMesh.create((4, 2)), cluster, ShardOptions())
+    assert fresh.expansion is not first.expansion
+    assert [n.strategies for n in fresh.ilp_nodes] == [n.strategies for n in second.ilp_nodes]
+    for a, b in zip(fresh.problem.edge_costs, second.problem.edge_costs, strict=True):
+        assert a.tobytes() == b.tobytes()
+    heavy = {node.id: (0.5, 1.0) for node in graph.nodes}
+    weighted = build_problem(graph, LogicalMesh.create((4, 2)), cluster, ShardOptions(),
+                             weights=heavy)
+    assert weighted.expansion is not fresh.expansion
