@@ -10,6 +10,7 @@ their inputs by an edge, so that the state keeps one layout across steps.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,12 +20,20 @@ import numpy as np
 from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated, spec_axes
 from autopar.cost import fused_attention_bytes, memory_budget
-from autopar.graph import OpGraph, Role, attention_core, fusion_traffic
+from autopar.cost.backends import backend_for
+from autopar.graph import (
+    OpGraph,
+    Role,
+    attention_core,
+    dtype_itemsize,
+    fusion_traffic,
+    kernel_roots,
+)
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
-from autopar.intra._reshard import reshard_time, shared_reshard_cache
+from autopar.intra._reshard import reshard_matrix, reshard_time, shared_reshard_cache
 from autopar.intra._ring_strategies import (
     ring_core_nodes,
     ring_core_strategies,
@@ -137,13 +146,14 @@ def build_problem(
       `_add_operator_nodes` (same arguments and result; `autopar.intra._price_layout`
       gives each only its layout's strategy).
     """
-    expansion = expand_scans(graph, weights, tied) if options.open_scans else None
+    expansion = _expanded(graph, weights, tied) if options.open_scans else None
     if expansion is not None:  # the ILP is about the planning graph from here on
         graph, weights, tied = expansion.graph, expansion.weights, expansion.tied
     weights = dict(weights or {})
     effects = step_effects(graph, tied)
     ctx = CostContext(cluster, mesh, effects.combinable, effects.in_place,
-                      options.moe_overlap, options.moe_dispatch)
+                      options.moe_overlap, options.moe_dispatch,
+                      shared_reshard_cache(mesh, cluster))
     ilp_nodes: list[IlpNode] = []
     source_of: dict[int, tuple[int, int]] = {}  # var -> (ILP node, output index)
     followers: dict[int, tuple[int, np.ndarray]] = {}
@@ -176,6 +186,24 @@ def build_problem(
         **_footprint(graph, mesh, ilp_nodes, source_of, footprint),
     )
     return BuiltProblem(problem, ilp_nodes, source_of, warnings, weights, expansion)
+
+
+def _expanded(graph: OpGraph, weights, tied) -> Expansion | None:
+    """`expand_scans` of `graph`, memoised per graph, weights and ties: the stage DP builds
+    a layer's problem on many meshes, and one planning graph keeps its per-graph memos
+    (`_node_facts`, fusion traffic, step effects, memory groups) warm across them (issue
+    45: each build opened its scans into a new graph, and those memos missed)."""
+    key = (tuple(sorted((weights or {}).items())), tuple(tied))
+    by_key = _EXPANSIONS.setdefault(graph, {})
+    if key not in by_key:
+        by_key[key] = expand_scans(graph, weights, tied)
+    return by_key[key]
+
+
+# graph -> {(weights, ties): its Expansion or None}; dropped when the search ends.
+_EXPANSIONS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.expansions",
+    "graph -> {(weights, ties): expand_scans' Expansion}")
 
 
 class LayoutMismatch(ValueError):
@@ -305,7 +333,11 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                     extra_strategy_key(node, graph, ctx))
             strategies = memo.get(okey)
             if strategies is None:
-                found = node_strategies(node, graph, sig, ctx)
+                # the same node under other weights has the same strategies unweighted
+                rkey = ("own raw", key, *okey[3:], _context_key(node, graph, ctx))
+                found = memo.get(rkey)
+                if found is None:
+                    found = memo[rkey] = tuple(node_strategies(node, graph, sig, ctx))
                 strategies = memo[okey] = _finished(found, extra)
         if annotated:
             strategies = _annotated(node, graph, strategies, ctx, options)
@@ -338,7 +370,11 @@ def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes,
     fkey = ("follow", key, main, specs, extra, ctx.moe_overlap, ctx.moe_dispatch)
     strategies = memo.get(fkey)
     if strategies is None:
-        found = follow_strategies(node, graph, sig, main, specs, ctx)
+        # per leader spec, shared by leaders' other spec lists and by other weights
+        per_spec = memo.setdefault(
+            ("follow spec", key, main, ctx.moe_overlap, ctx.moe_dispatch,
+             _context_key(node, graph, ctx)), {})
+        found = follow_strategies(node, graph, sig, main, specs, ctx, per_spec)
         strategies = memo[fkey] = (
             _CANNOT_FOLLOW if found is None else _finished(found, extra)
         )
@@ -360,6 +396,25 @@ def _annotated(node, graph, strategies, ctx, options):
                                 reshard_seconds)
 
 
+def _context_key(node, graph: OpGraph, ctx: CostContext) -> tuple:
+    """What a node's strategies read of its graph and step beyond `_node_facts`' key, for
+    the memos that share them between nodes of other weights and leaders' other spec
+    lists: whether it writes donated state in place or its reductions combine
+    (`step_effects`), whether it is a kernel root and which of its results lie inside a
+    fused attention kernel (read only where the cluster prices kernels or fuses
+    attention), and the layout copies its backend prices."""
+    cluster = ctx.cluster
+    fused = getattr(cluster, "fused_attention", False)
+    core = attention_core(graph) if fused else frozenset()
+    roots = (kernel_roots(graph, fused) if getattr(cluster, "kernel_overhead", 0.0)
+             else frozenset())
+    backend = backend_for(cluster)
+    copies = (tuple(backend.layout_copies(graph, node))
+              if backend.prices_layout_copies(cluster) else ())
+    return (node.id in ctx.in_place, node.id in ctx.combinable, node.id in roots,
+            tuple(v in core for v in node.outputs), copies)
+
+
 # Memoised for a node that cannot follow its leader (`follow_strategies` gave None).
 _CANNOT_FOLLOW = object()
 
@@ -379,7 +434,8 @@ def _finished(strategies: list[Strategy], extra) -> tuple[Strategy, ...]:
 
 
 def _node_facts(graph: OpGraph, fused_attention: bool):
-    """Per node id: (signature, key, has a rule, operands it could follow).
+    """Per node id: (signature, key, has a rule, (operand, its bytes) of each operand it
+    could follow).
 
     The key holds everything the node's strategies depend on besides the mesh and the
     cluster (`node_strategies`, `follow_strategies`): primitive, signature, operand and
@@ -411,7 +467,9 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
                 node.flops,
                 traffic.reads.get(node.id), traffic.writes.get(node.id),
             )
-            facts.append((sig, key, has_rule, follower_candidates(node, graph, sig)))
+            candidates = tuple((i, _nbytes(graph.vars[node.inputs[i]]))
+                               for i in follower_candidates(node, graph, sig))
+            facts.append((sig, key, has_rule, candidates))
         by_key[cache_key] = facts
     return by_key[cache_key]
 
@@ -421,6 +479,11 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
 _NODE_FACTS: weakref.WeakKeyDictionary = declare(
     weakref.WeakKeyDictionary(), "intra.node_facts",
     "graph -> {(fused attention, node count, rules): per-node facts}")
+
+
+def _nbytes(var) -> int:
+    """`var.nbytes` (a graph variable's bytes), without numpy's per-call overhead."""
+    return math.prod(var.shape) * dtype_itemsize(var.dtype)
 
 
 def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
@@ -434,11 +497,10 @@ def _leader(node, graph, candidates, ilp_nodes, source_of):
     Among the operands that fix the whole node, follow the largest one computed by
     another node (graph inputs keep their own decision)."""
     best = None
-    for i in candidates:
+    for i, nbytes in candidates:
         leader = source_of.get(node.inputs[i])
         if leader is None or ilp_nodes[leader[0]].node is None:
             continue
-        nbytes = graph.vars[node.inputs[i]].nbytes
         if best is None or nbytes > best[0]:
             best = (nbytes, i, leader)
     if best is None:
@@ -452,13 +514,13 @@ def _weighted(
 ) -> Strategy:
     """`exposed`: the share of the reduction collectives' time not hidden under compute
     (`autopar.cost.hideable_weight`); their counts stay whole."""
-    return replace(
-        strategy,
-        compute_cost=weight * strategy.compute_cost,
-        comm_cost=weight * reduction_weight * exposed * strategy.comm_cost,
-        collectives=tuple(
-            replace(c, weight=c.weight * weight * reduction_weight) for c in strategy.collectives
-        ),
+    return Strategy(  # (not `dataclasses.replace`: a tenth of the cost, issue 45)
+        strategy.name, strategy.in_specs, strategy.out_specs,
+        weight * strategy.compute_cost,
+        weight * reduction_weight * exposed * strategy.comm_cost,
+        strategy.out_bytes,
+        tuple(replace(c, weight=c.weight * weight * reduction_weight)
+              for c in strategy.collectives),
     )
 
 
@@ -535,11 +597,8 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
         key = ("matrix", tuple(var.shape), var.dtype, src.token, dst.token)
         small = cache.get(key)
         if small is None:
-            small = cache[key] = np.array([
-                [reshard_time(var.shape, var.dtype, a, b, mesh, cluster, cache)
-                 for b in dst.unique]
-                for a in src.unique
-            ])
+            small = cache[key] = reshard_matrix(var.shape, var.dtype, src.unique, dst.unique,
+                                                mesh, cluster, cache, (src.token, dst.token))
         return small[src.index[:, None], dst.index]
 
     for index, ilp_node, p, var in operands(graph, ilp_nodes):
@@ -631,7 +690,7 @@ def _live_groups(graph: OpGraph, source_of, num_points: int, fused_attention: bo
 
     def nbytes(v: int) -> float:
         var = graph.vars[v]
-        return fused_attention_bytes(var.shape, None, None) if v in core else var.nbytes
+        return fused_attention_bytes(var.shape, None, None) if v in core else _nbytes(var)
 
     last_use = {}
     for node in graph.nodes:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from autopar._memo import declare, memo
 from autopar.cluster import LogicalMesh, Spec
 from autopar.cost import collectives_seconds
@@ -377,3 +379,141 @@ def _reduced_key(shape, dtype: str, src: Spec, dst: Spec) -> tuple | None:
     whole = math.prod(n for d, n in enumerate(shape) if not (src[d] or dst[d]))
     return ("reduced", whole, dtype, tuple(shape[d] for d in kept),
             tuple(src[d] for d in kept), tuple(dst[d] for d in kept))
+
+
+def reshard_matrix(shape, dtype: str, srcs, dsts, mesh: LogicalMesh, cluster, cache: dict,
+                   pair_key=None) -> np.ndarray:
+    """`reshard_time` of every pair of `srcs` (rows) and `dsts` (columns), the same
+    numbers to the last bit, for an ILP edge's matrix (issue 45: a problem build priced
+    some 4,000 pairs one `reshard_time` call each, a third of the build).
+
+    A pair's route (`_route`'s collectives, with each one's tile counts per dimension)
+    depends on the specs and the mesh alone: the routes of all pairs are tabled once
+    (`_RouteTable`) and memoised in `cache` (`shared_reshard_cache`'s, for this mesh and
+    cluster) under ``("routes", pair_key)`` when `pair_key` names the two spec lists. The
+    shape only sets each collective's bytes (`reshard_collectives`' integer products, here
+    over all pairs at once); each distinct (kind, axes, bytes) is priced by
+    `autopar.cost.collectives_seconds` with `cache` as its memo, and a pair's seconds are
+    its collectives' summed in their order, as `reshard_time` sums them.
+    """
+    table = cache.get(("routes", pair_key)) if pair_key is not None else None
+    if table is None:
+        table = _RouteTable(srcs, dsts, len(shape), mesh, cache)
+        if pair_key is not None:
+            cache["routes", pair_key] = table
+    return table.seconds(shape, dtype, cluster, mesh, cache).reshape(len(srcs), len(dsts))
+
+
+class _RouteTable:
+    """The routes of every (src, dst) pair of two spec lists, as arrays. Per collective
+    slot (a route's first, second, ... collective but its collective-permute), its kind
+    and axes (`kinds`: 1 + an index into `names`, 0 where the pair's route is shorter) and
+    the tile counts of every dimension when it runs (`tiles`: slot x pair x dimension);
+    then the collective-permute that ends some routes (`permuted`: those pairs;
+    `permute`: its code) and the tile counts of every state it may run at (`states`:
+    permuted pair x state x dimension): it runs where the tensor is smallest."""
+
+    def __init__(self, srcs, dsts, ndim: int, mesh: LogicalMesh, cache: dict):
+        ids = cache.setdefault("spec ids", {})
+        rows = [ids.setdefault(a, len(ids)) for a in srcs]
+        cols = [ids.setdefault(b, len(ids)) for b in dsts]
+        known = cache.get  # (a memo hit without the call: half a million pairs a search)
+        routes = [known(("pair route", i, j)) or _pair_route(i, a, j, b, ndim, mesh, cache)
+                  for i, a in zip(rows, srcs) for j, b in zip(cols, dsts)]
+        slots = max((len(r[0]) for r in routes), default=0)
+        depth = max((len(r[1][1]) for r in routes if r[1] is not None), default=1)
+        self.names: list[tuple[str, tuple[str, ...]]] = []
+        codes: dict[tuple, int] = {}
+
+        def code_of(name) -> int:
+            code = codes.get(name)
+            if code is None:
+                code = codes[name] = len(self.names) + 1
+                self.names.append(name)
+            return code
+
+        one = (1,) * ndim
+        kinds = [[0] * len(routes) for _ in range(slots)]
+        tiles = [[one] * len(routes) for _ in range(slots)]
+        permuted, permute, states = [], [], []
+        for p, (steps, last) in enumerate(routes):
+            for j, (name, at) in enumerate(steps):
+                kinds[j][p] = code_of(name)
+                tiles[j][p] = at
+            if last is not None:
+                name, visited = last
+                permuted.append(p)
+                permute.append(code_of(name))
+                # (padded with its first state, which leaves the smallest the same)
+                states.append(visited + (visited[0],) * (depth - len(visited)))
+        # (tile counts and codes are small: int32 keeps a search's tables some 50 MB)
+        self.size = len(routes)
+        self.kinds = np.array(kinds, dtype=np.int32).reshape(slots, len(routes))
+        self.tiles = np.array(tiles, dtype=np.int32).reshape(slots, len(routes), ndim)
+        self.permuted = np.array(permuted, dtype=np.intp)  # the pairs with a permute
+        self.permute = np.array(permute, dtype=np.int32)
+        self.states = np.array(states, dtype=np.int32).reshape(len(permuted), depth, ndim)
+
+    def seconds(self, shape, dtype: str, cluster, mesh, cache) -> np.ndarray:
+        total = np.zeros(self.size)
+        if not self.names:
+            return total
+        sizes = np.array(shape, dtype=np.int64)
+        itemsize = dtype_itemsize(dtype)
+        # bytes per device: itemsize x the product of ceil(n / tiles), in int64
+        per_device = (-(-sizes // self.tiles)).prod(axis=-1) * itemsize
+        for kinds, nbytes in zip(self.kinds, per_device):
+            total = total + self._priced(kinds.astype(np.int64), nbytes, cluster, mesh, cache)
+        if len(self.permuted):
+            nbytes = (-(-sizes // self.states)).prod(axis=-1).min(axis=-1) * itemsize
+            last = np.zeros(self.size)
+            last[self.permuted] = self._priced(self.permute.astype(np.int64), nbytes,
+                                               cluster, mesh, cache)
+            total = total + last
+        return total
+
+    def _priced(self, kinds, nbytes, cluster, mesh, cache) -> np.ndarray:
+        """Seconds of one collective per pair (0 where `kinds` is 0), each distinct one
+        priced once by `collectives_seconds`."""
+        codes = len(self.names) + 1
+        found, where = np.unique(nbytes * codes + kinds, return_inverse=True)
+        priced = np.array([
+            0.0 if key % codes == 0 else collectives_seconds(
+                [(self.names[key % codes - 1][0], float(key // codes),
+                  self.names[key % codes - 1][1])], cluster, mesh, cache)
+            for key in found.tolist()
+        ])
+        return priced[where.reshape(-1)]
+
+
+def _pair_route(i: int, src: Spec, j: int, dst: Spec, ndim: int, mesh: LogicalMesh,
+                cache: dict) -> tuple:
+    """`reshard_collectives`' route of one spec pair (`i`, `j`: their ids in `cache`)
+    before it reads the shape, memoised in `cache`: ((kind, axes), the tile counts of
+    every dimension when it runs (1 for those split on neither side)) per collective but
+    the collective-permute, and ((kind, axes), the tile counts at each state it may run
+    at) of that permute, or None."""
+    key = ("pair route", i, j)
+    found = cache.get(key)
+    if found is not None:
+        return found
+    steps, last = [], None
+    if src != dst:
+        kept = [d for d, (a, b) in enumerate(zip(src, dst)) if a or b]
+
+        def full(tiles) -> tuple[int, ...]:
+            out = [1] * ndim
+            for d, t in zip(kept, tiles):
+                out[d] = t
+            return tuple(out)
+
+        route = _route(len(kept), tuple(src[d] for d in kept), tuple(dst[d] for d in kept),
+                       mesh)
+        for n, (kind, axes, tiles, states) in enumerate(route):
+            if tiles is None:  # the collective-permute, always the route's last
+                assert n == len(route) - 1, route
+                last = ((kind, axes), tuple(map(full, states)))
+            else:
+                steps.append(((kind, axes), full(tiles)))
+    found = cache[key] = (tuple(steps), last)
+    return found

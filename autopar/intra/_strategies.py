@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -99,6 +99,9 @@ class CostContext:
     in_place: frozenset = frozenset()
     moe_overlap: str = "auto"
     moe_dispatch: str = "mlp"
+    # A memo for this mesh and cluster (`autopar.intra._reshard.shared_reshard_cache`'s),
+    # where `_reductions_seconds` keeps the seconds of each tuple of reductions; None: none.
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -308,8 +311,16 @@ def _combined(node: Node, graph: OpGraph, ctx: CostContext) -> bool:
 
 
 def _reductions_seconds(reduce: Sequence[Collective], ctx: CostContext) -> float:
-    return reductions_seconds(((c.kind, c.nbytes, c.axes, c.combined) for c in reduce),
-                              ctx.cluster, ctx.mesh)
+    """`reductions_seconds` of `reduce`, memoised in `ctx.memo` (the seconds depend on the
+    collectives, the mesh and the cluster alone; issue 45: strategies of many nodes and
+    shapes reduce the same bytes)."""
+    key = ("reductions", *((c.kind, c.nbytes, c.axes, c.combined) for c in reduce))
+    found = None if ctx.memo is None else ctx.memo.get(key)
+    if found is None:
+        found = reductions_seconds(key[1:], ctx.cluster, ctx.mesh)
+        if ctx.memo is not None:
+            ctx.memo[key] = found
+    return found
 
 
 def _carried_labels(sig: Signature, in_vars) -> set[str]:
@@ -420,6 +431,7 @@ def follow_strategies(
     main: int,
     leader_specs: Sequence[Spec],
     ctx: CostContext,
+    cache: dict | None = None,
 ) -> list[Strategy] | None:
     """Strategies of a node that follows its operand `main`.
 
@@ -427,45 +439,59 @@ def follow_strategies(
     that split; other operands are asked for the matching split (the ILP charges their
     resharding on their edges). Returns None when some spec cannot be carried through
     (then the node is planned on its own).
+
+    `cache`, if given, is a dict spec -> that spec's strategy (None: it cannot be carried
+    through) for this node's key on this mesh (`autopar.intra._problem`'s follower memo:
+    leaders' spec lists differ between graphs while their specs recur).
     """
     labels = sig.inputs[main]
     out_vars = [graph.vars[v] for v in node.outputs]
     in_vars = [graph.vars[v] for v in node.inputs]
     result = []
-    cache: dict[Spec, Strategy] = {}
-    dtype = _rate_dtype(node, in_vars, out_vars)
+    cache = {} if cache is None else cache
+    dtype = None
     for spec in leader_specs:
-        if spec in cache:
-            result.append(cache[spec])
-            continue
-        assignment: dict[str, tuple[str, ...]] = {}
-        for label, axes in zip(labels, spec):
-            if axes and label is None:
-                return None
-            if axes:
-                assignment[label] = axes
-        in_specs, out_specs = _specs_under(sig, assignment, in_vars, out_vars)
-        tensors = [*zip(in_vars, in_specs), *zip(out_vars, out_specs)]
-        if not all(s is None or _divisible(v.shape, s, ctx.mesh) for v, s in tensors):
+        strategy = cache.get(spec, _UNSEEN)
+        if strategy is _UNSEEN:
+            if dtype is None:
+                dtype = _rate_dtype(node, in_vars, out_vars)
+            strategy = cache[spec] = _follow_one(node, graph, sig, labels, spec, in_vars,
+                                                 out_vars, dtype, ctx)
+        if strategy is None:
             return None
-        used = set(spec_axes(spec))
-        parallelism = math.prod(ctx.mesh.axis_size(a) for a in used) if used else 1
-        held = held_bytes(graph, out_vars, out_specs, ctx.mesh,
-                          getattr(ctx.cluster, "fused_attention", False))
-        accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
-                              getattr(ctx.cluster, "fused_attention", False))
-        compute = node_compute_seconds(
-            node.flops / parallelism, accessed, ctx.cluster, dtype,
-            matmul=node.primitive in MATMUL_PRIMITIVES,
-            in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
-            extra_seconds=_extra_seconds(node, graph, in_specs, ctx),
-        )
-        strategy = Strategy(
-            _assignment_name(assignment), in_specs, out_specs, compute, 0.0, held
-        )
-        cache[spec] = strategy
         result.append(strategy)
     return result
+
+
+_UNSEEN = object()
+
+
+def _follow_one(node, graph, sig, labels, spec, in_vars, out_vars, dtype,
+                ctx: CostContext) -> Strategy | None:
+    """`follow_strategies`' strategy for one leader spec; None if it cannot be followed."""
+    assignment: dict[str, tuple[str, ...]] = {}
+    for label, axes in zip(labels, spec):
+        if axes and label is None:
+            return None
+        if axes:
+            assignment[label] = axes
+    in_specs, out_specs = _specs_under(sig, assignment, in_vars, out_vars)
+    tensors = [*zip(in_vars, in_specs), *zip(out_vars, out_specs)]
+    if not all(s is None or _divisible(v.shape, s, ctx.mesh) for v, s in tensors):
+        return None
+    used = set(spec_axes(spec))
+    parallelism = math.prod(ctx.mesh.axis_size(a) for a in used) if used else 1
+    held = held_bytes(graph, out_vars, out_specs, ctx.mesh,
+                      getattr(ctx.cluster, "fused_attention", False))
+    accessed = _hbm_bytes(node, graph, in_specs, out_specs, ctx.mesh,
+                          getattr(ctx.cluster, "fused_attention", False))
+    compute = node_compute_seconds(
+        node.flops / parallelism, accessed, ctx.cluster, dtype,
+        matmul=node.primitive in MATMUL_PRIMITIVES,
+        in_place=node.id in ctx.in_place and graph.nodes[node.id] is node,
+        extra_seconds=_extra_seconds(node, graph, in_specs, ctx),
+    )
+    return Strategy(_assignment_name(assignment), in_specs, out_specs, compute, 0.0, held)
 
 
 def held_bytes(graph: OpGraph, out_vars, out_specs, mesh, fused_attention: bool) -> float:
