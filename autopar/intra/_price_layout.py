@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from autopar._memo import declare
 from autopar.cluster import Spec
@@ -43,10 +42,13 @@ from autopar.intra._problem import (
     IlpNode,
     LayoutMismatch,
     _annotated,
+    _context_key,
     _finished,
     _leader,
     _node_facts,
     build_problem,
+    follow_key,
+    own_key,
 )
 from autopar.intra._reshard import shared_reshard_cache
 from autopar.intra._ring_strategies import (
@@ -56,7 +58,7 @@ from autopar.intra._ring_strategies import (
     ring_strategies,
 )
 from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES
-from autopar.intra._scan import SCAN_MARKERS, Expansion, expand_scans
+from autopar.intra._scan import SCAN_MARKERS
 from autopar.intra._signature import enumerate_assignments, reduced_axes
 from autopar.intra._strategies import (
     EXTRA_STRATEGIES,
@@ -66,7 +68,6 @@ from autopar.intra._strategies import (
     _divisible,
     _rate_dtype,
     _specs_under,
-    extra_strategy_key,
     follow_strategies,
     node_strategies,
 )
@@ -91,28 +92,10 @@ def layout_problem(
     whole problem (under the footprint's peak limit, `_built_problem`); without it, one
     built for the layout (`price_layout`)."""
     nodes = _LayoutNodes(layout)
-    expansion = _expanded(graph, weights, tied) if options.open_scans else None
-    if expansion is None:
-        built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
-                              layout=layout, operator_nodes=nodes)
-    else:  # the planning graph `build_problem` would open, opened once per graph
-        built = build_problem(expansion.graph, mesh, cluster,
-                              replace(options, open_scans=False), expansion.tied, None,
-                              expansion.weights, footprint, layout=layout,
-                              operator_nodes=nodes)
-        built.expansion = expansion
+    # (`build_problem` opens the graph's scans once per graph, `_expanded`)
+    built = build_problem(graph, mesh, cluster, options, tied, None, weights, footprint,
+                          layout=layout, operator_nodes=nodes)
     return built, nodes.agree
-
-
-def _expanded(graph: OpGraph, weights, tied) -> Expansion | None:
-    """`expand_scans(graph, weights, tied)`, memoised: each layout priced on a layer
-    graph would open its scans anew, and the facts memoised per planning graph
-    (`_node_facts`, `fusion_traffic`, `_memory_groups`) would be found anew with them."""
-    key = (tuple(sorted((weights or {}).items())), tuple(tied))
-    by_key = _EXPANSIONS.setdefault(graph, {})
-    if key not in by_key:
-        by_key[key] = expand_scans(graph, weights, tied)
-    return by_key[key]
 
 
 def _ring_dots(graph: OpGraph) -> dict:
@@ -126,10 +109,6 @@ def _ring_dots(graph: OpGraph) -> dict:
 # graph -> its `ring_dots`; forgets graphs nothing else holds.
 _RING_DOTS: weakref.WeakKeyDictionary = declare(
     weakref.WeakKeyDictionary(), "intra.layout_ring_dots", "graph -> ring_dots")
-# graph -> {(weights, ties): its scans opened}; forgets graphs nothing else holds.
-_EXPANSIONS: weakref.WeakKeyDictionary = declare(
-    weakref.WeakKeyDictionary(), "intra.layout_expansions",
-    "graph -> {(weights, ties): Expansion}")
 
 
 class _LayoutNodes:
@@ -185,8 +164,7 @@ class _LayoutNodes:
                 found = self._follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                        ilp_nodes, source_of, pairs, picked, specs)
             if found is None:
-                okey = ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch,
-                        extra_strategy_key(node, graph, ctx))
+                okey = own_key(node, graph, key, extra, ctx)
                 whole = memo.get(okey)
                 if (whole is None and not annotated and not cut
                         and node.primitive not in EXTRA_STRATEGIES):
@@ -215,7 +193,8 @@ class _LayoutNodes:
             return None
         main, u, k = leader
         leader_specs = tuple(p[1][k] for p in pairs[u])
-        fkey = ("follow", key, main, leader_specs, extra, ctx.moe_overlap, ctx.moe_dispatch)
+        context = _context_key(node, graph, ctx)
+        fkey = follow_key(key, main, leader_specs, extra, ctx, context)
         whole = memo.get(fkey)
         if whole is _CANNOT_FOLLOW:
             return None
@@ -229,8 +208,8 @@ class _LayoutNodes:
             if node_pairs is None:
                 return None
             i = _first(node_pairs, specs, node)
-            one = ("follow one", key, main, leader_specs[i], extra, ctx.moe_overlap,
-                   ctx.moe_dispatch)
+            one = ("follow one", *follow_key(key, main, leader_specs[i], extra, ctx,
+                                             context)[1:])
             strategy = memo.get(one)
             if strategy is None:
                 found = follow_strategies(node, graph, sig, main, (leader_specs[i],), ctx)

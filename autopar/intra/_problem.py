@@ -329,12 +329,11 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
         if strategies is None:
-            okey = ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch,
-                    extra_strategy_key(node, graph, ctx))
+            okey = own_key(node, graph, key, extra, ctx)
             strategies = memo.get(okey)
             if strategies is None:
                 # the same node under other weights has the same strategies unweighted
-                rkey = ("own raw", key, *okey[3:], _context_key(node, graph, ctx))
+                rkey = ("own raw", key, *okey[3:])
                 found = memo.get(rkey)
                 if found is None:
                     found = memo[rkey] = tuple(node_strategies(node, graph, sig, ctx))
@@ -367,13 +366,13 @@ def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes,
         return None
     main, u, k = leader
     specs = out_specs(u, k)
-    fkey = ("follow", key, main, specs, extra, ctx.moe_overlap, ctx.moe_dispatch)
+    context = _context_key(node, graph, ctx)
+    fkey = follow_key(key, main, specs, extra, ctx, context)
     strategies = memo.get(fkey)
     if strategies is None:
         # per leader spec, shared by leaders' other spec lists and by other weights
         per_spec = memo.setdefault(
-            ("follow spec", key, main, ctx.moe_overlap, ctx.moe_dispatch,
-             _context_key(node, graph, ctx)), {})
+            ("follow spec", key, main, ctx.moe_overlap, ctx.moe_dispatch, context), {})
         found = follow_strategies(node, graph, sig, main, specs, ctx, per_spec)
         strategies = memo[fkey] = (
             _CANNOT_FOLLOW if found is None else _finished(found, extra)
@@ -394,6 +393,20 @@ def _annotated(node, graph, strategies, ctx, options):
 
     return annotated_strategies(node, var, list(strategies), ctx.mesh, options.annotations,
                                 reshard_seconds)
+
+
+def own_key(node, graph: OpGraph, key, extra, ctx: CostContext) -> tuple:
+    """The mesh memo's key of a node's own strategies (`_add_operator_nodes`): its
+    `_node_facts` key, weights (`extra`), the MoE options, what its primitive's extra
+    strategies read (`extra_strategy_key`) and its context in the step (`_context_key`)."""
+    return ("own", key, extra, ctx.moe_overlap, ctx.moe_dispatch,
+            extra_strategy_key(node, graph, ctx), _context_key(node, graph, ctx))
+
+
+def follow_key(key, main: int, specs, extra, ctx: CostContext, context: tuple) -> tuple:
+    """The mesh memo's key of a follower's strategies (`_as_follower`) for its leader's
+    spec list `specs` (operand `main`), given its `_context_key` `context`."""
+    return ("follow", key, main, specs, extra, ctx.moe_overlap, ctx.moe_dispatch, context)
 
 
 def _context_key(node, graph: OpGraph, ctx: CostContext) -> tuple:
