@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from autopar._memo import declare
 from autopar.cluster import Spec
 from autopar.graph import OpGraph
-from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
+from autopar.intra._context import constrains, score_vars, sequence_length
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import (
     _CANNOT_FOLLOW,
@@ -41,21 +41,19 @@ from autopar.intra._problem import (
     Footprint,
     IlpNode,
     LayoutMismatch,
-    _annotated,
     _context_key,
     _finished,
     _leader,
     _node_facts,
     build_problem,
+    cut_strategies,
     follow_key,
     own_key,
 )
 from autopar.intra._reshard import shared_reshard_cache
 from autopar.intra._ring_strategies import (
     ring_core_nodes,
-    ring_core_strategies,
     ring_dots,
-    ring_strategies,
 )
 from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES
 from autopar.intra._scan import SCAN_MARKERS
@@ -174,7 +172,7 @@ class _LayoutNodes:
                         whole = memo[okey] = _finished(node_strategies(node, graph, sig, ctx),
                                                        extra)
                     found = _special(node, graph, whole, annotated, cut, ring, ring_core,
-                                     ctx, options, cp_mode, seq_len, score_ids, specs)
+                                     ctx, options, seq_len, score_ids, specs)
             node_pairs, i, strategy = found
             for k, v in enumerate(node.outputs):
                 source_of[v] = (index, k)
@@ -228,24 +226,13 @@ def _first(node_pairs: Sequence[Pair], specs: Pair, node) -> int:
         f"{node.primitive} #{node.id}: this graph's shapes rule out {specs}")
 
 
-def _special(node, graph, whole, annotated, cut, ring, ring_core, ctx, options, cp_mode,
-             seq_len, score_ids, specs):
+def _special(node, graph, whole, annotated, cut, ring, ring_core, ctx, options, seq_len,
+             score_ids, specs):
     """A node whose strategies `_add_operator_nodes` cuts or extends after listing them
     (annotations, context parallelism, the ring), or whose list is memoised already:
     built whole, the layout's strategy read out."""
-    strategies = whole
-    if annotated:
-        strategies = _annotated(node, graph, strategies, ctx, options)
-    if cut:
-        strategies = keep_strategies(node, graph, list(strategies), cp_mode, seq_len,
-                                     score_ids, ctx.mesh)
-    if node.id in ring:
-        role, roles = ring[node.id]
-        strategies = ring_strategies(node, graph, role, roles, list(strategies), ctx,
-                                     forced=cp_mode == "ring")
-    elif node.id in ring_core:
-        strategies = ring_core_strategies(node, ring_core[node.id], list(strategies),
-                                          ctx.mesh)
+    strategies = cut_strategies(node, graph, whole, annotated, cut, ring, ring_core, ctx,
+                                options, seq_len, score_ids)
     node_pairs = tuple((s.in_specs, s.out_specs) for s in strategies)
     i = _first(node_pairs, specs, node)
     return node_pairs, i, strategies[i]

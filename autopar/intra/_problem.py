@@ -338,22 +338,32 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                 if found is None:
                     found = memo[rkey] = tuple(node_strategies(node, graph, sig, ctx))
                 strategies = memo[okey] = _finished(found, extra)
-        if annotated:
-            strategies = _annotated(node, graph, strategies, ctx, options)
-        if cut:
-            strategies = keep_strategies(node, graph, list(strategies), cp_mode, seq_len,
-                                         score_ids, ctx.mesh)
-        if node.id in ring:
-            role, roles = ring[node.id]
-            strategies = ring_strategies(node, graph, role, roles, list(strategies), ctx,
-                                         forced=cp_mode == "ring")
-        elif node.id in ring_core:
-            strategies = ring_core_strategies(node, ring_core[node.id], list(strategies),
-                                              ctx.mesh)
+        strategies = cut_strategies(node, graph, strategies, annotated, cut, ring, ring_core,
+                                    ctx, options, seq_len, score_ids)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))
     return missing
+
+
+def cut_strategies(node, graph, strategies, annotated: bool, cut: bool, ring, ring_core, ctx,
+                   options: ShardOptions, seq_len, score_ids):
+    """A node's listed strategies as the sharding annotation (`_annotated`), the forced
+    context parallelism (`keep_strategies`) and the ring (`ring_strategies`,
+    `ring_core_strategies`) leave them, where they apply to it."""
+    if annotated:
+        strategies = _annotated(node, graph, strategies, ctx, options)
+    if cut:
+        strategies = keep_strategies(node, graph, list(strategies), options.context_parallel,
+                                     seq_len, score_ids, ctx.mesh)
+    if node.id in ring:
+        role, roles = ring[node.id]
+        strategies = ring_strategies(node, graph, role, roles, list(strategies), ctx,
+                                     forced=options.context_parallel == "ring")
+    elif node.id in ring_core:
+        strategies = ring_core_strategies(node, ring_core[node.id], list(strategies),
+                                          ctx.mesh)
+    return strategies
 
 
 def _as_follower(node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes, source_of,
