@@ -26,37 +26,26 @@ peak, footprint and choices are those of pricing on the whole problem
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 
-from autopar._memo import declare
 from autopar.cluster import Spec
 from autopar.graph import OpGraph
-from autopar.intra._context import constrains, score_vars, sequence_length
 from autopar.intra._options import ShardOptions
 from autopar.intra._problem import (
     _CANNOT_FOLLOW,
-    TRANSPARENT,
     BuiltProblem,
     Footprint,
     IlpNode,
     LayoutMismatch,
+    OperatorWalk,
     _context_key,
     _finished,
     _leader,
-    _node_facts,
     build_problem,
-    cut_strategies,
     follow_key,
     own_key,
 )
 from autopar.intra._reshard import shared_reshard_cache
-from autopar.intra._ring_strategies import (
-    ring_core_nodes,
-    ring_dots,
-)
-from autopar.intra._rules_annotations import ANNOTATION_PRIMITIVES
-from autopar.intra._scan import SCAN_MARKERS
 from autopar.intra._signature import enumerate_assignments, reduced_axes
 from autopar.intra._strategies import (
     EXTRA_STRATEGIES,
@@ -96,17 +85,6 @@ def layout_problem(
     return built, nodes.agree
 
 
-def _ring_dots(graph: OpGraph) -> dict:
-    """`ring_dots(graph, sequence_length(graph))`, memoised per graph (read only)."""
-    found = _RING_DOTS.get(graph)
-    if found is None:
-        found = _RING_DOTS[graph] = ring_dots(graph, sequence_length(graph))
-    return found
-
-
-# graph -> its `ring_dots`; forgets graphs nothing else holds.
-_RING_DOTS: weakref.WeakKeyDictionary = declare(
-    weakref.WeakKeyDictionary(), "intra.layout_ring_dots", "graph -> ring_dots")
 
 
 class _LayoutNodes:
@@ -120,29 +98,14 @@ class _LayoutNodes:
 
     def __call__(self, graph, ctx, options, weights, ilp_nodes, source_of, followers):
         layout = self.layout
-        missing: dict[str, int] = {}
-        cp_mode = options.context_parallel
-        seq_len = None if cp_mode == "auto" else sequence_length(graph)
-        score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
-        ring = _ring_dots(graph) if cp_mode in ("auto", "ring") else {}
-        ring_core = ring_core_nodes(ring) if cp_mode == "ring" else {}
-        facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
+        walk = OperatorWalk(graph, ctx, options, weights, source_of)
         memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
         # Per ILP node: the (operand, result) specs of every strategy the whole problem
         # lists, in its order (None for graph inputs: they lead no follower), and the
         # index the layout picks there.
         pairs: list[tuple[Pair, ...] | None] = [None] * len(ilp_nodes)
         picked: list[int] = [0] * len(ilp_nodes)
-        for node in graph.nodes:
-            if node.primitive in TRANSPARENT:
-                for v_in, v_out in zip(node.inputs, node.outputs):
-                    if v_in in source_of:
-                        source_of[v_out] = source_of[v_in]
-                if all(v in source_of for v in node.outputs):
-                    continue
-            sig, key, has_rule, candidates = facts[node.id]
-            if not has_rule:
-                missing[node.primitive] = missing.get(node.primitive, 0) + 1
+        for node, sig, key, candidates, extra, annotated, cut in walk:
             index = len(ilp_nodes)
             name = f"{node.primitive} #{node.id}"
             if index >= len(layout):
@@ -151,12 +114,6 @@ class _LayoutNodes:
             kind, specs = layout[index]
             if name.rsplit(" #", 1)[0] != kind:
                 raise LayoutMismatch(f"the layout's {kind!r} node is {name!r} here")
-            extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
-            annotated = (node.primitive in ANNOTATION_PRIMITIVES
-                         and options.annotations != "ignore")
-            cut = node.primitive not in SCAN_MARKERS and (
-                constrains(node, graph, cp_mode, seq_len, score_ids) or node.id in ring
-                or node.id in ring_core)
             found = None
             if options.merge_followers and not annotated and not cut:
                 found = self._follower(node, graph, sig, key, candidates, extra, ctx, memo,
@@ -171,15 +128,14 @@ class _LayoutNodes:
                     if whole is None:
                         whole = memo[okey] = _finished(node_strategies(node, graph, sig, ctx),
                                                        extra)
-                    found = _special(node, graph, whole, annotated, cut, ring, ring_core,
-                                     ctx, options, seq_len, score_ids, specs)
+                    found = _special(node, walk, whole, annotated, cut, specs)
             node_pairs, i, strategy = found
             for k, v in enumerate(node.outputs):
                 source_of[v] = (index, k)
             pairs.append(node_pairs)
             picked.append(i)
             ilp_nodes.append(IlpNode(name, [strategy], node=node.id))
-        return missing
+        return walk.missing
 
     def _follower(self, node, graph, sig, key, candidates, extra, ctx, memo, ilp_nodes,
                   source_of, pairs, picked, specs):
@@ -226,13 +182,11 @@ def _first(node_pairs: Sequence[Pair], specs: Pair, node) -> int:
         f"{node.primitive} #{node.id}: this graph's shapes rule out {specs}")
 
 
-def _special(node, graph, whole, annotated, cut, ring, ring_core, ctx, options, seq_len,
-             score_ids, specs):
+def _special(node, walk: OperatorWalk, whole, annotated: bool, cut: bool, specs):
     """A node whose strategies `_add_operator_nodes` cuts or extends after listing them
     (annotations, context parallelism, the ring), or whose list is memoised already:
     built whole, the layout's strategy read out."""
-    strategies = cut_strategies(node, graph, whole, annotated, cut, ring, ring_core, ctx,
-                                options, seq_len, score_ids)
+    strategies = walk.cut_strategies(node, whole, annotated, cut)
     node_pairs = tuple((s.in_specs, s.out_specs) for s in strategies)
     i = _first(node_pairs, specs, node)
     return node_pairs, i, strategies[i]

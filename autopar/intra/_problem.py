@@ -286,15 +286,7 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     `options.context_parallel` allows (`autopar.intra._context`; a cut that leaves none
     raises its `ContextParallelError`).
     **Returns:** primitive -> count of equations without a rule (planned replicated)."""
-    missing: dict[str, int] = {}
-    cp_mode = options.context_parallel
-    seq_len = None if cp_mode == "auto" else sequence_length(graph)
-    score_ids = frozenset(score_vars(graph)) if seq_len is not None else frozenset()
-    # the ring's dots (`_ring_strategies`): their strategies get ring twins
-    ring = ring_dots(graph, sequence_length(graph)) if cp_mode in ("auto", "ring") else {}
-    # and under "ring" the rest of each attention it runs skips the masked blocks too
-    ring_core = ring_core_nodes(ring) if cp_mode == "ring" else {}
-    facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
+    walk = OperatorWalk(graph, ctx, options, weights, source_of)
     memo = shared_reshard_cache(ctx.mesh, ctx.cluster)
     specs_of: dict[tuple[int, int], tuple[Spec, ...]] = {}
 
@@ -304,27 +296,9 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
             found = specs_of[u, k] = _out_specs(ilp_nodes[u], k)
         return found
 
-    for node in graph.nodes:
-        if node.primitive in TRANSPARENT:
-            # Identity markers: each result is its operand, with the operand's layout.
-            for v_in, v_out in zip(node.inputs, node.outputs):
-                if v_in in source_of:
-                    source_of[v_out] = source_of[v_in]
-            if all(v in source_of for v in node.outputs):
-                continue
-        sig, key, has_rule, candidates = facts[node.id]
-        if not has_rule:
-            missing[node.primitive] = missing.get(node.primitive, 0) + 1
+    for node, sig, key, candidates, extra, annotated, cut in walk:
         index = len(ilp_nodes)
-        # What the strategies depend on besides `key` (the node up to its ids): how they
-        # are weighted, and, for a follower, its leader's specs.
-        extra = (weights.get(node.id), node.primitive in SCAN_MARKERS)
         strategies = None
-        annotated = node.primitive in ANNOTATION_PRIMITIVES and options.annotations != "ignore"
-        # (a scan's slice and stack markers move a layer's values in and out whole)
-        cut = node.primitive not in SCAN_MARKERS and (
-            constrains(node, graph, cp_mode, seq_len, score_ids) or node.id in ring
-            or node.id in ring_core)
         if options.merge_followers and not annotated and not cut:
             strategies = _as_follower(node, graph, sig, key, candidates, extra, ctx, memo,
                                       ilp_nodes, source_of, out_specs, followers)
@@ -338,12 +312,80 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
                 if found is None:
                     found = memo[rkey] = tuple(node_strategies(node, graph, sig, ctx))
                 strategies = memo[okey] = _finished(found, extra)
-        strategies = cut_strategies(node, graph, strategies, annotated, cut, ring, ring_core,
-                                    ctx, options, seq_len, score_ids)
+        strategies = walk.cut_strategies(node, strategies, annotated, cut)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
         ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))
-    return missing
+    return walk.missing
+
+
+class OperatorWalk:
+    """The graph's operator nodes in order, as `_add_operator_nodes` (and a layout priced
+    node by node, `autopar.intra._price_layout`) takes them: identity markers pass their
+    operand's ILP node on in `source_of` and are skipped where every result has one;
+    each other node is yielded as (node, signature, key, follower candidates, extra,
+    annotated, cut) from `_node_facts`, with its primitive counted in `missing` when no
+    rule has it. `extra` is what its strategies depend on besides `key` (the node up to
+    its ids): its weights, and whether it is a scan marker. `annotated`: a sharding
+    annotation `options.annotations` does not ignore; `cut`: its strategies are cut by
+    the forced context parallelism or the ring (`cut_strategies`)."""
+
+    def __init__(self, graph: OpGraph, ctx: CostContext, options: ShardOptions, weights,
+                 source_of: dict):
+        self.graph, self.ctx, self.options = graph, ctx, options
+        self.weights, self.source_of = weights, source_of
+        self.missing: dict[str, int] = {}
+        cp_mode = options.context_parallel
+        self.seq_len = None if cp_mode == "auto" else sequence_length(graph)
+        self.score_ids = (frozenset(score_vars(graph)) if self.seq_len is not None
+                          else frozenset())
+        # the ring's dots (`_ring_strategies`): their strategies get ring twins
+        self.ring = ring_dots_of(graph) if cp_mode in ("auto", "ring") else {}
+        # and under "ring" the rest of each attention it runs skips the masked blocks too
+        self.ring_core = ring_core_nodes(self.ring) if cp_mode == "ring" else {}
+        self.facts = _node_facts(graph, getattr(ctx.cluster, "fused_attention", False))
+
+    def __iter__(self):
+        graph, options, source_of = self.graph, self.options, self.source_of
+        cp_mode = options.context_parallel
+        for node in graph.nodes:
+            if node.primitive in TRANSPARENT:
+                # Identity markers: each result is its operand, with the operand's layout.
+                for v_in, v_out in zip(node.inputs, node.outputs):
+                    if v_in in source_of:
+                        source_of[v_out] = source_of[v_in]
+                if all(v in source_of for v in node.outputs):
+                    continue
+            sig, key, has_rule, candidates = self.facts[node.id]
+            if not has_rule:
+                self.missing[node.primitive] = self.missing.get(node.primitive, 0) + 1
+            extra = (self.weights.get(node.id), node.primitive in SCAN_MARKERS)
+            annotated = (node.primitive in ANNOTATION_PRIMITIVES
+                         and options.annotations != "ignore")
+            # (a scan's slice and stack markers move a layer's values in and out whole)
+            cut = node.primitive not in SCAN_MARKERS and (
+                constrains(node, graph, cp_mode, self.seq_len, self.score_ids)
+                or node.id in self.ring or node.id in self.ring_core)
+            yield node, sig, key, candidates, extra, annotated, cut
+
+    def cut_strategies(self, node, strategies, annotated: bool, cut: bool):
+        """`cut_strategies` of `node` with this walk's context parallelism and ring."""
+        return cut_strategies(node, self.graph, strategies, annotated, cut, self.ring,
+                              self.ring_core, self.ctx, self.options, self.seq_len,
+                              self.score_ids)
+
+
+def ring_dots_of(graph: OpGraph) -> dict:
+    """`ring_dots(graph, sequence_length(graph))`, memoised per graph (read only)."""
+    found = _RING_DOTS.get(graph)
+    if found is None:
+        found = _RING_DOTS[graph] = ring_dots(graph, sequence_length(graph))
+    return found
+
+
+# graph -> its `ring_dots`; forgets graphs nothing else holds.
+_RING_DOTS: weakref.WeakKeyDictionary = declare(
+    weakref.WeakKeyDictionary(), "intra.ring_dots", "graph -> ring_dots")
 
 
 def cut_strategies(node, graph, strategies, annotated: bool, cut: bool, ring, ring_core, ctx,
