@@ -51,6 +51,34 @@ def tiny_gpt_step(cfg=GPT, optimizer=None, batch_size: int = 8):
     return step, (gpt.abstract_state(cfg, optimizer), gpt.abstract_batch(cfg, batch_size))
 
 
+@functools.cache
+def tiny_gpt_graph():
+    """The traced train step of `autopar demo`'s tiny GPT (`named_model("gpt-tiny")`, 8 rows),
+    traced once per test process."""
+    from autopar.app._examples import named_model
+    from autopar.graph import trace
+
+    named = named_model("gpt-tiny", batch_size=8)
+    return trace(named.train_step, named.abstract_state, named.abstract_batch)
+
+
+def spy_integral_relaxation(monkeypatch) -> list[bool]:
+    """Record, per HiGHS model solved, whether its LP relaxation was integral (the list
+    grows as `integral_relaxation` is called)."""
+    from autopar.intra._ilp_model import _HighsBuilt
+
+    integral = []
+    relaxation = _HighsBuilt.integral_relaxation
+
+    def spy(self, *args):
+        values = relaxation(self, *args)
+        integral.append(values is not None)
+        return values
+
+    monkeypatch.setattr(_HighsBuilt, "integral_relaxation", spy)
+    return integral
+
+
 def run_steps(step, state, batch, num_steps=3):
     """Losses and final state of `num_steps` steps (`step` may be jitted or autopar'd)."""
     losses = []

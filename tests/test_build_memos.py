@@ -18,8 +18,8 @@ from itertools import permutations, product
 import numpy as np
 import pytest
 from helpers import cluster as _cluster
+from helpers import tiny_gpt_graph
 
-from autopar.app._examples import named_model
 from autopar.cluster import Cluster, LogicalMesh
 from autopar.graph import tied_state, trace
 from autopar.intra import _problem, _reshard, _strategies
@@ -34,10 +34,8 @@ from autopar.intra._strategies import (
 )
 
 
-@functools.cache
 def _gpt():
-    named = named_model("gpt-tiny", batch_size=8)
-    return trace(named.train_step, named.abstract_state, named.abstract_batch)
+    return tiny_gpt_graph()
 
 
 def _specs(ndim: int, axes) -> list:

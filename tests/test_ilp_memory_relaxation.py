@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import spy_integral_relaxation
 
 from autopar.intra._ilp import (
     ShardingProblem,
@@ -23,7 +24,6 @@ from autopar.intra._ilp import (
     resolve_followers,
     solve,
 )
-from autopar.intra._ilp_model import _HighsBuilt
 from autopar.intra._ilp_reference import solve_brute_force
 
 pytest.importorskip("highspy")
@@ -51,24 +51,13 @@ def _problem(seed: int, budget_share: float, frustrated: bool) -> ShardingProble
     )
 
 
-def _spy_relaxation(monkeypatch) -> list[bool]:
-    integral = []
-    relaxation = _HighsBuilt.integral_relaxation
-
-    def spy(self, *args):
-        values = relaxation(self, *args)
-        integral.append(values is not None)
-        return values
-
-    monkeypatch.setattr(_HighsBuilt, "integral_relaxation", spy)
-    return integral
 
 
 @pytest.mark.parametrize("frustrated", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_memory_rows_solved_from_the_relaxation_give_the_optimum(seed, frustrated,
                                                                  monkeypatch):
-    integral = _spy_relaxation(monkeypatch)
+    integral = spy_integral_relaxation(monkeypatch)
     problem = _problem(seed, 0.5, frustrated)
     found, reference = solve(problem), solve_brute_force(problem)
     assert integral, "the relaxation of a model with a memory row is tried"
@@ -83,7 +72,7 @@ def test_a_fractional_relaxation_under_memory_solves_within_the_incumbent(monkey
     over the strategies kept for plans as cheap finds the brute-force optimum."""
     import autopar.intra._ilp as ilp
 
-    integral = _spy_relaxation(monkeypatch)
+    integral = spy_integral_relaxation(monkeypatch)
     incumbents = []
     descent = ilp._descent_in_budget
 

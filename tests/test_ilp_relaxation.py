@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import spy_integral_relaxation
 
 from autopar.intra._ilp import ShardingProblem, evaluate, solve
-from autopar.intra._ilp_model import _HighsBuilt
 from autopar.intra._ilp_reference import solve_brute_force
 
 pytest.importorskip("highspy")
@@ -33,15 +33,7 @@ def _complete(num_nodes: int, node_cost, edge_cost) -> ShardingProblem:
 
 @pytest.mark.parametrize("name", ["agreeing", "frustrated"])
 def test_integral_relaxation_or_mip_gives_the_optimum(name, monkeypatch):
-    integral = []
-    relaxation = _HighsBuilt.integral_relaxation
-
-    def spy(self, *args):
-        values = relaxation(self, *args)
-        integral.append(values is not None)
-        return values
-
-    monkeypatch.setattr(_HighsBuilt, "integral_relaxation", spy)
+    integral = spy_integral_relaxation(monkeypatch)
     if name == "agreeing":
         # Neighbours want the same strategy and every node prefers strategy 0: the
         # relaxation's optimum is the integral all-zero choice, of cost 0.

@@ -10,13 +10,13 @@ shortened routes against the route of every dimension.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from itertools import permutations, product
 
 import numpy as np
 import pytest
 from helpers import cluster as _cluster
+from helpers import tiny_gpt_graph
 
 from autopar.app._examples import named_model
 from autopar.cluster import LogicalMesh
@@ -37,10 +37,8 @@ from autopar.intra._strategies import (
 )
 
 
-@functools.cache
 def _gpt():
-    named = named_model("gpt-tiny", batch_size=8)
-    return trace(named.train_step, named.abstract_state, named.abstract_batch)
+    return tiny_gpt_graph()
 
 
 def _fresh_problem(graph, mesh, cluster, weights=None):
