@@ -75,9 +75,25 @@ def test_fractional_relaxation_solves_within_the_incumbent(seed, monkeypatch):
         return values, status
 
     monkeypatch.setattr(ilp, "_solve_within_incumbent", spy)
+    # Which HiGHS MIPs ran, and with presolve or not: the MIP started from the incumbent
+    # without (`without_presolve`), the tie-break with.
+    from autopar.intra import _ilp_model
+
+    mips = []
+    highs = _ilp_model._HighsBuilt._highs
+
+    def spy_highs(built, mip, options):
+        if mip:
+            mips.append(("tie-break" if built.tie_break else "first",
+                         options.get("presolve", "on")))
+        return highs(built, mip, options)
+
+    monkeypatch.setattr(_ilp_model._HighsBuilt, "_highs", spy_highs)
     problem = _frustrated(seed)
     found, reference = solve(problem), solve_brute_force(problem)
     assert calls and calls[0][1] == "optimal", calls
+    assert mips[0] == ("first", "off"), mips
+    assert all(presolve == "on" for kind, presolve in mips if kind == "tie-break"), mips
     assert math.isclose(found.objective, reference.objective, rel_tol=1e-12)
     assert found.choices == reference.choices
 

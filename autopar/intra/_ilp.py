@@ -80,6 +80,7 @@ from autopar.intra._ilp_model import (
     tie_break_weights,
     vertex_row_duals,
     with_cost_bound,
+    without_presolve,
 )
 from autopar.intra._ilp_problem import (
     MemoryBudgetError,
@@ -380,14 +381,17 @@ def _solve_within_incumbent(
     window = TIE_RELATIVE_TOLERANCE * abs(cost) + TIE_ABSOLUTE_TOLERANCE
     keep = _fixed_by_duals(model, duals, incumbent, window, everything)
     if keep is everything:
-        return run_model(build_solver_model(model, solver), time_limit, msg,
-                         start=model.values_of(incumbent))
+        whole = build_solver_model(model, solver)
+        without_presolve(whole)
+        return run_model(whole, time_limit, msg, start=model.values_of(incumbent))
     graph, groups = restrict_strategies(reduction.graph, reduction.groups, budget, keep)
     restricted = sharding_model(graph, groups, budget, formulation)
     if not restricted.node_columns:  # the incumbent is the only plan left: optimal
         return model.values_of(incumbent), "optimal"
     position = {v: int(np.searchsorted(keep[v], incumbent[v])) for v in restricted.node_columns}
-    values, status = run_model(build_solver_model(restricted, solver), time_limit, msg,
+    restricted_built = build_solver_model(restricted, solver)
+    without_presolve(restricted_built)
+    values, status = run_model(restricted_built, time_limit, msg,
                                start=restricted.values_of(position))
     if values is None:
         return None, status
