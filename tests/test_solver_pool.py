@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
+import autopar
 from autopar.intra import MemoryBudgetError, ShardingProblem, solve
 from autopar.intra._pool import JOBS_ENV, SolverPool, WorkerDied, jobs
 from tests.test_planning_speed import _same_choice, _search, _tiny_gpt_graph
@@ -174,3 +175,64 @@ def test_workers_that_cannot_start_leave_the_search_to_this_process(monkeypatch,
     _same_choice(pooled, here)
     assert broken is not None and broken.broken
     assert "solving its ILP here instead" in caplog.text
+
+
+def test_prefetch_builds_the_likely_slowest_ilps_first(monkeypatch):
+    """`prefetch` builds (and so submits) a batch's ILPs meshes with more axes of size > 1
+    first, then more devices (`solve_order`), whatever order they were asked in; the
+    costs are those of the ILPs solved one at a time."""
+    from autopar.inter import StageOptions, _layer_table, layer_cost_table
+    from autopar.intra import _pool
+    from autopar.intra._options import ShardOptions
+
+    wanted = {k: (0, shape, 0) for k, shape in enumerate([(1,), (2,), (4,), (2, 2), (8,),
+                                                           (2, 4), (4, 2), (1, 4)])}
+    order = [shape for _, (_, shape, _) in _layer_table.solve_order(wanted)]
+    assert order == [(2, 4), (4, 2), (2, 2), (8,), (4,), (1, 4), (2,), (1,)]
+
+    graph, layers, tied = _tiny_gpt_graph()
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    options = StageOptions(shard=ShardOptions())
+    built = []
+    prepare = _layer_table.prepare_on_mesh
+
+    def spy(sub, cluster, mesh, *args, **kwargs):
+        built.append(mesh.shape)
+        return prepare(sub, cluster, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(_layer_table, "prepare_on_mesh", spy)
+    asked = [(k, shape, 0) for shape in [(2,), (2, 2)] for k in range(layers.num_layers)]
+    monkeypatch.setenv(JOBS_ENV, "2")
+    pooled = layer_cost_table(graph, layers, cluster, 4, options, tied)
+    pooled.prefetch(asked)
+    _pool._close_pool()
+    first = [s for i, s in enumerate(built) if s not in built[:i]]
+    assert first == [(2, 2), (2,)], built
+    monkeypatch.setenv(JOBS_ENV, "1")
+    here = layer_cost_table(graph, layers, cluster, 4, options, tied)
+    for k, shape, level in asked:
+        assert pooled.cost(k, shape, level) == here.cost(k, shape, level)
+
+
+def test_warm_up_starts_the_shared_pool_once(monkeypatch):
+    """`warm_up` (called by `autopar.plan` before tracing) starts the shared pool's
+    workers, which then solve as this process does; with one job it starts nothing."""
+    from autopar.intra import _pool
+
+    _pool._close_pool()
+    monkeypatch.setattr(_pool, "_POOL", None)
+    monkeypatch.setenv(JOBS_ENV, "1")
+    _pool.warm_up()
+    assert _pool._POOL is None
+    monkeypatch.setenv(JOBS_ENV, "2")
+    _pool.warm_up()
+    pool = _pool._POOL
+    try:
+        assert pool is not None and pool.started and len(pool._workers) == 2
+        workers = list(pool._workers)
+        _pool.warm_up()
+        assert pool._workers == workers  # started once
+        problem = _problem(2, budget=7.0)
+        assert pool.submit(problem).result().choices == solve(problem).choices
+    finally:
+        _pool._close_pool()

@@ -246,9 +246,11 @@ class LayerCostTable:
         if len(wanted) < 2:
             return
         for level in sorted({lv for _, _, lv in wanted.values()}):
-            pending = [  # (those found while an earlier level was costed are left out)
+            # (those found while an earlier level was costed are left out; the likely
+            # slowest ILPs first, `solve_order`)
+            pending = [
                 (key, self._level_steps(layer, shape, level))
-                for key, (layer, shape, lv) in wanted.items()
+                for key, (layer, shape, lv) in solve_order(wanted)
                 if lv == level and key not in self._cache
             ]
             results = self._drive([steps for _, steps in pending], parallel=True)
@@ -671,6 +673,19 @@ class LayerCostTable:
         # The parts are kept so that the ids in the key stay theirs.
         self._stitched[key] = ((stage_graph, stage_index), parts, plan)
         return plan
+
+
+def solve_order(wanted: dict) -> list:
+    """The items of `wanted` ({key: (layer, mesh shape, level)}) in the order their ILPs
+    go to the solver pool: the likely slowest first (meshes with more axes of size > 1,
+    then more devices; `drive` builds and submits them in this order, so that the longest
+    solves start while the rest are built and the last ILPs built are the quick ones: on
+    the demo the layer ILPs on the 2-D meshes take most of the solve time). The order
+    changes when a cost is known, never what it is (each ILP is solved alone)."""
+    def slowest_first(item):
+        _, (layer, shape, level) = item
+        return -sum(d > 1 for d in shape), -math.prod(shape)
+    return sorted(wanted.items(), key=slowest_first)
 
 
 def _same_stage(held, stage_graph, stage_index) -> bool:

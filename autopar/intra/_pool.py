@@ -225,6 +225,21 @@ def solver_pool() -> SolverPool | None:
     return _POOL
 
 
+def warm_up() -> None:
+    """Start the shared pool's workers now (nothing when `solver_pool` has none), so that
+    their start-up (a Python and the solver's modules: about 0.25 CPU s each) runs beside
+    the caller's own work instead of delaying the first ILP: `autopar.plan` calls it
+    before tracing the step. A pool whose workers cannot start is left broken (its
+    ILPs are solved in this process, as `submit` failing leaves it)."""
+    pool = solver_pool()
+    if pool is None:
+        return
+    try:
+        pool._start()
+    except OSError as err:
+        log.warning("the sharding ILP pool failed (%s): solving here instead", err)
+
+
 @atexit.register
 def _close_pool() -> None:
     if _POOL is not None:

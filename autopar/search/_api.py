@@ -14,6 +14,7 @@ from autopar._progress import phase
 from autopar.graph import OpGraph, split_stacked, trace, without_annotations
 from autopar.inter import auto_layers, scan_layers
 from autopar.intra import graph_fingerprint
+from autopar.intra._pool import warm_up
 from autopar.plan import Plan
 from autopar.search._cache import PlanCache, cache_key, code_version
 from autopar.search._feasibility import check_fits
@@ -73,6 +74,8 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
     search; the key covers the traced program, the cluster, the options and autopar's code.
     """
     check_fits(fn, args, cluster, options)  # "cannot fit" in a second, not after a search
+    if options.method == "auto":
+        warm_up()  # the ILP workers start while the step is traced
     fn = for_annotations(fn, options)
     if options.annotations == "ignore":
         traces = None  # the step traced there kept its annotations
