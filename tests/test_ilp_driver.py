@@ -1,0 +1,65 @@
+"""`autopar.inter._ilp_driver.drive`: generators' ILPs solved, the garbage collector's first
+threshold raised while they are built (issue 45) and restored after."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from autopar.inter._ilp_driver import BUILD_GC_THRESHOLD, drive
+from autopar.intra import ShardingProblem, solve
+
+
+class _Prepared:
+    """What `drive` needs of a `PreparedILP`: the problem and the solve's arguments."""
+
+    def __init__(self, problem):
+        self.problem, self.solve_args = problem, {}
+
+
+def _problem(seed: int) -> ShardingProblem:
+    rng = np.random.default_rng(seed)
+    return ShardingProblem(
+        tuple(rng.uniform(0.0, 5.0, 3) for _ in range(4)),
+        tuple((i, i + 1) for i in range(3)),
+        tuple(rng.uniform(0.0, 3.0, (3, 3)) for _ in range(3)),
+    )
+
+
+def _steps(seed: int, seen: list):
+    """A generator as `LayerCostTable._level_steps` is: yields two ILPs, returns their
+    choices; records the collector's threshold while it builds."""
+    seen.append(gc.get_threshold()[0])
+    first = yield _Prepared(_problem(seed))
+    seen.append(gc.get_threshold()[0])
+    second = yield _Prepared(_problem(seed + 10))
+    return first.choices, second.choices
+
+
+def test_drive_solves_with_fewer_collections_and_restores_the_threshold():
+    before = gc.get_threshold()
+    seen: list[int] = []
+    results = drive([_steps(0, seen), _steps(1, seen)], pool=None)
+    assert results == [(solve(_problem(s)).choices, solve(_problem(s + 10)).choices)
+                       for s in (0, 1)]
+    assert seen and all(t == max(before[0], BUILD_GC_THRESHOLD) for t in seen), seen
+    assert gc.get_threshold() == before
+
+
+def test_drive_leaves_a_disabled_collector_and_a_higher_threshold_alone():
+    before = gc.get_threshold()
+    seen: list[int] = []
+    try:
+        gc.set_threshold(10 * BUILD_GC_THRESHOLD, *before[1:])
+        drive([_steps(2, seen)], pool=None)
+        assert seen == [10 * BUILD_GC_THRESHOLD] * 2
+        assert gc.get_threshold()[0] == 10 * BUILD_GC_THRESHOLD
+        gc.set_threshold(*before)
+        gc.disable()
+        seen.clear()
+        drive([_steps(3, seen)], pool=None)
+        assert seen == [before[0]] * 2 and not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.set_threshold(*before)
