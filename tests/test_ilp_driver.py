@@ -27,13 +27,19 @@ def _problem(seed: int) -> ShardingProblem:
     )
 
 
-def _steps(seed: int, seen: list):
-    """A generator as `LayerCostTable._level_steps` is: yields two ILPs, returns their
-    choices; records the collector's threshold while it builds."""
+def _steps(seed: int, seen: list, made: dict | None = None):
+    """A generator as `LayerCostTable._level_steps` is: yields two ILPs (seeds `seed` and
+    `seed + 10`; `made`: id of each problem -> its seed), returns their choices; records
+    the collector's threshold while it builds."""
+    made = {} if made is None else made
     seen.append(gc.get_threshold()[0])
-    first = yield _Prepared(_problem(seed))
+    problem = _problem(seed)
+    made[id(problem)] = seed
+    first = yield _Prepared(problem)
     seen.append(gc.get_threshold()[0])
-    second = yield _Prepared(_problem(seed + 10))
+    problem = _problem(seed + 10)
+    made[id(problem)] = seed + 10
+    second = yield _Prepared(problem)
     return first.choices, second.choices
 
 
@@ -63,3 +69,33 @@ def test_drive_leaves_a_disabled_collector_and_a_higher_threshold_alone():
     finally:
         gc.enable()
         gc.set_threshold(*before)
+
+
+class _DonePool:
+    """A pool whose futures are done on `submit` (solved there), recording the order."""
+
+    broken = False
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, problem, **solve_args):
+        from concurrent.futures import Future
+
+        self.submitted.append(problem)
+        future = Future()
+        future.set_result(solve(problem, **solve_args))
+        return future
+
+
+def test_a_solve_that_came_back_is_sent_on_before_the_next_build():
+    """A generator whose solve is back gets it between two builds: its second ILP is in
+    flight before the next generator's first is built; the results are those of the
+    solves one by one."""
+    pool = _DonePool()
+    seen: list[int] = []
+    made: dict[int, int] = {}
+    results = drive([_steps(4, seen, made), _steps(5, seen, made)], pool=pool)
+    assert results == [(solve(_problem(s)).choices, solve(_problem(s + 10)).choices)
+                       for s in (4, 5)]
+    assert [made[id(p)] for p in pool.submitted] == [4, 14, 5, 15]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from concurrent import futures
 
 from autopar.intra import MemoryBudgetError, solve
 from autopar.intra._planner import PreparedILP
@@ -33,16 +34,31 @@ def drive(all_steps: list, pool, finished=None) -> list:
             finished(ended[0], len(all_steps))
 
     # Each ILP goes to the pool as soon as it is built, so that building the next
-    # overlaps solving this one.
+    # overlaps solving this one; a generator whose solve has come back is sent it between
+    # two builds (its next ILP, if any, is then built and in flight before the batch's
+    # last), and after the last build as each solve comes back. The order changes when
+    # an ILP is solved, never its answer.
     handles = {}
     with _fewer_collections():
         for i, steps in enumerate(all_steps):
             _advance(i, steps, None, handles, end, pool)
+            _advance_ready(all_steps, handles, end, pool, wait=False)
         while handles:
-            asked, handles = handles, {}
-            for i, handle in asked.items():
-                _advance(i, all_steps[i], _outcome(handle), handles, end, pool)
+            _advance_ready(all_steps, handles, end, pool, wait=True)
     return results
+
+
+def _advance_ready(all_steps: list, handles: dict, end, pool, wait: bool) -> None:
+    """Send each generator whose solve has come back (or is solved here: no future) its
+    outcome, in generator order; with `wait`, first wait for one to come back when none
+    has."""
+    ready = [i for i, (_, future) in handles.items() if future is None or future.done()]
+    if not ready and wait:
+        futures.wait([future for _, future in handles.values()],
+                     return_when=futures.FIRST_COMPLETED)
+        ready = [i for i, (_, future) in handles.items() if future.done()]
+    for i in sorted(ready):
+        _advance(i, all_steps[i], _outcome(handles.pop(i)), handles, end, pool)
 
 
 # The garbage collector's first threshold while ILPs are built: a build allocates some
