@@ -12,6 +12,7 @@ import hashlib
 
 from autopar._memo import per_graph
 from autopar.graph import OpGraph, Role
+from autopar.graph._jaxpr_text import params_text
 
 
 @per_graph("inter.structural_fingerprints", "graph -> its structural fingerprint")
@@ -36,7 +37,7 @@ def structural_fingerprint(graph: OpGraph) -> str:
     for node in graph.nodes:
         ins = ",".join(name(v) for v in node.inputs)
         outs = ",".join(f"{name(v)}{graph.vars[v].shape}" for v in node.outputs)
-        params = sorted(map(str, node.params.items()))
+        params = params_text(node.params)  # sorted(map(str, node.params.items()))
         h.update(f"{node.primitive}{params}({ins})->{outs};".encode())
     h.update(",".join(name(v) for v in graph.outvars).encode())
     return h.hexdigest()
