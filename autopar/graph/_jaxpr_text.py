@@ -4,11 +4,12 @@ In: a node's `params` (a scan's body, a while's or cond's jaxprs among them). Ou
 ``sorted(map(str, params.items()))``, the text `structural_fingerprint` hashes, with each
 parameter that holds a jaxpr printed by JAX's printer only the first time its *structure*
 is seen in a search. A layer stack traced one iteration per sub-scan has as many scan
-bodies (forward and backward) as layers, each a distinct object of the same structure;
-printing each took most of llama-8B@64's layer clustering (34 layers: 0.34 of 0.62 CPU s
-per table; `python /tmp/front/fp.py`-style timing in tests/test_jaxpr_text.py).
+bodies (forward and backward) as layers, each a distinct object of the same structure:
+llama-8B@64's 34 layers hold 66, and printing them was 0.34 of the 0.62 CPU s its
+fingerprints and layer cuts took per microbatch count (0.24 with this memo; its layer
+clustering in all: `python -m benchmarks.investigations.front_end --row llama-8B@64`).
 
-The structure (`_structure`) records everything JAX's printer reads (`core.pp_toplevel_jaxpr`):
+The structure (`_Structure`) records everything JAX's printer reads (`core.pp_toplevel_jaxpr`):
 each equation's primitive, its parameters (sub-jaxprs by their own structure, every other
 value by the text the printer gives it), the printed type of every variable, literals as
 printed, which variables and sub-jaxprs are the same object (the printer names them by
@@ -35,9 +36,11 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 
 _ADDRESS = re.compile(r" at 0x([0-9a-fA-F]+)")
 
-# (parameter name, structure of its value) -> ``str((name, value))``
+# (parameter name, structure of its value) -> ``str((name, value))``; a search makes a
+# few dozen (forward and backward bodies per microbatch size), each key some 10-100 kB.
 _TEXT: dict[tuple, str] = declare(
     {}, "graph.param_texts", "parameter name and its jaxpr value's structure -> its text")
+_TEXT_LIMIT = 256  # entries; cleared when full
 
 
 def params_text(params: dict) -> list[str]:
@@ -68,6 +71,8 @@ def _jaxpr_param_text(name: str, value: Any) -> str:
         return str((name, value))
     text = _TEXT.get(key)
     if text is None:
+        if len(_TEXT) >= _TEXT_LIMIT:
+            _TEXT.clear()
         text = _TEXT[key] = str((name, value))
     return text
 

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from autopar.graph._collector import collector_paused
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 
 # Equations applied element by element: split operands give split results.
@@ -96,7 +97,8 @@ def split_stacked(graph: OpGraph, ranges: Sequence[tuple[int, int]]) -> OpGraph:
     ranges = tuple((int(a), int(b)) for a, b in ranges)
     if len(ranges) < 2:
         return graph
-    return _Splitter(graph, ranges).run()
+    with collector_paused():  # see `autopar.graph._collector`
+        return _Splitter(graph, ranges).run()
 
 
 class _Splitter:

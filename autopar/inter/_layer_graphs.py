@@ -12,10 +12,12 @@ import hashlib
 
 from autopar._memo import per_graph
 from autopar.graph import OpGraph, Role
+from autopar.graph._collector import collector_paused
 from autopar.graph._jaxpr_text import params_text
 
 
 @per_graph("inter.structural_fingerprints", "graph -> its structural fingerprint")
+@collector_paused()  # see `autopar.graph._collector`
 def structural_fingerprint(graph: OpGraph) -> str:
     """A hash of a sub-graph up to renaming of its variables; once per graph (every
     `LayerCostTable` of one step's per-layer partition, one per configuration of the
