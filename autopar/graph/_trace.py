@@ -88,15 +88,15 @@ def trace(
             "pass the function itself, e.g. trace(train_step, state, batch)."
         )
     batch_argnums = _check_argnums(batch_argnums, len(args))
+    with collector_paused():  # see `autopar.graph._collector`
+        return _traced(fn, args, batch_argnums, name)
+
+
+def _traced(fn, args, batch_argnums, name) -> OpGraph:
+    """`trace`'s graph of `fn(*args)` (`batch_argnums` checked)."""
     arg_names = _arg_names(fn, len(args))
     leaves, paths, in_tree = _flatten_args(args, arg_names)
     abstract = jax.tree.unflatten(in_tree, [_abstractify(x, p) for x, p in zip(leaves, paths)])
-    with collector_paused():  # see `autopar.graph._collector`
-        return _traced(fn, abstract, paths, in_tree, batch_argnums, arg_names, name)
-
-
-def _traced(fn, abstract, paths, in_tree, batch_argnums, arg_names, name) -> OpGraph:
-    """`trace`'s graph of `fn` on its arguments made abstract (`abstract`)."""
     closed, out_shape = _make_jaxpr(fn, abstract)
 
     builder = _GraphBuilder()
