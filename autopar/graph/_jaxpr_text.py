@@ -137,18 +137,21 @@ class _Structure:
         )
 
     def binder(self, v) -> tuple:
+        """A variable where it is bound, with its type (the printer prints it there)."""
         if isinstance(v, _jax_core.DropVar):
             return ("drop", _aval_text(v.aval))
-        return self.atom(v)
+        return (self.atom(v), _aval_text(v.aval))
 
-    def atom(self, a) -> tuple:
+    def atom(self, a) -> int | tuple:
+        """A variable where it is read, by its number (every variable of a closed jaxpr
+        is bound in it, with its type); a literal as printed."""
         if isinstance(a, core.Literal):
             return ("literal", a.pretty_print(None), _aval_text(a.aval))
         number = self.vars.get(id(a))
         if number is None:
             number = self.vars[id(a)] = len(self.vars)
             self._alive.append(a)
-        return ("var", number, _aval_text(a.aval))
+        return number
 
 
 def _aval_text(aval: Any) -> Any:
