@@ -24,7 +24,6 @@ the whole array; the update of a model written as scanned layers has none).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from autopar.graph._collector import collector_paused
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 
 # Equations applied element by element: split operands give split results.
@@ -96,7 +96,8 @@ def split_stacked(graph: OpGraph, ranges: Sequence[tuple[int, int]]) -> OpGraph:
     ranges = tuple((int(a), int(b)) for a, b in ranges)
     if len(ranges) < 2:
         return graph
-    return _Splitter(graph, ranges).run()
+    with collector_paused():  # see `autopar.graph._collector`
+        return _Splitter(graph, ranges).run()
 
 
 class _Splitter:
@@ -268,15 +269,15 @@ class _Splitter:
             return self._run_piecewise(node)
         inputs = [self._whole(v) for v in node.inputs]
         self.computed_whole.update(v for v, s in zip(node.outputs, out_split) if s)
-        self.nodes.append(dataclasses.replace(node, id=len(self.nodes), inputs=tuple(inputs)))
+        self.nodes.append(_replaced(node, id=len(self.nodes), inputs=tuple(inputs)))
 
     def _run_piecewise(self, node: Node) -> None:
         out = node.outputs[0]
         result: list[int | None] = []
+        sum_of_pieces = node.primitive in ("add", "add_any") and len(node.inputs) == 2 and all(
+            v in self.split for v in node.inputs)
         for k, (a, b) in enumerate(self.ranges):
-            if node.primitive in ("add", "add_any") and len(node.inputs) == 2 and all(
-                v in self.split for v in node.inputs
-            ):
+            if sum_of_pieces:
                 present = [self._pieces_of(v)[k] for v in node.inputs]
                 present = [p for p in present if p is not None]
                 if len(present) < 2:
@@ -362,7 +363,7 @@ class _Splitter:
                 out_where.append((len(outvars),))
                 outvars.append(self._whole(v))
         producer = {o: n.id for n in self.nodes for o in n.outputs}
-        variables = [dataclasses.replace(var, producer=producer.get(var.id)) for var in self.vars]
+        variables = [_replaced(var, producer=producer.get(var.id)) for var in self.vars]
         split_in = frozenset(i for i, v in enumerate(g.invars) if v in self.split)
         split_out = frozenset(i for i, v in enumerate(g.outvars) if v in self.split)
         out = OpGraph(
@@ -379,6 +380,16 @@ class _Splitter:
             self.ranges, g, tuple(in_where), tuple(out_where), split_in, split_out
         )
         return out
+
+
+def _replaced(record, **changes):
+    """`dataclasses.replace(record, **changes)` for a frozen `Node` or `Var` (neither has
+    an `__init__` check or `__post_init__`) without replace's per-field work: a split
+    rewrites every node and variable of the step."""
+    new = object.__new__(type(record))
+    new.__dict__.update(record.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def _with_pieces(tree, split: frozenset[int], num_pieces: int):

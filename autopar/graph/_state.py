@@ -10,10 +10,12 @@ from collections.abc import Sequence
 
 import jax
 
+from autopar.graph._collector import collector_paused
 from autopar.graph._opgraph import OpGraph
 from autopar.graph._trace import path_str
 
 
+@collector_paused()  # see `autopar.graph._collector`
 def tied_state(graph: OpGraph, donate_argnums: Sequence[int]) -> list[tuple[int, int]]:
     """(output var, input var) pairs where the step returns its updated state.
 

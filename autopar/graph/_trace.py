@@ -42,6 +42,7 @@ from jax.extend import core
 
 from autopar._memo import declare
 from autopar.graph import _flops
+from autopar.graph._collector import collector_paused
 from autopar.graph._opgraph import Node, OpGraph, Role, Var
 
 # Equations inlined by the tracer are those that just run a sub-jaxpr (see _flops).
@@ -87,6 +88,12 @@ def trace(
             "pass the function itself, e.g. trace(train_step, state, batch)."
         )
     batch_argnums = _check_argnums(batch_argnums, len(args))
+    with collector_paused():  # see `autopar.graph._collector`
+        return _traced(fn, args, batch_argnums, name)
+
+
+def _traced(fn, args, batch_argnums, name) -> OpGraph:
+    """`trace`'s graph of `fn(*args)` (`batch_argnums` checked)."""
     arg_names = _arg_names(fn, len(args))
     leaves, paths, in_tree = _flatten_args(args, arg_names)
     abstract = jax.tree.unflatten(in_tree, [_abstractify(x, p) for x, p in zip(leaves, paths)])
@@ -121,7 +128,8 @@ def trace_jaxpr(jaxpr: Any, name: str = "body") -> OpGraph:
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
     builder = _GraphBuilder()
     invars = [builder.new_var(v.aval, Role.ACTIVATION) for v in jaxpr.invars]
-    outvars = builder.inline(jaxpr, consts, invars, remat=False)
+    with collector_paused():
+        outvars = builder.inline(jaxpr, consts, invars, remat=False)
     return OpGraph(builder.vars, builder.nodes, tuple(invars), tuple(outvars), name=name)
 
 

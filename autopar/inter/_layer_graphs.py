@@ -12,9 +12,12 @@ import hashlib
 
 from autopar._memo import per_graph
 from autopar.graph import OpGraph, Role
+from autopar.graph._collector import collector_paused
+from autopar.graph._jaxpr_text import params_text
 
 
 @per_graph("inter.structural_fingerprints", "graph -> its structural fingerprint")
+@collector_paused()  # see `autopar.graph._collector`
 def structural_fingerprint(graph: OpGraph) -> str:
     """A hash of a sub-graph up to renaming of its variables; once per graph (every
     `LayerCostTable` of one step's per-layer partition, one per configuration of the
@@ -36,7 +39,7 @@ def structural_fingerprint(graph: OpGraph) -> str:
     for node in graph.nodes:
         ins = ",".join(name(v) for v in node.inputs)
         outs = ",".join(f"{name(v)}{graph.vars[v].shape}" for v in node.outputs)
-        params = sorted(map(str, node.params.items()))
+        params = params_text(node.params)  # sorted(map(str, node.params.items()))
         h.update(f"{node.primitive}{params}({ins})->{outs};".encode())
     h.update(",".join(name(v) for v in graph.outvars).encode())
     return h.hexdigest()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from autopar.cluster import Spec, replicated
 from autopar.cost import hideable_weight
 from autopar.graph import OpGraph, Role
+from autopar.graph._collector import collector_paused
 from autopar.inter.passes._layers import LayerAssignment, accumulated_values
 from autopar.intra._problem import summed_axes
 
@@ -116,6 +117,7 @@ def _sums_unit_dims(graph: OpGraph, node) -> bool:
     return all(shape[d] == 1 for d in node.params.get("axes", ()))
 
 
+@collector_paused()  # see `autopar.graph._collector`
 def step_weights(
     graph: OpGraph,
     phases: Mapping[int, str],

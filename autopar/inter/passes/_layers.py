@@ -16,6 +16,7 @@ from typing import Literal
 
 from autopar._memo import per_graph
 from autopar.graph import OpGraph
+from autopar.graph._collector import collector_paused
 
 Phase = Literal["forward", "backward", "apply", "dead"]
 
@@ -65,6 +66,7 @@ def ancestors(graph: OpGraph, roots) -> set[int]:
 
 
 @per_graph("inter.layer_assignments", "graph -> its LayerAssignment")
+@collector_paused()  # see `autopar.graph._collector`
 def assign_layers(graph: OpGraph) -> LayerAssignment:
     """Layers from the marks in program order (see the module docstring).
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from autopar._memo import declare
 from autopar.cost import MATMUL_PRIMITIVES, compute_time
 from autopar.graph import Node, OpGraph, Role
+from autopar.graph._collector import collector_paused
 from autopar.inter.passes._deferred import NOTHING_DEFERRED, Deferrable
 from autopar.inter.passes._layers import LayerAssignment
 from autopar.inter.passes._partition_skeleton import FIRST_STAGE, Skeleton, skeleton
@@ -80,6 +81,7 @@ _PARTITIONS: weakref.WeakKeyDictionary = declare(
 PARTITIONS_PER_GRAPH = 8
 
 
+@collector_paused()  # see `autopar.graph._collector`
 def _partition(graph: OpGraph, layers: LayerAssignment, stage_layers) -> Partition:
     """The split-independent facts come from the graph's `Skeleton` (computed once);
     here they are only mapped to stages and sliced."""
