@@ -7,7 +7,8 @@ import gc
 
 import numpy as np
 
-from autopar.inter._ilp_driver import BUILD_GC_THRESHOLD, drive
+from autopar.graph._collector import PLANNING_GC_THRESHOLD as BUILD_GC_THRESHOLD
+from autopar.inter._ilp_driver import drive
 from autopar.intra import ShardingProblem, solve
 
 

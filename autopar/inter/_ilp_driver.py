@@ -8,11 +8,10 @@ next ILP is in flight at once; without one, each is solved here.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 from concurrent import futures
 
+from autopar.graph._collector import fewer_collections
 from autopar.intra import MemoryBudgetError, solve
 from autopar.intra._planner import PreparedILP
 from autopar.intra._pool import WorkerDied
@@ -39,7 +38,7 @@ def drive(all_steps: list, pool, finished=None) -> list:
     # last), and after the last build as each solve comes back. The order changes when
     # an ILP is solved, never its answer.
     handles = {}
-    with _fewer_collections():
+    with fewer_collections():  # see `autopar.graph._collector`
         for i, steps in enumerate(all_steps):
             _advance(i, steps, None, handles, end, pool)
             _advance_ready(all_steps, handles, end, pool, wait=False)
@@ -59,31 +58,6 @@ def _advance_ready(all_steps: list, handles: dict, end, pool, wait: bool) -> Non
         ready = [i for i, (_, future) in handles.items() if future.done()]
     for i in sorted(ready):
         _advance(i, all_steps[i], _outcome(handles.pop(i)), handles, end, pool)
-
-
-# The garbage collector's first threshold while ILPs are built: a build allocates some
-# hundred thousand small objects, most of which live on in its problem and memos. At
-# Python's default (700) the collector ran 469 times in the demo's layer ILPs, 0.19 of
-# the main process's ~2 CPU s there, and 644 times (0.39 s) in its whole plan; at 10,000,
-# 26 times (0.09 s) there and 194 times (0.14 s) in all (issue 45; counted with a
-# `gc.callbacks` spy around `autopar.plan` of `benchmarks/planning_time.py`'s demo row).
-BUILD_GC_THRESHOLD = 10_000
-
-
-@contextlib.contextmanager
-def _fewer_collections():
-    """Raise the collector's first threshold to `BUILD_GC_THRESHOLD` (never lower it)
-    for the block, and restore it after; nothing where the collector is off. Garbage is
-    collected as before, less often: no cost or plan depends on when."""
-    if not gc.isenabled():
-        yield
-        return
-    old = gc.get_threshold()
-    gc.set_threshold(max(old[0], BUILD_GC_THRESHOLD), *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
 
 
 def _advance(i: int, steps, outcome, handles: dict, end, pool) -> None:

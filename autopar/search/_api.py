@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,6 +10,7 @@ from typing import Any
 from autopar._memo import search_scoped
 from autopar._progress import phase
 from autopar.graph import OpGraph, split_stacked, trace, without_annotations
+from autopar.graph._collector import fewer_collections, heap_frozen
 from autopar.inter import auto_layers, scan_layers
 from autopar.intra import graph_fingerprint
 from autopar.intra._pool import warm_up
@@ -95,7 +94,7 @@ def search(fn: Callable, args: Sequence[Any], cluster, options: PlanOptions, cac
             full = graph if microbatches == 1 else None
             cached = _checked_math(fn, args, cached, options, (graph,))
             return cached, graph_for_plan(fn, args, cached, options, full)
-    with phase("search", timings), _heap_frozen():
+    with phase("search", timings), heap_frozen(), fewer_collections():
         result, run_graph = search_plan(fn, args, cluster, options, graph, dict(timings),
                                         microbatches, recorder=recorder, traces=traces)
     result.timings.update({k: v for k, v in timings.items() if k not in result.timings})
@@ -150,24 +149,6 @@ def _with_context_warnings(plan, options: PlanOptions):
     )
     return dataclasses.replace(plan, warnings=(*plan.warnings, warning))
 
-
-@contextlib.contextmanager
-def _heap_frozen():
-    """Leave the objects that exist before a search (JAX's, the caller's, the traced graph)
-    out of the garbage collector's scans while it runs (`gc.freeze`), and hand them back
-    after (`gc.unfreeze`). The search allocates millions of small objects, so the
-    collector runs full collections during it, and each would walk that whole heap again:
-    the demo's search took 2.4-2.7 s frozen against 2.7-3.2 s. Objects the search makes
-    are collected as usual. Where the caller has frozen objects of its own (before a
-    fork, say), or turned the collector off, nothing is changed."""
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _search_graph(fn, args, cluster, options: PlanOptions,
