@@ -75,13 +75,21 @@ def range_key(table, layer_range) -> tuple | None:
         if layer_range.step != 1:
             return None
         start, end = layer_range.start, layer_range.stop
-    else:
-        layer_range = list(layer_range)
-        if not layer_range:
-            return ()
-        start, end = layer_range[0], layer_range[-1] + 1
-        if layer_range != list(range(start, end)):
-            return None
+        known = table.__dict__.setdefault("_range_keys", {})  # (start, end) -> key
+        if (start, end) not in known:
+            known[(start, end)] = _range_key(table, start, end)
+        return known[(start, end)]
+    layer_range = list(layer_range)
+    if not layer_range:
+        return ()
+    start, end = layer_range[0], layer_range[-1] + 1
+    if layer_range != list(range(start, end)):
+        return None
+    return _range_key(table, start, end)
+
+
+def _range_key(table, start: int, end: int) -> tuple:
+    """`range_key` of layers [start, end)."""
     if end <= start:
         return ()
     if table._hashes is None:

@@ -9,6 +9,7 @@ layers' latency (`_lower_bound`) so that levels that cannot win are not solved.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,11 +49,13 @@ class _Fit:
     costs: tuple[LayerCost, ...]
     parts: StageMemory  # the stage's memory by part (`stage_memory_parts`)
 
-    @property
+    # Both computed once per fit: the walks over levels (`_priced_fit`, `_limited_fit`)
+    # and the stage DP's callback read a cached fit's figures many times.
+    @functools.cached_property
     def memory(self) -> float:
         return self.parts.total
 
-    @property
+    @functools.cached_property
     def latency(self) -> float:
         return math.fsum(c.latency for c in self.costs)
 
