@@ -291,9 +291,13 @@ class _Costs:
         self.num_positions = 0  # keys covered
         self.num_calls = 0  # callback calls made
         self.bisected = bisected  # whether some positions are inferred, not asked
+        # allowed submeshes -> `_search`'s tables of these answers (`_grouped`): the same
+        # for every stage count `best_per_stage_count` searches
+        self.grouped: dict[tuple[int, ...], tuple] = {}
 
     def add(self, start: int, end: int, index: int, first: int, last: int,
             cost: StageCost) -> None:
+        self.grouped.clear()
         self.runs.setdefault((start, end, index), []).append((first, last, cost))
         self.num_positions += last - first + 1
 
@@ -532,6 +536,23 @@ def _distinct_positions(latency, submesh) -> int:
     return num_positions
 
 
+def _grouped(problem: _Problem, costs: _Costs) -> tuple:
+    """`_search`'s tables, computed once per allowed submeshes of `costs`: `latency`
+    and `submesh` (`_group_latency`, up to `_distinct_positions`), `device_counts`, the
+    candidate t_max (the distinct finite latencies), the live groups and the lower bound
+    on any plan's largest stage. Neither depends on the stage counts asked."""
+    if problem.allowed not in costs.grouped:
+        latency, submesh, device_counts = _group_latency(problem, costs)
+        num_positions = _distinct_positions(latency, submesh)
+        latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
+        candidates = np.unique(latency[np.isfinite(latency)])
+        live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+        t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
+        costs.grouped[problem.allowed] = (latency, submesh, device_counts, candidates, live,
+                                          t_low)
+    return costs.grouped[problem.allowed]
+
+
 def _search(problem: _Problem, costs: _Costs):
     """Visit candidate t_max from the largest down (see the module docstring).
 
@@ -539,14 +560,10 @@ def _search(problem: _Problem, costs: _Costs):
     ``(stages, num_dp_runs)``: the best plan as ``(start, end, submesh_index, position)``
     (None if there is none) and the number of DP passes.
     """
-    latency, submesh, device_counts = _group_latency(problem, costs)
-    num_positions = _distinct_positions(latency, submesh)
-    latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
-    candidates = np.unique(latency[np.isfinite(latency)])
-    live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+    latency, submesh, device_counts, candidates, live, t_low = _grouped(problem, costs)
+    num_positions = latency.shape[3]
     buckets = _Buckets.of(problem, num_positions)
     extra = problem.num_microbatches - 1
-    t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
     best, best_latency, num_runs, num_unpackable = None, math.inf, 0, 0
     index = candidates.size - 1
     while index >= 0:
