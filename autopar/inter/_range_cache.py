@@ -21,18 +21,31 @@ _HASH_BASES = (1_000_003, 998_244_353)
 RANGE_CACHE_SIZE = 200_000
 
 
-def _range_cache_key(table: LayerCostTable, what: str, layer_range, args: tuple):
-    """The `range_cache` key of `what` for these layers and `args`; None when nothing is
-    shared (a range that is not contiguous, or a table without `range_key`, e.g. a
-    test's made-up numbers)."""
+# `content` not given: `_range_cache_key` asks the table (see `range_content`).
+_ASK = object()
+
+
+def range_content(table: LayerCostTable, layer_range):
+    """The range's `range_key` (None: nothing shared: a range that is not contiguous, or
+    a table without `range_key`, e.g. a test's made-up numbers). A caller that reads
+    several figures of one range passes it on as `content` instead of a key per figure."""
     range_key = getattr(table, "range_key", None)
-    key = None if range_key is None else range_key(layer_range)
-    return None if key is None else (what, key, *args)
+    return None if range_key is None else range_key(layer_range)
 
 
-def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, compute):
+def _range_cache_key(table: LayerCostTable, what: str, layer_range, args: tuple,
+                     content=_ASK):
+    """The `range_cache` key of `what` for these layers and `args`; None when nothing is
+    shared (`range_content`, given or asked)."""
+    if content is _ASK:
+        content = range_content(table, layer_range)
+    return None if content is None else (what, content, *args)
+
+
+def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, compute,
+                  content=_ASK):
     """`compute()`, shared by the layer ranges of equal content (`_range_cache_key`)."""
-    key = _range_cache_key(table, what, layer_range, args)
+    key = _range_cache_key(table, what, layer_range, args, content)
     if key is None:
         return compute()
     cache = table.range_cache
@@ -43,10 +56,11 @@ def _range_cached(table: LayerCostTable, what: str, layer_range, args: tuple, co
     return cache[key]
 
 
-def _all_solved(table: LayerCostTable, layer_range, shape, level: int) -> bool:
+def _all_solved(table: LayerCostTable, layer_range, shape, level: int,
+                content=_ASK) -> bool:
     """Whether every layer's cost at `level` is known without a solve (a range once
     solved stays so: only that answer is shared)."""
-    key = _range_cache_key(table, "solved", layer_range, (shape, level))
+    key = _range_cache_key(table, "solved", layer_range, (shape, level), content)
     if key is not None and key in table.range_cache:
         return True
     if not all(table.is_solved(k, shape, level) for k in layer_range):
@@ -75,13 +89,21 @@ def range_key(table, layer_range) -> tuple | None:
         if layer_range.step != 1:
             return None
         start, end = layer_range.start, layer_range.stop
-    else:
-        layer_range = list(layer_range)
-        if not layer_range:
-            return ()
-        start, end = layer_range[0], layer_range[-1] + 1
-        if layer_range != list(range(start, end)):
-            return None
+        known = table.__dict__.setdefault("_range_keys", {})  # (start, end) -> key
+        if (start, end) not in known:
+            known[(start, end)] = _range_key(table, start, end)
+        return known[(start, end)]
+    layer_range = list(layer_range)
+    if not layer_range:
+        return ()
+    start, end = layer_range[0], layer_range[-1] + 1
+    if layer_range != list(range(start, end)):
+        return None
+    return _range_key(table, start, end)
+
+
+def _range_key(table, start: int, end: int) -> tuple:
+    """`range_key` of layers [start, end)."""
     if end <= start:
         return ()
     if table._hashes is None:

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost import pipeline_latency
+from autopar.inter._stage_dp_bounded import _bounded_dp
 from autopar.inter._stage_dp_messages import format_bytes, no_plan_error
 from autopar.inter._submesh import SubmeshShape, _check_fits, assign_devices, submesh_shapes
 
@@ -290,9 +291,13 @@ class _Costs:
         self.num_positions = 0  # keys covered
         self.num_calls = 0  # callback calls made
         self.bisected = bisected  # whether some positions are inferred, not asked
+        # allowed submeshes -> `_search`'s tables of these answers (`_grouped`): the same
+        # for every stage count `best_per_stage_count` searches
+        self.grouped: dict[tuple[int, ...], tuple] = {}
 
     def add(self, start: int, end: int, index: int, first: int, last: int,
             cost: StageCost) -> None:
+        self.grouped.clear()
         self.runs.setdefault((start, end, index), []).append((first, last, cost))
         self.num_positions += last - first + 1
 
@@ -459,96 +464,6 @@ class _Buckets:
         return range(min(1, self.top), self.top + 1)
 
 
-def _bounded_dp(latency, device_counts, num_devices, t_max, buckets: _Buckets, live):
-    """The DP for one t_max: least total latency with every stage <= t_max.
-
-    **Arguments:**
-    - `latency`: ``[start, end, group, position - 1]`` stage latencies (inf = infeasible).
-    - `device_counts`: devices of each group.
-    - `num_devices`: devices the plan must use in total.
-    - `t_max`: the bound on every stage.
-    - `buckets`: what the stage counts index (`_Buckets`); a stage in bucket b (itself and
-      the stages after it) is at position min(b, P), P = ``latency.shape[3]``.
-    - `live`: the groups with a finite latency somewhere; the others are skipped.
-
-    The device axis counts in units of the gcd of the live groups' device counts (whole
-    hosts, when no host-local stage is feasible), and each group adds only the layer
-    ranges it has a finite stage for: the work follows the stages that can be, not
-    ``groups x layers^2 x devices``.
-
-    **Returns:**
-    ``[(start, end, group), ...]`` of the best plan, or None if there is none.
-    """
-    num_layers, num_positions = latency.shape[0], latency.shape[3]
-    top, saturating = buckets.top, buckets.saturating
-    unit = math.gcd(num_devices, *(int(device_counts[g]) for g in live))
-    if not live or num_devices % unit:
-        return None
-    columns = num_devices // unit + 1
-    total = np.full((top + 1, num_layers + 1, columns), np.inf)
-    total[0, num_layers, 0] = 0.0
-    choice = np.full(total.shape, -1, dtype=np.int64)
-    # Where the "top or more" bucket came from the top bucket itself (not from top - 1).
-    from_top = np.zeros(total.shape, dtype=bool)
-    sources = np.arange(top + 1) if saturating else np.arange(top)
-    targets = np.minimum(sources + 1, top)
-    positions = np.minimum(np.maximum(targets, 1), num_positions) - 1
-    for start in range(num_layers - 1, -1, -1):
-        num_ends = num_layers - start
-        value = np.full((len(sources), columns), np.inf)
-        best = np.full(value.shape, -1, dtype=np.int64)  # group * num_ends + end - start - 1
-        for g in live:
-            step = int(device_counts[g]) // unit
-            if step >= columns:
-                continue
-            stage = latency[start, start + 1 :, g][:, positions]  # [end, source bucket]
-            stage = np.where(stage <= t_max, stage, np.inf)
-            ends = np.flatnonzero(np.isfinite(stage).any(axis=1))
-            if not ends.size:
-                continue
-            source = total[: len(sources), start + 1 + ends, : columns - step]  # [src, end, d]
-            candidates = stage[ends].T[:, :, None] + source
-            pick = candidates.argmin(axis=1)  # the first least end, as the flat argmin
-            found = np.take_along_axis(candidates, pick[:, None, :], axis=1)[:, 0, :]
-            better = found < value[:, step:]  # strict: an earlier group keeps a tie
-            value[:, step:] = np.where(better, found, value[:, step:])
-            best[:, step:] = np.where(better, g * num_ends + ends[pick], best[:, step:])
-        if not saturating:
-            total[1:, start], choice[1:, start] = value, best
-        elif top == 0:
-            total[0, start], choice[0, start], from_top[0, start] = value[0], best[0], True
-        else:
-            total[1:top, start], choice[1:top, start] = value[: top - 1], best[: top - 1]
-            stays = value[top] < value[top - 1]
-            total[top, start] = np.where(stays, value[top], value[top - 1])
-            choice[top, start] = np.where(stays, best[top], best[top - 1])
-            from_top[top, start] = stays
-    final = buckets.final_range
-    last = columns - 1
-    bucket = final.start + int(np.argmin(total[final.start : final.stop, 0, last]))
-    if not np.isfinite(total[bucket, 0, last]):
-        return None
-    return _reconstruct(choice, from_top, device_counts, bucket, unit)
-
-
-def _reconstruct(choice, from_top, device_counts, bucket, unit=1) -> list[tuple[int, int, int]]:
-    num_layers = choice.shape[1] - 1
-    devices = choice.shape[2] - 1
-    stages, start = [], 0
-    while start < num_layers:
-        code = int(choice[bucket, start, devices])
-        assert code >= 0, f"DP state (stages={bucket}, layer={start}) has no recorded choice"
-        came_from_top = bool(from_top[bucket, start, devices])
-        group, offset = divmod(code, num_layers - start)
-        end = start + 1 + offset
-        stages.append((start, end, group))
-        devices -= int(device_counts[group]) // unit
-        start = end
-        bucket -= 0 if came_from_top else 1
-    assert devices == 0, f"DP plan leaves {devices * unit} devices unused"
-    return stages
-
-
 def _largest_stage_lower_bound(latency) -> float:
     """max over layers of the cheapest feasible stage containing it: every plan's largest
     stage is at least this."""
@@ -621,6 +536,23 @@ def _distinct_positions(latency, submesh) -> int:
     return num_positions
 
 
+def _grouped(problem: _Problem, costs: _Costs) -> tuple:
+    """`_search`'s tables, computed once per allowed submeshes of `costs`: `latency`
+    and `submesh` (`_group_latency`, up to `_distinct_positions`), `device_counts`, the
+    candidate t_max (the distinct finite latencies), the live groups and the lower bound
+    on any plan's largest stage. Neither depends on the stage counts asked."""
+    if problem.allowed not in costs.grouped:
+        latency, submesh, device_counts = _group_latency(problem, costs)
+        num_positions = _distinct_positions(latency, submesh)
+        latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
+        candidates = np.unique(latency[np.isfinite(latency)])
+        live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+        t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
+        costs.grouped[problem.allowed] = (latency, submesh, device_counts, candidates, live,
+                                          t_low)
+    return costs.grouped[problem.allowed]
+
+
 def _search(problem: _Problem, costs: _Costs):
     """Visit candidate t_max from the largest down (see the module docstring).
 
@@ -628,14 +560,10 @@ def _search(problem: _Problem, costs: _Costs):
     ``(stages, num_dp_runs)``: the best plan as ``(start, end, submesh_index, position)``
     (None if there is none) and the number of DP passes.
     """
-    latency, submesh, device_counts = _group_latency(problem, costs)
-    num_positions = _distinct_positions(latency, submesh)
-    latency, submesh = latency[..., :num_positions], submesh[..., :num_positions]
-    candidates = np.unique(latency[np.isfinite(latency)])
-    live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+    latency, submesh, device_counts, candidates, live, t_low = _grouped(problem, costs)
+    num_positions = latency.shape[3]
     buckets = _Buckets.of(problem, num_positions)
     extra = problem.num_microbatches - 1
-    t_low = _largest_stage_lower_bound(latency) if candidates.size else math.inf
     best, best_latency, num_runs, num_unpackable = None, math.inf, 0, 0
     index = candidates.size - 1
     while index >= 0:

@@ -9,16 +9,18 @@ layers' latency (`_lower_bound`) so that levels that cannot win are not solved.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from autopar.cost import LayerCost, StageMemory, stage_memory_parts
 from autopar.inter._layer_table import LayerCostTable
 from autopar.inter._levels import LEVEL_FRACTIONS, NUM_LEVELS
-from autopar.inter._range_cache import _all_solved, _prefetch, _range_cached
+from autopar.inter._range_cache import _ASK, _all_solved, _prefetch, _range_cached, range_content
 
 
-def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
+def _lower_bound(table: LayerCostTable, layer_range, shape, level: int,
+                 content=_ASK) -> float:
     """Below the latency of the layers at `level` or any leaner level, with any recompute,
     by `DOMINANCE_MARGIN`; -inf when a layer's plan there is not a proven optimum (its
     ILP stopped at the time limit), a caller's `solve` made it, or the table's search
@@ -26,7 +28,8 @@ def _lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float
     if table.solve is not None or not table.lower_bounds:
         return -math.inf
     return _range_cached(table, "bound", layer_range, (shape, level),
-                         lambda: _layers_lower_bound(table, layer_range, shape, level))
+                         lambda: _layers_lower_bound(table, layer_range, shape, level),
+                         content)
 
 
 def _layers_lower_bound(table: LayerCostTable, layer_range, shape, level: int) -> float:
@@ -48,11 +51,13 @@ class _Fit:
     costs: tuple[LayerCost, ...]
     parts: StageMemory  # the stage's memory by part (`stage_memory_parts`)
 
-    @property
+    # Both computed once per fit: the walks over levels (`_priced_fit`, `_limited_fit`)
+    # and the stage DP's callback read a cached fit's figures many times.
+    @functools.cached_property
     def memory(self) -> float:
         return self.parts.total
 
-    @property
+    @functools.cached_property
     def latency(self) -> float:
         return math.fsum(c.latency for c in self.costs)
 
@@ -66,13 +71,15 @@ def _stage_parts(table: LayerCostTable, layer_range, shape, level: int, costs,
 
 def choose_remat(
     table: LayerCostTable, layer_range, shape, level: int, in_flight: int, budget: float,
-    remat: str = "auto",
+    remat: str = "auto", content=_ASK,
 ) -> _Fit | None:
     """The layers' costs at `level` with a remat choice per layer (`_choose_remat`), the
-    same for every range of the same content."""
+    same for every range of the same content (`content`: the range's `range_content`,
+    when the caller has it)."""
     return _range_cached(
         table, "fit", layer_range, (shape, level, in_flight, budget, remat),
         lambda: _choose_remat(table, layer_range, shape, level, in_flight, budget, remat),
+        content,
     )
 
 
@@ -164,7 +171,10 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
     `solved_only`: stop the walk at the first level not solved yet (no ILP is solved; a
     fit found is one the full walk also reaches or beats).
     """
-    first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat)
+    # The range's content key, read once for the walk's cached figures (`range_content`).
+    content = range_content(table, layer_range)
+    first_fit = choose_remat(table, layer_range, shape, 0, in_flight, budget, remat,
+                             content)
     if first_fit is None:
         return None
     unchanged = remat != "auto" or all(r == "none" for r in first_fit.remat)
@@ -172,17 +182,18 @@ def _fitting_level(table: LayerCostTable, layer_range, shape, in_flight: int, bu
         return first_fit
     if table.solve is not None:
         return first_fit
-    if _lower_bound(table, layer_range, shape, 0) >= cutoff:
+    if _lower_bound(table, layer_range, shape, 0, content) >= cutoff:
         return None
     if table.memory_levels == "price":
         return _priced_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
-                           solved_only, first_fit)
+                           solved_only, first_fit, content)
     return _limited_fit(table, layer_range, shape, in_flight, budget, remat, cutoff,
-                        solved_only, first_fit)
+                        solved_only, first_fit, content)
 
 
 def _limited_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                 remat: str, cutoff: float, solved_only: bool, first_fit: _Fit) -> _Fit:
+                 remat: str, cutoff: float, solved_only: bool, first_fit: _Fit,
+                 content=_ASK) -> _Fit:
     """`_fitting_level` over limit levels: from the level whose footprint limit removes
     the stage's excess without recompute (each layer giving up the same fraction of what
     it can give), leaner levels in order while the stage does not fit and a leaner level
@@ -198,7 +209,7 @@ def _limited_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budg
     tried = [first_fit]
     least = memory
     for level in range(first, NUM_LEVELS):
-        if solved_only and not _all_solved(table, layer_range, shape, level):
+        if solved_only and not _all_solved(table, layer_range, shape, level, content):
             break
         costs = [table.cost(k, shape, level) for k in layer_range]
         if any(c is None for c in costs):
@@ -207,12 +218,13 @@ def _limited_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budg
         if memory >= least:
             break  # a tighter footprint no longer helps
         least = memory
-        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
+        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat,
+                           content)
         tried.append(fit)
         if fit.memory <= budget and all(r == "none" for r in fit.remat):
             break
         # A leaner level is no faster than this one: stop once it cannot win.
-        bound = _lower_bound(table, layer_range, shape, level)
+        bound = _lower_bound(table, layer_range, shape, level, content)
         fastest_fit = min((f.latency for f in tried if f.memory <= budget), default=math.inf)
         if bound >= cutoff or bound >= fastest_fit:
             break
@@ -223,7 +235,8 @@ def _limited_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budg
 
 
 def _priced_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budget: float,
-                remat: str, cutoff: float, solved_only: bool, first_fit: _Fit) -> _Fit:
+                remat: str, cutoff: float, solved_only: bool, first_fit: _Fit,
+                content=_ASK) -> _Fit:
     """`_fitting_level` over price levels, which are ever leaner and never faster: the
     leanest level first (when even it does not fit, no level does), then a bisection for
     the first level that fits with recompute, then up from there while recompute is
@@ -234,9 +247,10 @@ def _priced_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budge
     def fit_at(level: int) -> _Fit | None:
         """The fit at `level`; None when a layer has no plan or, with `solved_only`, it
         is not solved yet."""
-        if solved_only and not _all_solved(table, layer_range, shape, level):
+        if solved_only and not _all_solved(table, layer_range, shape, level, content):
             return None
-        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat)
+        fit = choose_remat(table, layer_range, shape, level, in_flight, budget, remat,
+                           content)
         if fit is not None:  # None: a layer has no plan at this level
             tried.append(fit)
         return fit
@@ -249,7 +263,7 @@ def _priced_fit(table: LayerCostTable, layer_range, shape, in_flight: int, budge
 
     def hopeless(level: int) -> bool:  # no level from here on can win
         fastest = min((f.latency for f in tried if f.memory <= budget), default=math.inf)
-        bound = _lower_bound(table, layer_range, shape, level)
+        bound = _lower_bound(table, layer_range, shape, level, content)
         return bound >= cutoff or bound >= fastest
 
     lo, hi = 0, NUM_LEVELS - 1  # the first fitting level is in (lo, hi]
