@@ -77,19 +77,29 @@ class _Search:
 
 def test_a_count_without_a_plan_is_not_the_reference():
     """A batch of 64 rows on 8 devices a host: the reference is 1 microbatch
-    (`_reference_first`). Where it has no plan, the next count (64) is searched in full,
-    keeping its layouts, and the last (32) is priced on them; 32 wins and is searched
-    again on its own layouts. Before, 64 and 32 were both priced on the layouts of the
-    count that had no plan."""
+    (`_reference_first`). Where it has no plan, the next reference is chosen by the same
+    rule among the counts left: neither 32 nor 64 divides over a host, so the largest
+    microbatch, 32, is searched in full, keeping its layouts, and 64 is priced on them;
+    32 wins, searched on its own layouts already. Before, 64 was searched in full and 32
+    priced on it, then searched again on its own layouts."""
     search = _Search(feasible={32, 64})
     candidates = search.stage_choices(64)
     assert search.calls == [
         (1, None, True),  # the reference count: no plan
-        (64, None, True),  # searched in full, its layouts kept: the reference now
-        (32, "table 64", False),  # priced on 64's layouts
-        (32, None, False),  # the winner, searched again on its own layouts
+        (32, None, True),  # searched in full, its layouts kept: the reference now
+        (64, "table 32", False),  # priced on 32's layouts
     ]
     assert sorted(c.num_microbatches for c in candidates) == [32, 64]
+
+
+def test_the_next_reference_divides_over_a_host_where_one_does():
+    """128 rows on 4 devices a host, counts 1, 32, 64: the reference is 32 (4 rows a
+    microbatch, `_reference_first`). Without a plan there, the next by the same rule is
+    1, whose 128 rows divide over a host, not the largest count left (64), which is
+    priced on 1's layouts."""
+    search = _Search(feasible={1, 64}, devices_per_host=4)
+    search.stage_choices(128)
+    assert search.calls == [(32, None, True), (1, None, True), (64, "table 1", False)]
 
 
 def test_a_reference_with_a_plan_serves_every_count():
@@ -102,7 +112,7 @@ def test_no_count_with_a_plan_raises_the_largest_counts_error():
     search = _Search(feasible=())
     with pytest.raises(ValueError, match="64: no plan"):
         search.stage_choices(64)
-    assert [c[0] for c in search.calls] == [1, 64, 32]
+    assert [c[0] for c in search.calls] == [1, 32, 64]
 
 
 def test_layer_ilp_progress_says_what_is_solved_and_what_is_left(caplog):

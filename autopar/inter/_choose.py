@@ -33,6 +33,7 @@ from autopar.inter._layer_pricing import boundary_bytes
 from autopar.inter._layer_table import LayerCostTable, layer_cost_table
 from autopar.inter._memory_bound import hopeless_layer
 from autopar.inter._options import StageOptions
+from autopar.inter._share_bound import bound_by_share_plans
 from autopar.inter._stage_costs import (
     _bound_by_even_plans,
     _least_work,
@@ -189,7 +190,7 @@ def _stage_dp(table: LayerCostTable, num_layers: int, cluster, num_microbatches:
         stage_cost = _Restricted(stage_cost, allowed, range_shapes)
     if options.prune_by_bound:
         _bound_search(inner, stage_cost, table, num_layers, cluster, all_submeshes,
-                      logical_shapes, options.num_stages, restricted)
+                      logical_shapes, options.num_stages, restricted, allowed)
     try:
         return plan_stages(
             num_layers, cluster.num_hosts, cluster.devices_per_host, stage_cost,
@@ -338,15 +339,19 @@ def _call_timings(table: LayerCostTable, before: tuple, clustering: float, dp_se
 
 def _bound_search(inner: _StageCosts, stage_cost, table: LayerCostTable, num_layers: int,
                   cluster, submeshes, logical_shapes, num_stages: int | None,
-                  restricted: bool) -> None:
+                  restricted: bool, allowed=None) -> None:
     """A plan that exists bounds the answer: stages that cannot be part of a plan as fast
-    are not costed at their leaner levels (`_StageCosts.bound`)."""
+    are not costed at their leaner levels (`_StageCosts.bound`). The plans: even ones
+    (`_bound_by_even_plans`), and under an `allowed` restriction (a scanned stack's
+    shares) even ones with the end layers on the end stages (`_share_bound`)."""
     if not restricted:
         inner.work = _least_work(table, submeshes, logical_shapes, inner.holds)
     _bound_by_even_plans(
         inner, stage_cost, num_layers, cluster.num_hosts, cluster.devices_per_host,
         submeshes, num_stages,
     )
+    bound_by_share_plans(inner, stage_cost, allowed, num_layers, cluster.num_hosts,
+                         cluster.devices_per_host, submeshes, num_stages)
     log.info("stage DP: an even plan bounds the search at %.6g s (%d layer ILPs so far)",
              inner.bound, table.num_ilps)
 

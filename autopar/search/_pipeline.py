@@ -332,7 +332,8 @@ class _PipelineSearch:
         count's error when none has.
 
         With several counts (`num_microbatches="auto"`) the layer ILPs are solved for one
-        count (`_reference_first`; when it has no plan, the next count that has one): the
+        count (`_reference_first`; when it has no plan, the next by the same rule among
+        the counts left, until one has): the
         other counts' layer costs are that search's layouts
         priced on their own shapes (`LayerCostTable(reference=...)`; an ILP of their own
         where the reference has not solved that layer, shape and level or its layout does
@@ -358,7 +359,9 @@ class _PipelineSearch:
         reference = None
         order = _reference_first(counts, rows, self.cluster) if share else counts
         progress = Countdown("microbatch counts", order)  # what is left, on the log
-        for num_micro in order:
+        left = list(order)
+        while left:
+            num_micro = left.pop(0)
             progress.start(num_micro, "microbatch(es)")
             found[num_micro], table = self.search_count(
                 num_micro, reference, keep_layouts=share and reference is None)
@@ -371,6 +374,11 @@ class _PipelineSearch:
             # searched in full and keeps its layouts for the rest instead.
             if reference is None and found[num_micro]:
                 reference = table if share else None
+            elif share and reference is None and left:
+                # The next reference by the same rule among the counts left (where none
+                # divides over a host: the largest microbatch, the likely winner, whose
+                # layouts the others are priced on rather than it on theirs).
+                left = _reference_first(left, rows, self.cluster)
             if not any(c.choice.timings.get("layer costs priced") for c in found[num_micro]):
                 full.add(num_micro)
         return self._searched_in_full(counts, found, full, progress)
