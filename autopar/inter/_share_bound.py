@@ -23,10 +23,7 @@ leaner levels solved on the way differ (`tests/test_share_bound.py`).
 
 from __future__ import annotations
 
-import math
-
-from autopar.inter._stage_costs import _fastest_stage
-from autopar.inter._submesh import assign_devices
+from autopar.inter._stage_costs import _bound_by_even_plans
 
 # Off: only `_bound_by_even_plans` bounds a restricted DP (to compare; the same plans).
 SHARE_PLANS = True
@@ -47,42 +44,16 @@ def bound_by_share_plans(inner, stage_cost, allowed, num_layers: int, num_hosts:
                          devices_per_host: int, submeshes, num_stages: int | None) -> None:
     """Lower `inner.bound` to the best `share_cuts` plan's DP objective (`sum t + (B - 1)
     max t`) whose ranges `allowed` takes, on copies of one submesh that fill the cluster
-    and pack; tried by their lower bound (`_fastest_stage`), each costed under the bound
-    the ones before left, as `_bound_by_even_plans` does."""
+    and pack; tried by their lower bound, each costed under the bound the ones before
+    left (`_bound_by_even_plans` with these cuts)."""
     if not SHARE_PLANS or allowed is None:
         return
-    total = num_hosts * devices_per_host
-    b = inner.num_microbatches
-    positions = inner.num_positions
-    plans = []
-    for index, sub in enumerate(submeshes):
-        count, rest = divmod(total, sub.num_devices)
-        if rest or (num_stages is not None and count != num_stages):
-            continue
+
+    def cuts_of(count: int) -> list[int] | None:
         cuts = share_cuts(num_layers, count)
         if cuts is None or not all(allowed(cuts[i], cuts[i + 1]) for i in range(count)):
-            continue
-        try:
-            assign_devices([sub] * count, num_hosts, devices_per_host)
-        except ValueError:
-            continue
-        stages = []
-        for i in range(count):
-            args = [cuts[i], cuts[i + 1], index]
-            if positions is not None:
-                args.append(min(count - i, positions))
-            stages.append(tuple(args))
-        lows = [_fastest_stage(inner, s[0], s[1], index) for s in stages]
-        plans.append((math.fsum(lows) + (b - 1) * max(lows), index, stages))
-    plans.sort(key=lambda p: p[:2])
-    for low, _, stages in plans:
-        if low >= inner.bound:
-            break
-        costs = []
-        for args in stages:
-            cost = stage_cost(*args)
-            if not cost.feasible:
-                break
-            costs.append(cost.latency)
-        else:
-            inner.bound = min(inner.bound, math.fsum(costs) + (b - 1) * max(costs))
+            return None
+        return cuts
+
+    _bound_by_even_plans(inner, stage_cost, num_layers, num_hosts, devices_per_host,
+                         submeshes, num_stages, cuts_of=cuts_of)

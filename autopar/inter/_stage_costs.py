@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from autopar.cost import boundary_transfer_time, in_flight_microbatches, stage_dispatch_time
 from autopar.inter import _stage_fit
@@ -457,27 +458,40 @@ def _least_work(table: LayerCostTable, submeshes, logical_shapes,
     return sums
 
 
+def _even_cuts(num_layers: int, count: int) -> list[int] | None:
+    """Cuts of `count` stages of (nearly) equal layer counts; None with more stages than
+    layers."""
+    if count > num_layers:
+        return None
+    return [round(i * num_layers / count) for i in range(count + 1)]
+
+
 def _bound_by_even_plans(inner: _StageCosts, stage_cost, num_layers: int, num_hosts: int,
-                         devices_per_host: int, submeshes, num_stages: int | None) -> None:
+                         devices_per_host: int, submeshes, num_stages: int | None,
+                         cuts_of=None) -> None:
     """Set `inner.bound` to the DP objective of the best "even" plan: S stages of
     (nearly) equal layer counts on S copies of one submesh (Megatron-LM's layout), for
     every submesh whose copies fill the cluster and pack (`assign_devices`), each stage
     costed by `stage_cost` at its position as the DP asks it. The plans are tried by
     their lower bound (their stages' fastest shapes) and each tightens the bound the next
-    ones are costed under, so that few leaner levels are solved for plans that lose."""
+    ones are costed under, so that few leaner levels are solved for plans that lose.
+    `cuts_of(S)`: the S stages' cuts, None where there are none (default `_even_cuts`;
+    `autopar.inter._share_bound` passes its own)."""
     total = num_hosts * devices_per_host
     b = inner.num_microbatches
     positions = inner.num_positions
     plans = []
     for index, sub in enumerate(submeshes):
         count, rest = divmod(total, sub.num_devices)
-        if rest or count > num_layers or (num_stages is not None and count != num_stages):
+        if rest or (num_stages is not None and count != num_stages):
+            continue
+        cuts = (cuts_of or partial(_even_cuts, num_layers))(count)
+        if cuts is None:
             continue
         try:
             assign_devices([sub] * count, num_hosts, devices_per_host)
         except ValueError:
             continue
-        cuts = [round(i * num_layers / count) for i in range(count + 1)]
         stages = []
         for i in range(count):
             args = [cuts[i], cuts[i + 1], index]
