@@ -95,6 +95,16 @@ def logical_mesh_shapes(sub: SubmeshShape, every: bool = False) -> list[tuple[in
     host-local axis of each size dividing a host with the rest along the other.
     `tests/test_stage_dp.py` checks that the search with every shape finds the same plans
     on clusters of several hosts.
+
+    A one-host shape and its transpose, (2, 4) and (4, 2), are both solved: they are not
+    one problem relabelled (issue 45 asked; `tests/test_twin_meshes.py`). The collectives
+    see group sizes only and reshardings between specs with one axis per dimension
+    relabel to the last bit, but a dimension split by both axes takes them in mesh order
+    (`enumerate_assignments`): its major digit is the axis of 2 on (2, 4), the axis of 4
+    on (4, 2), two tile orders that XLA's routes (`autopar.intra._reshard`) price apart.
+    The demo's stage is on (4, 2), cheaper there than on (2, 4); without (4, 2) its
+    prediction moves from 0.026407624841747968 to 0.028053746063622972 s (6 %;
+    ``python -m benchmarks.investigations.twin_meshes demo --drop``).
     """
     if not isinstance(sub, SubmeshShape):
         raise TypeError(f"expected a SubmeshShape, got {type(sub).__name__}: {sub!r}")
