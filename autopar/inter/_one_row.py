@@ -16,8 +16,9 @@ and a `broadcast_in_dim` puts it back (``(s,) -> (1, s)``), or a sum keeps it wh
 other dropped it, or a unit reshape and sum are gone. llama-8B on one DGX H100 at 64 rows
 (``autopar plan --model llama-8B --profile dgx-h100 --hosts 1 --batch 64``), count 64
 against count 32: 14 to 18 such broadcasts per layer (of 1,561 to 2,216 nodes) and
-nothing else differs (the two traces' layer graphs compared node by node); unpriced, that
-count solved 28 ILPs of its own.
+nothing else differs (``python -m benchmarks.investigations.one_row_layers --row
+llama-8B@8-cli --counts 32 64``); unpriced, that count solved 28 ILPs of its own, priced
+4 (``python -m benchmarks planning_time --rows llama-8B@8-cli``: 78 ILPs, was 102).
 
 The pairing (`row_map`): the nodes of both in order, each of `mine` the next of `theirs`
 (same primitive, operands and results of related shapes, `_dims_of`), or a unit node
