@@ -6,6 +6,7 @@ choice; a layout the shapes rule out is not priced; and the search keeps its pla
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import optax
@@ -149,10 +150,12 @@ def test_a_table_with_a_reference_prices_instead_of_solving():
     assert shared.num_ilps == own.num_ilps
 
 
-def test_auto_microbatches_keeps_the_plan_and_solves_fewer_ilps(monkeypatch):
+def test_auto_microbatches_keeps_the_plan_and_solves_fewer_ilps(monkeypatch, caplog):
     """`num_microbatches="auto"` plans the tiny GPT (batch 32: 1, 16 and 32 microbatches)
     on one dgx-a100-80g host (1-D meshes) with and without sharing layouts: the same plan,
-    from fewer layer ILPs. (With the 2-D meshes too: twice the time, 54 ILPs instead of
+    from fewer layer ILPs. The one-row microbatches (32) are priced too, on the layouts
+    carried onto their other operations (`autopar.inter._one_row`; before, that count
+    solved its own ILPs). (With the 2-D meshes too: twice the time, 54 ILPs instead of
     27, for the same plan and the same 3 costs priced from shared layouts; shared layouts
     priced on a 2-D mesh: test_a_table_with_a_reference_prices_instead_of_solving.)
     The layers' time floors are off: with them this tiny search rules out the other
@@ -165,12 +168,17 @@ def test_auto_microbatches_keeps_the_plan_and_solves_fewer_ilps(monkeypatch):
     args = (gpt.abstract_state(GPT, opt), gpt.abstract_batch(GPT, 32))
     plans = {}
     for share in (False, True):
-        plans[share] = autopar.plan(
-            gpt.make_train_step(GPT, opt), *args,
-            cluster=autopar.Cluster.from_profile("dgx-a100-80g"), num_microbatches="auto",
-            submeshes=[(1, 2), (1, 4), (1, 8)], logical_shapes=[(2,), (4,), (8,)],
-            share_layouts=share, cache=False, **NO_MICROBATCH_CHECK,
-        )
+        with caplog.at_level(logging.INFO, logger="autopar"):
+            caplog.clear()
+            plans[share] = autopar.plan(
+                gpt.make_train_step(GPT, opt), *args,
+                cluster=autopar.Cluster.from_profile("dgx-a100-80g"), num_microbatches="auto",
+                submeshes=[(1, 2), (1, 4), (1, 8)], logical_shapes=[(2,), (4,), (8,)],
+                share_layouts=share, cache=False, **NO_MICROBATCH_CHECK,
+            )
+    one_row = [m for m in (r.getMessage() for r in caplog.records)
+               if m.startswith("32 microbatch(es): ") and "stage(s), predicted" in m]
+    assert one_row and all("layouts of the 1-microbatch search, priced" in m for m in one_row)
     shared, full = plans[True], plans[False]
     assert shared.num_microbatches == full.num_microbatches
     assert [s.layers for s in shared.stages] == [s.layers for s in full.stages]

@@ -132,7 +132,7 @@ class LayerCostTable:
             {} if keep_layouts else None
         )
         self._repriced: dict[tuple, tuple] = {}  # (fingerprint, id(reference plan)) -> found
-        self._matching: dict[int, bool] = {}  # layer -> `_matches_reference`
+        self._matching: dict[int, object] = {}  # layer -> `_matches_reference`
         self._priced_plans: set[int] = set()  # ids of the plans `_priced` made
         self.num_priced = 0  # layer costs found by pricing the reference's layouts
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from autopar.cluster import LogicalMesh
 from autopar.inter._layer_graphs import _tied_in
+from autopar.inter._one_row import row_map
 from autopar.intra._planner import price_layout
 
 
@@ -20,10 +21,13 @@ def priced(table, layer: int, shape, level: int):
     """(cost, (plan, graph)) of the reference's plan at (`shape`, `level`) priced on
     this table's layer (`price_layout`); None where the reference has not solved it
     (an ILP here is as much work, and exact), has no plan, or its layout does not apply
-    (then the ILP decides). A level the reference answered with a lower level's plan
-    is priced once."""
+    (then the ILP decides). A layer traced at one-row microbatches, whose operations
+    differ from the reference's, is priced on the layout carried onto it
+    (`autopar.inter._one_row`; `price_layout` checks it as any other). A level the
+    reference answered with a lower level's plan is priced once."""
     ref = table.reference
-    if (not _matches_reference(table, layer) or not ref.is_solved(layer, shape, level)
+    matching = _matches_reference(table, layer)
+    if (not matching or not ref.is_solved(layer, shape, level)
             or ref.cost(layer, shape, level) is None):
         return None
     ref_plan = ref.solved_plan(layer, shape, level)[0]
@@ -31,6 +35,9 @@ def priced(table, layer: int, shape, level: int):
     if kept is None:
         return None
     key = (table.fingerprints[layer], id(ref_plan))
+    layout = kept[1] if matching is True else matching.layout(kept[1])
+    if layout is None:
+        table._repriced[key] = None
     if key not in table._repriced:
         sub = table.per_layer.stage_graphs[layer]
         mesh = LogicalMesh.create(shape, axis_names=table.axis_names)
@@ -40,7 +47,7 @@ def priced(table, layer: int, shape, level: int):
             # the ring's exact ILP made this layout (`exact_ring_problem`): price it so
             options = replace(options, context_parallel="ring")
         plan = price_layout(
-            sub, table.cluster, mesh, kept[1], options, ties,
+            sub, table.cluster, mesh, layout, options, ties,
             weights=table.weights[layer], footprint=table.footprint(layer, shape, None),
         )
         table._repriced[key] = None if plan is None else table._layer_cost(layer, sub, plan)
@@ -64,14 +71,15 @@ def forget_priced(table) -> None:
     table.range_cache.clear()
 
 
-def _matches_reference(table, layer: int) -> bool:
-    """Whether the layer's graph has the reference's layer's operations in the same
-    order (a one-row microbatch traces to other ones: no layout of it applies)."""
+def _matches_reference(table, layer: int):
+    """True where the layer's graph has the reference's layer's operations in the same
+    order; else the `RowMap` that carries the reference's layouts onto it where it is
+    that layer traced at one-row microbatches (`autopar.inter._one_row`); else None (no
+    layout of the reference applies)."""
     if layer not in table._matching:
         mine = table.per_layer.stage_graphs[layer]
         theirs = table.reference.per_layer.stage_graphs[layer]
-        table._matching[layer] = (
-            len(mine.invars) == len(theirs.invars)
-            and [n.primitive for n in mine.nodes] == [n.primitive for n in theirs.nodes]
-        )
+        same = (len(mine.invars) == len(theirs.invars)
+                and [n.primitive for n in mine.nodes] == [n.primitive for n in theirs.nodes])
+        table._matching[layer] = True if same else row_map(mine, theirs)
     return table._matching[layer]
