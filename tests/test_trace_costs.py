@@ -2,8 +2,8 @@
 the per-equation definitions (`eqn_flops`, and `Traffic` added and scaled equation by
 equation as `autopar.graph._flops` first wrote it), on a scanned GPT and Llama traced one
 sub-scan per layer as the pipeline search traces them, and on control flow nested in
-calls. The tracer now reads each aval's bytes once per trace and walks bodies as pairs of
-floats; the graphs must be the same to the last bit."""
+calls. The tracer now reads each equation's avals once and walks bodies as pairs of floats
+(each aval's bytes once per walk); the graphs must be the same to the last bit."""
 
 from __future__ import annotations
 

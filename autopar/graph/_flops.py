@@ -357,13 +357,11 @@ def jaxpr_flops(jaxpr: core.Jaxpr) -> float:
     return float(sum(eqn_flops(eqn) for eqn in jaxpr.eqns))
 
 
-def body_traffic(primitive: str, params: Mapping[str, Any], nbytes: dict | None = None
-                 ) -> Traffic:
-    """The memory traffic of the sub-jaxprs an equation runs (zero for plain primitives).
-    `nbytes`: a memo of avals' bytes to share (`memo_nbytes`), e.g. over a whole trace."""
+def body_traffic(primitive: str, params: Mapping[str, Any]) -> Traffic:
+    """The memory traffic of the sub-jaxprs an equation runs (zero for plain primitives)."""
     if primitive not in _BODY_PRIMITIVES:
         return NO_TRAFFIC
-    return Traffic(*_body_bytes(primitive, params, {} if nbytes is None else nbytes))
+    return Traffic(*_body_bytes(primitive, params, {}))
 
 
 def eqn_traffic(eqn: core.JaxprEqn) -> Traffic:
@@ -377,11 +375,12 @@ def jaxpr_traffic(jaxpr: core.Jaxpr) -> Traffic:
 
 
 # The traffic above as (bytes read, bytes written) pairs of floats: the same additions and
-# products in the same order as `Traffic.__add__` and `Traffic.scaled` would make, so the
-# same floats, without a `Traffic` per equation of every scan body (a per-iteration trace of
-# llama-8B@64 walks ~10,000 body equations: the pairs take its conversion to an OpGraph
-# from 0.18 to ~0.1 CPU s, `/tmp/trace_h/conv.py llama-8B@64 scan`). `nbytes` keeps each
-# aval's bytes for the walk (`memo_nbytes`).
+# products in the same order as `Traffic.__add__` and `Traffic.scaled` make, so the same
+# floats, without a `Traffic` per equation of every body, each aval's bytes computed once
+# per walk (`_memo_nbytes`). A per-iteration trace of llama-8B@64 walks ~10,000 equations
+# of its 64 sub-scans' bodies: its conversion to an OpGraph took 0.24, 0.23 CPU s (medians
+# of 5 builds, two runs) and now 0.17, 0.11, interleaved on a loaded 2-core machine
+# (`python -m benchmarks.investigations.trace_conversion --row llama-8B@64 --count 32`).
 
 _BODY_PRIMITIVES = frozenset(CALL_JAXPR_PARAM) | {"scan", "cond", "while"}
 
@@ -407,8 +406,8 @@ def _eqn_bytes(eqn: core.JaxprEqn, nbytes: dict) -> tuple:
     body = _body_bytes(name, eqn.params, nbytes) if name in _BODY_PRIMITIVES else (0.0, 0.0)
     if name in CALL_JAXPR_PARAM:
         return body
-    read = float(sum(memo_nbytes(a.aval, nbytes) for a in eqn.invars))
-    written = float(sum(memo_nbytes(v.aval, nbytes) for v in eqn.outvars))
+    read = float(sum(_memo_nbytes(a.aval, nbytes) for a in eqn.invars))
+    written = float(sum(_memo_nbytes(v.aval, nbytes) for v in eqn.outvars))
     return read + body[0], written + body[1]
 
 
@@ -420,7 +419,7 @@ def _jaxpr_bytes(jaxpr: core.Jaxpr, nbytes: dict) -> tuple:
     return read, written
 
 
-def memo_nbytes(aval: Any, nbytes: dict) -> int:
+def _memo_nbytes(aval: Any, nbytes: dict) -> int:
     """`aval_nbytes(aval)`, computed once per aval object while `nbytes` (id -> (aval,
     bytes)) lives: an equation's operand is most often the very aval of an earlier result.
     The aval is kept with its bytes, so its id cannot be reused while it is a key."""

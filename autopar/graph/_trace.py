@@ -265,7 +265,6 @@ class _GraphBuilder:
         self.nodes: list[Node] = []
         self._literals: dict[tuple, int] = {}
         self._consts: dict[int, int] = {}
-        self._aval_bytes: dict[int, tuple[Any, int]] = {}  # id(aval) -> (aval, its bytes)
 
     def new_var(self, aval: Any, role: Role, producer: int | None = None, value=None) -> int:
         var = Var(
@@ -307,15 +306,15 @@ class _GraphBuilder:
         return [read(a) for a in jaxpr.outvars]
 
     def _add_node(self, eqn: core.JaxprEqn, ins: list[int], remat: bool) -> list[int]:
-        """One `Node` for `eqn` (reading `ins`); its output variable ids. Its FLOPs and
-        bytes are `_flops.eqn_flops`'s and `eqn_traffic`'s (plus the operands' bytes for a
-        call), each aval's bytes computed once per trace (`_flops.memo_nbytes`)."""
+        """One `Node` for `eqn` (reading `ins`); its output variable ids. FLOPs as
+        `_flops.eqn_flops` counts them and bytes as `_flops.eqn_traffic` (plus the
+        operands' and results' own bytes for a call), from the avals read once here."""
         node_id = len(self.nodes)
         outs = [self.new_var(v.aval, Role.ACTIVATION, producer=node_id) for v in eqn.outvars]
-        name, params, memo = eqn.primitive.name, eqn.params, self._aval_bytes
+        name, params = eqn.primitive.name, eqn.params
         in_avals = [a.aval for a in eqn.invars]
         out_avals = [v.aval for v in eqn.outvars]
-        traffic = _flops.body_traffic(name, params, memo)
+        traffic = _flops.body_traffic(name, params)
         self.nodes.append(
             Node(
                 id=node_id,
@@ -324,10 +323,8 @@ class _GraphBuilder:
                 outputs=tuple(outs),
                 params=params,
                 flops=_flops.flops(name, in_avals, out_avals, params),
-                bytes_read=sum(_flops.memo_nbytes(a, memo) for a in in_avals)
-                + traffic.bytes_read,
-                bytes_written=sum(_flops.memo_nbytes(a, memo) for a in out_avals)
-                + traffic.bytes_written,
+                bytes_read=sum(map(_flops.aval_nbytes, in_avals)) + traffic.bytes_read,
+                bytes_written=sum(map(_flops.aval_nbytes, out_avals)) + traffic.bytes_written,
                 prim=eqn.primitive,
                 remat=remat,
                 source=_source(eqn),
