@@ -306,22 +306,25 @@ class _GraphBuilder:
         return [read(a) for a in jaxpr.outvars]
 
     def _add_node(self, eqn: core.JaxprEqn, ins: list[int], remat: bool) -> list[int]:
+        """One `Node` for `eqn` (reading `ins`); its output variable ids. FLOPs as
+        `_flops.eqn_flops` counts them and bytes as `_flops.eqn_traffic` (plus the
+        operands' and results' own bytes for a call), from the avals read once here."""
         node_id = len(self.nodes)
         outs = [self.new_var(v.aval, Role.ACTIVATION, producer=node_id) for v in eqn.outvars]
-        name = eqn.primitive.name
-        traffic = _flops.body_traffic(name, eqn.params)
+        name, params = eqn.primitive.name, eqn.params
+        in_avals = [a.aval for a in eqn.invars]
+        out_avals = [v.aval for v in eqn.outvars]
+        traffic = _flops.body_traffic(name, params)
         self.nodes.append(
             Node(
                 id=node_id,
                 primitive=name,
                 inputs=tuple(ins),
                 outputs=tuple(outs),
-                params=eqn.params,
-                flops=_flops.eqn_flops(eqn),
-                bytes_read=sum(_flops.aval_nbytes(a.aval) for a in eqn.invars)
-                + traffic.bytes_read,
-                bytes_written=sum(_flops.aval_nbytes(v.aval) for v in eqn.outvars)
-                + traffic.bytes_written,
+                params=params,
+                flops=_flops.flops(name, in_avals, out_avals, params),
+                bytes_read=sum(map(_flops.aval_nbytes, in_avals)) + traffic.bytes_read,
+                bytes_written=sum(map(_flops.aval_nbytes, out_avals)) + traffic.bytes_written,
                 prim=eqn.primitive,
                 remat=remat,
                 source=_source(eqn),
