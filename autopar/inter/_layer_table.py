@@ -393,10 +393,10 @@ class LayerCostTable:
             ring = exact_ring_problem(prepared, plan, pinned, weights)
             if ring is not None:
                 ring_solution = yield ring
-                if not isinstance(ring_solution, MemoryBudgetError):
-                    ring_plan = finish_on_mesh(ring, ring_solution)
-                    if ring_plan.stats["objective"] < plan.stats["objective"]:
-                        prepared, solution, plan = ring, ring_solution, ring_plan
+                if (not isinstance(ring_solution, MemoryBudgetError)
+                        and ring_solution.objective < plan.stats["objective"]):
+                    prepared, solution = ring, ring_solution
+                    plan = finish_on_mesh(ring, ring_solution)
             if self._layouts is not None:
                 self._layouts[id(plan)] = (plan, chosen_layout(prepared.built,
                                                                solution.choices))

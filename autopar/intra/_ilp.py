@@ -196,6 +196,7 @@ def solve(
     msg: bool = False,
     formulation: Formulation = "marginal",
     vertex_round_columns: int | None = None,
+    cutoff: float | None = None,
 ) -> Solution:
     """Choose one strategy per node minimising total cost under the memory budget.
 
@@ -214,6 +215,11 @@ def solve(
     - `vertex_round_columns`: HiGHS's tie-break runs a second, simplex round of fixing on
       an LP left with more columns than this (`_tie_strategies`); None for
       `VERTEX_ROUND_COLUMNS`. It changes how much each round excludes, never the plan.
+    - `cutoff`: the caller wants the plan only if its objective is below this (the exact
+      ring's ILP against the auto plan's objective, `autopar.intra._planner`): when the
+      first solve's optimum is not (`_cannot_undercut`), its plan is returned without the
+      tie-break (`SolveStats.tie_break` "cutoff"), an optimum but maybe not the canonical
+      one. None: always the canonical plan.
 
     **Returns:** a `Solution` whose choices honour followers and the budget.
 
@@ -231,12 +237,9 @@ def solve(
     build_time = time.perf_counter() - start
     start = time.perf_counter()
     ilp_choice, status, tie_break, tie_break_time = _run(
-        problem, built, solver, time_limit, msg, formulation, vertex_round_columns)
+        problem, built, solver, time_limit, msg, formulation, vertex_round_columns, cutoff)
     solve_time = time.perf_counter() - start
-    choice = built.reduction.recover(ilp_choice)
-    _prefer_lower_indices(built.graph, built.groups, built.budget, choice)
-    choices = tuple(int(built.strategy_of[v][choice[int(built.root[v])]])
-                    for v in range(problem.num_nodes))
+    choices = _original_choices(problem, built, ilp_choice)
     stats = SolveStats(
         num_nodes=problem.num_nodes, num_nodes_after_merge=built.num_merged,
         num_ilp_nodes=len(built.model.node_columns),
@@ -247,6 +250,39 @@ def solve(
         tie_break=tie_break, tie_break_time=tie_break_time,
     )
     return Solution(choices, evaluate(problem, choices), status, stats)
+
+
+def _original_choices(problem: ShardingProblem, built: _Built, ilp_choice) -> tuple[int, ...]:
+    """The strategy of every node of `problem` given the ILP nodes' `ilp_choice`: the
+    reduction's choices recovered, equal-cost ones moved to lower indices, followers'
+    read off their roots."""
+    choice = built.reduction.recover(ilp_choice)
+    _prefer_lower_indices(built.graph, built.groups, built.budget, choice)
+    return tuple(int(built.strategy_of[v][choice[int(built.root[v])]])
+                 for v in range(problem.num_nodes))
+
+
+# `_cannot_undercut`'s margin, relative: far above the first solve's distance from the
+# optimum (`MIP_RELATIVE_GAP`, the tie-break's window `TIE_RELATIVE_TOLERANCE`: 1e-9).
+CUTOFF_MARGIN = 1e-6
+
+
+def _cannot_undercut(problem: ShardingProblem, built: _Built, ilp_choice, cutoff: float
+                     ) -> bool:
+    """Whether no plan of `problem` costs less than `cutoff`, given the first solve's
+    optimal `ilp_choice`.
+
+    Why skipping the tie-break then changes nothing for a caller that takes the plan only
+    when its objective is below `cutoff` (`_planner.plan_on_mesh`, the layer tables): the
+    tie-break picks among the plans within `TIE_RELATIVE_TOLERANCE` of the first solve's
+    cost, each of which costs at least the optimum, and the optimum is at least that
+    cost less the solver's gap (`MIP_RELATIVE_GAP` 1e-9 relative, `MIP_ABSOLUTE_GAP` on
+    the scaled objective). Asking the first solve's cost (summed exactly, `evaluate`) to
+    exceed `cutoff` by `CUTOFF_MARGIN` (1e-6, relative) covers that gap a thousand times
+    over: every plan the tie-break could return costs at least `cutoff`, and the caller
+    discards it, as it discards the plan returned instead."""
+    cost = evaluate(problem, _original_choices(problem, built, ilp_choice))
+    return cost - CUTOFF_MARGIN * abs(cost) >= cutoff
 
 
 @dataclass(frozen=True)
@@ -283,11 +319,12 @@ def _build(problem: ShardingProblem, solver: SolverName, solver_name: str,
 
 
 def _run(problem: ShardingProblem, built: _Built, solver: SolverName, time_limit: float,
-         msg: bool, formulation: Formulation,
-         vertex_round_columns: int) -> tuple[dict, str, str, float]:
+         msg: bool, formulation: Formulation, vertex_round_columns: int,
+         cutoff: float | None = None) -> tuple[dict, str, str, float]:
     """The ILP solved within `time_limit` CPU seconds of this process, then its ties broken
-    canonically in what is left. **Returns:** (the reduced graph's choice, the solver's
-    status, how ties were broken, the tie-break's seconds)."""
+    canonically in what is left (not where no plan undercuts `cutoff`, `solve`).
+    **Returns:** (the reduced graph's choice, the solver's status, how ties were broken,
+    the tie-break's seconds)."""
     cpu_start = time.process_time()
     reduction, model, solver_name, budget = (built.reduction, built.model, built.solver_name,
                                              built.budget)
@@ -310,6 +347,9 @@ def _run(problem: ShardingProblem, built: _Built, solver: SolverName, time_limit
     tie_break, tie_break_time = "canonical", 0.0
     if built.built is not None and status == "time_limit":
         tie_break = "skipped"
+    elif (built.built is not None and cutoff is not None
+          and _cannot_undercut(problem, built, ilp_choice, cutoff)):
+        tie_break = "cutoff"
     elif built.built is not None:
         tie_start = time.perf_counter()
         remaining = time_limit - (time.process_time() - cpu_start)  # CPU s, as HiGHS's

@@ -98,8 +98,10 @@ class SolveStats:
     `solve_time` covers both solves: the least cost, then the tie-break among equal-cost
     plans (`tie_break_time` of it). `tie_break` is "canonical" (the plan is the unique
     canonical one among equal-cost optima, whatever the solver), "skipped" (the first
-    solve stopped at its time limit) or "incomplete" (the tie-break stopped at the time
-    limit; the plan is of optimal cost but another solver might pick another such plan).
+    solve stopped at its time limit), "incomplete" (the tie-break stopped at the time
+    limit; the plan is of optimal cost but another solver might pick another such plan)
+    or "cutoff" (no plan costs less than `solve`'s `cutoff`: the tie-break was not run,
+    the plan is of optimal cost).
     """
 
     num_nodes: int

@@ -88,11 +88,11 @@ def plan_on_mesh(
     ring = exact_ring_problem(prepared, plan, fixed, weights)
     if ring is not None:
         try:
-            ring_plan = finish_on_mesh(ring, solve(ring.problem, **ring.solve_args))
+            ring_solution = solve(ring.problem, **ring.solve_args)
         except MemoryBudgetError:  # no ring within the budget on this mesh
             return plan
-        if ring_plan.stats["objective"] < plan.stats["objective"]:
-            return ring_plan
+        if ring_solution.objective < plan.stats["objective"]:
+            return finish_on_mesh(ring, ring_solution)
     return plan
 
 
@@ -110,7 +110,14 @@ def exact_ring_problem(prepared: PreparedILP, plan: ShardingPlan, fixed=None, we
     chose a context-parallel split (the all-gather's layouts, or the ring's upper bound
     on its score dot). A plan that keeps attention's sequence whole found every split
     dearer than none; the ring's exact price is a split too, so it is not solved there
-    (one ILP per mesh instead of two for every attention model)."""
+    (one ILP per mesh instead of two for every attention model).
+
+    The ring's plan is wanted only when its objective is below `plan`'s, so its solve is
+    given that as `cutoff` (`solve`): where its optimum is not below, the tie-break among
+    its equal-cost optima is skipped (demo: its one ring ILP, 31% dearer than the auto
+    plan; `python -m benchmarks planning_time --rows demo`). Callers compare the
+    solution's objective before making its plan (`finish_on_mesh`, not needed for a
+    loser)."""
     options, graph, mesh = prepared.options, prepared.graph, prepared.mesh
     if (options.context_parallel != "auto" or mesh.num_devices == 1
             or plan.context_parallel == NO_CONTEXT
@@ -118,10 +125,12 @@ def exact_ring_problem(prepared: PreparedILP, plan: ShardingPlan, fixed=None, we
         return None
     ring_options = dataclasses.replace(options, context_parallel="ring")
     try:
-        return prepare_on_mesh(graph, prepared.cluster, mesh, ring_options, prepared.tied,
+        ring = prepare_on_mesh(graph, prepared.cluster, mesh, ring_options, prepared.tied,
                                fixed, weights, prepared.footprint)
     except MemoryBudgetError:  # ContextParallelError too: no ring on this mesh
         return None
+    return dataclasses.replace(
+        ring, solve_args={**ring.solve_args, "cutoff": plan.stats["objective"]})
 
 
 @dataclasses.dataclass(frozen=True)
