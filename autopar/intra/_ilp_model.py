@@ -83,16 +83,20 @@ _LE, _EQ, _GE = pulp.LpConstraintLE, pulp.LpConstraintEQ, pulp.LpConstraintGE
 
 @dataclass
 class _Model:
-    """A mixed-integer program: minimise cost . x over x >= 0 subject to `rows`.
+    """A mixed-integer program: minimise cost . x over x >= 0 subject to its rows.
 
-    Binary columns are in [0, 1]; continuous columns are unbounded above. Each row is
-    (columns, coefficients, sense, right-hand side). `node_columns[v]` are the one-hot
-    strategy columns of node v.
+    Binary columns are in [0, 1]; continuous columns are unbounded above. The rows are
+    kept as blocks of whole arrays (`add_rows`): per row its length, sense and right-hand
+    side, and the columns and coefficients of all its rows end to end; `row_arrays` joins
+    them, `rows` gives them one by one as (columns, coefficients, sense, right-hand side).
+    `node_columns[v]` are the one-hot strategy columns of node v.
     """
 
     cost: list[float] = field(default_factory=list)
     binary: list[bool] = field(default_factory=list)
-    rows: list[tuple[np.ndarray, np.ndarray, int, float]] = field(default_factory=list)
+    # (lengths, columns, coefficients, senses, right-hand sides) of each block of rows
+    row_blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = (
+        field(default_factory=list))
     node_columns: dict[int, np.ndarray] = field(default_factory=dict)
     # (v, w, grid): grid[a, b] is the column of edge {v, w} at strategy classes (a, b), -1
     # if none; edge_classes[k] = (class of each strategy of v, of w) for edge_columns[k]
@@ -100,6 +104,7 @@ class _Model:
     edge_classes: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     # cost units per unit of `cost` (`sharding_model` scales the largest coefficient to 1)
     scale: float = 1.0
+    num_rows: int = 0
 
     def add_columns(self, costs: np.ndarray, binary: bool) -> np.ndarray:
         start = len(self.cost)
@@ -108,7 +113,33 @@ class _Model:
         return np.arange(start, len(self.cost))
 
     def add_row(self, columns, coefficients, sense: int, rhs: float) -> None:
-        self.rows.append((np.asarray(columns), np.asarray(coefficients, float), sense, rhs))
+        columns = np.asarray(columns)
+        self.add_rows(np.array([len(columns)], dtype=np.int64), columns, coefficients,
+                      np.array([sense], dtype=np.int64), np.array([rhs], dtype=float))
+
+    def add_rows(self, lengths: np.ndarray, columns: np.ndarray, coefficients,
+                 senses: np.ndarray, rhs: np.ndarray) -> None:
+        """Rows whose columns and coefficients lie end to end (`lengths` of each)."""
+        self.row_blocks.append((lengths, np.asarray(columns),
+                                np.asarray(coefficients, float), senses, rhs))
+        self.num_rows += len(lengths)
+
+    def row_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row end to end, in order: (lengths, columns, coefficients, senses,
+        right-hand sides)."""
+        if not self.row_blocks:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, np.zeros(0), empty, np.zeros(0)
+        return tuple(np.concatenate([block[k] for block in self.row_blocks])
+                     for k in range(5))
+
+    @property
+    def rows(self) -> list[tuple[np.ndarray, np.ndarray, int, float]]:
+        """Each row as (columns, coefficients, sense, right-hand side)."""
+        lengths, columns, coefficients, senses, rhs = self.row_arrays()
+        ends = np.cumsum(lengths).tolist()
+        return [(columns[end - n:end], coefficients[end - n:end], int(sense), float(b))
+                for n, end, sense, b in zip(lengths.tolist(), ends, senses, rhs)]
 
     def add_one_hot_node(self, v: int, costs: np.ndarray) -> np.ndarray:
         columns = self.add_columns(costs, binary=True)
@@ -209,20 +240,35 @@ def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> Non
     was (a fractional e disaggregates in proportion to s)."""
     row_class, col_class, classes = _compressed_edge(matrix)
     rows, cols = classes.shape
-    s_v = _class_sums(model.node_columns[v], row_class, rows)
-    s_w = _class_sums(model.node_columns[w], col_class, cols)
     pairs = np.argwhere(np.ones(classes.shape, dtype=bool))  # row-major, as classes.ravel()
     e = model.add_edge_columns(v, w, (rows, cols), pairs, classes.ravel()).reshape(rows, cols)
     model.edge_classes.append((row_class, col_class))
-    # (the rows appended whole, as `add_row` would make them: issue 45)
-    ones, minus = np.ones(max(rows, cols)), -np.ones(max(len(c) for c in (*s_v, *s_w)))
-    append = model.rows.append
-    for a in range(rows):
-        append((np.concatenate([e[a, :], s_v[a]]),
-                np.concatenate([ones[:cols], minus[:len(s_v[a])]]), _EQ, 0.0))
-    for b in range(cols - 1):
-        append((np.concatenate([e[:, b], s_w[b]]),
-                np.concatenate([ones[:rows], minus[:len(s_w[b])]]), _EQ, 0.0))
+    _add_marginal_rows(model, e, model.node_columns[v], row_class)
+    _add_marginal_rows(model, e.T[:cols - 1], model.node_columns[w], col_class)
+
+
+def _add_marginal_rows(model: _Model, e: np.ndarray, columns: np.ndarray,
+                       classes: np.ndarray) -> None:
+    """The rows sum_b e[a, b] - S[a] = 0 of `_add_marginal_edge`, one per row a of `e` (S[a]:
+    the strategy columns `columns` of class a, `classes`; classes from len(e) on get no
+    row), as one block: each row's edge columns, then its strategy columns in column order
+    (`_class_sums`), coefficients 1 and -1, as a loop over the rows would append them.
+    Issue 45: built with whole-array operations, not a pair of concatenations per row, the
+    model's arrays the same; llama-8B@64's layer ILPs build their models in half the time
+    (`python -m benchmarks.investigations.ilp_replay replay /tmp/solve_l8.pkl`)."""
+    count, width = e.shape
+    if count == 0:
+        return
+    sizes = np.bincount(classes, minlength=count)[:count]
+    lengths = width + sizes
+    starts = np.cumsum(lengths) - lengths
+    on_edge = (starts[:, None] + np.arange(width)[None, :]).ravel()
+    index = np.empty(int(lengths.sum()), dtype=np.int64)
+    value = np.full(len(index), -1.0)
+    index[on_edge], value[on_edge] = e.ravel(), 1.0
+    index[value < 0] = columns[np.argsort(classes, kind="stable")][:int(sizes.sum())]
+    model.add_rows(lengths.astype(np.int64), index, value, np.full(count, _EQ, dtype=np.int64),
+                   np.zeros(count))
 
 
 def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
@@ -309,13 +355,10 @@ def plans_within(model: _Model, duals: np.ndarray, bound: float) -> dict[int, np
     """
     cost = np.asarray(model.cost)
     y = np.asarray(duals, float)
-    senses = np.array([sense for _, _, sense, _ in model.rows])
+    lengths, columns, coefficients, senses, rhs = model.row_arrays()
     y = np.where(senses == _LE, np.minimum(y, 0.0), np.where(senses == _GE, np.maximum(y, 0.0), y))
-    columns = np.concatenate([c for c, _, _, _ in model.rows])
-    lengths = np.array([len(c) for c, _, _, _ in model.rows], dtype=np.int64)
-    weights = np.concatenate([a for _, a, _, _ in model.rows]) * np.repeat(y, lengths)
+    weights = coefficients * np.repeat(y, lengths)
     reduced = cost - np.bincount(columns, weights, minlength=len(cost))
-    rhs = np.array([b for _, _, _, b in model.rows])
     lower = math.fsum((y * rhs).tolist()) + math.fsum(np.minimum(reduced, 0.0).tolist())
     slack = bound - lower + _FIXING_MARGIN
     if not math.isfinite(slack):
@@ -406,7 +449,7 @@ class _PulpBuilt:
             for i, b in enumerate(model.binary)
         ]
         self.problem.setObjective(_expression(self.variables, model.cost))
-        width = len(str(len(model.rows)))
+        width = len(str(model.num_rows))
         self.rows = []
         for r, (columns, coefficients, sense, rhs) in enumerate(model.rows):
             terms = pulp.LpAffineExpression(
@@ -477,18 +520,13 @@ class _HighsBuilt:
         self.integer = np.asarray(model.binary, bool)
         self.upper = np.where(self.integer, 1.0, highspy.kHighsInf)
         # the rows as one row-wise matrix (zeros dropped), built with whole-array operations
-        rows = model.rows
-        lengths = np.array([len(columns) for columns, _, _, _ in rows], dtype=np.int64)
-        index = np.concatenate([c for c, _, _, _ in rows]) if rows else np.zeros(0, np.int64)
-        value = np.concatenate([a for _, a, _, _ in rows]) if rows else np.zeros(0)
+        lengths, index, value, sense, rhs = model.row_arrays()
         keep = value != 0
-        row_of = np.repeat(np.arange(len(rows)), lengths)
-        kept = np.bincount(row_of[keep], minlength=len(rows))
+        row_of = np.repeat(np.arange(len(lengths)), lengths)
+        kept = np.bincount(row_of[keep], minlength=len(lengths))
         self.starts = np.concatenate([[0], np.cumsum(kept)]).astype(np.int32)
         self.index = index[keep].astype(np.int32)
         self.value = value[keep].astype(float)
-        sense = np.array([sense for _, _, sense, _ in rows], dtype=np.int64)
-        rhs = np.array([rhs for _, _, _, rhs in rows], dtype=float)
         self.lower = np.where((sense == _EQ) | (sense == _GE), rhs, -highspy.kHighsInf)
         self.row_upper = np.where((sense == _EQ) | (sense == _LE), rhs, highspy.kHighsInf)
         self.objective = self.cost
