@@ -9,7 +9,9 @@ import pytest
 
 from autopar.intra._ilp_model import (
     _EQ,
+    _all_classes,
     _class_sums,
+    _classes,
     _compressed_edge,
     _HighsBuilt,
     _normalised_costs,
@@ -86,3 +88,18 @@ def test_rows_built_as_blocks_are_the_loops_rows(seed):
     assert all(len(k) == len(model.node_columns[v]) for v, k in keep.items())
     below = plans_within(model, np.zeros(model.num_rows), -1.0)
     assert all(len(k) == 0 for k in below.values())
+
+
+def test_classes_found_together_are_each_matrix_own():
+    rng = np.random.default_rng(0)
+    matrices = []
+    for _ in range(40):
+        base = rng.integers(-1, 2, size=(int(rng.integers(1, 5)), int(rng.integers(1, 6))))
+        matrix = base[rng.integers(0, len(base), int(rng.integers(1, 9)))].astype(float)
+        matrix[matrix == 0] *= np.where(rng.random(matrix[matrix == 0].shape) < 0.5, -1, 1)
+        matrices.append(matrix)  # -0.0 and 0.0 mixed: one value
+    together = _all_classes(matrices + [m.T for m in matrices])
+    for matrix, (first, classes) in zip(matrices + [m.T for m in matrices], together):
+        alone = _classes(matrix)
+        assert first.tolist() == alone[0].tolist() and classes.tolist() == alone[1].tolist()
+        assert len(set(map(tuple, (matrix + 0.0)[first].tolist()))) == len(first)

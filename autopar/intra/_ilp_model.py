@@ -230,45 +230,88 @@ def _class_sums(columns: np.ndarray, classes: np.ndarray, count: int) -> list[np
     return [grouped[start:end] for start, end in zip([0, *ends], ends)]
 
 
-def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
-    """Alpa's linearisation over strategy classes (`_compressed_edge`): e[a, b] >= 0 for
-    every pair of classes, sum_b e[a, b] = S_v[a] and sum_a e[a, b] = S_w[b], with S the
-    sum of a class's strategy columns (the last column class's equation is implied and
-    left out). With one-hot s the classes' indicators are one-hot, and the only such e is
-    their outer product, so continuous e is exact; with one strategy per class this is
-    Alpa's formulation itself, and merging classes leaves the LP relaxation's bound as it
-    was (a fractional e disaggregates in proportion to s)."""
-    row_class, col_class, classes = _compressed_edge(matrix)
-    rows, cols = classes.shape
-    pairs = np.argwhere(np.ones(classes.shape, dtype=bool))  # row-major, as classes.ravel()
-    e = model.add_edge_columns(v, w, (rows, cols), pairs, classes.ravel()).reshape(rows, cols)
-    model.edge_classes.append((row_class, col_class))
-    _add_marginal_rows(model, e, model.node_columns[v], row_class)
-    _add_marginal_rows(model, e.T[:cols - 1], model.node_columns[w], col_class)
+def _all_classes(matrices: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`_classes` of every matrix of `matrices`, found together: their rows side by side
+    (zero-padded to one width, each behind its matrix's index), distinct rows by their
+    bytes (`np.unique` of a void view, after `+ 0.0`, as `_classes` tells them apart), and
+    the classes numbered by first appearance. Issue 45: one sort for the few thousand rows
+    of a layer ILP's edges, not a dict per matrix; with the rows made in one block
+    (`_add_marginal_rows`) the models of every other of llama-8B@64's 94 layer ILPs and
+    their HiGHS arrays took 0.75 CPU s against 1.93 s, the same arrays (a comparison
+    with main's `sharding_model` on the problems of `benchmarks.investigations.ilp_replay
+    dump llama-8B@64`).
+
+    **Returns:** per matrix, (index of each class's first row, class of every row)."""
+    heights = np.array([len(m) for m in matrices], dtype=np.int64)
+    offsets = np.cumsum(heights) - heights
+    padded = np.zeros((int(heights.sum()), 1 + max(m.shape[1] for m in matrices)))
+    padded[:, 0] = np.repeat(np.arange(len(matrices)), heights)
+    for m, offset in zip(matrices, offsets.tolist()):
+        padded[offset:offset + len(m), 1:1 + m.shape[1]] = m + 0.0
+    rows = padded.view(np.dtype((np.void, padded.itemsize * padded.shape[1]))).ravel()
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    number, first = rank[inverse.ravel()], first[order]  # classes by first appearance
+    starts = number[offsets]  # a matrix's first row starts its first class
+    ends = np.append(starts[1:], len(first))
+    return [(first[a:b] - offset, number[offset:offset + height] - a) for a, b, offset, height
+            in zip(starts.tolist(), ends.tolist(), offsets.tolist(), heights.tolist())]
 
 
-def _add_marginal_rows(model: _Model, e: np.ndarray, columns: np.ndarray,
-                       classes: np.ndarray) -> None:
-    """The rows sum_b e[a, b] - S[a] = 0 of `_add_marginal_edge`, one per row a of `e` (S[a]:
-    the strategy columns `columns` of class a, `classes`; classes from len(e) on get no
-    row), as one block: each row's edge columns, then its strategy columns in column order
-    (`_class_sums`), coefficients 1 and -1, as a loop over the rows would append them.
-    Issue 45: built with whole-array operations, not a pair of concatenations per row, the
-    model's arrays the same; llama-8B@64's layer ILPs build their models in half the time
-    (`python -m benchmarks.investigations.ilp_replay replay /tmp/solve_l8.pkl`)."""
-    count, width = e.shape
-    if count == 0:
+def _add_marginal_edges(model: _Model, edges: list[tuple[int, int, np.ndarray]]) -> None:
+    """Alpa's linearisation over strategy classes (`_compressed_edge`) of every edge (v, w,
+    matrix): e[a, b] >= 0 for every pair of classes, sum_b e[a, b] = S_v[a] and
+    sum_a e[a, b] = S_w[b], with S the sum of a class's strategy columns (the last column
+    class's equation is implied and left out). With one-hot s the classes' indicators are
+    one-hot, and the only such e is their outer product, so continuous e is exact; with
+    one strategy per class this is Alpa's formulation itself, and merging classes leaves
+    the LP relaxation's bound as it was (a fractional e disaggregates in proportion to s).
+
+    Each edge's columns (class pairs, row-major) follow the last one's; its rows, v's
+    classes then w's, follow too, made for all edges at once (`_add_marginal_rows`)."""
+    if not edges:
         return
-    sizes = np.bincount(classes, minlength=count)[:count]
-    lengths = width + sizes
+    classes = _all_classes([m for _, _, m in edges] + [m.T for _, _, m in edges])
+    sides = []  # (edge columns by row, node columns, class of each strategy)
+    for k, (v, w, matrix) in enumerate(edges):
+        (row_first, row_class), (col_first, col_class) = classes[k], classes[len(edges) + k]
+        pair_cost = matrix[np.ix_(row_first, col_first)]
+        e = model.add_columns(pair_cost.ravel(), binary=False).reshape(pair_cost.shape)
+        model.edge_columns.append((v, w, e))
+        model.edge_classes.append((row_class, col_class))
+        sides += [(e, model.node_columns[v], row_class),
+                  (e.T[:e.shape[1] - 1], model.node_columns[w], col_class)]
+    _add_marginal_rows(model, sides)
+
+
+def _add_marginal_rows(model: _Model, sides) -> None:
+    """The rows sum_b e[a, b] - S[a] = 0 of `_add_marginal_edges`, one per row a of each
+    side's `e` (S[a]: the side's strategy columns of class a; classes from len(e) on get
+    no row), as one block: each row's edge columns, then its strategy columns in column
+    order (`_class_sums`), coefficients 1 and -1, as a loop over the rows would append
+    them. Issue 45: whole-array operations, not a pair of concatenations per row."""
+    counts = np.array([len(e) for e, _, _ in sides], dtype=np.int64)
+    first_row = np.cumsum(counts) - counts
+    widths = np.repeat([e.shape[1] for e, _, _ in sides], counts)
+    classes = np.concatenate([c for _, _, c in sides])
+    side = np.repeat(np.arange(len(sides)), [len(c) for _, _, c in sides])
+    named = classes < counts[side]  # strategies of a class with a row
+    row = (first_row[side] + classes)[named]
+    order = np.argsort(row, kind="stable")  # column order within each row
+    strategies = np.concatenate([c for _, c, _ in sides])[named][order]
+    lengths = widths + np.bincount(row, minlength=len(widths))
     starts = np.cumsum(lengths) - lengths
-    on_edge = (starts[:, None] + np.arange(width)[None, :]).ravel()
+    edge_starts = np.cumsum(widths) - widths
+    on_edge = (np.repeat(starts - edge_starts, widths) + np.arange(int(widths.sum())))
     index = np.empty(int(lengths.sum()), dtype=np.int64)
     value = np.full(len(index), -1.0)
-    index[on_edge], value[on_edge] = e.ravel(), 1.0
-    index[value < 0] = columns[np.argsort(classes, kind="stable")][:int(sizes.sum())]
-    model.add_rows(lengths.astype(np.int64), index, value, np.full(count, _EQ, dtype=np.int64),
-                   np.zeros(count))
+    index[on_edge] = np.concatenate([e.ravel() for e, _, _ in sides])
+    value[on_edge] = 1.0
+    index[value < 0] = strategies
+    model.add_rows(lengths.astype(np.int64), index, value,
+                   np.full(len(lengths), _EQ, dtype=np.int64), np.zeros(len(lengths)))
 
 
 def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
@@ -295,9 +338,10 @@ def sharding_model(
     model = _Model(scale=scale)
     for v in sorted(node_cost):
         model.add_one_hot_node(v, node_cost[v] / scale)
-    add_edge = _add_marginal_edge if form == "marginal" else _add_product_edge
-    for v, w, matrix in edges:
-        add_edge(model, v, w, matrix / scale)
+    if form == "marginal":
+        _add_marginal_edges(model, [(v, w, matrix / scale) for v, w, matrix in edges])
+    for v, w, matrix in edges if form == "product" else ():
+        _add_product_edge(model, v, w, matrix / scale)
     for group in groups:
         columns = np.concatenate([model.node_columns[v] for v, _ in group.terms])
         bytes_ = np.concatenate([t for _, t in group.terms])
