@@ -17,6 +17,7 @@ The reductions, each keeping the optimum unchanged:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Mapping
@@ -208,6 +209,10 @@ def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
         return dominates
     joined = np.concatenate(matrices, axis=1)
     starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+    if size * size * joined.shape[1] <= _ALL_PAIRS_EXACT:
+        a, b = _pairs(size)
+        return _dominated_pairs(size, difference, a, b,
+                                np.maximum.reduceat(joined[a] - joined[b], starts, axis=1))
     high = np.maximum.reduceat(joined, starts, axis=1)
     low = np.minimum.reduceat(joined, starts, axis=1)
     bound = difference + np.maximum(high[:, None, :] - high[None, :, :],
@@ -220,12 +225,35 @@ def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
                                          _BOUND_MARGIN * scale)
     else:
         largest = np.maximum.reduceat(joined[a] - joined[b], starts, axis=1)
+    return _dominated_pairs(size, difference, a, b, largest)
+
+
+def _dominated_pairs(size: int, difference: np.ndarray, a: np.ndarray, b: np.ndarray,
+                     largest: np.ndarray) -> np.ndarray:
+    """`_dominates`'s answer from the exact terms `largest` (a row per pair (a, b), a
+    column per neighbour): extra[a, b], each neighbour's term added in neighbour order."""
     extra = difference[a, b]
-    for k in range(len(matrices)):
+    for k in range(largest.shape[1]):
         extra = extra + largest[:, k]
     dominates = np.zeros((size, size), dtype=bool)
     dominates[a, b] = extra <= 0
     return dominates
+
+
+# A node with at most this many (pairs of strategies) x (neighbour columns) has `extra`
+# computed exactly for every pair, without the per-row bounds first: the bounds only
+# drop pairs whose `extra` is far above 0 (`_BOUND_MARGIN`), which are not dominated
+# either way, so the answer is the same, and on small nodes the bounds cost more numpy
+# calls than they save. Issue 45: most of the CLI line's calls are nodes of 2-4
+# strategies and 2-4 neighbours (`python -m benchmarks.investigations.ilp_replay dump
+# llama-8B@8-cli`, `_prune_dominated` on its problems).
+_ALL_PAIRS_EXACT = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ordered pair (a, b), a != b, of `size` strategies, row-major."""
+    return np.nonzero(~np.eye(size, dtype=bool))
 
 
 # Above this many neighbour columns the exact terms are computed a chunk of neighbours at
