@@ -1,7 +1,8 @@
 """Dominated strategies found with or without the per-row bounds first (issue 45): small
 nodes get `extra` exactly for every pair (`_ALL_PAIRS_EXACT`), larger ones only for the
 pairs the bounds leave. The bounds drop only pairs far from dominated, so both ways must
-find the same dominated pairs."""
+find the same dominated pairs. And follower merging, which takes roots' arrays as they
+are, must give the graph that gathering every array gives."""
 
 from __future__ import annotations
 
@@ -37,3 +38,37 @@ def test_every_pair_exactly_finds_what_the_bounds_find(seed, monkeypatch):
             extra = extra + (m[:, None, :] - m[None, :, :]).max(axis=2)
         np.fill_diagonal(extra, 1.0)
         assert np.array_equal(y, extra <= 0)
+
+
+def test_merging_takes_roots_arrays_as_gathering_them_would():
+    from autopar.intra._ilp_problem import ShardingProblem, resolve_followers
+
+    rng = np.random.default_rng(1)
+    sizes = [3, 4, 3, 2, 4]
+    edges = [(0, 1), (1, 2), (2, 3), (3, 4), (0, 2), (1, 4)]
+    problem = ShardingProblem(
+        tuple(rng.random(n) for n in sizes), tuple(edges),
+        tuple(rng.random((sizes[u], sizes[v])) if k != 4 else
+              np.asfortranarray(rng.random((sizes[u], sizes[v])))
+              for k, (u, v) in enumerate(edges)),
+        followers={2: (0, np.array([2, 0, 1]))})
+    root, strategy_of = resolve_followers(problem)
+    graph = reduce.merge_followers(problem, root, strategy_of)
+    expected = reduce.CostGraph({v: np.zeros(sizes[v]) for v in (0, 1, 3, 4)})
+    for v, cost in enumerate(problem.node_costs):  # every array gathered, as before
+        expected.add_node_cost(int(root[v]), cost[strategy_of[v]])
+    for (u, v), matrix in zip(problem.edges, problem.edge_costs):
+        ru, rv = int(root[u]), int(root[v])
+        if ru == rv:
+            expected.add_node_cost(ru, matrix[strategy_of[u], strategy_of[v]])
+        else:
+            expected.add_edge(ru, rv, matrix[np.ix_(strategy_of[u], strategy_of[v])])
+    assert graph.node_cost.keys() == expected.node_cost.keys()
+    assert all(np.array_equal(graph.node_cost[v], c) for v, c in expected.node_cost.items())
+    for v, row in expected.adjacent.items():
+        assert graph.adjacent[v].keys() == row.keys()
+        for w, matrix in row.items():
+            assert np.array_equal(graph.adjacent[v][w], matrix)
+            assert graph.adjacent[v][w].strides == matrix.strides
+    # an edge between two roots, C-ordered, is the problem's own array
+    assert graph.adjacent[3][4] is problem.edge_costs[3]

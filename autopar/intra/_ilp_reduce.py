@@ -97,15 +97,24 @@ class MemoryGroup:
 
 
 def merge_followers(p: ShardingProblem, root: np.ndarray, strategy_of) -> CostGraph:
-    """Fold followers into their roots and sum parallel edges (Alpa's follower merging)."""
+    """Fold followers into their roots and sum parallel edges (Alpa's follower merging).
+
+    A root's own strategies map to themselves (`resolve_followers`), so its costs and the
+    (C-ordered) matrices of edges between two roots are taken as they are, not gathered
+    through the identity: the same numbers in the same layout, and the graph never changes
+    an array in place. Issue 45: most of the CLI line's 1,700-2,400 nodes and edges are
+    roots' (`python -m benchmarks.investigations.ilp_replay dump llama-8B@8-cli`)."""
     roots = sorted({int(r) for r in root})
     graph = CostGraph({r: np.zeros(p.num_strategies[r]) for r in roots})
     for v, cost in enumerate(p.node_costs):
-        graph.add_node_cost(int(root[v]), cost[strategy_of[v]])
+        r = int(root[v])
+        graph.add_node_cost(r, cost if r == v else cost[strategy_of[v]])
     for (u, v), matrix in zip(p.edges, p.edge_costs):
         ru, rv = int(root[u]), int(root[v])
         if ru == rv:  # an edge inside one follower group is a cost of that group's choice
             graph.add_node_cost(ru, matrix[strategy_of[u], strategy_of[v]])
+        elif ru == u and rv == v and matrix.flags.c_contiguous:
+            graph.add_edge(ru, rv, matrix)
         else:
             graph.add_edge(ru, rv, matrix[np.ix_(strategy_of[u], strategy_of[v])])
     return graph
