@@ -10,7 +10,7 @@ the solver `resolve_solver` picks (HiGHS through highspy's arrays, CBC through p
 Before the model is built each edge matrix is shifted by its row and column minima (so it
 is >= 0 with a zero in every row and column), and all costs are scaled so the largest
 coefficient is 1 (`_normalised_costs`). Edges are linearised with Alpa's marginal
-constraints (`_add_marginal_edge`, Zheng et al. 2022, REFERENCES.md) or product bounds
+constraints (`_add_marginal_edges`, Zheng et al. 2022, REFERENCES.md) or product bounds
 (`_add_product_edge`). Solver gaps, seed and threads are fixed so plans are exact and
 repeatable.
 
