@@ -244,7 +244,7 @@ def solve(
         num_nodes=problem.num_nodes, num_nodes_after_merge=built.num_merged,
         num_ilp_nodes=len(built.model.node_columns),
         num_variables_before_merge=_alpa_variable_count(problem),
-        num_variables=len(built.model.cost), num_constraints=len(built.model.rows),
+        num_variables=len(built.model.cost), num_constraints=built.model.num_rows,
         build_time=build_time, solve_time=solve_time,
         solver=solver_name if built.model.cost else "none", formulation=formulation,
         tie_break=tie_break, tie_break_time=tie_break_time,

@@ -10,7 +10,7 @@ the solver `resolve_solver` picks (HiGHS through highspy's arrays, CBC through p
 Before the model is built each edge matrix is shifted by its row and column minima (so it
 is >= 0 with a zero in every row and column), and all costs are scaled so the largest
 coefficient is 1 (`_normalised_costs`). Edges are linearised with Alpa's marginal
-constraints (`_add_marginal_edge`, Zheng et al. 2022, REFERENCES.md) or product bounds
+constraints (`_add_marginal_edges`, Zheng et al. 2022, REFERENCES.md) or product bounds
 (`_add_product_edge`). Solver gaps, seed and threads are fixed so plans are exact and
 repeatable.
 
@@ -83,16 +83,20 @@ _LE, _EQ, _GE = pulp.LpConstraintLE, pulp.LpConstraintEQ, pulp.LpConstraintGE
 
 @dataclass
 class _Model:
-    """A mixed-integer program: minimise cost . x over x >= 0 subject to `rows`.
+    """A mixed-integer program: minimise cost . x over x >= 0 subject to its rows.
 
-    Binary columns are in [0, 1]; continuous columns are unbounded above. Each row is
-    (columns, coefficients, sense, right-hand side). `node_columns[v]` are the one-hot
-    strategy columns of node v.
+    Binary columns are in [0, 1]; continuous columns are unbounded above. The rows are
+    kept as blocks of whole arrays (`add_rows`): per row its length, sense and right-hand
+    side, and the columns and coefficients of all its rows end to end; `row_arrays` joins
+    them, `rows` gives them one by one as (columns, coefficients, sense, right-hand side).
+    `node_columns[v]` are the one-hot strategy columns of node v.
     """
 
     cost: list[float] = field(default_factory=list)
     binary: list[bool] = field(default_factory=list)
-    rows: list[tuple[np.ndarray, np.ndarray, int, float]] = field(default_factory=list)
+    # (lengths, columns, coefficients, senses, right-hand sides) of each block of rows
+    row_blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = (
+        field(default_factory=list))
     node_columns: dict[int, np.ndarray] = field(default_factory=dict)
     # (v, w, grid): grid[a, b] is the column of edge {v, w} at strategy classes (a, b), -1
     # if none; edge_classes[k] = (class of each strategy of v, of w) for edge_columns[k]
@@ -100,6 +104,7 @@ class _Model:
     edge_classes: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     # cost units per unit of `cost` (`sharding_model` scales the largest coefficient to 1)
     scale: float = 1.0
+    num_rows: int = 0
 
     def add_columns(self, costs: np.ndarray, binary: bool) -> np.ndarray:
         start = len(self.cost)
@@ -108,7 +113,33 @@ class _Model:
         return np.arange(start, len(self.cost))
 
     def add_row(self, columns, coefficients, sense: int, rhs: float) -> None:
-        self.rows.append((np.asarray(columns), np.asarray(coefficients, float), sense, rhs))
+        columns = np.asarray(columns)
+        self.add_rows(np.array([len(columns)], dtype=np.int64), columns, coefficients,
+                      np.array([sense], dtype=np.int64), np.array([rhs], dtype=float))
+
+    def add_rows(self, lengths: np.ndarray, columns: np.ndarray, coefficients,
+                 senses: np.ndarray, rhs: np.ndarray) -> None:
+        """Rows whose columns and coefficients lie end to end (`lengths` of each)."""
+        self.row_blocks.append((lengths, np.asarray(columns),
+                                np.asarray(coefficients, float), senses, rhs))
+        self.num_rows += len(lengths)
+
+    def row_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row end to end, in order: (lengths, columns, coefficients, senses,
+        right-hand sides)."""
+        if not self.row_blocks:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, np.zeros(0), empty, np.zeros(0)
+        return tuple(np.concatenate([block[k] for block in self.row_blocks])
+                     for k in range(5))
+
+    @property
+    def rows(self) -> list[tuple[np.ndarray, np.ndarray, int, float]]:
+        """Each row as (columns, coefficients, sense, right-hand side)."""
+        lengths, columns, coefficients, senses, rhs = self.row_arrays()
+        ends = np.cumsum(lengths).tolist()
+        return [(columns[end - n:end], coefficients[end - n:end], int(sense), float(b))
+                for n, end, sense, b in zip(lengths.tolist(), ends, senses, rhs)]
 
     def add_one_hot_node(self, v: int, costs: np.ndarray) -> np.ndarray:
         columns = self.add_columns(costs, binary=True)
@@ -199,30 +230,88 @@ def _class_sums(columns: np.ndarray, classes: np.ndarray, count: int) -> list[np
     return [grouped[start:end] for start, end in zip([0, *ends], ends)]
 
 
-def _add_marginal_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
-    """Alpa's linearisation over strategy classes (`_compressed_edge`): e[a, b] >= 0 for
-    every pair of classes, sum_b e[a, b] = S_v[a] and sum_a e[a, b] = S_w[b], with S the
-    sum of a class's strategy columns (the last column class's equation is implied and
-    left out). With one-hot s the classes' indicators are one-hot, and the only such e is
-    their outer product, so continuous e is exact; with one strategy per class this is
-    Alpa's formulation itself, and merging classes leaves the LP relaxation's bound as it
-    was (a fractional e disaggregates in proportion to s)."""
-    row_class, col_class, classes = _compressed_edge(matrix)
-    rows, cols = classes.shape
-    s_v = _class_sums(model.node_columns[v], row_class, rows)
-    s_w = _class_sums(model.node_columns[w], col_class, cols)
-    pairs = np.argwhere(np.ones(classes.shape, dtype=bool))  # row-major, as classes.ravel()
-    e = model.add_edge_columns(v, w, (rows, cols), pairs, classes.ravel()).reshape(rows, cols)
-    model.edge_classes.append((row_class, col_class))
-    # (the rows appended whole, as `add_row` would make them: issue 45)
-    ones, minus = np.ones(max(rows, cols)), -np.ones(max(len(c) for c in (*s_v, *s_w)))
-    append = model.rows.append
-    for a in range(rows):
-        append((np.concatenate([e[a, :], s_v[a]]),
-                np.concatenate([ones[:cols], minus[:len(s_v[a])]]), _EQ, 0.0))
-    for b in range(cols - 1):
-        append((np.concatenate([e[:, b], s_w[b]]),
-                np.concatenate([ones[:rows], minus[:len(s_w[b])]]), _EQ, 0.0))
+def _all_classes(matrices: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`_classes` of every matrix of `matrices`, found together: their rows side by side
+    (zero-padded to one width, each behind its matrix's index), distinct rows by their
+    bytes (`np.unique` of a void view, after `+ 0.0`, as `_classes` tells them apart), and
+    the classes numbered by first appearance. Issue 45: one sort for the few thousand rows
+    of a layer ILP's edges, not a dict per matrix; with the rows made in one block
+    (`_add_marginal_rows`) the models of every other of llama-8B@64's 94 layer ILPs and
+    their HiGHS arrays took 0.75 CPU s against 1.93 s, the same arrays (a comparison
+    with main's `sharding_model` on the problems of `benchmarks.investigations.ilp_replay
+    dump llama-8B@64`).
+
+    **Returns:** per matrix, (index of each class's first row, class of every row)."""
+    heights = np.array([len(m) for m in matrices], dtype=np.int64)
+    offsets = np.cumsum(heights) - heights
+    padded = np.zeros((int(heights.sum()), 1 + max(m.shape[1] for m in matrices)))
+    padded[:, 0] = np.repeat(np.arange(len(matrices)), heights)
+    for m, offset in zip(matrices, offsets.tolist()):
+        padded[offset:offset + len(m), 1:1 + m.shape[1]] = m + 0.0
+    rows = padded.view(np.dtype((np.void, padded.itemsize * padded.shape[1]))).ravel()
+    _, first, inverse = np.unique(rows, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    number, first = rank[inverse.ravel()], first[order]  # classes by first appearance
+    starts = number[offsets]  # a matrix's first row starts its first class
+    ends = np.append(starts[1:], len(first))
+    return [(first[a:b] - offset, number[offset:offset + height] - a) for a, b, offset, height
+            in zip(starts.tolist(), ends.tolist(), offsets.tolist(), heights.tolist())]
+
+
+def _add_marginal_edges(model: _Model, edges: list[tuple[int, int, np.ndarray]]) -> None:
+    """Alpa's linearisation over strategy classes (`_compressed_edge`) of every edge (v, w,
+    matrix): e[a, b] >= 0 for every pair of classes, sum_b e[a, b] = S_v[a] and
+    sum_a e[a, b] = S_w[b], with S the sum of a class's strategy columns (the last column
+    class's equation is implied and left out). With one-hot s the classes' indicators are
+    one-hot, and the only such e is their outer product, so continuous e is exact; with
+    one strategy per class this is Alpa's formulation itself, and merging classes leaves
+    the LP relaxation's bound as it was (a fractional e disaggregates in proportion to s).
+
+    Each edge's columns (class pairs, row-major) follow the last one's; its rows, v's
+    classes then w's, follow too, made for all edges at once (`_add_marginal_rows`)."""
+    if not edges:
+        return
+    classes = _all_classes([m for _, _, m in edges] + [m.T for _, _, m in edges])
+    sides = []  # (edge columns by row, node columns, class of each strategy)
+    for k, (v, w, matrix) in enumerate(edges):
+        (row_first, row_class), (col_first, col_class) = classes[k], classes[len(edges) + k]
+        pair_cost = matrix[np.ix_(row_first, col_first)]
+        e = model.add_columns(pair_cost.ravel(), binary=False).reshape(pair_cost.shape)
+        model.edge_columns.append((v, w, e))
+        model.edge_classes.append((row_class, col_class))
+        sides += [(e, model.node_columns[v], row_class),
+                  (e.T[:e.shape[1] - 1], model.node_columns[w], col_class)]
+    _add_marginal_rows(model, sides)
+
+
+def _add_marginal_rows(model: _Model, sides) -> None:
+    """The rows sum_b e[a, b] - S[a] = 0 of `_add_marginal_edges`, one per row a of each
+    side's `e` (S[a]: the side's strategy columns of class a; classes from len(e) on get
+    no row), as one block: each row's edge columns, then its strategy columns in column
+    order (`_class_sums`), coefficients 1 and -1, as a loop over the rows would append
+    them. Issue 45: whole-array operations, not a pair of concatenations per row."""
+    counts = np.array([len(e) for e, _, _ in sides], dtype=np.int64)
+    first_row = np.cumsum(counts) - counts
+    widths = np.repeat([e.shape[1] for e, _, _ in sides], counts)
+    classes = np.concatenate([c for _, _, c in sides])
+    side = np.repeat(np.arange(len(sides)), [len(c) for _, _, c in sides])
+    named = classes < counts[side]  # strategies of a class with a row
+    row = (first_row[side] + classes)[named]
+    order = np.argsort(row, kind="stable")  # column order within each row
+    strategies = np.concatenate([c for _, c, _ in sides])[named][order]
+    lengths = widths + np.bincount(row, minlength=len(widths))
+    starts = np.cumsum(lengths) - lengths
+    edge_starts = np.cumsum(widths) - widths
+    on_edge = (np.repeat(starts - edge_starts, widths) + np.arange(int(widths.sum())))
+    index = np.empty(int(lengths.sum()), dtype=np.int64)
+    value = np.full(len(index), -1.0)
+    index[on_edge] = np.concatenate([e.ravel() for e, _, _ in sides])
+    value[on_edge] = 1.0
+    index[value < 0] = strategies
+    model.add_rows(lengths.astype(np.int64), index, value,
+                   np.full(len(lengths), _EQ, dtype=np.int64), np.zeros(len(lengths)))
 
 
 def _add_product_edge(model: _Model, v: int, w: int, matrix: np.ndarray) -> None:
@@ -249,9 +338,10 @@ def sharding_model(
     model = _Model(scale=scale)
     for v in sorted(node_cost):
         model.add_one_hot_node(v, node_cost[v] / scale)
-    add_edge = _add_marginal_edge if form == "marginal" else _add_product_edge
-    for v, w, matrix in edges:
-        add_edge(model, v, w, matrix / scale)
+    if form == "marginal":
+        _add_marginal_edges(model, [(v, w, matrix / scale) for v, w, matrix in edges])
+    for v, w, matrix in edges if form == "product" else ():
+        _add_product_edge(model, v, w, matrix / scale)
     for group in groups:
         columns = np.concatenate([model.node_columns[v] for v, _ in group.terms])
         bytes_ = np.concatenate([t for _, t in group.terms])
@@ -309,13 +399,10 @@ def plans_within(model: _Model, duals: np.ndarray, bound: float) -> dict[int, np
     """
     cost = np.asarray(model.cost)
     y = np.asarray(duals, float)
-    senses = np.array([sense for _, _, sense, _ in model.rows])
+    lengths, columns, coefficients, senses, rhs = model.row_arrays()
     y = np.where(senses == _LE, np.minimum(y, 0.0), np.where(senses == _GE, np.maximum(y, 0.0), y))
-    columns = np.concatenate([c for c, _, _, _ in model.rows])
-    lengths = np.array([len(c) for c, _, _, _ in model.rows], dtype=np.int64)
-    weights = np.concatenate([a for _, a, _, _ in model.rows]) * np.repeat(y, lengths)
+    weights = coefficients * np.repeat(y, lengths)
     reduced = cost - np.bincount(columns, weights, minlength=len(cost))
-    rhs = np.array([b for _, _, _, b in model.rows])
     lower = math.fsum((y * rhs).tolist()) + math.fsum(np.minimum(reduced, 0.0).tolist())
     slack = bound - lower + _FIXING_MARGIN
     if not math.isfinite(slack):
@@ -406,7 +493,7 @@ class _PulpBuilt:
             for i, b in enumerate(model.binary)
         ]
         self.problem.setObjective(_expression(self.variables, model.cost))
-        width = len(str(len(model.rows)))
+        width = len(str(model.num_rows))
         self.rows = []
         for r, (columns, coefficients, sense, rhs) in enumerate(model.rows):
             terms = pulp.LpAffineExpression(
@@ -477,18 +564,13 @@ class _HighsBuilt:
         self.integer = np.asarray(model.binary, bool)
         self.upper = np.where(self.integer, 1.0, highspy.kHighsInf)
         # the rows as one row-wise matrix (zeros dropped), built with whole-array operations
-        rows = model.rows
-        lengths = np.array([len(columns) for columns, _, _, _ in rows], dtype=np.int64)
-        index = np.concatenate([c for c, _, _, _ in rows]) if rows else np.zeros(0, np.int64)
-        value = np.concatenate([a for _, a, _, _ in rows]) if rows else np.zeros(0)
+        lengths, index, value, sense, rhs = model.row_arrays()
         keep = value != 0
-        row_of = np.repeat(np.arange(len(rows)), lengths)
-        kept = np.bincount(row_of[keep], minlength=len(rows))
+        row_of = np.repeat(np.arange(len(lengths)), lengths)
+        kept = np.bincount(row_of[keep], minlength=len(lengths))
         self.starts = np.concatenate([[0], np.cumsum(kept)]).astype(np.int32)
         self.index = index[keep].astype(np.int32)
         self.value = value[keep].astype(float)
-        sense = np.array([sense for _, _, sense, _ in rows], dtype=np.int64)
-        rhs = np.array([rhs for _, _, _, rhs in rows], dtype=float)
         self.lower = np.where((sense == _EQ) | (sense == _GE), rhs, -highspy.kHighsInf)
         self.row_upper = np.where((sense == _EQ) | (sense == _LE), rhs, highspy.kHighsInf)
         self.objective = self.cost

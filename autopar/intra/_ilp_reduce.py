@@ -17,6 +17,7 @@ The reductions, each keeping the optimum unchanged:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Mapping
@@ -96,15 +97,24 @@ class MemoryGroup:
 
 
 def merge_followers(p: ShardingProblem, root: np.ndarray, strategy_of) -> CostGraph:
-    """Fold followers into their roots and sum parallel edges (Alpa's follower merging)."""
+    """Fold followers into their roots and sum parallel edges (Alpa's follower merging).
+
+    A root's own strategies map to themselves (`resolve_followers`), so its costs and the
+    (C-ordered) matrices of edges between two roots are taken as they are, not gathered
+    through the identity: the same numbers in the same layout, and the graph never changes
+    an array in place. Issue 45: most of the CLI line's 1,700-2,400 nodes and edges are
+    roots' (`python -m benchmarks.investigations.ilp_replay dump llama-8B@8-cli`)."""
     roots = sorted({int(r) for r in root})
     graph = CostGraph({r: np.zeros(p.num_strategies[r]) for r in roots})
     for v, cost in enumerate(p.node_costs):
-        graph.add_node_cost(int(root[v]), cost[strategy_of[v]])
+        r = int(root[v])
+        graph.add_node_cost(r, cost if r == v else cost[strategy_of[v]])
     for (u, v), matrix in zip(p.edges, p.edge_costs):
         ru, rv = int(root[u]), int(root[v])
         if ru == rv:  # an edge inside one follower group is a cost of that group's choice
             graph.add_node_cost(ru, matrix[strategy_of[u], strategy_of[v]])
+        elif ru == u and rv == v and matrix.flags.c_contiguous:
+            graph.add_edge(ru, rv, matrix)
         else:
             graph.add_edge(ru, rv, matrix[np.ix_(strategy_of[u], strategy_of[v])])
     return graph
@@ -208,6 +218,10 @@ def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
         return dominates
     joined = np.concatenate(matrices, axis=1)
     starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+    if size * size * joined.shape[1] <= _ALL_PAIRS_EXACT:
+        a, b = _pairs(size)
+        return _dominated_pairs(size, difference, a, b,
+                                np.maximum.reduceat(joined[a] - joined[b], starts, axis=1))
     high = np.maximum.reduceat(joined, starts, axis=1)
     low = np.minimum.reduceat(joined, starts, axis=1)
     bound = difference + np.maximum(high[:, None, :] - high[None, :, :],
@@ -220,12 +234,35 @@ def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
                                          _BOUND_MARGIN * scale)
     else:
         largest = np.maximum.reduceat(joined[a] - joined[b], starts, axis=1)
+    return _dominated_pairs(size, difference, a, b, largest)
+
+
+def _dominated_pairs(size: int, difference: np.ndarray, a: np.ndarray, b: np.ndarray,
+                     largest: np.ndarray) -> np.ndarray:
+    """`_dominates`'s answer from the exact terms `largest` (a row per pair (a, b), a
+    column per neighbour): extra[a, b], each neighbour's term added in neighbour order."""
     extra = difference[a, b]
-    for k in range(len(matrices)):
+    for k in range(largest.shape[1]):
         extra = extra + largest[:, k]
     dominates = np.zeros((size, size), dtype=bool)
     dominates[a, b] = extra <= 0
     return dominates
+
+
+# A node with at most this many (pairs of strategies) x (neighbour columns) has `extra`
+# computed exactly for every pair, without the per-row bounds first: the bounds only
+# drop pairs whose `extra` is far above 0 (`_BOUND_MARGIN`), which are not dominated
+# either way, so the answer is the same, and on small nodes the bounds cost more numpy
+# calls than they save. Issue 45: most of the CLI line's calls are nodes of 2-4
+# strategies and 2-4 neighbours (`python -m benchmarks.investigations.ilp_replay dump
+# llama-8B@8-cli`, `_prune_dominated` on its problems).
+_ALL_PAIRS_EXACT = 4096
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every ordered pair (a, b), a != b, of `size` strategies, row-major."""
+    return np.nonzero(~np.eye(size, dtype=bool))
 
 
 # Above this many neighbour columns the exact terms are computed a chunk of neighbours at
