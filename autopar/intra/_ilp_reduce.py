@@ -17,7 +17,6 @@ The reductions, each keeping the optimum unchanged:
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar._memo import memo
 from autopar.intra._ilp_problem import ShardingProblem
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ def _dominated_pairs(size: int, difference: np.ndarray, a: np.ndarray, b: np.nda
 _ALL_PAIRS_EXACT = 4096
 
 
-@functools.lru_cache(maxsize=64)
+@memo("intra.dominance_pairs", "size: a node's strategy count", maxsize=64)
 def _pairs(size: int) -> tuple[np.ndarray, np.ndarray]:
     """Every ordered pair (a, b), a != b, of `size` strategies, row-major."""
     return np.nonzero(~np.eye(size, dtype=bool))
