@@ -82,11 +82,11 @@ def _signature(fn, *args, primitive="scan"):
     return node_signature(_nodes(graph, primitive)[0], graph)
 
 
-
 # float32 sums of O(1) values taken in another order (a split loop against one device; the
 # CPU's vector width decides XLA's order) differ by ~1e-7 absolute, which is a large
 # relative error on entries near zero (seen: 8.9e-08 on -8.86e-05 on an AMD EPYC host).
 F32_ATOL = 1e-6
+
 
 def _assert_split_runs_apart(fn, *args):
     """Run `fn` with its scan's operands and results split as the rule labels them.
