@@ -309,6 +309,43 @@ def test_bound_pruning_keeps_the_dp_plan_on_made_up_tables(seed, monkeypatch):
     assert solved[0] <= solved[1] and len(solved[0]) < len(solved[1])
 
 
+def test_even_plans_prefetch_every_fastest_plan_they_read():
+    """`_bound_by_even_plans` hands the fastest plans (level 0) its lower bounds read to
+    `prefetch` (solved side by side in the solver pool) before it reads them one at a
+    time: every level-0 cost it asks was prefetched first, and the bound is the one
+    found without the prefetch."""
+    import numpy as np
+
+    from autopar.inter import _stage_costs, submesh_shapes
+    from autopar.inter._submesh import logical_mesh_shapes
+
+    submeshes = submesh_shapes(2, 4)
+    shapes = sorted({tuple(s) for sub in submeshes for s in logical_mesh_shapes(sub)})
+    bounds = []
+    for with_prefetch in (True, False):
+        table = _FakeTable(np.random.default_rng(3), 8, shapes)
+        table.cluster = SimpleNamespace(num_devices=8)
+        prefetched, early = set(), []
+        if with_prefetch:
+            def prefetch(requests, table=table, prefetched=prefetched):
+                prefetched.update(requests)
+            table.prefetch = prefetch
+            cost = table.cost
+
+            def asked(k, shape, level=0, cost=cost, prefetched=prefetched, early=early):
+                if level == 0 and (k, shape, 0) not in prefetched:
+                    early.append((k, shape))
+                return cost(k, shape, level)
+            table.cost = asked
+        inner = _stage_costs._StageCosts(table, submeshes, None, "1f1b", 4, 30.0, "auto",
+                                         floors=False)
+        _stage_costs._bound_by_even_plans(inner, inner, 8, 2, 4, submeshes, None)
+        bounds.append(inner.bound)
+        if with_prefetch:
+            assert prefetched and not early, early
+    assert math.isfinite(bounds[0]) and bounds[0] == bounds[1]
+
+
 @pytest.mark.parametrize("mesh_shape", [(2, 4), (8,)])
 def test_bytes_per_device_memo_matches_the_formula(mesh_shape):
     """`bytes_per_device` answers repeated questions from a memo: the same figure as the
