@@ -284,6 +284,39 @@ def _check_memory(p: ShardingProblem, put) -> None:
 
 
 def _check_followers(p: ShardingProblem, put) -> None:
+    followers = _valid_followers(p)
+    if followers is None:  # some follower is wrong: find the first, as below, and say it
+        followers = _checked_followers(p)
+    put("followers", types.MappingProxyType(followers))
+    resolve_followers(p)  # raises on cycles
+
+
+def _valid_followers(p: ShardingProblem) -> dict | None:
+    """`_checked_followers(p)` when every follower is valid, else None; the maps' bounds
+    checked at once over all of them (per follower, two `np.any` calls were most of the
+    followers' check: 1,900 followers a problem on the demo's 2-D meshes)."""
+    n, sizes = p.num_nodes, p.num_strategies
+    followers, bounds = {}, []
+    for v, (u, strategy_map) in sorted(p.followers.items()):
+        v, u = int(v), int(u)
+        if not (0 <= v < n and 0 <= u < n) or u == v:
+            return None
+        mapping = np.array(strategy_map, dtype=np.int64)
+        if mapping.shape != (sizes[u],):
+            return None
+        followers[v] = (u, mapping)
+        bounds.append(sizes[v])
+    if followers:
+        maps = [m for _, m in followers.values()]
+        joined = np.concatenate(maps)
+        limit = np.repeat(np.array(bounds, dtype=np.int64), [len(m) for m in maps])
+        if (joined < 0).any() or (joined >= limit).any():
+            return None
+    return followers
+
+
+def _checked_followers(p: ShardingProblem) -> dict:
+    """The followers as int64 maps, each checked; raises for the first wrong one."""
     n, sizes = p.num_nodes, p.num_strategies
     followers = {}
     for v, (u, strategy_map) in sorted(p.followers.items()):
@@ -298,8 +331,7 @@ def _check_followers(p: ShardingProblem, put) -> None:
                 f"[0, {sizes[v]}); got {mapping.tolist()}."
             )
         followers[v] = (u, mapping)
-    put("followers", types.MappingProxyType(followers))
-    resolve_followers(p)  # raises on cycles
+    return followers
 
 
 def resolve_followers(p: ShardingProblem) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
@@ -312,23 +344,25 @@ def resolve_followers(p: ShardingProblem) -> tuple[np.ndarray, tuple[np.ndarray,
     itself for a non-follower) and `strategy_of[v][k]` is v's strategy when the root picks k.
     """
     n = p.num_nodes
-    root = np.full(n, -1, dtype=np.int64)
+    # (a list while resolving: a numpy scalar read per step was most of its time)
+    root = [-1] * n
     strategy_of: list[np.ndarray | None] = [None] * n
+    followers = p.followers
     for start in range(n):
         chain = []
         v = start
-        while root[v] < 0 and v in p.followers:
+        while root[v] < 0 and v in followers:
             if v in chain:
                 cycle = " -> ".join(node_name(p, w) for w in chain[chain.index(v) :] + [v])
                 raise ValueError(f"followers form a cycle ({cycle}); one node must lead.")
             chain.append(v)
-            v = p.followers[v][0]
+            v = followers[v][0]
         if root[v] < 0:
             root[v], strategy_of[v] = v, np.arange(p.num_strategies[v])
         for w in reversed(chain):
-            leader, mapping = p.followers[w]
+            leader, mapping = followers[w]
             root[w], strategy_of[w] = root[leader], mapping[strategy_of[leader]]
-    return root, tuple(strategy_of)
+    return np.array(root, dtype=np.int64), tuple(strategy_of)
 
 
 def _check_choices(p: ShardingProblem, choices: Sequence[int]) -> tuple[int, ...]:

@@ -67,6 +67,10 @@ class IlpNode:
     strategies: list[Strategy]
     var: int | None = None
     node: int | None = None
+    # The mesh memo's tuple `strategies` is a copy of, where it is one (`_add_operator_nodes`;
+    # None otherwise): `_edges` memoises the spec lists it reads off the strategies by it.
+    # (Not an argument: `dataclasses.replace` with other strategies leaves it None.)
+    origin: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -240,7 +244,7 @@ def _keep_layout(ilp_nodes: list[IlpNode], layout: Sequence[tuple]) -> None:
         kept = [s for s in node.strategies if (s.in_specs, s.out_specs) == specs]
         if not kept:
             raise LayoutMismatch(f"{node.name}: this graph's shapes rule out {specs}")
-        node.strategies = kept[:1]
+        node.strategies, node.origin = kept[:1], None
 
 
 def layout_choices(built: BuiltProblem, layout: Sequence[tuple]) -> tuple[int, ...]:
@@ -293,7 +297,7 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     def out_specs(u: int, k: int) -> tuple[Spec, ...]:
         found = specs_of.get((u, k))
         if found is None:
-            found = specs_of[u, k] = _out_specs(ilp_nodes[u], k)
+            found = specs_of[u, k] = _shared_specs(memo, ilp_nodes[u], "out", k)
         return found
 
     for node, sig, key, candidates, extra, annotated, cut in walk:
@@ -315,7 +319,10 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
         strategies = walk.cut_strategies(node, strategies, annotated, cut)
         for k, v in enumerate(node.outputs):
             source_of[v] = (index, k)
-        ilp_nodes.append(IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id))
+        ilp_node = IlpNode(f"{node.primitive} #{node.id}", list(strategies), node=node.id)
+        if type(strategies) is tuple:  # the memo's (a cut makes a list of its own)
+            ilp_node.origin = strategies
+        ilp_nodes.append(ilp_node)
     return walk.missing
 
 
@@ -556,6 +563,40 @@ def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
     return tuple(s.out_specs[k] for s in ilp_node.strategies)
 
 
+def _in_specs(ilp_node: IlpNode, p: int, ndim: int) -> tuple[Spec, ...]:
+    """The spec of operand `p` (of `ndim` dimensions) under each of the node's strategies,
+    a constant's (None) as replicated."""
+    whole = replicated(ndim)
+    return tuple(s.in_specs[p] or whole for s in ilp_node.strategies)
+
+
+def _shared_specs(memo: dict, ilp_node: IlpNode, side: str, k: int, ndim: int = 0):
+    """`_out_specs(ilp_node, k)` (`side` "out") or `_in_specs(ilp_node, k, ndim)` ("in"),
+    or their `_spec_list` ("out list", "in list"), memoised in the mesh's `memo` per
+    strategy tuple of the memo that the node's strategies copy (`IlpNode.origin`): the
+    nodes of one key in a graph, and the builds of a graph on one mesh, share one tuple,
+    and each rebuilt these spec lists and hashed them whole for `_spec_list`'s table.
+    Keyed by the tuple's `id`, the tuple kept in the entry and compared by identity (an
+    id is not reused while its object lives), so a hit is that tuple's lists exactly."""
+    origin = ilp_node.origin
+    if origin is None or len(origin) != len(ilp_node.strategies):
+        return _specs_of(memo, ilp_node, side, k, ndim)
+    key = ("specs of", id(origin), side, k, ndim)
+    found = memo.get(key)
+    if found is None or found[0] is not origin:
+        found = memo[key] = (origin, _specs_of(memo, ilp_node, side, k, ndim))
+    return found[1]
+
+
+def _specs_of(memo: dict, ilp_node: IlpNode, side: str, k: int, ndim: int):
+    """What `_shared_specs` memoises, computed (a spec list from the memoised specs)."""
+    if side == "out":
+        return _out_specs(ilp_node, k)
+    if side == "in":
+        return _in_specs(ilp_node, k, ndim)
+    return _spec_list(_shared_specs(memo, ilp_node, side.removesuffix(" list"), k, ndim))
+
+
 def _leader(node, graph, candidates, ilp_nodes, source_of):
     """(operand, ILP node, result index) that `node` follows, or None.
 
@@ -653,7 +694,7 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
     def source(u: int, k: int) -> _SpecList:
         found = out_specs.get((u, k))
         if found is None:
-            found = out_specs[u, k] = _spec_list(_out_specs(ilp_nodes[u], k))
+            found = out_specs[u, k] = _shared_specs(cache, ilp_nodes[u], "out list", k)
         return found
 
     def matrix(var, src: _SpecList, dst: _SpecList) -> np.ndarray:
@@ -664,14 +705,13 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
         if small is None:
             small = cache[key] = reshard_matrix(var.shape, var.dtype, src.unique, dst.unique,
                                                 mesh, cluster, cache, (src.token, dst.token))
-        return small[src.index[:, None], dst.index]
+        return _spread(small, src, dst)
 
     for index, ilp_node, p, var in operands(graph, ilp_nodes):
         u, k = source_of[var.id]
-        ndim = len(var.shape)
-        dst = _spec_list(tuple(s.in_specs[p] or replicated(ndim) for s in ilp_node.strategies))
+        dst = _shared_specs(cache, ilp_node, "in list", p, len(var.shape))
         edges.append((u, index))
-        costs.append(weight(index) * matrix(var, source(u, k), dst))
+        costs.append(_weighted_matrix(weight(index), matrix(var, source(u, k), dst)))
     for out_var, in_var in tied:
         if out_var not in source_of or in_var not in source_of:
             continue
@@ -682,8 +722,27 @@ def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
         var = graph.vars[out_var]
         edges.append((u, w))
         # moved when the update runs
-        costs.append(weight(u) * matrix(var, source(u, k), source(w, 0)))
+        costs.append(_weighted_matrix(weight(u), matrix(var, source(u, k), source(w, 0))))
     return edges, costs
+
+
+def _spread(small: np.ndarray, src: _SpecList, dst: _SpecList) -> np.ndarray:
+    """``small[src.index[:, None], dst.index]`` (the matrix between the distinct specs of
+    both ends spread over their strategies), the same entries: `small` itself where every
+    strategy of both ends has a spec of its own (`_SpecList.distinct`: both indexes are
+    the identity), else rows then columns taken one axis at a time (`np.take`, the same
+    gather as the 2-D fancy index). `small` is the mesh memo's: the caller must not write
+    into the result (`ShardingProblem` copies its matrices)."""
+    if src.distinct:
+        return small if dst.distinct else small.take(dst.index, axis=1)
+    rows = small.take(src.index, axis=0)
+    return rows if dst.distinct else rows.take(dst.index, axis=1)
+
+
+def _weighted_matrix(weight: float, matrix: np.ndarray) -> np.ndarray:
+    """``weight * matrix``; `matrix` itself where `weight` is 1 (1.0 * x is x to the bit,
+    for every float x), saving a copy per edge of an unweighted node."""
+    return matrix if weight == 1.0 else weight * matrix
 
 
 @dataclass(frozen=True)
@@ -694,6 +753,7 @@ class _SpecList:
     unique: tuple[Spec, ...]
     index: np.ndarray
     token: int
+    distinct: bool = False  # every spec appears once: `index` is 0, 1, ..., len - 1
 
 
 def _spec_list(specs: tuple[Spec, ...]) -> _SpecList:
@@ -709,7 +769,8 @@ def _spec_list(specs: tuple[Spec, ...]) -> _SpecList:
         index = np.array([position[spec] for spec in specs], dtype=np.intp)
         if len(_SPEC_LISTS) > _SPEC_LIST_LIMIT:
             _SPEC_LISTS.clear()
-        found = _SPEC_LISTS[specs] = _SpecList(unique, index, token)
+        found = _SPEC_LISTS[specs] = _SpecList(unique, index, token,
+                                               len(unique) == len(specs))
     return found
 
 

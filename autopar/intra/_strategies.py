@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar._memo import declare
+from autopar._memo import declare, memo
 from autopar.cluster import LogicalMesh, Spec, spec_axes
 from autopar.cost import (
     MATMUL_PRIMITIVES,
@@ -595,7 +595,16 @@ def _layout_seconds(node: Node, graph: OpGraph, in_specs, ctx: CostContext) -> f
 def _rate_dtype(node: Node, in_vars, out_vars) -> str:
     """The dtype whose FLOP rate the node runs at (`autopar.cost.rate_dtype`)."""
     result = out_vars[0].dtype if out_vars else "float32"
-    return rate_dtype(node.primitive, [v.dtype for v in in_vars], result)
+    return _rate_of(node.primitive, tuple(v.dtype for v in in_vars), result)
+
+
+@memo("intra.rate_dtype", "(primitive, operand dtypes, result dtype)", maxsize=4096)
+def _rate_of(primitive: str, operand_dtypes: tuple, result_dtype) -> str:
+    """`rate_dtype`, memoised: a function of dtype names alone, asked once per node
+    strategy list and follower spec list on every mesh (2,036 calls, 0.3 of the demo's
+    17 profiled build seconds: `np.dtype` per operand; cProfile of
+    `benchmarks.investigations.build_replay --row demo`)."""
+    return rate_dtype(primitive, list(operand_dtypes), result_dtype)
 
 
 def _divisible(shape, spec: Spec, mesh: LogicalMesh) -> bool:
