@@ -2,10 +2,10 @@
 a fresh computation gives, bit for bit (issue 45), and a problem's followers are checked
 as before.
 
-- `_problem._shared_specs`: the spec lists read off a node's strategies, memoised per
+- `_edges.shared_specs`: the spec lists read off a node's strategies, memoised per
   strategy tuple of the mesh memo (`IlpNode.origin`), equal those read afresh; another
   tuple misses.
-- `_problem._spread` / `_weighted_matrix`: an edge's matrix equals the 2-D fancy index of
+- `_edges._spread` / `_weighted_matrix`: an edge's matrix equals the 2-D fancy index of
   its distinct specs' matrix, times the node's weight.
 - A whole problem: every edge matrix equals `reshard_time` of each strategy pair times
   the consumer's weight, from empty memos and again from warm ones.
@@ -23,10 +23,11 @@ from helpers import tiny_gpt_graph
 from autopar import _memo
 from autopar.cluster import LogicalMesh, replicated
 from autopar.cost import rate_dtype
-from autopar.intra import _problem, _strategies
+from autopar.intra import _edges, _problem, _strategies
+from autopar.intra._edges import operands
 from autopar.intra._ilp_problem import ShardingProblem, _checked_followers, resolve_followers
 from autopar.intra._options import ShardOptions
-from autopar.intra._problem import build_problem, operands
+from autopar.intra._problem import build_problem
 from autopar.intra._reshard import reshard_time, shared_reshard_cache
 
 
@@ -81,22 +82,22 @@ def test_shared_spec_lists_equal_fresh_ones_and_miss_for_another_tuple():
     node = next(n for n in built.ilp_nodes
                 if n.origin is not None and len(n.strategies) > 4 and n.node is not None)
     ndim = len(graph.vars[graph.nodes[node.node].inputs[0]].shape)
-    out = _problem._shared_specs(memo, node, "out", 0)
+    out = _edges.shared_specs(memo, node, "out", 0)
     assert out == tuple(s.out_specs[0] for s in node.strategies)
-    assert _problem._shared_specs(memo, node, "out", 0) is out  # a hit
-    ins = _problem._shared_specs(memo, node, "in", 0, ndim)
+    assert _edges.shared_specs(memo, node, "out", 0) is out  # a hit
+    ins = _edges.shared_specs(memo, node, "in", 0, ndim)
     assert ins == tuple(s.in_specs[0] or replicated(ndim) for s in node.strategies)
-    listed = _problem._shared_specs(memo, node, "in list", 0, ndim)
-    assert listed is _problem._spec_list(ins)
+    listed = _edges.shared_specs(memo, node, "in list", 0, ndim)
+    assert listed is _edges._spec_list(ins)
     assert [listed.unique[i] for i in listed.index] == list(ins)
     # another tuple (equal strategies, another object) and a cut list miss
     other = _problem.IlpNode(node.name, list(node.strategies), node=node.node)
     other.origin = tuple(node.strategies)
-    assert _problem._shared_specs(memo, other, "out", 0) is not out
-    assert _problem._shared_specs(memo, other, "out", 0) == out
+    assert _edges.shared_specs(memo, other, "out", 0) is not out
+    assert _edges.shared_specs(memo, other, "out", 0) == out
     cut = _problem.IlpNode(node.name, node.strategies[:2], node=node.node)
     cut.origin = node.origin
-    assert _problem._shared_specs(memo, cut, "out", 0) == out[:2]
+    assert _edges.shared_specs(memo, cut, "out", 0) == out[:2]
 
 
 def test_spread_is_the_fancy_index_and_weight_one_is_the_matrix():
@@ -107,15 +108,15 @@ def test_spread_is_the_fancy_index_and_weight_one_is_the_matrix():
     a, b, c = (("x",), ()), ((), ("x",)), ((), ())
     for rows_specs, cols_specs in [((a, b), (c, a, b)), ((a, a, b), (b, c)),
                                    ((a, b, a, c), (c, c, a)), ((a,), (b, a))]:
-        src, dst = _problem._spec_list(rows_specs), _problem._spec_list(cols_specs)
+        src, dst = _edges._spec_list(rows_specs), _edges._spec_list(cols_specs)
         small = rng.random((len(src.unique), len(dst.unique)))
-        got = _problem._spread(small, src, dst)
+        got = _edges._spread(small, src, dst)
         want = small[src.index[:, None], dst.index]
         assert got.shape == want.shape and got.tobytes() == want.tobytes()
         assert (got is small) == (src.distinct and dst.distinct)
     m = rng.random((3, 2))
-    assert _problem._weighted_matrix(1.0, m) is m
-    assert _problem._weighted_matrix(0.5, m).tobytes() == (0.5 * m).tobytes()
+    assert _edges._weighted_matrix(1.0, m) is m
+    assert _edges._weighted_matrix(0.5, m).tobytes() == (0.5 * m).tobytes()
 
 
 def test_followers_are_checked_as_before():

@@ -20,6 +20,7 @@ from autopar._memo import declare
 from autopar.cluster import LogicalMesh, Spec, replicated
 from autopar.graph import OpGraph
 from autopar.intra._context import NO_CONTEXT, describe_context, sequence_length
+from autopar.intra._edges import operands
 from autopar.intra._ilp import (
     MemoryBudgetError,
     Solution,
@@ -39,7 +40,6 @@ from autopar.intra._problem import (
     LayoutMismatch,
     build_problem,
     layout_choices,
-    operands,
 )
 from autopar.intra._reshard import reshard_collectives
 from autopar.intra._ring_strategies import chose_ring, ring_dots

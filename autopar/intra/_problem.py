@@ -30,10 +30,11 @@ from autopar.graph import (
     kernel_roots,
 )
 from autopar.intra._context import constrains, keep_strategies, score_vars, sequence_length
+from autopar.intra._edges import build_edges, shared_specs
 from autopar.intra._ilp import ShardingProblem
 from autopar.intra._options import ShardOptions
 from autopar.intra._registry import SHARDING_RULES
-from autopar.intra._reshard import reshard_matrix, reshard_time, shared_reshard_cache
+from autopar.intra._reshard import reshard_time, shared_reshard_cache
 from autopar.intra._ring_strategies import (
     ring_core_nodes,
     ring_core_strategies,
@@ -172,7 +173,7 @@ def build_problem(
         for prim, count in sorted(missing.items())
     ]
 
-    edges, edge_costs = _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
+    edges, edge_costs = build_edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights)
     node_costs = tuple(np.array([s.cost for s in n.strategies]) for n in ilp_nodes)
     node_memory = tuple(np.array([s.out_bytes for s in n.strategies]) for n in ilp_nodes)
     groups = _memory_groups(graph, ilp_nodes, source_of, options.num_memory_points,
@@ -297,7 +298,7 @@ def _add_operator_nodes(graph, ctx, options, weights, ilp_nodes, source_of, foll
     def out_specs(u: int, k: int) -> tuple[Spec, ...]:
         found = specs_of.get((u, k))
         if found is None:
-            found = specs_of[u, k] = _shared_specs(memo, ilp_nodes[u], "out", k)
+            found = specs_of[u, k] = shared_specs(memo, ilp_nodes[u], "out", k)
         return found
 
     for node, sig, key, candidates, extra, annotated, cut in walk:
@@ -515,7 +516,9 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
     its fusion's boundary. Nodes of equal keys (the same operation in every layer, the
     forward and backward elementwise ops of one shape) share their strategies through the
     mesh's memo (issue 18: enumerating strategies was a third of the demo's planning).
-    The same on every mesh, so computed once per graph."""
+    The same on every mesh, so computed once per graph. The key is given as its token
+    (`_key_token`): the memos' keys hold it and hash an int, not the key's nested tuples,
+    on every lookup of every build."""
     # The rules looked up (a rule registered later makes other signatures).
     rules = tuple(
         (p, SHARDING_RULES.get(p)) for p in sorted({n.primitive for n in graph.nodes})
@@ -539,6 +542,7 @@ def _node_facts(graph: OpGraph, fused_attention: bool):
                 node.flops,
                 traffic.reads.get(node.id), traffic.writes.get(node.id),
             )
+            key = _key_token(key)
             candidates = tuple((i, _nbytes(graph.vars[node.inputs[i]]))
                                for i in follower_candidates(node, graph, sig))
             facts.append((sig, key, has_rule, candidates))
@@ -553,48 +557,27 @@ _NODE_FACTS: weakref.WeakKeyDictionary = declare(
     "graph -> {(fused attention, node count, rules): per-node facts}")
 
 
+def _key_token(key: tuple) -> int:
+    """An int that stands for a node's `_node_facts` key: equal keys get one token, and a
+    token is never given to another key (a counter, never reset: a key seen again after
+    the table was dropped gets a new token, which the memos only miss). Hashing a key's
+    nested tuples took 5.5 us (tiny GPT's nodes, `timeit`), and the memos of a node's
+    strategies (`own_key`, `follow_key`) hashed it on every lookup of every build."""
+    token = _KEY_TOKENS.get(key)
+    if token is None:
+        token = _KEY_TOKENS[key] = next(_KEY_COUNTER)
+    return token
+
+
+# Node keys -> their tokens; dropped when the search ends, as the node facts are.
+_KEY_COUNTER = itertools.count()
+_KEY_TOKENS: dict[tuple, int] = declare(
+    {}, "intra.node_key_tokens", "a node's _node_facts key -> its token")
+
+
 def _nbytes(var) -> int:
     """`var.nbytes` (a graph variable's bytes), without numpy's per-call overhead."""
     return math.prod(var.shape) * dtype_itemsize(var.dtype)
-
-
-def _out_specs(ilp_node: IlpNode, k: int) -> tuple[Spec, ...]:
-    """The spec of result `k` under each of the node's strategies."""
-    return tuple(s.out_specs[k] for s in ilp_node.strategies)
-
-
-def _in_specs(ilp_node: IlpNode, p: int, ndim: int) -> tuple[Spec, ...]:
-    """The spec of operand `p` (of `ndim` dimensions) under each of the node's strategies,
-    a constant's (None) as replicated."""
-    whole = replicated(ndim)
-    return tuple(s.in_specs[p] or whole for s in ilp_node.strategies)
-
-
-def _shared_specs(memo: dict, ilp_node: IlpNode, side: str, k: int, ndim: int = 0):
-    """`_out_specs(ilp_node, k)` (`side` "out") or `_in_specs(ilp_node, k, ndim)` ("in"),
-    or their `_spec_list` ("out list", "in list"), memoised in the mesh's `memo` per
-    strategy tuple of the memo that the node's strategies copy (`IlpNode.origin`): the
-    nodes of one key in a graph, and the builds of a graph on one mesh, share one tuple,
-    and each rebuilt these spec lists and hashed them whole for `_spec_list`'s table.
-    Keyed by the tuple's `id`, the tuple kept in the entry and compared by identity (an
-    id is not reused while its object lives), so a hit is that tuple's lists exactly."""
-    origin = ilp_node.origin
-    if origin is None or len(origin) != len(ilp_node.strategies):
-        return _specs_of(memo, ilp_node, side, k, ndim)
-    key = ("specs of", id(origin), side, k, ndim)
-    found = memo.get(key)
-    if found is None or found[0] is not origin:
-        found = memo[key] = (origin, _specs_of(memo, ilp_node, side, k, ndim))
-    return found[1]
-
-
-def _specs_of(memo: dict, ilp_node: IlpNode, side: str, k: int, ndim: int):
-    """What `_shared_specs` memoises, computed (a spec list from the memoised specs)."""
-    if side == "out":
-        return _out_specs(ilp_node, k)
-    if side == "in":
-        return _in_specs(ilp_node, k, ndim)
-    return _spec_list(_shared_specs(memo, ilp_node, side.removesuffix(" list"), k, ndim))
 
 
 def _leader(node, graph, candidates, ilp_nodes, source_of):
@@ -666,123 +649,6 @@ def _restrict_input(var, strategies: list[Strategy], mesh: LogicalMesh, options:
         fully = [s for s in strategies if full(s)]
         return fully or strategies
     return strategies[:1]  # replicated
-
-
-def operands(graph: OpGraph, ilp_nodes):
-    """(ILP node index, ILP node, operand index, variable) of every non-constant operand of
-    every graph node, in order: the edges of the ILP."""
-    for index, ilp_node in enumerate(ilp_nodes):
-        if ilp_node.node is None:
-            continue
-        for p, v in enumerate(graph.nodes[ilp_node.node].inputs):
-            var = graph.vars[v]
-            if var.role is not Role.CONST:
-                yield index, ilp_node, p, var
-
-
-def _edges(graph, ilp_nodes, source_of, tied, mesh, cluster, weights):
-    cache = shared_reshard_cache(mesh, cluster)
-
-    def weight(index: int) -> float:
-        node = ilp_nodes[index].node
-        return weights[node][0] if node in weights else 1.0
-
-    edges: list[tuple[int, int]] = []
-    costs: list[np.ndarray] = []
-    out_specs: dict[tuple[int, int], _SpecList] = {}  # (ILP node, result) -> its specs
-
-    def source(u: int, k: int) -> _SpecList:
-        found = out_specs.get((u, k))
-        if found is None:
-            found = out_specs[u, k] = _shared_specs(cache, ilp_nodes[u], "out list", k)
-        return found
-
-    def matrix(var, src: _SpecList, dst: _SpecList) -> np.ndarray:
-        # Resharding seconds between the distinct specs of each side, memoised for the
-        # mesh (`shared_reshard_cache`), then spread over the strategies of both ends.
-        key = ("matrix", tuple(var.shape), var.dtype, src.token, dst.token)
-        small = cache.get(key)
-        if small is None:
-            small = cache[key] = reshard_matrix(var.shape, var.dtype, src.unique, dst.unique,
-                                                mesh, cluster, cache, (src.token, dst.token))
-        return _spread(small, src, dst)
-
-    for index, ilp_node, p, var in operands(graph, ilp_nodes):
-        u, k = source_of[var.id]
-        dst = _shared_specs(cache, ilp_node, "in list", p, len(var.shape))
-        edges.append((u, index))
-        costs.append(_weighted_matrix(weight(index), matrix(var, source(u, k), dst)))
-    for out_var, in_var in tied:
-        if out_var not in source_of or in_var not in source_of:
-            continue
-        u, k = source_of[out_var]
-        w, _ = source_of[in_var]
-        if u == w:
-            continue
-        var = graph.vars[out_var]
-        edges.append((u, w))
-        # moved when the update runs
-        costs.append(_weighted_matrix(weight(u), matrix(var, source(u, k), source(w, 0))))
-    return edges, costs
-
-
-def _spread(small: np.ndarray, src: _SpecList, dst: _SpecList) -> np.ndarray:
-    """``small[src.index[:, None], dst.index]`` (the matrix between the distinct specs of
-    both ends spread over their strategies), the same entries: `small` itself where every
-    strategy of both ends has a spec of its own (`_SpecList.distinct`: both indexes are
-    the identity), else rows then columns taken one axis at a time (`np.take`, the same
-    gather as the 2-D fancy index). `small` is the mesh memo's: the caller must not write
-    into the result (`ShardingProblem` copies its matrices)."""
-    if src.distinct:
-        return small if dst.distinct else small.take(dst.index, axis=1)
-    rows = small.take(src.index, axis=0)
-    return rows if dst.distinct else rows.take(dst.index, axis=1)
-
-
-def _weighted_matrix(weight: float, matrix: np.ndarray) -> np.ndarray:
-    """``weight * matrix``; `matrix` itself where `weight` is 1 (1.0 * x is x to the bit,
-    for every float x), saving a copy per edge of an unweighted node."""
-    return matrix if weight == 1.0 else weight * matrix
-
-
-@dataclass(frozen=True)
-class _SpecList:
-    """One spec per strategy of a node's operand or result, as its distinct specs (in
-    first-seen order, named by `token`) and the position of each strategy's among them."""
-
-    unique: tuple[Spec, ...]
-    index: np.ndarray
-    token: int
-    distinct: bool = False  # every spec appears once: `index` is 0, 1, ..., len - 1
-
-
-def _spec_list(specs: tuple[Spec, ...]) -> _SpecList:
-    found = _SPEC_LISTS.get(specs)
-    if found is None:
-        unique = tuple(dict.fromkeys(specs))
-        token = _UNIQUE_TOKENS.get(unique)
-        if token is None:
-            if len(_UNIQUE_TOKENS) > _SPEC_LIST_LIMIT:
-                _UNIQUE_TOKENS.clear()
-            token = _UNIQUE_TOKENS[unique] = next(_TOKENS)
-        position = {spec: i for i, spec in enumerate(unique)}
-        index = np.array([position[spec] for spec in specs], dtype=np.intp)
-        if len(_SPEC_LISTS) > _SPEC_LIST_LIMIT:
-            _SPEC_LISTS.clear()
-        found = _SPEC_LISTS[specs] = _SpecList(unique, index, token,
-                                               len(unique) == len(specs))
-    return found
-
-
-# Distinct spec tuples -> a token that names them in the resharding memo's keys, and spec
-# lists -> their `_SpecList`, process-wide (layers, meshes and searches repeat them).
-# Tokens are never reused, so a cleared table only costs recomputation.
-_TOKENS = itertools.count()
-_UNIQUE_TOKENS: dict[tuple[Spec, ...], int] = declare(
-    {}, "intra.unique_spec_tokens", "distinct spec tuple -> token")
-_SPEC_LISTS: dict[tuple[Spec, ...], _SpecList] = declare(
-    {}, "intra.spec_lists", "spec per strategy -> _SpecList")
-_SPEC_LIST_LIMIT = 200_000
 
 
 def _memory_groups(graph: OpGraph, ilp_nodes, source_of, num_points: int,
