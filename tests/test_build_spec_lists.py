@@ -151,3 +151,22 @@ def test_rate_of_is_rate_dtype():
                                          ("add", ("key<fry>",), "key<fry>")]:
         assert _strategies._rate_of(primitive, operands_, result) == rate_dtype(
             primitive, list(operands_), result)
+
+
+def test_node_keys_are_tokens_equal_exactly_where_the_keys_are(monkeypatch):
+    """`_node_facts` gives each node its key's token: two nodes share a token exactly
+    where their keys (computed again without tokens) are equal, and the tokens of a
+    second graph of the same step are the first's."""
+    graph = tiny_gpt_graph()
+    _memo.clear_all()
+    tokens = [f[1] for f in _problem._node_facts(graph, False)]
+    assert all(isinstance(t, int) for t in tokens)
+    again = [f[1] for f in _problem._node_facts(tiny_gpt_graph(), False)]
+    assert again == tokens
+    _memo.clear_all()
+    monkeypatch.setattr(_problem, "_key_token", lambda key: key)
+    keys = [f[1] for f in _problem._node_facts(graph, False)]
+    assert isinstance(keys[0], tuple)
+    pairs = [(i, j) for i in range(len(keys)) for j in range(i)]
+    assert sum(keys[i] == keys[j] for i, j in pairs) > 10  # some nodes share keys
+    assert all((keys[i] == keys[j]) == (tokens[i] == tokens[j]) for i, j in pairs)
