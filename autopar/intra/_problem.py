@@ -69,8 +69,8 @@ class IlpNode:
     var: int | None = None
     node: int | None = None
     # The mesh memo's tuple `strategies` is a copy of, where it is one (`_add_operator_nodes`;
-    # None otherwise): `_edges` memoises the spec lists it reads off the strategies by it.
-    # (Not an argument: `dataclasses.replace` with other strategies leaves it None.)
+    # None otherwise): `autopar.intra._edges.shared_specs` memoises the spec lists read off
+    # the strategies by it. (Not an argument: `dataclasses.replace` leaves it None.)
     origin: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
 
