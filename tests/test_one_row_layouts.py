@@ -104,3 +104,22 @@ def test_the_one_row_table_prices_instead_of_solving(tables):
     for layer in range(len(shared.per_layer.stage_graphs)):
         for shape in SHAPES:
             assert shared.cost(layer, shape).latency == own.cost(layer, shape).latency
+
+
+def test_the_row_map_walks_the_ilp_nodes_in_the_problems_order(tables):
+    """`_one_row`'s walk over a layer graph (`ilp_inputs`, then `_ilp_operators`) names
+    the ILP nodes `build_problem` makes, in its order: the inputs' vars, then the graph
+    nodes (the identity markers with every result sourced left out, `passed_on`)."""
+    from autopar.cluster import LogicalMesh
+    from autopar.inter._one_row import _ilp_operators
+    from autopar.intra import ShardOptions
+    from autopar.intra._problem import build_problem, ilp_inputs
+
+    _, shared, _ = tables
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g")
+    for graph in shared.per_layer.stage_graphs:
+        built = build_problem(graph, LogicalMesh.create((2, 4)), cluster, ShardOptions())
+        inputs, operators = ilp_inputs(graph), _ilp_operators(graph)
+        assert [n.var for n in built.ilp_nodes[:len(inputs)]] == inputs
+        assert [n.node for n in built.ilp_nodes[len(inputs):]] == \
+            [graph.nodes[i].id for i in operators]

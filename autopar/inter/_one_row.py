@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.cluster import spec_axes
-from autopar.graph import OpGraph, Role
-from autopar.intra._problem import TRANSPARENT
+from autopar.graph import OpGraph
+from autopar.intra._problem import ilp_inputs, passed_on
 
 INPUT = "input"  # `chosen_layout`'s kind of a graph input
 
@@ -105,7 +105,7 @@ def row_map(mine: OpGraph, theirs: OpGraph) -> RowMap | None:
     `expand_scans`)."""
     if len(mine.invars) != len(theirs.invars) or _has_scan(mine) or _has_scan(theirs):
         return None
-    mine_inputs, theirs_inputs = _ilp_inputs(mine), _ilp_inputs(theirs)
+    mine_inputs, theirs_inputs = ilp_inputs(mine), ilp_inputs(theirs)
     if len(mine_inputs) != len(theirs_inputs):
         return None
     found = _aligned(mine, theirs)
@@ -130,30 +130,15 @@ def _has_scan(graph: OpGraph) -> bool:
     return any(n.primitive == "scan" for n in graph.nodes)
 
 
-def _ilp_inputs(graph: OpGraph) -> list[int]:
-    """The inputs `_add_input_nodes` gives an ILP node, in its order."""
-    seen: set[int] = set()
-    found = []
-    for v in graph.invars:
-        if graph.vars[v].role is Role.CONST or v in seen:
-            continue
-        seen.add(v)
-        found.append(v)
-    return found
-
-
 def _ilp_operators(graph: OpGraph) -> list[int]:
-    """The indices of the nodes `OperatorWalk` gives an ILP node, in its order: all but
-    the identity markers whose every result has a source (a graph input not constant,
-    or any node's result)."""
-    sourced = set(_ilp_inputs(graph))
+    """The indices of the nodes `OperatorWalk` gives an ILP node, in its order
+    (`passed_on` leaves out the identity markers whose every result has a source)."""
+    source_of = dict.fromkeys(ilp_inputs(graph))
     found = []
     for i, node in enumerate(graph.nodes):
-        if node.primitive in TRANSPARENT:
-            sourced.update(o for v, o in zip(node.inputs, node.outputs) if v in sourced)
-            if all(v in sourced for v in node.outputs):
-                continue
-        sourced.update(node.outputs)
+        if passed_on(node, source_of):
+            continue
+        source_of.update(dict.fromkeys(node.outputs))
         found.append(i)
     return found
 

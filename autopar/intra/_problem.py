@@ -270,12 +270,30 @@ def layout_choices(built: BuiltProblem, layout: Sequence[tuple]) -> tuple[int, .
     return tuple(choices)
 
 
+def ilp_inputs(graph: OpGraph) -> list[int]:
+    """The graph inputs that get an ILP node, in the ILP's order (`_add_input_nodes`):
+    each non-constant input once."""
+    return list(dict.fromkeys(v for v in graph.invars if graph.vars[v].role is not Role.CONST))
+
+
+def passed_on(node, source_of) -> bool:
+    """Whether `node` is an identity marker (`TRANSPARENT`) that gets no ILP node: each of
+    its results takes its operand's source where that has one (`source_of`, var -> source,
+    updated here), and every result then has one. False for any other node.
+    `OperatorWalk` and `autopar.inter._one_row` walk the ILP's operators by this rule."""
+    if node.primitive not in TRANSPARENT:
+        return False
+    for v_in, v_out in zip(node.inputs, node.outputs):
+        if v_in in source_of:
+            source_of[v_out] = source_of[v_in]
+    return all(v in source_of for v in node.outputs)
+
+
 def _add_input_nodes(graph, ctx, options, fixed, ilp_nodes, source_of) -> None:
-    """One ILP node per non-constant input: its layouts (pinned ones only when `fixed`)."""
-    for v in graph.invars:
+    """One ILP node per non-constant input (`ilp_inputs`): its layouts (pinned ones only
+    when `fixed`)."""
+    for v in ilp_inputs(graph):
         var = graph.vars[v]
-        if var.role is Role.CONST or v in source_of:
-            continue
         strategies = input_strategies(var, ctx)
         if v in fixed:
             strategies = _pin(var, strategies, fixed[v], ctx.mesh)
@@ -357,13 +375,8 @@ class OperatorWalk:
         graph, options, source_of = self.graph, self.options, self.source_of
         cp_mode = options.context_parallel
         for node in graph.nodes:
-            if node.primitive in TRANSPARENT:
-                # Identity markers: each result is its operand, with the operand's layout.
-                for v_in, v_out in zip(node.inputs, node.outputs):
-                    if v_in in source_of:
-                        source_of[v_out] = source_of[v_in]
-                if all(v in source_of for v in node.outputs):
-                    continue
+            if passed_on(node, source_of):
+                continue  # an identity marker: each result is its operand, same layout
             sig, key, has_rule, candidates = self.facts[node.id]
             if not has_rule:
                 self.missing[node.primitive] = self.missing.get(node.primitive, 0) + 1
