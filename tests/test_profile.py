@@ -200,6 +200,18 @@ def test_cli_profiles_requested_devices_in_own_process(tmp_path):
     assert cluster.devices_per_host == 2 and cluster.intra_host.bandwidth > 0
 
 
+# `python -m autopar.app.cli` with the kernel probe's program 8 pairs long instead of
+# `KERNEL_PROBE_CHAIN` (160): compiling the 480-kernel program is nearly all of that probe
+# (`measure_cpu_kernel_overhead(jax.devices(), QUICK, print)` on 8 devices at the suite's
+# LLVM level 0, `Lowered.compile` timed: 17.4 of its 18.6 CPU s), in each process. What
+# test_cli_profiles_two_processes_as_two_hosts checks does not depend on the probe's
+# figure; test_quick_profile_contents checks the full probe's (`kernel_overhead`).
+_CLI_WITH_A_SHORT_KERNEL_PROBE = (
+    "import sys; import autopar.profile._kernel_cpu as probe; probe.KERNEL_PROBE_CHAIN = 8; "
+    "from autopar.app.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
 def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
     """Two processes under jax.distributed: both levels measured, process 0's figures kept."""
     with socket.socket() as probe:
@@ -214,9 +226,9 @@ def test_cli_profiles_two_processes_as_two_hosts(tmp_path):
     outs = [tmp_path / f"process{i}.json" for i in range(2)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "autopar.app.cli", "profile", "--quick", "--devices", "2",
-             "--out", str(out), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-             "--process-id", str(i)],
+            [sys.executable, "-c", _CLI_WITH_A_SHORT_KERNEL_PROBE, "profile", "--quick",
+             "--devices", "2", "--out", str(out), "--coordinator", f"127.0.0.1:{port}",
+             "--num-processes", "2", "--process-id", str(i)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i, out in enumerate(outs)
