@@ -260,7 +260,10 @@ def _dominance(cost: np.ndarray, matrices: list[np.ndarray], previous: _Checked 
     took every column again (issue 45: 3.65 of reduce_graph's 8.2 s on ten of its
     problems; `python -m benchmarks.investigations.ilp_replay dump llama-8B@8-cli`,
     then `_prune_dominated` on problems 95-104). Now the row bounds and the exact terms
-    of an unchanged neighbour are taken from `previous`, the changed neighbours' computed.
+    of an unchanged neighbour are taken from `previous`, the changed neighbours' computed:
+    `reduce_graph` on all 123 problems of that dump, fresh checks against reusing ones
+    problem by problem in one process, 43.7 -> 35.9 and 39.5 -> 32.6 CPU s (two runs on
+    a loaded machine), every reduction the same.
 
     Exact, the same dominated pairs as a fresh check: the reused row maxima, minima,
     column magnitudes and exact terms are the numbers a fresh computation gets (the same
