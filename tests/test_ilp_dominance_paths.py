@@ -72,3 +72,112 @@ def test_merging_takes_roots_arrays_as_gathering_them_would():
             assert graph.adjacent[v][w].strides == matrix.strides
     # an edge between two roots, C-ordered, is the problem's own array
     assert graph.adjacent[3][4] is problem.edge_costs[3]
+
+
+def _hub_graph(seed: int) -> reduce.CostGraph:
+    """A hub of 12 strategies and its 40 neighbours (3-9 strategies each, columns drawn
+    from a few patterns, so that neighbours hold equal strategies to drop and the hub is
+    checked again after each of them shrinks), plus a chain among the neighbours."""
+    rng = np.random.default_rng(seed)
+    hub_size, count = 12, 40
+    graph = reduce.CostGraph({0: rng.integers(0, 6, hub_size).astype(float),
+                              **{w: rng.integers(0, 3, int(rng.integers(3, 10))).astype(float)
+                                 for w in range(1, count + 1)}})
+    patterns = rng.integers(0, 4, size=(hub_size, 5)).astype(float)
+    for w in range(1, count + 1):
+        columns = rng.integers(0, 5, len(graph.node_cost[w]))
+        rows = rng.integers(0, hub_size, hub_size)  # hub strategies repeat: some dominated
+        graph.add_edge(0, w, patterns[rows][:, columns] * rng.choice([0.5, 1.0, 2.0]))
+        if w > 1 and w % 3 == 0:
+            graph.add_edge(w - 1, w, rng.integers(0, 2, size=(len(graph.node_cost[w - 1]),
+                                                              len(graph.node_cost[w])))
+                           .astype(float))
+    return graph
+
+
+@pytest.mark.parametrize("chunk_columns", [reduce._EXACT_CHUNK_COLUMNS, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_checks_reusing_the_last_ones_drop_what_fresh_checks_drop(seed, chunk_columns,
+                                                                  monkeypatch):
+    """`_prune_dominated` hands each node's last check to its next (`_dominance`): the
+    row bounds and exact terms of unchanged neighbours are reused, including the partial
+    rows of pairs `_exact_in_chunks` dropped part way (`chunk_columns` 16: the hub's
+    ~240 columns go in chunks). The strategies kept must be those of checking every
+    node afresh each time, and the reuse must happen."""
+    monkeypatch.setattr(reduce, "_EXACT_CHUNK_COLUMNS", chunk_columns)
+    monkeypatch.setattr(reduce, "_ALL_PAIRS_EXACT", 0)  # every node on the bound path
+    reused = []
+    dominance = reduce._dominance
+
+    def counted(cost, matrices, previous=None, neighbours=()):
+        reused.append(previous is not None and previous.cost is cost)
+        return dominance(cost, matrices, previous, neighbours)
+
+    monkeypatch.setattr(reduce, "_dominance", counted)
+    graph = _hub_graph(seed)
+    reusing = graph.copy()
+    kept = {v: np.arange(len(c)) for v, c in graph.node_cost.items()}
+    reduce._prune_dominated(reusing, [], kept)
+
+    undominated = reduce._undominated
+    monkeypatch.setattr(reduce, "_undominated",
+                        lambda g, v, memory, checked=None: undominated(g, v, memory))
+    fresh = graph.copy()
+    fresh_kept = {v: np.arange(len(c)) for v, c in graph.node_cost.items()}
+    reduce._prune_dominated(fresh, [], fresh_kept)
+
+    assert sum(reused) >= 5  # the hub was checked again with its last check at hand
+    assert sum(len(graph.node_cost[v]) - len(k) for v, k in kept.items()) >= 10
+    assert kept.keys() == fresh_kept.keys()
+    for v in kept:
+        np.testing.assert_array_equal(kept[v], fresh_kept[v])
+        np.testing.assert_array_equal(reusing.node_cost[v], fresh.node_cost[v])
+
+
+def test_a_check_after_a_neighbour_shrinks_equals_a_fresh_one(monkeypatch):
+    """`_dominance` given the node's previous check, after one neighbour lost strategies
+    (a new matrix object, the others the same), answers as `_dominates` from scratch,
+    and so does a check whose previous state is stale (the node's own cost replaced)."""
+    monkeypatch.setattr(reduce, "_ALL_PAIRS_EXACT", 0)  # the bound path
+    rng = np.random.default_rng(5)
+    found = 0
+    for _ in range(30):
+        size = int(rng.integers(6, 14))
+        cost, matrices = _node(rng, size, int(rng.integers(8, 30)))
+        matrices = [np.repeat(m, 8, axis=1) if k % 4 == 0 else m
+                    for k, m in enumerate(matrices)]
+        neighbours = tuple(range(len(matrices)))
+        _, previous = reduce._dominance(cost, matrices, None, neighbours)
+        assert previous is not None  # the bound path: enough columns
+        k = int(rng.integers(0, len(matrices)))
+        if matrices[k].shape[1] > 1:
+            matrices = list(matrices)
+            matrices[k] = matrices[k][:, 1:]
+        again, _ = reduce._dominance(cost, matrices, previous, neighbours)
+        np.testing.assert_array_equal(again, reduce._dominates(cost, matrices))
+        stale, _ = reduce._dominance(cost.copy(), matrices, previous, neighbours)
+        np.testing.assert_array_equal(stale, again)
+        found += int(again.sum())
+    assert found > 0  # some strategies are dominated
+
+
+def test_a_pair_dropped_part_way_is_checked_again_when_its_neighbour_shrinks(monkeypatch):
+    """Strategies 0 and 1 of a node agree on every neighbour but the first, where each is
+    dearer on one column: the bounds keep the pair, `_exact_in_chunks` drops it after its
+    first chunk. Once that neighbour loses the column where 0 is dearer, 0 dominates 1;
+    the check reusing the dropped pair's partial row must find it."""
+    monkeypatch.setattr(reduce, "_EXACT_CHUNK_COLUMNS", 4)
+    monkeypatch.setattr(reduce, "_ALL_PAIRS_EXACT", 0)  # the bound path
+    rng = np.random.default_rng(2)
+    cost = np.array([1.0, 1.0, 0.0, 3.0])
+    first = np.array([[5.0, 0.0, 1.0], [0.0, 5.0, 1.0], [2.0, 2.0, 2.0], [9.0, 9.0, 9.0]])
+    others = [rng.integers(0, 3, size=(4, 4)).astype(float) for _ in range(30)]
+    for m in others:
+        m[1] = m[0]
+    neighbours = tuple(range(31))
+    before, previous = reduce._dominance(cost, [first, *others], None, neighbours)
+    assert not before[0, 1] and not before[1, 0]
+    assert not previous.exact[previous.row_of[0, 1]]  # dropped part way: a partial row
+    after, _ = reduce._dominance(cost, [first[:, 1:], *others], previous, neighbours)
+    assert after[0, 1]
+    np.testing.assert_array_equal(after, reduce._dominates(cost, [first[:, 1:], *others]))

@@ -169,9 +169,12 @@ def _fix_single_strategy_nodes(graph: CostGraph) -> list[int]:
     return fixed
 
 
-def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarray:
+def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray],
+                 checked: dict[int, _Checked] | None = None) -> np.ndarray:
     """Strategies of v to keep: b goes if a kept a is never worse, whatever v's neighbours
     pick, and needs no more memory in any group (`memory`: v's byte vectors).
+    `checked`: what earlier calls on this graph computed, by node (`_Checked`), updated
+    here; the answer is the same with or without it.
 
     extra[a, b] = c_v[a] - c_v[b] + sum_w max_j (R_vw[a, j] - R_vw[b, j]) bounds how much
     switching v from b to a can cost; extra <= 0 means a dominates b. Candidates are
@@ -184,7 +187,12 @@ def _undominated(graph: CostGraph, v: int, memory: list[np.ndarray]) -> np.ndarr
     cost = graph.node_cost[v]
     if len(cost) == 1:
         return np.zeros(1, dtype=np.int64)
-    dominates = _dominates(cost, [matrix for _, matrix in sorted(graph.adjacent[v].items())])
+    neighbours = sorted(graph.adjacent[v])
+    matrices = [graph.adjacent[v][w] for w in neighbours]
+    if checked is None:
+        dominates = _dominates(cost, matrices)
+    else:
+        dominates, checked[v] = _dominance(cost, matrices, checked.get(v), tuple(neighbours))
     for bytes_ in memory:
         dominates &= bytes_[:, None] <= bytes_[None, :]
     np.fill_diagonal(dominates, False)
@@ -210,31 +218,181 @@ def _dominates(cost: np.ndarray, matrices: list[np.ndarray]) -> np.ndarray:
     (a third on the demo) get `extra` exactly, each neighbour's term added in neighbour
     order. Issue 18: a third less time than every pair of every neighbour, the same answer.
     """
+    return _dominance(cost, matrices)[0]
+
+
+@dataclass(frozen=True, eq=False)
+class _Checked:
+    """What `_dominance`'s bound path computed for a node, to reuse at its next check:
+    the node's `cost` and its `neighbours`' edge `matrices` it saw (compared by identity:
+    `CostGraph` never changes an array in place, so an array that is the same object
+    holds the same numbers), per neighbour the rows' maxima `high` and minima `low`
+    (columns of (strategies, neighbours) arrays), the columns' largest magnitudes
+    `column_abs`, the bound's sum over neighbours per pair `bound_sum` (updated, not
+    summed afresh: `drift` bounds its distance from the exact sum), and for the
+    candidate pairs (`row_of[a, b]`: their row, -1 for none) their terms
+    max_j (R[a, j] - R[b, j]) per neighbour (`terms`, a row per pair): every one computed
+    where `exact`, else (a pair `_exact_in_chunks` dropped part way) the row bounds in
+    place of the terms it did not compute."""
+
+    cost: np.ndarray
+    neighbours: tuple[int, ...]
+    matrices: tuple[np.ndarray, ...]
+    high: np.ndarray
+    low: np.ndarray
+    column_abs: tuple[np.ndarray, ...]
+    bound_sum: np.ndarray
+    drift: float
+    row_of: np.ndarray
+    terms: np.ndarray
+    exact: np.ndarray
+
+
+def _dominance(cost: np.ndarray, matrices: list[np.ndarray], previous: _Checked | None = None,
+               neighbours: tuple[int, ...] = ()) -> tuple[np.ndarray, _Checked | None]:
+    """`_dominates`'s answer, and what its bound path computed (None on the other paths),
+    reusing `previous` (the node's last check, or None) for the neighbours whose matrix
+    is the same object as then, when the node's `cost` is too.
+
+    Why: `_prune_dominated` checks a node again each time a neighbour loses a strategy;
+    on the CLI line most checks are such re-checks of a node with the bounds (one
+    neighbour changed, an eighth of the columns) and 99% of them drop nothing, yet each
+    took every column again (issue 45: 3.65 of reduce_graph's 8.2 s on ten of its
+    problems; `python -m benchmarks.investigations.ilp_replay dump llama-8B@8-cli`,
+    then `_prune_dominated` on problems 95-104). Now the row bounds and the exact terms
+    of an unchanged neighbour are taken from `previous`, the changed neighbours' computed:
+    `reduce_graph` on all 123 problems of that dump, fresh checks against reusing ones
+    problem by problem in one process, 43.7 -> 35.9 and 39.5 -> 32.6 CPU s (two runs on
+    a loaded machine), every reduction the same.
+
+    Exact, the same dominated pairs as a fresh check: the reused row maxima, minima,
+    column magnitudes and exact terms are the numbers a fresh computation gets (the same
+    arrays; maxima and minima are exact; the magnitudes are concatenated and summed as
+    one vector, as before), so the threshold is the same, and a pair's terms are the
+    maxima of the same differences, summed in neighbour order (`_dominated_pairs`) to
+    the same `extra`. What may differ is only which pairs get `extra` at all, and a pair
+    left out is one whose lower bound on `extra` exceeds the threshold, `_BOUND_MARGIN`
+    (1e-9) times the node's scale, so its `extra` is > 0 both ways, the argument by
+    which the bounds and the chunks drop pairs at all: (1) the bound is updated per
+    changed neighbour (old row bound out, new in) rather than summed afresh, each update's
+    rounding added to `drift` (float64's epsilon times the magnitudes involved), and
+    summed afresh once `drift` exceeds a quarter of the threshold, so a pair it leaves
+    out has a real bound above three quarters of the threshold; (2) a pair that
+    `_exact_in_chunks` dropped part way keeps its row (exact terms so far, row bounds
+    for the rest; a changed neighbour's term becomes its new row bound, a lower bound),
+    and stays dropped while that row's sum exceeds the threshold, else gets its terms
+    afresh; (3) a pair whose terms are all exact is summed over every neighbour where a
+    fresh check's chunks might have dropped it, which only finds its `extra` > 0. The
+    rounding of `extra` itself (its (neighbours + 1) terms, under 1e-13 of the scale) is
+    far below the threshold.
+    """
     size = len(cost)
     difference = cost[:, None] - cost[None, :]
     if not matrices:
         dominates = difference <= 0
         np.fill_diagonal(dominates, False)
-        return dominates
-    joined = np.concatenate(matrices, axis=1)
-    starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
-    if size * size * joined.shape[1] <= _ALL_PAIRS_EXACT:
+        return dominates, None
+    columns = sum(m.shape[1] for m in matrices)
+    if size * size * columns <= _ALL_PAIRS_EXACT:
+        joined = np.concatenate(matrices, axis=1)
+        starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
         a, b = _pairs(size)
-        return _dominated_pairs(size, difference, a, b,
-                                np.maximum.reduceat(joined[a] - joined[b], starts, axis=1))
-    high = np.maximum.reduceat(joined, starts, axis=1)
-    low = np.minimum.reduceat(joined, starts, axis=1)
-    bound = difference + np.maximum(high[:, None, :] - high[None, :, :],
-                                    low[:, None, :] - low[None, :, :]).sum(axis=2)
-    scale = np.abs(cost).max() + np.abs(joined).max(axis=0).sum()
-    np.fill_diagonal(bound, np.inf)
-    a, b = np.nonzero(bound <= _BOUND_MARGIN * scale)
-    if joined.shape[1] > _EXACT_CHUNK_COLUMNS:
-        a, b, largest = _exact_in_chunks(difference, joined, starts, high, low, a, b,
-                                         _BOUND_MARGIN * scale)
-    else:
         largest = np.maximum.reduceat(joined[a] - joined[b], starts, axis=1)
-    return _dominated_pairs(size, difference, a, b, largest)
+        return _dominated_pairs(size, difference, a, b, largest), None
+    if (previous is not None and previous.cost is cost and previous.neighbours == neighbours
+            and len(previous.matrices) == len(matrices)):
+        changed = [k for k, (m, old) in enumerate(zip(matrices, previous.matrices))
+                   if m is not old]
+        joined = starts = None
+        high, low = previous.high.copy(), previous.low.copy()
+        column_abs = list(previous.column_abs)
+        bound_sum, drift = previous.bound_sum, previous.drift
+        for k in changed:
+            m = matrices[k]
+            high[:, k], low[:, k], column_abs[k] = m.max(axis=1), m.min(axis=1), \
+                np.abs(m).max(axis=0)
+            old, new = (_row_bound(previous.high[:, k], previous.low[:, k]),
+                        _row_bound(high[:, k], low[:, k]))
+            drift += _EPSILON * (np.abs(bound_sum).max() + np.abs(old).max()
+                                 + np.abs(new).max())
+            bound_sum = bound_sum - old + new
+    else:
+        previous, changed = None, []
+        joined = np.concatenate(matrices, axis=1)
+        starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+        high = np.maximum.reduceat(joined, starts, axis=1)
+        low = np.minimum.reduceat(joined, starts, axis=1)
+        column_abs = np.split(np.abs(joined).max(axis=0), starts[1:])
+        bound_sum, drift = None, 0.0
+    scale = np.abs(cost).max() + np.concatenate(column_abs).sum()
+    threshold = _BOUND_MARGIN * scale
+    if bound_sum is None or drift > threshold / 4:  # summed afresh, as before
+        bound_sum = np.maximum(high[:, None, :] - high[None, :, :],
+                               low[:, None, :] - low[None, :, :]).sum(axis=2)
+        drift = 0.0
+    bound = difference + bound_sum
+    np.fill_diagonal(bound, np.inf)
+    a, b = np.nonzero(bound <= threshold)
+    kept = []  # (pairs' a, b, their terms, whether exact) reused from `previous`
+    if previous is not None:
+        a, b, kept = _reused_terms(previous, matrices, changed, difference, high, low,
+                                   threshold, a, b)
+    if len(a):
+        if joined is None:
+            joined = np.concatenate(matrices, axis=1)
+            starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+        if columns > _EXACT_CHUNK_COLUMNS:
+            kept.append(_exact_in_chunks(difference, joined, starts, high, low, a, b,
+                                         threshold))
+        else:
+            kept.append((a, b, np.maximum.reduceat(joined[a] - joined[b], starts, axis=1),
+                         np.ones(len(a), dtype=bool)))
+    if kept:
+        a, b, terms, exact = (np.concatenate(parts) for parts in zip(*kept))
+    else:
+        a = b = np.zeros(0, dtype=np.int64)
+        terms, exact = np.empty((0, len(matrices))), np.zeros(0, dtype=bool)
+    row_of = np.full((size, size), -1, dtype=np.int64)
+    row_of[a, b] = np.arange(len(a))
+    checked = _Checked(cost, neighbours, tuple(matrices), high, low, tuple(column_abs),
+                       bound_sum, drift, row_of, terms, exact)
+    return _dominated_pairs(size, difference, a[exact], b[exact], terms[exact]), checked
+
+
+def _reused_terms(previous: _Checked, matrices, changed: list[int], difference, high, low,
+                  threshold: float, a: np.ndarray, b: np.ndarray):
+    """`_dominance`'s candidate pairs (a, b) split into those whose terms `previous`
+    holds, updated for the `changed` neighbours (an exact row: the changed terms computed;
+    a row of a pair dropped part way by `_exact_in_chunks`, lower bounds where not exact:
+    the changed ones are the new row bounds, and the pair stays dropped while the sum
+    still exceeds `threshold`), and those to compute afresh.
+    **Returns:** (the pairs to compute, [(the reused pairs' a, b, terms, exactness)])."""
+    rows = previous.row_of[a, b]
+    hit = rows >= 0
+    rows = rows[hit]
+    reused_a, reused_b = a[hit], b[hit]
+    terms, exact = previous.terms[rows], previous.exact[rows]
+    inexact = ~exact
+    for k in changed:
+        m = matrices[k]
+        terms[exact, k] = (m[reused_a[exact]] - m[reused_b[exact]]).max(axis=1)
+        terms[inexact, k] = np.maximum(high[reused_a[inexact], k] - high[reused_b[inexact], k],
+                                       low[reused_a[inexact], k] - low[reused_b[inexact], k])
+    partial = difference[reused_a, reused_b] + terms.sum(axis=1)
+    stays = exact | (partial > threshold)
+    fresh_a = np.concatenate([a[~hit], reused_a[~stays]])
+    fresh_b = np.concatenate([b[~hit], reused_b[~stays]])
+    return fresh_a, fresh_b, [(reused_a[stays], reused_b[stays], terms[stays], exact[stays])]
+
+
+# float64's machine epsilon: `_dominance`'s per-update rounding bound.
+_EPSILON = float(np.finfo(np.float64).eps)
+
+
+def _row_bound(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """One neighbour's term of `_dominates`'s bound for every pair (a, b):
+    max(high[a] - high[b], low[a] - low[b]), from its rows' maxima and minima."""
+    return np.maximum(high[:, None] - high[None, :], low[:, None] - low[None, :])
 
 
 def _dominated_pairs(size: int, difference: np.ndarray, a: np.ndarray, b: np.ndarray,
@@ -281,11 +439,12 @@ def _exact_in_chunks(difference, joined, starts, high, low, a, b, threshold):
     within the first chunk. The terms of the pairs kept are the same numbers (maxima of
     the same differences), so `extra` is summed as before.
 
-    **Returns:** (the pairs left, their exact terms per neighbour)."""
+    **Returns:** (a, b, their terms per neighbour: the exact ones where computed, the
+    per-row bounds where not, whether every term of the pair is exact: the pairs left)."""
     count = len(starts)
     ends = np.append(starts[1:], joined.shape[1])
     rest = np.maximum(high[a] - high[b], low[a] - low[b])
-    largest = np.empty((len(a), count))
+    largest = rest.copy()
     alive = np.arange(len(a))
     first = 0
     while first < count and len(alive):
@@ -299,7 +458,9 @@ def _exact_in_chunks(difference, joined, starts, high, low, a, b, threshold):
         partial = (difference[a[alive], b[alive]] + largest[alive, :first].sum(axis=1)
                    + rest[alive, first:].sum(axis=1))
         alive = alive[partial <= threshold]
-    return a[alive], b[alive], largest[alive]
+    exact = np.zeros(len(a), dtype=bool)
+    exact[alive] = True
+    return a, b, largest, exact
 
 
 def _prune_dominated(
@@ -313,10 +474,11 @@ def _prune_dominated(
             memory_of.setdefault(v, []).append(bytes_)
     queue = sorted(graph.node_cost)
     queued = set(queue)
+    checked: dict[int, _Checked] = {}  # each node's last check, for its next (`_dominance`)
     while queue:
         v = heapq.heappop(queue)
         queued.discard(v)
-        keep = _undominated(graph, v, [t[kept[v]] for t in memory_of.get(v, ())])
+        keep = _undominated(graph, v, [t[kept[v]] for t in memory_of.get(v, ())], checked)
         if len(keep) == len(graph.node_cost[v]):
             continue
         graph.restrict(v, keep)
