@@ -125,3 +125,25 @@ def test_prefix_reach_counts_units_of_stages_that_fit():
     assert reach[0].tolist() == [True, False, False, False]
     assert reach[1].tolist() == [False, True, True, False]  # 1 or 2 units before layer 1
     assert reach[2].tolist() == [False, False, True, True]  # 2 (one stage) or 1+1 / 2+1
+
+
+def test_groups_without_a_stage_from_a_layer_are_skipped_alike():
+    """Where a live group has no stage from some layer within t_max (skipped there before
+    its arrays are sliced), the pass still gives the plain pass's plan: the made-up
+    tables' t_max leave such (layer, group) pairs in every table with a plan."""
+    skipped = 0
+    for seed in range(24):
+        rng = random.Random(seed)
+        num_layers = rng.randint(2, 9)
+        device_counts = np.asarray(sorted(rng.sample([1, 2, 3, 4, 6, 8], rng.randint(1, 4))))
+        latency = made_up_latency(rng, num_layers, device_counts, 2)
+        live = [g for g in range(len(device_counts)) if np.isfinite(latency[:, :, g]).any()]
+        num_devices = int(device_counts[-1])
+        for t_max in np.unique(latency[np.isfinite(latency)]):
+            from_start = (latency <= t_max).any(axis=(1, 3))
+            skipped += int((~from_start[:, live]).sum())
+            buckets = _Buckets(2, True)
+            assert (_bounded_dp(latency, device_counts, num_devices, t_max, buckets, live)
+                    == plain_bounded_dp(latency, device_counts, num_devices, t_max, buckets,
+                                        live)), (seed, t_max)
+    assert skipped > 100

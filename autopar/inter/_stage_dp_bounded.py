@@ -47,11 +47,14 @@ def _bounded_dp(latency, device_counts, num_devices, t_max, buckets, live):
     return _reconstruct(choice, from_top, device_counts, bucket, unit)
 
 
-def _prefix_reach(latency, device_counts, t_max, live, unit: int, columns: int):
+def _prefix_reach(latency, device_counts, t_max, live, unit: int, columns: int,
+                  fits=None):
     """``reach[k, u]``: whether layers [0, k) slice into stages of latency <= t_max (at
-    some position) on groups of `live` using u device units in all."""
+    some position) on groups of `live` using u device units in all. `fits`: ``latency <=
+    t_max`` at some position, ``[start, end, group]``, when the caller has it."""
     num_layers = latency.shape[0]
-    fits = (latency <= t_max).any(axis=3)  # [start, end, group]
+    if fits is None:
+        fits = (latency <= t_max).any(axis=3)  # [start, end, group]
     reach = np.zeros((num_layers + 1, columns), dtype=bool)
     reach[0, 0] = True
     for start in range(num_layers):
@@ -79,11 +82,16 @@ def _bounded_dp_states(latency, device_counts, num_devices, t_max, buckets, live
     (`alive`); the others stay at inf with no choice. A state computed reads only states
     so reachable, which hold what the full DP would give them, and the ends and buckets
     left out hold inf in the full DP too: its least, and its first least end, are the
-    full DP's."""
+    full DP's. A group with no stage from a layer within t_max at any position
+    (`from_start`) finds no end there and is skipped before its arrays are sliced (the
+    others keep their order, so ties go as before)."""
     num_layers, num_positions = latency.shape[0], latency.shape[3]
     top, saturating = buckets.top, buckets.saturating
     columns = num_devices // unit + 1
-    reach = _prefix_reach(latency, device_counts, t_max, live, unit, columns)
+    fits = (latency <= t_max).any(axis=3)  # [start, end, group]
+    reach = _prefix_reach(latency, device_counts, t_max, live, unit, columns, fits)
+    # [start][group]: whether some stage from `start` on the group is within t_max
+    from_start = fits.any(axis=1).tolist()
     total = np.full((top + 1, num_layers + 1, columns), np.inf)
     total[0, num_layers, 0] = 0.0
     alive = np.zeros((top + 1, num_layers + 1), dtype=bool)  # some finite state there
@@ -104,6 +112,8 @@ def _bounded_dp_states(latency, device_counts, num_devices, t_max, buckets, live
         value = np.full((len(sources), columns), np.inf)
         best = np.full(value.shape, -1, dtype=np.int64)  # group * num_ends + end - start - 1
         for g in live:
+            if not from_start[start][g]:
+                continue  # no end below: `ends` would be empty
             step = int(device_counts[g]) // unit
             if step >= columns or step > high:
                 continue
