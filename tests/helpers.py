@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -118,3 +119,61 @@ def fidelity(sharding_plan, hlo_text: str) -> tuple[set, float, dict, dict]:
     else:
         ratio = meas_bytes / pred_bytes
     return unexpected, ratio, predicted, measured
+
+
+class MadeUpTable:
+    """A layer cost table of made-up numbers with the real table's properties: a leaner
+    level holds less and is no faster; recompute keeps fewer activations and is slower.
+    Layer k has structure `kind(k)` (default: its own); `solved` counts the (structure,
+    shape, level) costs asked for: the ILPs a search solves. `num_layers`: the per-layer
+    partition the stage DP reads the number of layers off (none when not given)."""
+
+    solve = None
+    cluster = None
+    memory_levels = "price"
+    lower_bounds = True
+
+    def __init__(self, rng, num_kinds: int, shapes, num_layers: int | None = None):
+        self.base = {(k, s): (rng.uniform(1, 2), rng.uniform(4, 8))
+                     for k in range(num_kinds) for s in shapes}
+        self.slope = {key: rng.uniform(0.0, 0.3) for key in self.base}
+        self.solved: set = set()
+        if num_layers is not None:
+            self.per_layer = SimpleNamespace(stage_graphs=[None] * num_layers)
+
+    def kind(self, k: int) -> int:
+        return k
+
+    def cost(self, k, shape, level=0):
+        from autopar.cost import LayerCost
+
+        k = self.kind(k)
+        self.solved.add((k, shape, level))
+        latency, held = self.base[k, shape]
+        lean = 1 - 0.06 * level
+        latency *= 1 + self.slope[k, shape] * level
+        return LayerCost(latency, held * lean + 0.5, held * lean * 0.2, held * lean * 0.6,
+                         held * lean * 0.2)
+
+    def plan(self, k, shape, level=0):
+        return type("Plan", (), {"stats": {"status": "optimal"}})
+
+    def footprint_span(self, k, shape):
+        held = self.base[self.kind(k), shape][1]
+        return 0.4 * held, held
+
+    def is_solved(self, k, shape, level):
+        return (self.kind(k), shape, level) in self.solved
+
+    def shared_state_bytes(self, layer_range, shape, level=0):
+        return 0.0
+
+    def remat_cost(self, k, shape, level, remat):
+        from autopar.cost import LayerCost
+
+        c = self.cost(k, shape, level)
+        if remat == "none":
+            return c
+        keep, extra = (0.5, 0.1) if remat == "selective" else (0.1, 0.3)
+        return LayerCost(c.latency * (1 + extra), c.memory, c.activation_memory * keep,
+                         c.state_memory, c.gradient_memory)

@@ -12,6 +12,7 @@ import pytest
 
 import autopar
 from examples import gpt
+from tests.helpers import MadeUpTable
 
 GPT = dataclasses.replace(gpt.CONFIGS["tiny"], layer_markers=True)  # 4 blocks + head
 LR = 1e-2
@@ -200,55 +201,9 @@ def test_a_fixed_microbatch_count_traces_the_step_once(monkeypatch):
         autopar.plan(step, *args, cluster=cluster, num_microbatches=3, cache=False)
 
 
-class _FakeTable:
-    """A layer cost table of made-up numbers with the real table's properties: a leaner
-    level holds less and is no faster; recompute keeps fewer activations and is slower.
-    Counts the (layer, shape, level) costs it was asked for: the ILPs a search solves."""
-
-    solve = None
-    cluster = None
-    memory_levels = "price"
-    lower_bounds = True
-
-    def __init__(self, rng, num_layers, shapes):
-        self.base = {(k, s): (rng.uniform(1, 2), rng.uniform(4, 8))
-                     for k in range(num_layers) for s in shapes}
-        self.slope = {key: rng.uniform(0.0, 0.3) for key in self.base}
-        self.solved = set()
-        # The stage DP reads the number of layers off the per-layer partition.
-        self.per_layer = SimpleNamespace(stage_graphs=[None] * num_layers)
-
-    def cost(self, k, shape, level=0):
-        from autopar.cost import LayerCost
-
-        self.solved.add((k, shape, level))
-        latency, held = self.base[k, shape]
-        lean = 1 - 0.06 * level
-        latency *= 1 + self.slope[k, shape] * level
-        return LayerCost(latency, held * lean + 0.5, held * lean * 0.2, held * lean * 0.6,
-                         held * lean * 0.2)
-
-    def plan(self, k, shape, level=0):
-        return type("Plan", (), {"stats": {"status": "optimal"}})
-
-    def footprint_span(self, k, shape):
-        return 0.4 * self.base[k, shape][1], self.base[k, shape][1]
-
-    def is_solved(self, k, shape, level):
-        return (k, shape, level) in self.solved
-
-    def shared_state_bytes(self, layer_range, shape, level=0):
-        return 0.0
-
-    def remat_cost(self, k, shape, level, remat):
-        from autopar.cost import LayerCost
-
-        c = self.cost(k, shape, level)
-        if remat == "none":
-            return c
-        keep, extra = (0.5, 0.1) if remat == "selective" else (0.1, 0.3)
-        return LayerCost(c.latency * (1 + extra), c.memory, c.activation_memory * keep,
-                         c.state_memory, c.gradient_memory)
+def _FakeTable(rng, num_layers, shapes):
+    """Made-up costs of `num_layers` layers of their own structures (`MadeUpTable`)."""
+    return MadeUpTable(rng, num_layers, shapes, num_layers)
 
 
 @pytest.mark.parametrize("seed", range(6))

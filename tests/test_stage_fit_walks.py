@@ -9,60 +9,26 @@ import math
 import numpy as np
 import pytest
 
-from autopar.cost import LayerCost
 from autopar.inter import _stage_fit
+from tests.helpers import MadeUpTable
 
 
-class _Table:
-    """Made-up layer costs of two layer structures (even and odd layers), with the real
-    table's properties: a leaner level holds less and is no faster; recompute keeps fewer
-    activations and is slower. `range_key` is the structures in order, so
-    ranges of equal content share the range cache (None when `shared` is off)."""
-
-    solve = None
-    memory_levels = "price"
-    lower_bounds = True
+class _Table(MadeUpTable):
+    """Made-up layer costs of two layer structures (even and odd layers) (`MadeUpTable`).
+    `range_key` is the structures in order, so ranges of equal content share the range
+    cache (None when `shared` is off)."""
 
     def __init__(self, seed: int, shapes, shared: bool):
-        rng = np.random.default_rng(seed)
-        self.base = {(kind, s): (rng.uniform(1, 2), rng.uniform(4, 8))
-                     for kind in (0, 1) for s in shapes}
-        self.slope = {key: rng.uniform(0.0, 0.3) for key in self.base}
+        super().__init__(np.random.default_rng(seed), 2, shapes)
         self.shared = shared
         self.range_cache: dict = {}
-        self.asked: set = set()
+
+    def kind(self, k: int) -> int:
+        return k % 2
 
     def range_key(self, layer_range):
         layers = list(layer_range)
         return tuple(k % 2 for k in layers) if self.shared else None
-
-    def cost(self, k, shape, level=0):
-        self.asked.add((k % 2, shape, level))
-        latency, held = self.base[k % 2, shape]
-        lean = 1 - 0.06 * level
-        latency *= 1 + self.slope[k % 2, shape] * level
-        return LayerCost(latency, held * lean + 0.5, held * lean * 0.2, held * lean * 0.6,
-                         held * lean * 0.2)
-
-    def plan(self, k, shape, level=0):
-        return type("Plan", (), {"stats": {"status": "optimal"}})
-
-    def footprint_span(self, k, shape):
-        return 0.4 * self.base[k % 2, shape][1], self.base[k % 2, shape][1]
-
-    def is_solved(self, k, shape, level):
-        return (k % 2, shape, level) in self.asked
-
-    def shared_state_bytes(self, layer_range, shape, level=0):
-        return 0.0
-
-    def remat_cost(self, k, shape, level, remat):
-        c = self.cost(k, shape, level)
-        if remat == "none":
-            return c
-        keep, extra = (0.5, 0.1) if remat == "selective" else (0.1, 0.3)
-        return LayerCost(c.latency * (1 + extra), c.memory, c.activation_memory * keep,
-                         c.state_memory, c.gradient_memory)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -101,7 +67,7 @@ def test_shared_walks_give_each_walks_own_answer(seed, levels):
     assert fits, "the budget should need leaner levels"
     walks = sum(len(v) for k, v in shared.range_cache.items() if k[0] == "walk")
     assert 0 < walks < len(asks) / 4
-    assert shared.asked == alone.asked  # the same levels solved
+    assert shared.solved == alone.solved  # the same levels solved
 
 
 def test_a_cutoff_records_the_interval_that_compares_alike():
