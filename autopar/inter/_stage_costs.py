@@ -527,12 +527,9 @@ def _prefetch_fastest(inner: _StageCosts, index: int) -> None:
     prefetch = getattr(inner.table, "prefetch", None)  # a test's made-up table has none
     if prefetch is None or _time_floors_on(inner.table):
         return
-    sub = inner.submeshes[index]
     num_layers = len(inner.table.per_layer.stage_graphs)
-    prefetch((k, tuple(shape), 0)
-             for shape in inner.logical_shapes or logical_mesh_shapes(sub)
-             if math.prod(shape) == sub.num_devices
-             for k in range(num_layers) if inner.holds(k, tuple(shape)))
+    prefetch((k, shape, 0) for shape in inner._shapes_to_try(index, None)
+             for k in range(num_layers) if inner.holds(k, shape))
 
 
 def _fastest_stage(inner: _StageCosts, start: int, end: int, index: int) -> float:
